@@ -1,0 +1,160 @@
+// The seam between the engine and the compute device. The engine decides what runs (which
+// slots each token takes, which layer, when a step commits); a Backend owns device memory and
+// runs the kernels. CudaBackend is used when a GPU is present, CpuBackend (the reference
+// implementation, not a mock) otherwise.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attnd/kernels/attention_params.h"
+#include "attnd/kernels/rope.h"
+#include "attnd/kernels/views.h"
+
+namespace attnd {
+
+// Geometry of one cache's pools, fully resolved (no defaults left). Storage is one region per
+// layer and pool: K then V, each num_pages pages. MLA caches keep ckv in the K pool
+// (k_head_dim = kv_lora_rank) and kpe in the V pool (v_head_dim = rope_dim), one "head".
+struct CacheGeometry {
+  bool mla = false;
+  int32_t num_layers = 0;
+  int32_t num_qo_heads = 0;
+  int32_t num_kv_heads = 0;  // 1 for MLA
+  int32_t k_head_dim = 0;    // MHA: head_dim; MLA: kv_lora_rank
+  int32_t v_head_dim = 0;    // MHA: head_dim; MLA: rope_dim
+  int32_t page_size = 0;
+  int64_t num_pages = 0;
+  DType kv_dtype = DType::kBFloat16;
+  DType q_dtype = DType::kBFloat16;
+  KvLayout layout = KvLayout::kNHD;
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
+  RopeConfig rope;  // rotary_dim resolved
+
+  int64_t KPageBytes() const {
+    return int64_t{page_size} * num_kv_heads * k_head_dim * DTypeBytes(kv_dtype);
+  }
+  int64_t VPageBytes() const {
+    return int64_t{page_size} * num_kv_heads * v_head_dim * DTypeBytes(kv_dtype);
+  }
+  // One page id across every layer, K and V.
+  int64_t BytesPerPage() const { return (KPageBytes() + VPageBytes()) * num_layers; }
+  int64_t PoolBytes() const { return BytesPerPage() * num_pages; }
+};
+
+// Kernel-level options of a step beyond AttentionParams.
+struct StepOptions {
+  AttentionParams params;  // sm_scale resolved; k/v scales from the cache
+  bool return_lse = false;
+  bool deterministic = false;
+  int32_t fixed_split_tokens = 0;  // 0: planner's choice
+  bool disable_split_kv = false;
+};
+
+enum class StepPhase { kEmpty, kDecode, kPrefill, kMixed };
+std::string_view StepPhaseName(StepPhase phase);  // "none", "decode", "prefill", "mixed"
+
+// A step's batch in the form the kernels take, built once by the engine at Plan and shared,
+// immutable, by every layer. Padding entries keep their slot with no rows and no pages.
+struct StepBatch {
+  int32_t batch_size = 0;               // plan entries, padding included
+  int64_t num_tokens = 0;               // rows of q/k/v/o per layer
+  std::vector<int32_t> qo_indptr;       // [batch_size + 1] rows of each entry
+  std::vector<int32_t> page_indptr;     // [batch_size + 1] into the page index arrays
+  std::vector<int32_t> k_page_indices;  // page ids, K pool (and V pool when SHARED)
+  std::vector<int32_t> v_page_indices;  // page ids, V pool; == k_page_indices when SHARED
+  std::vector<int32_t> last_page_len;   // [batch_size]
+  std::vector<int32_t> token_batch_indices;  // [num_tokens] entry of each row
+  std::vector<int32_t> token_positions;      // [num_tokens] position in its sequence
+  StepOptions options;
+  StepPhase phase = StepPhase::kEmpty;
+
+  // Views of the vectors above (host memory; valid while this StepBatch lives).
+  PageTableView PageTable(int32_t page_size) const;
+  AppendIndexView AppendIndex() const;
+  int64_t KvLength(int32_t b, int32_t page_size) const { return PageTable(page_size).KvLength(b); }
+};
+
+// One layer's inputs and outputs, in host memory owned by the caller until `done` runs.
+// Row-major, q_dtype unless noted.
+struct LayerIo {
+  int32_t layer = 0;
+  const void* q = nullptr;     // MHA [T][Hq][D]; MLA q_nope [T][H][kv_lora_rank]
+  const void* k = nullptr;     // MHA [T][Hkv][D]
+  const void* v = nullptr;     // MHA [T][Hkv][D]
+  const void* q_pe = nullptr;  // MLA [T][H][rope_dim]
+  const void* ckv = nullptr;   // MLA [T][kv_lora_rank]
+  const void* kpe = nullptr;   // MLA [T][rope_dim]
+  void* o = nullptr;           // [T][Hq][D] (MLA: [T][H][kv_lora_rank])
+  float* lse = nullptr;        // [T][Hq] when the step returns lse, else null
+};
+
+using DoneCallback = std::function<void(absl::Status)>;
+
+// Receives device timings and transfer volumes; implemented by the metrics module. Called from
+// backend threads; must be thread-safe and cheap.
+class BackendObserver {
+ public:
+  virtual ~BackendObserver() = default;
+  // kernel: append, decode, prefill, pod, mla_decode, mla_prefill, merge.
+  virtual void OnKernel(std::string_view kernel, std::string_view phase, double seconds) = 0;
+  // direction: h2d or d2h.
+  virtual void OnTransfer(std::string_view direction, int64_t bytes) = 0;
+};
+
+// Per-step device state (the uploaded plan). Layers of one step may be run concurrently from
+// different threads; the backend orders each layer's append before its attention.
+class BackendStep {
+ public:
+  virtual ~BackendStep() = default;
+  // The kernel that will run attention for this step ("decode", "prefill", "pod", ...).
+  virtual std::string_view KernelName() const = 0;
+  // Appends the layer's k/v and computes its attention into io.o / io.lse. Returns at once;
+  // `done` runs on a backend thread when the outputs are in place (or with the error). An
+  // error other than a validation error means the device faulted.
+  virtual void RunLayer(const LayerIo& io, DoneCallback done) = 0;
+};
+
+// A cache's pools. Destroyed only when no step of it has a layer in flight.
+class BackendCache {
+ public:
+  virtual ~BackendCache() = default;
+  virtual const CacheGeometry& geometry() const = 0;
+  // Builds the kernel plan of a step and uploads it. The batch outlives the returned step.
+  virtual absl::StatusOr<std::unique_ptr<BackendStep>> PrepareStep(
+      std::shared_ptr<const StepBatch> batch) = 0;
+  // Copies raw bytes of one layer's pool (K when !v_pool) pages [first_page, first_page +
+  // bytes.size() / page bytes) to host. Waits for queued work. For tests and diagnostics.
+  virtual absl::Status ReadPages(int32_t layer, bool v_pool, int64_t first_page,
+                                 std::span<uint8_t> bytes) = 0;
+};
+
+struct BackendInfo {
+  std::string name;    // "cuda" or "cpu"
+  std::string device;  // device or CPU model name
+  int32_t num_sms = 0;
+  int64_t device_memory_bytes = 0;
+  int64_t kv_budget_bytes = 0;
+  std::vector<std::string> extensions;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual BackendInfo Info() const = 0;
+  // Bytes of the KV budget not held by any cache.
+  virtual int64_t KvFreeBytes() const = 0;
+  // Carves a cache's pools out of the KV budget; RESOURCE_EXHAUSTED when it does not fit.
+  virtual absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(
+      const CacheGeometry& geometry) = 0;
+};
+
+}  // namespace attnd
