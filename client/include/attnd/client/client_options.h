@@ -1,0 +1,40 @@
+// How a Client reaches the daemon. Mirrors attnctl's global flags.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/time/time.h"
+
+namespace attnd::client {
+
+struct KeepaliveOptions {
+  // Ping an idle connection this often, and drop it when a ping is not answered in `timeout`.
+  // 5 minutes is a gRPC server's default minimum ping interval: pinging more often than the
+  // server permits gets the connection closed (GOAWAY too_many_pings), streams included.
+  absl::Duration time = absl::Minutes(5);
+  absl::Duration timeout = absl::Seconds(20);
+  bool permit_without_calls = false;
+};
+
+struct TlsOptions {
+  bool enabled = false;
+  std::string root_certs_pem;    // empty: the system roots
+  std::string cert_chain_pem;    // mutual TLS: the client's certificate
+  std::string private_key_pem;   // mutual TLS: its key
+};
+
+struct ClientOptions {
+  // host:port, or any gRPC target ("dns:///attnd:50051", "unix:///run/attnd.sock").
+  std::string address = "localhost:50051";
+  // Deadline of each unary RPC (and of each unary EndStep a Step sends). Infinite = none.
+  absl::Duration timeout = absl::Seconds(30);
+  // Largest message sent or received; attnd's default limit is 512 MiB each way.
+  int64_t max_message_bytes = int64_t{512} << 20;
+  KeepaliveOptions keepalive;
+  TlsOptions tls;
+  // Sent as "authorization: Bearer <token>" when not empty.
+  std::string bearer_token;
+};
+
+}  // namespace attnd::client
