@@ -2,7 +2,7 @@
 
 namespace attnd {
 
-std::string_view DTypeName(DType dtype) {
+const char* DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kFloat16:
       return "float16";

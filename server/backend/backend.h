@@ -119,7 +119,8 @@ class BackendStep {
   virtual std::string_view KernelName() const = 0;
   // Appends the layer's k/v and computes its attention into io.o / io.lse. Returns at once;
   // `done` runs on a backend thread when the outputs are in place (or with the error). An
-  // error other than a validation error means the device faulted.
+  // error other than a validation error means the device faulted. `done` may destroy this
+  // BackendStep: the backend must not touch the step after calling it.
   virtual void RunLayer(const LayerIo& io, DoneCallback done) = 0;
 };
 

@@ -32,7 +32,7 @@ constexpr int DTypeBytes(DType dtype) {
   return 0;
 }
 
-std::string_view DTypeName(DType dtype);
+const char* DTypeName(DType dtype);
 
 // Largest finite E4M3 value; stores saturate to it.
 inline constexpr float kFp8E4M3Max = 448.0f;

@@ -1,0 +1,313 @@
+#include "backend/cpu_backend.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "reference/append.h"
+#include "reference/attention.h"
+
+namespace attnd {
+namespace {
+
+// A FIFO of tasks on a fixed set of threads.
+class WorkerPool {
+ public:
+  explicit WorkerPool(int num_threads) {
+    for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { Loop(); });
+  }
+  ~WorkerPool() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    ready_.notify_all();
+    for (auto& thread : threads_) thread.join();
+  }
+  void Post(std::function<void()> task) {
+    {
+      std::lock_guard lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    ready_.notify_one();
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock lock(mu_);
+        ready_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;  // stopping, and every posted task has run
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable ready_;
+  std::deque<std::function<void()>> tasks_;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+struct FreeDeleter {
+  void operator()(uint8_t* bytes) const { std::free(bytes); }
+};
+
+// Pool storage: [layer][K pool, V pool] regions of num_pages pages each. Zeroed (calloc) so a
+// slot never written reads as 0, not as a NaN pattern.
+class CpuCache final : public BackendCache {
+ public:
+  CpuCache(const CacheGeometry& geometry, uint8_t* storage, std::atomic<int64_t>* budget_used,
+           WorkerPool* workers, BackendObserver* observer)
+      : geometry_(geometry),
+        storage_(storage),
+        budget_used_(budget_used),
+        workers_(workers),
+        observer_(observer),
+        inv_freq_(RopeInverseFrequencies(geometry.rope)) {}
+  ~CpuCache() override { budget_used_->fetch_sub(geometry_.PoolBytes()); }
+
+  const CacheGeometry& geometry() const override { return geometry_; }
+
+  absl::StatusOr<std::unique_ptr<BackendStep>> PrepareStep(
+      std::shared_ptr<const StepBatch> batch) override;
+
+  absl::Status ReadPages(int32_t layer, bool v_pool, int64_t first_page,
+                         std::span<uint8_t> bytes) override {
+    const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+    if (layer < 0 || layer >= geometry_.num_layers || first_page < 0 ||
+        bytes.size() % page_bytes != 0 ||
+        first_page + static_cast<int64_t>(bytes.size()) / page_bytes > geometry_.num_pages) {
+      return absl::OutOfRangeError("ReadPages: layer or page range outside the pool");
+    }
+    const uint8_t* pool = static_cast<const uint8_t*>(Pool(layer, v_pool).data);
+    std::memcpy(bytes.data(), pool + first_page * page_bytes, bytes.size());
+    return absl::OkStatus();
+  }
+
+  PagedKvView Pool(int32_t layer, bool v_pool) const {
+    const int64_t layer_bytes = geometry_.num_pages * (geometry_.KPageBytes() + geometry_.VPageBytes());
+    uint8_t* base = storage_.get() + layer * layer_bytes;
+    if (v_pool) base += geometry_.num_pages * geometry_.KPageBytes();
+    PagedKvView view;
+    view.data = base;
+    view.dtype = geometry_.kv_dtype;
+    view.layout = geometry_.layout;
+    view.num_pages = geometry_.num_pages;
+    view.page_size = geometry_.page_size;
+    view.num_heads = geometry_.num_kv_heads;
+    view.head_dim = v_pool ? geometry_.v_head_dim : geometry_.k_head_dim;
+    return view;
+  }
+
+  WorkerPool* workers() const { return workers_; }
+  BackendObserver* observer() const { return observer_; }
+  std::span<const float> inv_freq() const { return inv_freq_; }
+
+ private:
+  CacheGeometry geometry_;
+  std::unique_ptr<uint8_t, FreeDeleter> storage_;
+  std::atomic<int64_t>* budget_used_;
+  WorkerPool* workers_;
+  BackendObserver* observer_;
+  std::vector<float> inv_freq_;
+};
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+TokenHeadsView Rows(const void* data, DType dtype, int64_t tokens, int32_t heads, int32_t dim) {
+  TokenHeadsView view;
+  view.data = const_cast<void*>(data);
+  view.dtype = dtype;
+  view.num_tokens = tokens;
+  view.num_heads = heads;
+  view.head_dim = dim;
+  return view;
+}
+
+class CpuStep final : public BackendStep {
+ public:
+  CpuStep(CpuCache* cache, std::shared_ptr<const StepBatch> batch)
+      : cache_(cache), batch_(std::move(batch)) {}
+
+  std::string_view KernelName() const override {
+    if (batch_->phase == StepPhase::kEmpty) return "none";
+    if (cache_->geometry().mla) {
+      return batch_->phase == StepPhase::kDecode ? "mla_decode" : "mla_prefill";
+    }
+    return batch_->phase == StepPhase::kDecode ? "decode" : "prefill";
+  }
+
+  void RunLayer(const LayerIo& io, DoneCallback done) override {
+    // The task holds what it needs by value: the step object may be gone when it finishes.
+    cache_->workers()->Post([cache = cache_, batch = batch_, io, kernel = KernelName(),
+                             done = std::move(done)] {
+      Run(*cache, *batch, io, kernel);
+      done(absl::OkStatus());
+    });
+  }
+
+ private:
+  static void Run(const CpuCache& cache, const StepBatch& batch, const LayerIo& io,
+                  std::string_view kernel);
+
+  CpuCache* cache_;
+  std::shared_ptr<const StepBatch> batch_;
+};
+
+void CpuStep::Run(const CpuCache& cache, const StepBatch& batch, const LayerIo& io,
+                  std::string_view kernel) {
+  const CacheGeometry& g = cache.geometry();
+  const int64_t tokens = batch.num_tokens;
+  if (tokens == 0) return;
+  const PageTableView pages = batch.PageTable(g.page_size);
+  const std::string_view phase = StepPhaseName(batch.phase);
+  const int32_t q_dim = g.mla ? g.v_head_dim : g.k_head_dim;  // the rotated part of q
+  std::vector<uint8_t> rotated_q(tokens * g.num_qo_heads * q_dim * DTypeBytes(g.q_dtype));
+
+  auto start = std::chrono::steady_clock::now();
+  if (!g.mla) {
+    reference::AppendArgs append;
+    append.tokens = batch.AppendIndex();
+    append.pages = pages;
+    append.rope_style = g.rope.style;
+    append.rope_inv_freq = cache.inv_freq();
+    append.q_in = Rows(io.q, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+    append.q_out = Rows(rotated_q.data(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+    append.k_in = Rows(io.k, g.q_dtype, tokens, g.num_kv_heads, g.k_head_dim);
+    append.v_in = Rows(io.v, g.q_dtype, tokens, g.num_kv_heads, g.v_head_dim);
+    append.k_cache = cache.Pool(io.layer, false);
+    append.v_cache = cache.Pool(io.layer, true);
+    append.k_scale = g.k_scale;
+    append.v_scale = g.v_scale;
+    reference::AppendKv(append);
+  } else {
+    reference::MlaAppendArgs append;
+    append.tokens = batch.AppendIndex();
+    append.pages = pages;
+    append.rope_style = g.rope.style;
+    append.rope_inv_freq = cache.inv_freq();
+    append.q_pe_in = Rows(io.q_pe, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
+    append.q_pe_out = Rows(rotated_q.data(), g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
+    append.ckv_in = Rows(io.ckv, g.q_dtype, tokens, 1, g.k_head_dim);
+    append.kpe_in = Rows(io.kpe, g.q_dtype, tokens, 1, g.v_head_dim);
+    append.ckv_cache = cache.Pool(io.layer, false);
+    append.kpe_cache = cache.Pool(io.layer, true);
+    append.ckv_scale = g.k_scale;
+    append.kpe_scale = g.v_scale;
+    reference::AppendMla(append);
+  }
+  if (cache.observer()) cache.observer()->OnKernel("append", "append", SecondsSince(start));
+
+  start = std::chrono::steady_clock::now();
+  if (!g.mla) {
+    reference::BatchAttentionArgs attention;
+    attention.q = Rows(rotated_q.data(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+    attention.qo_indptr = batch.qo_indptr.data();
+    attention.pages = pages;
+    attention.k_cache = cache.Pool(io.layer, false);
+    attention.v_cache = cache.Pool(io.layer, true);
+    attention.params = batch.options.params;
+    attention.o = Rows(io.o, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
+    attention.lse = io.lse;
+    reference::BatchAttention(attention);
+  } else {
+    reference::MlaAttentionArgs attention;
+    attention.q_nope = Rows(io.q, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+    attention.q_pe = Rows(rotated_q.data(), g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
+    attention.qo_indptr = batch.qo_indptr.data();
+    attention.pages = pages;
+    attention.ckv_cache = cache.Pool(io.layer, false);
+    attention.kpe_cache = cache.Pool(io.layer, true);
+    attention.params = batch.options.params;
+    attention.o = Rows(io.o, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+    attention.lse = io.lse;
+    reference::MlaAttention(attention);
+  }
+  if (cache.observer()) cache.observer()->OnKernel(kernel, phase, SecondsSince(start));
+}
+
+absl::StatusOr<std::unique_ptr<BackendStep>> CpuCache::PrepareStep(
+    std::shared_ptr<const StepBatch> batch) {
+  return std::make_unique<CpuStep>(this, std::move(batch));
+}
+
+std::string CpuModelName() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos && colon + 2 <= line.size()) return line.substr(colon + 2);
+    }
+  }
+  return "cpu";
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const CpuBackendOptions& options)
+      : options_(options),
+        workers_(options.num_workers > 0
+                     ? options.num_workers
+                     : std::max(2u, std::thread::hardware_concurrency())) {}
+
+  BackendInfo Info() const override {
+    BackendInfo info;
+    info.name = "cpu";
+    info.device = CpuModelName();
+    info.kv_budget_bytes = options_.kv_budget_bytes;
+    info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index"};
+    return info;
+  }
+
+  int64_t KvFreeBytes() const override { return options_.kv_budget_bytes - budget_used_.load(); }
+
+  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(
+      const CacheGeometry& geometry) override {
+    const int64_t bytes = geometry.PoolBytes();
+    int64_t used = budget_used_.load();
+    do {
+      if (used + bytes > options_.kv_budget_bytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "the cache needs ", bytes, " bytes but ", options_.kv_budget_bytes - used,
+            " of the KV budget (", options_.kv_budget_bytes, " bytes) are free"));
+      }
+    } while (!budget_used_.compare_exchange_weak(used, used + bytes));
+    auto* storage = static_cast<uint8_t*>(std::calloc(static_cast<size_t>(bytes), 1));
+    if (storage == nullptr) {
+      budget_used_.fetch_sub(bytes);
+      return absl::ResourceExhaustedError(absl::StrCat("host allocation of ", bytes, " bytes failed"));
+    }
+    return std::make_unique<CpuCache>(geometry, storage, &budget_used_, &workers_,
+                                      options_.observer);
+  }
+
+ private:
+  CpuBackendOptions options_;
+  std::atomic<int64_t> budget_used_{0};
+  WorkerPool workers_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> MakeCpuBackend(const CpuBackendOptions& options) {
+  return std::make_unique<CpuBackend>(options);
+}
+
+}  // namespace attnd

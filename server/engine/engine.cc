@@ -1,0 +1,351 @@
+// Engine: cache registry, sequences, and step end (commit / rollback). Plan lives in plan.cc,
+// Forward in forward.cc.
+#include "engine/engine.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "engine/engine_state.h"
+
+namespace attnd {
+namespace {
+
+constexpr size_t kFinishedStepsKept = 4096;
+
+CacheStatus StatusOf(const CacheEntry& cache) {
+  CacheStatus status;
+  status.spec = cache.spec;
+  status.failed = cache.failed;
+  status.failure = cache.failure;
+  status.pool_bytes = cache.spec.geometry.PoolBytes();
+  status.used_pages = cache.allocator ? cache.allocator->used_pages() : 0;
+  status.num_sequences = static_cast<int64_t>(cache.sequences.size());
+  status.open_steps = cache.open_steps;
+  return status;
+}
+
+void RunAll(std::vector<std::function<void()>>& deferred) {
+  for (auto& callback : deferred) callback();
+}
+
+}  // namespace
+
+Engine::Engine(const EngineOptions& options, Backend* backend, Metrics* metrics)
+    : state_(std::make_unique<State>()) {
+  state_->options = options;
+  state_->backend = backend;
+  state_->metrics = metrics;
+  state_->reaper = std::thread([state = state_.get()] { state->ReaperLoop(); });
+}
+
+Engine::~Engine() {
+  {
+    absl::MutexLock lock(&state_->mu);
+    state_->stopping = true;
+  }
+  state_->reaper.join();
+  {
+    // Backend callbacks of running layers reference the state: let them land first.
+    absl::MutexLock lock(&state_->mu);
+    auto idle = [state = state_.get()]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state->mu) {
+      return state->layers_in_flight == 0;
+    };
+    state_->mu.Await(absl::Condition(&idle));
+  }
+  // Abort what is still open so sequences and pages are consistent until destruction; layers
+  // still in flight hold their own references to the cache.
+  State::Deferred deferred;
+  {
+    absl::MutexLock lock(&state_->mu);
+    std::vector<std::shared_ptr<StepEntry>> open;
+    for (auto& [id, step] : state_->open_steps) open.push_back(step);
+    for (auto& step : open) state_->EndLocked(step, StepOutcome::kAborted, deferred);
+  }
+  RunAll(deferred);
+}
+
+void Engine::State::ExpireLocked(absl::Time now, Deferred& deferred) {
+  std::vector<std::shared_ptr<StepEntry>> expired;
+  for (auto& [id, step] : open_steps) {
+    // A step with a layer on the device is active, whatever its last call's age.
+    if (step->in_flight == 0 && now - step->last_activity > options.step_ttl) {
+      expired.push_back(step);
+    }
+  }
+  for (auto& step : expired) EndLocked(step, StepOutcome::kAborted, deferred);
+}
+
+void Engine::State::ReaperLoop() {
+  const absl::Duration period =
+      std::clamp(options.step_ttl / 4, absl::Milliseconds(10), absl::Seconds(1));
+  mu.Lock();
+  while (!stopping) {
+    mu.AwaitWithTimeout(absl::Condition(&stopping), period);
+    if (stopping) break;
+    Deferred deferred;
+    ExpireLocked(absl::Now(), deferred);
+    if (!deferred.empty()) {
+      mu.Unlock();
+      RunAll(deferred);
+      mu.Lock();
+    }
+  }
+  mu.Unlock();
+}
+
+void Engine::ExpireSteps(absl::Time now) {
+  State::Deferred deferred;
+  {
+    absl::MutexLock lock(&state_->mu);
+    state_->ExpireLocked(now, deferred);
+  }
+  RunAll(deferred);
+}
+
+void Engine::State::PublishPagesLocked(const CacheEntry& cache) {
+  if (metrics == nullptr || cache.allocator == nullptr) return;
+  metrics->SetCachePages(cache.spec.name, cache.allocator->used_pages(),
+                         cache.allocator->free_pages());
+}
+
+void Engine::State::EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcome outcome,
+                              Deferred& deferred) {
+  if (step->ending) return;
+  step->ending = true;
+  step->outcome = outcome;
+  open_steps.erase(step->id);
+  finished[step->id] = EndStepResult{outcome, step->layers_done};
+  finished_order.push_back(step->id);
+  while (finished_order.size() > kFinishedStepsKept) {
+    finished.erase(finished_order.front());
+    finished_order.pop_front();
+  }
+  if (step->in_flight == 0) FinalizeLocked(*step, deferred);
+}
+
+void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
+  CacheEntry& cache = *step.cache;
+  const bool committed = step.outcome == StepOutcome::kCommitted;
+  for (const SequenceChange& change : step.changes) {
+    auto it = cache.sequences.find(change.sequence_id);
+    if (it == cache.sequences.end()) continue;
+    Sequence& sequence = it->second;
+    sequence.open_step = 0;
+    if (committed) {
+      sequence.length = change.new_length;
+    } else {
+      sequence.pages.resize(change.old_num_pages);
+      sequence.length = change.old_length;
+      if (sequence.length == 0 && sequence.pages.empty()) cache.sequences.erase(it);
+    }
+  }
+  if (!committed && cache.allocator) cache.allocator->Free(step.fresh_pages);
+  step.fresh_pages.clear();
+  step.changes.clear();
+  --cache.open_steps;
+  PublishPagesLocked(cache);
+  if (metrics) metrics->StepEnded(committed, step.decode_tokens, step.prefill_tokens);
+  const EndStepResult result{step.outcome, step.layers_done};
+  for (auto& waiter : step.end_waiters) {
+    deferred.push_back([waiter = std::move(waiter), result] { waiter(result); });
+  }
+  step.end_waiters.clear();
+  // Release the device-side plan now rather than when the last reference goes.
+  step.backend_step.reset();
+}
+
+absl::StatusOr<CacheStatus> Engine::CreateCache(const CacheSpec& spec) {
+  absl::MutexLock lock(&state_->mu);
+  if (state_->caches.contains(spec.name)) {
+    return absl::AlreadyExistsError(absl::StrCat("name: a cache named '", spec.name, "' exists"));
+  }
+  auto backend_cache = state_->backend->CreateCache(spec.geometry);
+  if (!backend_cache.ok()) {
+    return absl::Status(backend_cache.status().code(),
+                        absl::StrCat("create cache '", spec.name, "': ",
+                                     backend_cache.status().message()));
+  }
+  auto cache = std::make_shared<CacheEntry>();
+  cache->spec = spec;
+  cache->backend = std::move(backend_cache).value();
+  if (!spec.external_pages) {
+    cache->allocator = std::make_unique<PageAllocator>(spec.geometry.num_pages);
+  }
+  state_->caches[spec.name] = cache;
+  state_->PublishPagesLocked(*cache);
+  return StatusOf(*cache);
+}
+
+absl::StatusOr<CacheStatus> Engine::GetCache(const std::string& name) const {
+  absl::MutexLock lock(&state_->mu);
+  auto it = state_->caches.find(name);
+  if (it == state_->caches.end()) {
+    return absl::NotFoundError(absl::StrCat("name: no cache named '", name, "'"));
+  }
+  return StatusOf(*it->second);
+}
+
+std::vector<CacheStatus> Engine::ListCaches() const {
+  absl::MutexLock lock(&state_->mu);
+  std::vector<CacheStatus> list;
+  for (const auto& [name, cache] : state_->caches) list.push_back(StatusOf(*cache));
+  std::sort(list.begin(), list.end(),
+            [](const CacheStatus& a, const CacheStatus& b) { return a.spec.name < b.spec.name; });
+  return list;
+}
+
+absl::Status Engine::DeleteCache(const std::string& name, bool force) {
+  State::Deferred deferred;
+  {
+    absl::MutexLock lock(&state_->mu);
+    auto it = state_->caches.find(name);
+    if (it == state_->caches.end()) {
+      return absl::NotFoundError(absl::StrCat("name: no cache named '", name, "'"));
+    }
+    std::shared_ptr<CacheEntry> cache = it->second;
+    if (cache->open_steps > 0 && !force) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("name: cache '", name, "' has ", cache->open_steps,
+                       " open step(s); end them first or set force"));
+    }
+    std::vector<std::shared_ptr<StepEntry>> open;
+    for (auto& [id, step] : state_->open_steps) {
+      if (step->cache == cache) open.push_back(step);
+    }
+    for (auto& step : open) state_->EndLocked(step, StepOutcome::kAborted, deferred);
+    state_->caches.erase(it);
+    if (state_->metrics) state_->metrics->RemoveCache(name);
+    // The pools go when the last in-flight layer drops its reference to the cache.
+  }
+  RunAll(deferred);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> Engine::FreeSequences(const std::string& cache_name,
+                                              const std::vector<uint64_t>& sequence_ids) {
+  absl::MutexLock lock(&state_->mu);
+  auto it = state_->caches.find(cache_name);
+  if (it == state_->caches.end()) {
+    return absl::NotFoundError(absl::StrCat("cache: no cache named '", cache_name, "'"));
+  }
+  CacheEntry& cache = *it->second;
+  if (cache.spec.external_pages) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cache: '", cache_name, "' uses EXTERNAL page tables; the client owns its pages"));
+  }
+  // Validate everything first: all-or-nothing.
+  absl::flat_hash_map<uint64_t, size_t> seen;
+  for (size_t i = 0; i < sequence_ids.size(); ++i) {
+    const uint64_t id = sequence_ids[i];
+    auto [where, inserted] = seen.emplace(id, i);
+    if (!inserted) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence_ids[", i, "]: sequence ", id,
+                                                     " repeats sequence_ids[", where->second, "]"));
+    }
+    auto sequence = cache.sequences.find(id);
+    if (sequence == cache.sequences.end()) {
+      return absl::NotFoundError(absl::StrCat("sequence_ids[", i, "]: cache '", cache_name,
+                                              "' has no sequence ", id));
+    }
+    if (sequence->second.open_step != 0) {
+      return absl::FailedPreconditionError(absl::StrCat("sequence_ids[", i, "]: sequence ", id,
+                                                        " is in open step ",
+                                                        sequence->second.open_step));
+    }
+  }
+  int64_t freed = 0;
+  for (const uint64_t id : sequence_ids) {
+    auto sequence = cache.sequences.find(id);
+    freed += static_cast<int64_t>(sequence->second.pages.size());
+    cache.allocator->Free(sequence->second.pages);
+    cache.sequences.erase(sequence);
+  }
+  state_->PublishPagesLocked(cache);
+  return freed;
+}
+
+void Engine::EndStep(uint64_t step_id, bool abort,
+                     std::function<void(absl::StatusOr<EndStepResult>)> done) {
+  State::Deferred deferred;
+  {
+    absl::MutexLock lock(&state_->mu);
+    auto it = state_->open_steps.find(step_id);
+    if (it == state_->open_steps.end()) {
+      auto finished = state_->finished.find(step_id);
+      if (finished == state_->finished.end()) {
+        deferred.push_back([done, step_id] {
+          done(absl::NotFoundError(absl::StrCat("step_id: no open step ", step_id)));
+        });
+      } else {
+        // A repeated EndStep reports what happened; asking to abort a committed step cannot
+        // undo it, and says so.
+        const EndStepResult result = finished->second;
+        if (abort && result.outcome == StepOutcome::kCommitted) {
+          deferred.push_back([done, step_id] {
+            done(absl::FailedPreconditionError(
+                absl::StrCat("step_id: step ", step_id, " already committed")));
+          });
+        } else {
+          deferred.push_back([done, result] { done(result); });
+        }
+      }
+    } else {
+      std::shared_ptr<StepEntry> step = it->second;
+      step->end_waiters.push_back(std::move(done));
+      state_->EndLocked(step, abort ? StepOutcome::kAborted : StepOutcome::kCommitted, deferred);
+    }
+  }
+  RunAll(deferred);
+}
+
+void Engine::AbortOwnedSteps(uint64_t owner) {
+  if (owner == 0) return;
+  State::Deferred deferred;
+  {
+    absl::MutexLock lock(&state_->mu);
+    std::vector<std::shared_ptr<StepEntry>> owned;
+    for (auto& [id, step] : state_->open_steps) {
+      if (step->owner == owner) owned.push_back(step);
+    }
+    for (auto& step : owned) state_->EndLocked(step, StepOutcome::kAborted, deferred);
+  }
+  RunAll(deferred);
+}
+
+void Engine::SetDraining(bool draining) {
+  absl::MutexLock lock(&state_->mu);
+  state_->draining = draining;
+}
+
+int Engine::OpenSteps() const {
+  absl::MutexLock lock(&state_->mu);
+  return static_cast<int>(state_->open_steps.size());
+}
+
+absl::StatusOr<int64_t> Engine::SequenceLength(const std::string& cache_name,
+                                               uint64_t sequence_id) const {
+  absl::MutexLock lock(&state_->mu);
+  auto it = state_->caches.find(cache_name);
+  if (it == state_->caches.end()) {
+    return absl::NotFoundError(absl::StrCat("cache: no cache named '", cache_name, "'"));
+  }
+  auto sequence = it->second->sequences.find(sequence_id);
+  if (sequence == it->second->sequences.end()) return int64_t{0};
+  return sequence->second.length;
+}
+
+absl::Status Engine::ReadPages(const std::string& cache_name, int32_t layer, bool v_pool,
+                               int64_t first_page, std::span<uint8_t> bytes) const {
+  std::shared_ptr<CacheEntry> cache;
+  {
+    absl::MutexLock lock(&state_->mu);
+    auto it = state_->caches.find(cache_name);
+    if (it == state_->caches.end()) {
+      return absl::NotFoundError(absl::StrCat("cache: no cache named '", cache_name, "'"));
+    }
+    cache = it->second;
+  }
+  return cache->backend->ReadPages(layer, v_pool, first_page, bytes);
+}
+
+}  // namespace attnd

@@ -1,0 +1,77 @@
+// The engine: caches, their page allocation and sequences, and the step life cycle
+// (Plan -> Forward per layer -> commit, or roll back). Thread-safe; no call blocks on the
+// device: Forward and EndStep report through callbacks run on backend threads.
+//
+// Rollback guarantee: a step that aborts (EndStep{abort}, its stream ending, TTL expiry, or a
+// forced cache deletion) restores every sequence's length and page list and returns its fresh
+// pages; pages are only returned once no layer of the step is still running on the device,
+// so a later step can never receive a page that an aborted one is still writing.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "backend/backend.h"
+#include "engine/specs.h"
+#include "server.h"
+
+namespace attnd {
+
+class Metrics;
+
+struct EngineOptions {
+  ServerLimitsOptions limits;
+  absl::Duration step_ttl = absl::Seconds(60);
+};
+
+class Engine {
+ public:
+  // `backend` and `metrics` (may be null) must outlive the engine.
+  Engine(const EngineOptions& options, Backend* backend, Metrics* metrics);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  absl::StatusOr<CacheStatus> CreateCache(const CacheSpec& spec);
+  absl::StatusOr<CacheStatus> GetCache(const std::string& name) const;
+  std::vector<CacheStatus> ListCaches() const;
+  absl::Status DeleteCache(const std::string& name, bool force);
+  // Returns the number of pages freed.
+  absl::StatusOr<int64_t> FreeSequences(const std::string& cache,
+                                        const std::vector<uint64_t>& sequence_ids);
+
+  // `owner` tags the step with the stream that planned it (0: unary), see AbortOwnedSteps.
+  absl::StatusOr<PlanResult> Plan(const PlanSpec& spec, uint64_t owner = 0);
+  // Runs one layer; `done` runs exactly once, possibly before Forward returns (bad input).
+  void Forward(const ForwardArgs& args, ForwardOutputs* outputs,
+               std::function<void(absl::Status)> done);
+  // Commits or aborts; `done` runs once no layer of the step is in flight.
+  void EndStep(uint64_t step_id, bool abort,
+               std::function<void(absl::StatusOr<EndStepResult>)> done);
+  // Aborts every open step planned with this owner (a stream that ended).
+  void AbortOwnedSteps(uint64_t owner);
+
+  // Draining: Plan refuses new steps with UNAVAILABLE; open steps may finish.
+  void SetDraining(bool draining);
+  int OpenSteps() const;
+  // Aborts open steps idle for longer than the step TTL. Called periodically by the engine's
+  // own reaper thread; public for tests.
+  void ExpireSteps(absl::Time now);
+
+  // For tests and diagnostics: the committed length of a managed sequence.
+  absl::StatusOr<int64_t> SequenceLength(const std::string& cache, uint64_t sequence_id) const;
+  // For tests: raw bytes of a cache's pool pages (see BackendCache::ReadPages).
+  absl::Status ReadPages(const std::string& cache, int32_t layer, bool v_pool,
+                         int64_t first_page, std::span<uint8_t> bytes) const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace attnd

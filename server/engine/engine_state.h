@@ -1,0 +1,100 @@
+// Internal state of the Engine, shared by engine.cc (caches, plan) and step_runner.cc (forward,
+// commit, rollback). Everything here is guarded by State::mu.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "engine/engine.h"
+#include "engine/page_allocator.h"
+#include "metrics/metrics.h"
+
+namespace attnd {
+
+struct Sequence {
+  std::vector<int32_t> pages;  // page ids covering [0, length) plus an open step's new tokens
+  int64_t length = 0;          // committed tokens
+  uint64_t open_step = 0;      // 0 when in no open step
+};
+
+struct CacheEntry {
+  CacheSpec spec;
+  std::unique_ptr<BackendCache> backend;
+  std::unique_ptr<PageAllocator> allocator;  // MANAGED mode only
+  absl::flat_hash_map<uint64_t, Sequence> sequences;
+  int32_t open_steps = 0;
+  bool failed = false;
+  std::string failure;
+};
+
+// How a managed sequence changes if the step commits; undone on abort.
+struct SequenceChange {
+  uint64_t sequence_id = 0;
+  int64_t old_length = 0;
+  size_t old_num_pages = 0;
+  int64_t new_length = 0;
+};
+
+enum class LayerState : uint8_t { kPending, kRunning, kDone };
+
+struct StepEntry {
+  uint64_t id = 0;
+  uint64_t owner = 0;
+  std::shared_ptr<CacheEntry> cache;
+  std::shared_ptr<const StepBatch> batch;
+  std::unique_ptr<BackendStep> backend_step;
+  std::vector<LayerState> layers;
+  int32_t layers_done = 0;
+  int32_t in_flight = 0;
+  std::vector<SequenceChange> changes;
+  std::vector<int32_t> fresh_pages;
+  int64_t decode_tokens = 0;
+  int64_t prefill_tokens = 0;
+  absl::Time last_activity;
+  // Set once the step's fate is decided; the decision is applied when in_flight drops to 0.
+  bool ending = false;
+  StepOutcome outcome = StepOutcome::kCommitted;
+  std::vector<std::function<void(absl::StatusOr<EndStepResult>)>> end_waiters;
+};
+
+struct Engine::State {
+  EngineOptions options;
+  Backend* backend = nullptr;
+  Metrics* metrics = nullptr;
+
+  mutable absl::Mutex mu;
+  absl::flat_hash_map<std::string, std::shared_ptr<CacheEntry>> caches ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<uint64_t, std::shared_ptr<StepEntry>> open_steps ABSL_GUARDED_BY(mu);
+  // Outcomes of recently ended steps, so a late EndStep or Forward gets a precise answer.
+  absl::flat_hash_map<uint64_t, EndStepResult> finished ABSL_GUARDED_BY(mu);
+  std::deque<uint64_t> finished_order ABSL_GUARDED_BY(mu);
+  uint64_t next_step_id ABSL_GUARDED_BY(mu) = 1;
+  bool draining ABSL_GUARDED_BY(mu) = false;
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  // Layers running on the backend across all steps; the engine outlives them (destructor waits).
+  int64_t layers_in_flight ABSL_GUARDED_BY(mu) = 0;
+  std::thread reaper;
+
+  // Callbacks collected under the lock and run after it is released.
+  using Deferred = std::vector<std::function<void()>>;
+
+  // Decides the step's fate; applies it now if nothing is in flight. Returns callbacks to run.
+  void EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcome outcome, Deferred& deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Applies a decided outcome: commit lengths or roll back pages. Requires in_flight == 0.
+  void FinalizeLocked(StepEntry& step, Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void PublishPagesLocked(const CacheEntry& cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Aborts open steps idle for longer than the TTL.
+  void ExpireLocked(absl::Time now, Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void ReaperLoop();
+};
+
+}  // namespace attnd

@@ -1,0 +1,199 @@
+// Engine::Forward: check one layer's tensors against the step, run it on the backend, and
+// commit the step after its last layer.
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "attnd/status_macros.h"
+#include "engine/engine.h"
+#include "engine/engine_state.h"
+
+namespace attnd {
+namespace {
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// A tensor the step needs: present (or omitted when the step has no rows), of the cache's
+// q dtype, the expected shape, and exactly the bytes that shape holds.
+absl::Status CheckTensor(absl::string_view field, const TensorArg& tensor,
+                         const std::vector<int64_t>& shape, DType dtype) {
+  int64_t elements = 1;
+  for (const int64_t dim : shape) elements *= dim;
+  if (!tensor.present) {
+    if (elements == 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(field, ": required, expected shape ",
+                                                   ShapeString(shape), " of ",
+                                                   DTypeName(dtype)));
+  }
+  if (tensor.dtype != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: expected ", DTypeName(dtype),
+                                                   " (the cache's q_dtype), got ",
+                                                   DTypeName(tensor.dtype)));
+  }
+  if (tensor.shape != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape: expected ", ShapeString(shape),
+                                                   ", got ", ShapeString(tensor.shape)));
+  }
+  const int64_t bytes = elements * DTypeBytes(dtype);
+  if (static_cast<int64_t>(tensor.data.size()) != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: expected ", bytes,
+                                                   " bytes for shape ", ShapeString(shape),
+                                                   " of ", DTypeName(dtype), ", got ",
+                                                   tensor.data.size()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAbsent(absl::string_view field, const TensorArg& tensor, bool mla) {
+  if (!tensor.present) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, ": not used by ", mla ? "MLA" : "MHA",
+                                                 " caches; leave it unset"));
+}
+
+absl::Status CheckInputs(const ForwardArgs& args, const CacheGeometry& geometry,
+                         int64_t num_tokens) {
+  const int64_t tokens = num_tokens;
+  const DType dtype = geometry.q_dtype;
+  if (!geometry.mla) {
+    RETURN_IF_ERROR(CheckTensor(
+        "q", args.q, {tokens, geometry.num_qo_heads, geometry.k_head_dim}, dtype));
+    RETURN_IF_ERROR(CheckTensor(
+        "k", args.k, {tokens, geometry.num_kv_heads, geometry.k_head_dim}, dtype));
+    RETURN_IF_ERROR(CheckTensor(
+        "v", args.v, {tokens, geometry.num_kv_heads, geometry.v_head_dim}, dtype));
+    RETURN_IF_ERROR(CheckAbsent("q_pe", args.q_pe, false));
+    RETURN_IF_ERROR(CheckAbsent("ckv", args.ckv, false));
+    return CheckAbsent("kpe", args.kpe, false);
+  }
+  RETURN_IF_ERROR(CheckTensor(
+      "q", args.q, {tokens, geometry.num_qo_heads, geometry.k_head_dim}, dtype));
+  RETURN_IF_ERROR(CheckTensor(
+      "q_pe", args.q_pe, {tokens, geometry.num_qo_heads, geometry.v_head_dim}, dtype));
+  RETURN_IF_ERROR(CheckTensor("ckv", args.ckv, {tokens, geometry.k_head_dim}, dtype));
+  RETURN_IF_ERROR(CheckTensor("kpe", args.kpe, {tokens, geometry.v_head_dim}, dtype));
+  RETURN_IF_ERROR(CheckAbsent("k", args.k, true));
+  return CheckAbsent("v", args.v, true);
+}
+
+const void* DataOf(const TensorArg& tensor) {
+  return tensor.present && !tensor.data.empty() ? tensor.data.data() : nullptr;
+}
+
+// Only device faults poison a cache; a backend refusing an input leaves it usable.
+bool IsDeviceFault(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kInternal ||
+         status.code() == absl::StatusCode::kUnknown ||
+         status.code() == absl::StatusCode::kDataLoss;
+}
+
+}  // namespace
+
+void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
+                     std::function<void(absl::Status)> done) {
+  std::shared_ptr<StepEntry> step;
+  absl::Status rejected;
+  {
+    absl::MutexLock lock(&state_->mu);
+    auto it = state_->open_steps.find(args.step_id);
+    if (it == state_->open_steps.end()) {
+      auto finished = state_->finished.find(args.step_id);
+      if (finished != state_->finished.end()) {
+        rejected = absl::FailedPreconditionError(absl::StrCat(
+            "step_id: step ", args.step_id, " already ",
+            finished->second.outcome == StepOutcome::kCommitted ? "committed" : "aborted"));
+      } else {
+        rejected = absl::NotFoundError(absl::StrCat("step_id: no open step ", args.step_id));
+      }
+    } else {
+      step = it->second;
+      const CacheEntry& cache = *step->cache;
+      const CacheGeometry& geometry = cache.spec.geometry;
+      if (cache.failed) {
+        rejected = absl::InternalError(absl::StrCat("cache '", cache.spec.name,
+                                                    "' failed: ", cache.failure,
+                                                    "; abort the step and delete the cache"));
+      } else if (args.layer < 0 || args.layer >= geometry.num_layers) {
+        rejected = absl::InvalidArgumentError(absl::StrCat(
+            "layer: expected 0..", geometry.num_layers - 1, ", got ", args.layer));
+      } else if (step->layers[args.layer] != LayerState::kPending) {
+        rejected = absl::FailedPreconditionError(absl::StrCat(
+            "layer: layer ", args.layer, " already ",
+            step->layers[args.layer] == LayerState::kDone ? "ran" : "is running", " in step ",
+            step->id));
+      } else {
+        rejected = CheckInputs(args, geometry, step->batch->num_tokens);
+      }
+      if (rejected.ok()) {
+        step->layers[args.layer] = LayerState::kRunning;
+        ++step->in_flight;
+        ++state_->layers_in_flight;
+        step->last_activity = absl::Now();
+      }
+    }
+  }
+  if (!rejected.ok()) {
+    done(rejected);
+    return;
+  }
+
+  // Outside the lock: the step cannot end under us while in_flight > 0 holds its pages.
+  const CacheGeometry& geometry = step->cache->spec.geometry;
+  const int64_t tokens = step->batch->num_tokens;
+  const int32_t o_dim = geometry.k_head_dim;  // MHA head_dim; MLA kv_lora_rank
+  outputs->o_dtype = geometry.q_dtype;
+  outputs->o_shape = {tokens, geometry.num_qo_heads, o_dim};
+  outputs->o->resize(tokens * geometry.num_qo_heads * o_dim * DTypeBytes(geometry.q_dtype));
+  const bool want_lse = step->batch->options.return_lse;
+  if (want_lse) {
+    outputs->lse_shape = {tokens, geometry.num_qo_heads};
+    outputs->lse->resize(tokens * geometry.num_qo_heads * sizeof(float));
+  }
+  LayerIo io;
+  io.layer = args.layer;
+  io.q = DataOf(args.q);
+  io.k = DataOf(args.k);
+  io.v = DataOf(args.v);
+  io.q_pe = DataOf(args.q_pe);
+  io.ckv = DataOf(args.ckv);
+  io.kpe = DataOf(args.kpe);
+  io.o = outputs->o->data();
+  io.lse = want_lse ? reinterpret_cast<float*>(outputs->lse->data()) : nullptr;
+
+  State* state = state_.get();
+  const int32_t layer = args.layer;
+  step->backend_step->RunLayer(io, [state, step, layer, outputs,
+                                    done = std::move(done)](absl::Status status) {
+    State::Deferred deferred;
+    {
+      absl::MutexLock lock(&state->mu);
+      --step->in_flight;
+      --state->layers_in_flight;
+      step->last_activity = absl::Now();
+      if (status.ok()) {
+        step->layers[layer] = LayerState::kDone;
+        ++step->layers_done;
+        if (step->layers_done == static_cast<int32_t>(step->layers.size()) && !step->ending) {
+          outputs->step_committed = true;
+          state->EndLocked(step, StepOutcome::kCommitted, deferred);
+        }
+      } else {
+        step->layers[layer] = LayerState::kPending;
+        if (IsDeviceFault(status)) {
+          CacheEntry& cache = *step->cache;
+          cache.failed = true;
+          cache.failure = std::string(status.message());
+          status = absl::InternalError(absl::StrCat("cache '", cache.spec.name,
+                                                    "' failed in layer ", layer, ": ",
+                                                    status.message()));
+        }
+      }
+      if (step->ending && step->in_flight == 0 && step->backend_step) {
+        state->FinalizeLocked(*step, deferred);
+      }
+    }
+    done(status);
+    for (auto& callback : deferred) callback();
+  });
+}
+
+}  // namespace attnd

@@ -1,0 +1,307 @@
+// Engine::Plan: validate a batch against the cache, allocate its slots all-or-nothing, build
+// the StepBatch once and let the backend plan it.
+#include <cmath>
+#include <limits>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "attnd/status_macros.h"
+#include "engine/engine.h"
+#include "engine/engine_state.h"
+
+namespace attnd {
+namespace {
+
+constexpr int64_t kMaxSequenceTokens = std::numeric_limits<int32_t>::max();
+
+int64_t PagesFor(int64_t tokens, int32_t page_size) {
+  return (tokens + page_size - 1) / page_size;
+}
+
+absl::Status ResolveOptions(const AttentionOptionsSpec& spec, const CacheSpec& cache,
+                            StepOptions& options) {
+  AttentionParams& params = options.params;
+  params.causal = spec.causal.value_or(true);
+  // MLA: DeepSeek's q/k width before absorption is 128 nope + 64 rope dims.
+  const double default_scale =
+      cache.geometry.mla ? 1.0 / std::sqrt(192.0) : 1.0 / std::sqrt(cache.geometry.k_head_dim);
+  params.sm_scale = spec.sm_scale.value_or(static_cast<float>(default_scale));
+  if (!std::isfinite(params.sm_scale) || params.sm_scale <= 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.sm_scale: expected a finite value > 0, got ", params.sm_scale));
+  }
+  params.logits_soft_cap = spec.logits_soft_cap;
+  if (!std::isfinite(params.logits_soft_cap) || params.logits_soft_cap < 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.logits_soft_cap: expected a finite value >= 0 (0 = off), got ",
+        params.logits_soft_cap));
+  }
+  params.window_left = spec.window_left.value_or(-1);
+  if (params.window_left < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.window_left: expected -1 (no window) or >= 0, got ", params.window_left));
+  }
+  if (spec.fixed_split_size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.fixed_split_size: expected 0 (planner's choice) or > 0 tokens, got ",
+        spec.fixed_split_size));
+  }
+  params.k_scale = cache.geometry.k_scale;
+  params.v_scale = cache.geometry.v_scale;
+  options.return_lse = spec.return_lse;
+  options.deterministic = spec.deterministic;
+  options.fixed_split_tokens = spec.fixed_split_size;
+  options.disable_split_kv = spec.disable_split_kv;
+  return absl::OkStatus();
+}
+
+// Checks an EXTERNAL entry's page table against the pools.
+absl::Status ValidateExternalEntry(const PlanEntrySpec& entry, size_t index,
+                                   const CacheSpec& cache) {
+  const std::string field = absl::StrCat("entries[", index, "].pages");
+  if (!entry.has_pages) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": required for cache '", cache.name, "' (EXTERNAL page tables)"));
+  }
+  if (entry.kv_len < entry.num_new_tokens || entry.kv_len > kMaxSequenceTokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".kv_len: expected num_new_tokens (", entry.num_new_tokens, ") to ",
+        kMaxSequenceTokens, ", got ", entry.kv_len));
+  }
+  const int32_t page_size = cache.geometry.page_size;
+  const int64_t pages = PagesFor(entry.kv_len, page_size);
+  if (static_cast<int64_t>(entry.page_ids.size()) != pages) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".page_ids: expected ", pages, " ids (kv_len ", entry.kv_len, ", page_size ",
+        page_size, "), got ", entry.page_ids.size()));
+  }
+  const int64_t num_pages = cache.geometry.num_pages;
+  for (size_t i = 0; i < entry.page_ids.size(); ++i) {
+    if (entry.page_ids[i] < 0 || entry.page_ids[i] >= num_pages) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".page_ids[", i,
+                                                     "]: expected a page id in [0, ", num_pages,
+                                                     "), got ", entry.page_ids[i]));
+    }
+  }
+  if (!cache.separate_kv) {
+    if (!entry.v_page_ids.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".v_page_ids: only for SEPARATE_KV page tables; cache '", cache.name,
+          "' is SHARED"));
+    }
+    return absl::OkStatus();
+  }
+  if (entry.v_page_ids.size() != entry.page_ids.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".v_page_ids: expected ",
+                                                   entry.page_ids.size(),
+                                                   " ids (one per K page), got ",
+                                                   entry.v_page_ids.size()));
+  }
+  for (size_t i = 0; i < entry.v_page_ids.size(); ++i) {
+    if (entry.v_page_ids[i] < 0 || entry.v_page_ids[i] >= num_pages) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".v_page_ids[", i,
+                                                     "]: expected a page id in [0, ", num_pages,
+                                                     "), got ", entry.v_page_ids[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+StepPhase PhaseOf(const std::vector<PlanEntrySpec>& entries) {
+  bool decode = false;
+  bool prefill = false;
+  for (const PlanEntrySpec& entry : entries) {
+    decode |= entry.num_new_tokens == 1;
+    prefill |= entry.num_new_tokens > 1;
+  }
+  if (decode && prefill) return StepPhase::kMixed;
+  if (prefill) return StepPhase::kPrefill;
+  return decode ? StepPhase::kDecode : StepPhase::kEmpty;
+}
+
+}  // namespace
+
+absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
+  const absl::Time started = absl::Now();
+  absl::MutexLock lock(&state_->mu);
+  if (state_->draining) {
+    return absl::UnavailableError("server is draining: no new steps are accepted");
+  }
+  auto cache_it = state_->caches.find(spec.cache);
+  if (cache_it == state_->caches.end()) {
+    return absl::NotFoundError(absl::StrCat("cache: no cache named '", spec.cache, "'"));
+  }
+  const std::shared_ptr<CacheEntry> cache = cache_it->second;
+  if (cache->failed) {
+    return absl::InternalError(
+        absl::StrCat("cache '", spec.cache, "' failed: ", cache->failure, "; delete it"));
+  }
+  const ServerLimitsOptions& limits = state_->options.limits;
+  if (static_cast<int64_t>(spec.entries.size()) > limits.max_plan_entries) {
+    return absl::InvalidArgumentError(absl::StrCat("entries: at most ", limits.max_plan_entries,
+                                                   " per plan (--max_plan_entries), got ",
+                                                   spec.entries.size()));
+  }
+  if (static_cast<int32_t>(state_->open_steps.size()) >= limits.max_open_steps) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "steps: ", state_->open_steps.size(), " steps are open, the limit (--max_open_steps)"));
+  }
+  StepOptions options;
+  RETURN_IF_ERROR(ResolveOptions(spec.options, cache->spec, options));
+
+  // Validate every entry before anything changes.
+  const CacheGeometry& geometry = cache->spec.geometry;
+  const int32_t page_size = geometry.page_size;
+  const bool managed = !cache->spec.external_pages;
+  int64_t num_tokens = 0;
+  int64_t pages_needed = 0;
+  absl::flat_hash_map<uint64_t, size_t> first_entry_of;
+  for (size_t i = 0; i < spec.entries.size(); ++i) {
+    const PlanEntrySpec& entry = spec.entries[i];
+    if (entry.num_new_tokens < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("entries[", i,
+                                                     "].num_new_tokens: expected >= 0, got ",
+                                                     entry.num_new_tokens));
+    }
+    num_tokens += entry.num_new_tokens;
+    if (entry.num_new_tokens == 0) continue;  // padding: inert, its id and pages unused
+    if (!managed) {
+      RETURN_IF_ERROR(ValidateExternalEntry(entry, i, cache->spec));
+      continue;
+    }
+    if (entry.has_pages) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "entries[", i, "].pages: only for EXTERNAL page tables; cache '", spec.cache,
+          "' is MANAGED"));
+    }
+    auto [where, inserted] = first_entry_of.emplace(entry.sequence_id, i);
+    if (!inserted) {
+      return absl::InvalidArgumentError(absl::StrCat("entries[", i, "].sequence_id: sequence ",
+                                                     entry.sequence_id, " repeats entries[",
+                                                     where->second, "]"));
+    }
+    int64_t length = 0;
+    int64_t pages_held = 0;
+    if (auto it = cache->sequences.find(entry.sequence_id); it != cache->sequences.end()) {
+      if (it->second.open_step != 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "entries[", i, "].sequence_id: sequence ", entry.sequence_id,
+            " is in open step ", it->second.open_step, "; end that step first"));
+      }
+      length = it->second.length;
+      pages_held = static_cast<int64_t>(it->second.pages.size());
+    }
+    if (length + entry.num_new_tokens > kMaxSequenceTokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "entries[", i, "].num_new_tokens: sequence ", entry.sequence_id, " would reach ",
+          length + entry.num_new_tokens, " tokens, more than ", kMaxSequenceTokens));
+    }
+    pages_needed += PagesFor(length + entry.num_new_tokens, page_size) - pages_held;
+  }
+  if (num_tokens > limits.max_step_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("entries: ", num_tokens,
+                                                   " new tokens exceed the per-step limit of ",
+                                                   limits.max_step_tokens,
+                                                   " (--max_step_tokens)"));
+  }
+  if (managed && pages_needed > cache->allocator->free_pages()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "entries: the step needs ", pages_needed, " new pages but cache '", spec.cache,
+        "' has ", cache->allocator->free_pages(), " free of ", geometry.num_pages));
+  }
+
+  // Allocate and build the batch. Nothing below can fail until PrepareStep, whose failure
+  // rolls the allocation back.
+  auto step = std::make_shared<StepEntry>();
+  step->id = state_->next_step_id++;
+  step->owner = owner;
+  step->cache = cache;
+  auto batch = std::make_shared<StepBatch>();
+  batch->batch_size = static_cast<int32_t>(spec.entries.size());
+  batch->num_tokens = num_tokens;
+  batch->options = options;
+  batch->phase = PhaseOf(spec.entries);
+  batch->qo_indptr.reserve(spec.entries.size() + 1);
+  batch->page_indptr.reserve(spec.entries.size() + 1);
+  batch->qo_indptr.push_back(0);
+  batch->page_indptr.push_back(0);
+  batch->token_batch_indices.reserve(num_tokens);
+  batch->token_positions.reserve(num_tokens);
+  PlanResult result;
+  result.entries.resize(spec.entries.size());
+  for (size_t i = 0; i < spec.entries.size(); ++i) {
+    const PlanEntrySpec& entry = spec.entries[i];
+    const int32_t new_tokens = entry.num_new_tokens;
+    int64_t kv_len = 0;
+    result.entries[i].row_offset = batch->qo_indptr.back();
+    if (new_tokens > 0 && managed) {
+      Sequence& sequence = cache->sequences[entry.sequence_id];
+      SequenceChange change{entry.sequence_id, sequence.length, sequence.pages.size(),
+                            sequence.length + new_tokens};
+      const int64_t more = PagesFor(change.new_length, page_size) -
+                           static_cast<int64_t>(sequence.pages.size());
+      const size_t fresh_begin = sequence.pages.size();
+      cache->allocator->Allocate(more, sequence.pages);  // cannot fail: checked above
+      step->fresh_pages.insert(step->fresh_pages.end(), sequence.pages.begin() + fresh_begin,
+                               sequence.pages.end());
+      sequence.open_step = step->id;
+      step->changes.push_back(change);
+      kv_len = change.new_length;
+      batch->k_page_indices.insert(batch->k_page_indices.end(), sequence.pages.begin(),
+                                   sequence.pages.end());
+    } else if (new_tokens > 0) {
+      kv_len = entry.kv_len;
+      batch->k_page_indices.insert(batch->k_page_indices.end(), entry.page_ids.begin(),
+                                   entry.page_ids.end());
+      const auto& v_ids = cache->spec.separate_kv ? entry.v_page_ids : entry.page_ids;
+      batch->v_page_indices.insert(batch->v_page_indices.end(), v_ids.begin(), v_ids.end());
+    }
+    const int64_t start = kv_len - new_tokens;
+    result.entries[i].start_position = new_tokens > 0 ? start : 0;
+    for (int32_t t = 0; t < new_tokens; ++t) {
+      batch->token_batch_indices.push_back(static_cast<int32_t>(i));
+      batch->token_positions.push_back(static_cast<int32_t>(start + t));
+    }
+    if (new_tokens == 1) step->decode_tokens += 1;
+    if (new_tokens > 1) step->prefill_tokens += new_tokens;
+    batch->qo_indptr.push_back(batch->qo_indptr.back() + new_tokens);
+    batch->page_indptr.push_back(static_cast<int32_t>(batch->k_page_indices.size()));
+    const int64_t pages = PagesFor(kv_len, page_size);
+    batch->last_page_len.push_back(
+        pages == 0 ? 0 : static_cast<int32_t>(kv_len - (pages - 1) * page_size));
+  }
+  if (managed) batch->v_page_indices = batch->k_page_indices;
+
+  auto backend_step = cache->backend->PrepareStep(batch);
+  if (!backend_step.ok()) {
+    // Undo the allocation: nothing of this step may survive.
+    for (const SequenceChange& change : step->changes) {
+      Sequence& sequence = cache->sequences[change.sequence_id];
+      sequence.pages.resize(change.old_num_pages);
+      sequence.open_step = 0;
+      if (sequence.length == 0 && sequence.pages.empty()) cache->sequences.erase(change.sequence_id);
+    }
+    cache->allocator->Free(step->fresh_pages);
+    return absl::Status(backend_step.status().code(),
+                        absl::StrCat("plan step for cache '", spec.cache,
+                                     "': ", backend_step.status().message()));
+  }
+  step->backend_step = std::move(backend_step).value();
+  step->batch = batch;
+  step->layers.assign(geometry.num_layers, LayerState::kPending);
+  step->last_activity = absl::Now();
+  ++cache->open_steps;
+  state_->open_steps[step->id] = step;
+  state_->PublishPagesLocked(*cache);
+
+  result.step_id = step->id;
+  result.num_tokens = num_tokens;
+  result.kernel = std::string(step->backend_step->KernelName());
+  if (state_->metrics) {
+    state_->metrics->ObservePlan(absl::ToDoubleSeconds(absl::Now() - started),
+                                 step->decode_tokens, step->prefill_tokens);
+  }
+  return result;
+}
+
+}  // namespace attnd

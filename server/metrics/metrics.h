@@ -1,0 +1,95 @@
+// The attnd_ metric families (DESIGN 5) on a prometheus-cpp registry, plus the running totals
+// GetStats reports. Thread-safe; every method is cheap enough for the per-layer path.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "backend/backend.h"
+
+namespace prometheus {
+class Registry;
+class Counter;
+class Gauge;
+class Histogram;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
+namespace attnd {
+
+struct KernelTotals {
+  std::string kernel;
+  std::string phase;
+  int64_t count = 0;
+  double total_seconds = 0;
+};
+
+struct StatsSnapshot {
+  std::vector<KernelTotals> kernels;  // sorted by (kernel, phase)
+  int64_t steps_committed = 0;
+  int64_t steps_aborted = 0;
+  int64_t tokens_prefill = 0;
+  int64_t tokens_decode = 0;
+};
+
+class Metrics : public BackendObserver {
+ public:
+  struct BuildInfo {
+    std::string version;
+    std::string backend;
+    std::string device;
+  };
+  explicit Metrics(const BuildInfo& build_info);
+  ~Metrics() override;
+
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  // BackendObserver.
+  void OnKernel(std::string_view kernel, std::string_view phase, double seconds) override;
+  void OnTransfer(std::string_view direction, int64_t bytes) override;
+
+  // method is the RPC's short name ("Plan"); code its final status.
+  void ObserveRpc(std::string_view method, absl::StatusCode code, double seconds);
+  void ObservePlan(double seconds, int64_t decode_tokens, int64_t prefill_tokens);
+  void StepEnded(bool committed, int64_t decode_tokens, int64_t prefill_tokens);
+  void SetCachePages(const std::string& cache, int64_t used_pages, int64_t free_pages);
+  void RemoveCache(const std::string& cache);
+
+  StatsSnapshot Snapshot() const;
+
+ private:
+  prometheus::Histogram& KernelHistogram(std::string_view kernel);
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Histogram>* kernel_duration_;
+  prometheus::Family<prometheus::Histogram>* rpc_duration_;
+  prometheus::Family<prometheus::Counter>* rpc_requests_;
+  prometheus::Histogram* plan_duration_;
+  prometheus::Family<prometheus::Histogram>* batch_tokens_;
+  prometheus::Family<prometheus::Counter>* tokens_total_;
+  prometheus::Family<prometheus::Gauge>* kv_pages_;
+  prometheus::Family<prometheus::Gauge>* kv_usage_;
+  prometheus::Family<prometheus::Counter>* transfer_bytes_;
+  prometheus::Family<prometheus::Counter>* errors_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::pair<std::string, std::string>, std::pair<int64_t, double>> kernel_totals_
+      ABSL_GUARDED_BY(mu_);
+  int64_t steps_committed_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t tokens_prefill_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t tokens_decode_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Lower-case snake name of a status code ("invalid_argument"), the error_type label.
+std::string_view StatusCodeLabel(absl::StatusCode code);
+
+}  // namespace attnd

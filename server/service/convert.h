@@ -1,0 +1,38 @@
+// Protobuf <-> engine structs, and the validation that needs no server state. Every error
+// names the request field (proto path), what was expected and what came.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attnd/v1/attnd.pb.h"
+#include "engine/specs.h"
+#include "grpcpp/support/status.h"
+
+namespace attnd {
+
+// Resolves every default of a CacheConfig and checks every field.
+absl::StatusOr<CacheSpec> CacheSpecFromProto(const v1::CreateCacheRequest& request);
+void CacheStatusToProto(const CacheStatus& status, v1::CacheInfo* info);
+
+absl::StatusOr<PlanSpec> PlanSpecFromProto(const v1::PlanRequest& request);
+void PlanResultToProto(const PlanResult& result, v1::PlanResponse* response);
+
+// Decodes ForwardRequest tensors. Tensors sent as `values` are converted into `scratch`
+// (which must outlive `args`); `data` tensors are referenced in place.
+absl::Status ForwardArgsFromProto(const v1::ForwardRequest& request, ForwardArgs& args,
+                                  std::vector<std::string>& scratch);
+// Moves the engine's outputs into the response.
+void ForwardOutputsToProto(ForwardOutputs& outputs, std::string&& lse_bytes,
+                           v1::ForwardResponse* response);
+
+void EndStepResultToProto(const EndStepResult& result, v1::EndStepResponse* response);
+
+absl::StatusOr<DType> DTypeFromProto(v1::DType dtype, absl::string_view field);
+v1::DType DTypeToProto(DType dtype);
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+}  // namespace attnd
