@@ -1,0 +1,57 @@
+// Picks the tile kernels for this CPU once.
+#include "reference/tile_kernels.h"
+
+namespace attnd::reference {
+
+// Defined per ISA in tile_kernels_<isa>.cc.
+#define ATTND_DECLARE_TILE_KERNELS(suffix)                                                     \
+  template <typename T>                                                                        \
+  void ScoreBlock##suffix(const T* const* q, int32_t qk_dim, const T* kt, int64_t kt_stride,    \
+                          int64_t key_begin, int64_t key_end, T* const* scores);               \
+  template <typename T>                                                                        \
+  void AccumulateBlock##suffix(int rows, const T* const* p, const T* v, int64_t v_stride,       \
+                               int64_t key_begin, int64_t key_end, int32_t v_dim_padded,       \
+                               T* const* o);                                                   \
+  extern template void ScoreBlock##suffix<float>(const float* const*, int32_t, const float*,   \
+                                                 int64_t, int64_t, int64_t, float* const*);    \
+  extern template void ScoreBlock##suffix<double>(const double* const*, int32_t,               \
+                                                  const double*, int64_t, int64_t, int64_t,    \
+                                                  double* const*);                             \
+  extern template void AccumulateBlock##suffix<float>(int, const float* const*, const float*,  \
+                                                      int64_t, int64_t, int64_t, int32_t,      \
+                                                      float* const*);                          \
+  extern template void AccumulateBlock##suffix<double>(int, const double* const*,              \
+                                                       const double*, int64_t, int64_t,        \
+                                                       int64_t, int32_t, double* const*);
+
+ATTND_DECLARE_TILE_KERNELS(Generic)
+#if ATTND_REFERENCE_AVX2
+ATTND_DECLARE_TILE_KERNELS(Avx2)
+#endif
+
+namespace {
+
+template <typename T>
+TileKernels<T> ChooseKernels() {
+#if ATTND_REFERENCE_AVX2
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    return {&ScoreBlockAvx2<T>, &AccumulateBlockAvx2<T>, "avx2"};
+  }
+#endif
+  return {&ScoreBlockGeneric<T>, &AccumulateBlockGeneric<T>, "generic"};
+}
+
+}  // namespace
+
+const TileKernels<float>& FloatTileKernels() {
+  static const TileKernels<float> kernels = ChooseKernels<float>();
+  return kernels;
+}
+
+const TileKernels<double>& DoubleTileKernels() {
+  static const TileKernels<double> kernels = ChooseKernels<double>();
+  return kernels;
+}
+
+}  // namespace attnd::reference
