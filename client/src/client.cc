@@ -7,6 +7,7 @@
 #include <grpcpp/support/channel_arguments.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "attnd/client/status.h"
 #include "attnd/status_macros.h"
 #include "stream_session_impl.h"

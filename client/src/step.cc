@@ -21,14 +21,19 @@ ForwardResult Step::Forward(attnd::v1::ForwardRequest request) {
 }
 
 std::future<ForwardResult> Step::ForwardAsync(attnd::v1::ForwardRequest request) {
-  request.set_step_id(id());
   auto promise = std::make_shared<std::promise<ForwardResult>>();
   std::future<ForwardResult> future = promise->get_future();
-  StartForward(std::move(request), [state = state_, promise](ForwardResult result) {
-    if (result.ok() && result->step_committed()) state->finished.store(true);
-    promise->set_value(std::move(result));
-  });
+  ForwardAsync(std::move(request),
+               [promise](ForwardResult result) { promise->set_value(std::move(result)); });
   return future;
+}
+
+void Step::ForwardAsync(attnd::v1::ForwardRequest request, ForwardCallback done) {
+  request.set_step_id(id());
+  StartForward(std::move(request), [state = state_, done = std::move(done)](ForwardResult result) {
+    if (result.ok() && result->step_committed()) state->finished.store(true);
+    done(std::move(result));
+  });
 }
 
 absl::StatusOr<attnd::v1::EndStepResponse> Step::End() {

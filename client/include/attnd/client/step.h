@@ -46,6 +46,9 @@ class Step {
   ForwardResult Forward(attnd::v1::ForwardRequest request);
   // Sends without waiting; the future resolves when the response (or error) arrives.
   std::future<ForwardResult> ForwardAsync(attnd::v1::ForwardRequest request);
+  // Sends without waiting; `done` runs on a client thread when the answer arrives. It must not
+  // block on other calls of the same stream or client.
+  void ForwardAsync(attnd::v1::ForwardRequest request, ForwardCallback done);
 
   // Commits the step now (layers not run keep unwritten slots).
   absl::StatusOr<attnd::v1::EndStepResponse> End();

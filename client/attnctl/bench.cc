@@ -1,0 +1,361 @@
+// attnctl bench: a load generator. N sequences are prefilled, then decode together for S steps
+// of L layers each (optionally with a prefill entry mixed into every step), over unary calls or
+// one ForwardStream, with several layers in flight.
+#include <unistd.h>
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "cache_flags.h"
+#include "commands.h"
+#include "global_flags.h"
+#include "latency.h"
+#include "printing.h"
+#include "progress_bar.h"
+#include "random_tensors.h"
+
+ABSL_FLAG(int32_t, sequences, 8, "bench: sequences decoding together (batch size)");
+ABSL_FLAG(int32_t, steps, 32, "bench: timed decode steps");
+ABSL_FLAG(int32_t, prompt_tokens, 64, "bench: tokens prefilled per sequence before timing");
+ABSL_FLAG(int32_t, prefill_tokens, 0,
+          "bench: when > 0, every timed step also prefills this many tokens of a new sequence");
+ABSL_FLAG(int32_t, window, 0,
+          "bench: Forward calls in flight per step (0: all layers with --stream, 1 without)");
+ABSL_FLAG(std::string, cache, "",
+          "bench: run on this existing cache instead of creating (and deleting) one");
+
+namespace attnd::attnctl {
+namespace {
+
+struct BenchSettings {
+  int32_t sequences = 0;
+  int32_t steps = 0;
+  int32_t prompt_tokens = 0;
+  int32_t prefill_tokens = 0;
+  int32_t window = 1;
+  bool stream = false;
+};
+
+// What one step's entries are: (sequence id, new tokens).
+using Entries = std::vector<std::pair<uint64_t, int32_t>>;
+
+class Bench {
+ public:
+  Bench(client::Client& client, attnd::v1::CacheInfo cache, BenchSettings settings,
+        uint64_t first_sequence_id)
+      : client_(client),
+        cache_(std::move(cache)),
+        settings_(settings),
+        first_id_(first_sequence_id),
+        rng_(absl::GetFlag(FLAGS_seed)) {}
+
+  // Returns false when the benchmark could not run at all.
+  bool Run(int64_t max_step_tokens) {
+    if (settings_.stream) {
+      auto session = client_.OpenStream({.window = settings_.window});
+      if (!session.ok()) {
+        PrintError("open ForwardStream", session.status());
+        return false;
+      }
+      session_ = *std::move(session);
+    }
+    if (!Prefill(max_step_tokens)) return false;
+
+    ProgressBar progress("bench", settings_.steps);
+    const absl::Time start = absl::Now();
+    for (int32_t s = 0; s < settings_.steps; ++s) {
+      Entries entries;
+      for (int32_t i = 0; i < settings_.sequences; ++i) entries.emplace_back(first_id_ + i, 1);
+      if (settings_.prefill_tokens > 0) {
+        const uint64_t id = first_id_ + settings_.sequences + s;
+        entries.emplace_back(id, settings_.prefill_tokens);
+        extra_ids_.push_back(id);
+      }
+      const absl::Time step_start = absl::Now();
+      if (RunStep(entries, /*timed=*/true)) {
+        step_latency_.Record(absl::Now() - step_start);
+        ++steps_ok_;
+        tokens_ += settings_.sequences + settings_.prefill_tokens;
+      }
+      progress.Update(s + 1, errors_ > 0 ? absl::StrCat(errors_, " errors") : "");
+    }
+    elapsed_ = absl::Now() - start;
+    progress.Finish();
+    if (session_ != nullptr) {
+      absl::Status closed = session_->Close();
+      if (!closed.ok()) PrintError("close ForwardStream", closed);
+    }
+    return true;
+  }
+
+  void PrintSummary() {
+    const double seconds = absl::ToDoubleSeconds(elapsed_);
+    const int32_t layers = cache_.config().num_layers();
+    absl::PrintF("\nbench on cache %s (%s)\n", cache_.name(), DescribeConfig(cache_.config()));
+    absl::PrintF("  load       %d sequences x %d layers, %d decode steps%s, %s, window %d\n",
+                 settings_.sequences, layers, settings_.steps,
+                 settings_.prefill_tokens > 0
+                     ? absl::StrCat(" + a ", settings_.prefill_tokens, "-token prefill each")
+                     : "",
+                 settings_.stream ? "ForwardStream" : "unary RPCs", settings_.window);
+    absl::PrintF("  prompt     %d tokens per sequence in %d step(s), %s\n",
+                 settings_.prompt_tokens, prefill_steps_, FormatLatency(prefill_elapsed_));
+    absl::PrintF("  timed      %d steps ok in %.3f s: %.1f steps/s, %.0f tokens/s, "
+                 "%.0f layer forwards/s\n",
+                 steps_ok_, seconds, seconds > 0 ? steps_ok_ / seconds : 0.0,
+                 seconds > 0 ? static_cast<double>(tokens_) / seconds : 0.0,
+                 seconds > 0 ? static_cast<double>(steps_ok_) * layers / seconds : 0.0);
+    PrintPercentiles("layer", layer_latency_);
+    PrintPercentiles("plan", plan_latency_);
+    PrintPercentiles("step", step_latency_);
+    absl::PrintF("  errors     %d%s\n", errors_,
+                 first_error_.ok() ? "" : absl::StrCat(" (first: ", first_error_.ToString(), ")"));
+  }
+
+  // Frees what the benchmark created on a cache it did not create.
+  void FreeSequences() {
+    std::vector<uint64_t> ids = extra_ids_;
+    for (int32_t i = 0; i < settings_.sequences; ++i) ids.push_back(first_id_ + i);
+    auto freed = client_.FreeSequences(cache_.name(), ids);
+    if (!freed.ok()) PrintError("FreeSequences", freed.status());
+  }
+
+  int64_t errors() const { return errors_; }
+
+ private:
+  static void PrintPercentiles(const char* what, LatencyRecorder& latency) {
+    absl::PrintF("  %-10s p50 %s  p90 %s  p99 %s  (n=%d)\n", absl::StrCat(what, " latency"),
+                 FormatLatency(latency.Percentile(50)), FormatLatency(latency.Percentile(90)),
+                 FormatLatency(latency.Percentile(99)), latency.count());
+  }
+
+  bool Prefill(int64_t max_step_tokens) {
+    if (settings_.prompt_tokens <= 0) return true;
+    const absl::Time start = absl::Now();
+    Entries entries;
+    int64_t tokens = 0;
+    auto flush = [&] {
+      if (entries.empty()) return true;
+      ++prefill_steps_;
+      const bool ok = RunStep(entries, /*timed=*/false);
+      entries.clear();
+      tokens = 0;
+      return ok;
+    };
+    for (int32_t i = 0; i < settings_.sequences; ++i) {
+      if (tokens + settings_.prompt_tokens > max_step_tokens && !flush()) return false;
+      entries.emplace_back(first_id_ + i, settings_.prompt_tokens);
+      tokens += settings_.prompt_tokens;
+    }
+    if (!flush()) return false;
+    prefill_elapsed_ = absl::Now() - start;
+    return true;
+  }
+
+  // q/k/v for a step of `rows` rows; built once per row count and reused.
+  const attnd::v1::ForwardRequest& Payload(int64_t rows) {
+    auto it = payloads_.find(rows);
+    if (it != payloads_.end()) return it->second;
+    const attnd::v1::CacheConfig& config = cache_.config();
+    const DType dtype = static_cast<DType>(config.q_dtype());
+    attnd::v1::ForwardRequest request;
+    *request.mutable_q() = *RandomTensor(rng_, dtype, {rows, config.num_qo_heads(),
+                                                       config.head_dim()});
+    *request.mutable_k() = *RandomTensor(rng_, dtype, {rows, config.num_kv_heads(),
+                                                       config.head_dim()});
+    *request.mutable_v() = *RandomTensor(rng_, dtype, {rows, config.num_kv_heads(),
+                                                       config.head_dim()});
+    return payloads_.emplace(rows, std::move(request)).first->second;
+  }
+
+  void CountError(const absl::Status& status) {
+    if (first_error_.ok()) first_error_ = status;
+    ++errors_;
+  }
+
+  // One step: plan, every layer with up to `window` in flight, commit. False on any error
+  // (the step is then aborted by its handle).
+  bool RunStep(const Entries& entries, bool timed) {
+    attnd::v1::PlanRequest plan;
+    plan.set_cache(cache_.name());
+    for (const auto& [id, tokens] : entries) {
+      attnd::v1::PlanEntry* entry = plan.add_entries();
+      entry->set_sequence_id(id);
+      entry->set_num_new_tokens(tokens);
+    }
+    const absl::Time plan_start = absl::Now();
+    auto step = session_ != nullptr ? session_->BeginStep(plan) : client_.BeginStep(plan);
+    if (!step.ok()) {
+      CountError(step.status());
+      return false;
+    }
+    if (timed) plan_latency_.Record(absl::Now() - plan_start);
+    const attnd::v1::ForwardRequest& payload = Payload((*step)->num_tokens());
+
+    std::mutex mu;
+    std::condition_variable cv;
+    int in_flight = 0;
+    absl::Status step_error;
+    const int32_t layers = cache_.config().num_layers();
+    for (int32_t layer = 0; layer < layers; ++layer) {
+      {
+        std::unique_lock lock(mu);
+        cv.wait(lock, [&] { return in_flight < settings_.window; });
+        if (!step_error.ok()) break;
+        ++in_flight;
+      }
+      attnd::v1::ForwardRequest request = payload;
+      request.set_layer(layer);
+      const absl::Time sent = absl::Now();
+      (*step)->ForwardAsync(std::move(request), [&, sent, timed](client::ForwardResult result) {
+        const absl::Duration latency = absl::Now() - sent;
+        std::lock_guard lock(mu);
+        if (!result.ok()) {
+          if (step_error.ok()) step_error = result.status();
+        } else if (timed) {
+          layer_latency_.Record(latency);
+        }
+        --in_flight;
+        cv.notify_all();
+      });
+    }
+    {
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return in_flight == 0; });
+    }
+    if (!step_error.ok()) {
+      CountError(step_error);
+      return false;
+    }
+    if ((*step)->open()) {
+      auto ended = (*step)->End();
+      if (!ended.ok()) {
+        CountError(ended.status());
+        return false;
+      }
+    }
+    return true;
+  }
+
+  client::Client& client_;
+  const attnd::v1::CacheInfo cache_;
+  const BenchSettings settings_;
+  const uint64_t first_id_;
+  std::mt19937_64 rng_;
+  std::unique_ptr<client::StreamSession> session_;
+  std::map<int64_t, attnd::v1::ForwardRequest> payloads_;
+  std::vector<uint64_t> extra_ids_;
+
+  LatencyRecorder layer_latency_;  // guarded by RunStep's mutex while a step runs
+  LatencyRecorder plan_latency_;
+  LatencyRecorder step_latency_;
+  int64_t errors_ = 0;
+  absl::Status first_error_;
+  int64_t steps_ok_ = 0;
+  int64_t tokens_ = 0;
+  int32_t prefill_steps_ = 0;
+  absl::Duration prefill_elapsed_;
+  absl::Duration elapsed_;
+};
+
+int64_t PagesNeeded(const BenchSettings& settings, int32_t page_size) {
+  auto pages = [&](int64_t tokens) { return (tokens + page_size - 1) / page_size; };
+  return settings.sequences * pages(settings.prompt_tokens + settings.steps) +
+         static_cast<int64_t>(settings.steps) * pages(settings.prefill_tokens);
+}
+
+}  // namespace
+
+int RunBench(const Args& args) {
+  if (!args.empty()) {
+    absl::FPrintF(stderr,
+                  "usage: attnctl bench [--sequences=N --steps=S --prompt_tokens=P "
+                  "--prefill_tokens=T --stream --window=W --cache=NAME] [cache shape flags]\n");
+    return kExitUsage;
+  }
+  BenchSettings settings;
+  settings.sequences = absl::GetFlag(FLAGS_sequences);
+  settings.steps = absl::GetFlag(FLAGS_steps);
+  settings.prompt_tokens = absl::GetFlag(FLAGS_prompt_tokens);
+  settings.prefill_tokens = absl::GetFlag(FLAGS_prefill_tokens);
+  settings.stream = absl::GetFlag(FLAGS_stream);
+  if (settings.sequences < 1 || settings.steps < 1 || settings.prompt_tokens < 0 ||
+      settings.prefill_tokens < 0 || absl::GetFlag(FLAGS_window) < 0) {
+    absl::FPrintF(stderr, "attnctl bench: --sequences and --steps must be >= 1, "
+                          "--prompt_tokens, --prefill_tokens and --window >= 0\n");
+    return kExitUsage;
+  }
+  auto config = CacheConfigFromFlags(CacheShapeDefaults{});
+  if (!config.ok()) {
+    PrintError("bench", config.status());
+    return kExitUsage;
+  }
+  auto client = ConnectFromFlags();
+  if (!client.ok()) {
+    PrintError("connect", client.status());
+    return kExitFailure;
+  }
+  auto info = (*client)->GetServerInfo();
+  if (!info.ok()) {
+    PrintError("GetServerInfo", info.status());
+    return kExitFailure;
+  }
+
+  const std::string existing = absl::GetFlag(FLAGS_cache);
+  std::random_device entropy;
+  attnd::v1::CacheInfo cache;
+  uint64_t first_id = 1;
+  if (!existing.empty()) {
+    auto got = (*client)->GetCache(existing);
+    if (!got.ok()) {
+      PrintError(absl::StrCat("cache ", existing), got.status());
+      return kExitFailure;
+    }
+    cache = *std::move(got);
+    // Ids far from anyone else's on a shared cache.
+    first_id = (uint64_t{entropy()} << 32) | (uint64_t{1} << 31);
+  } else {
+    if (!CapacityFlagGiven()) {
+      config->set_num_pages(PagesNeeded(settings, config->page_size()) + settings.sequences);
+    }
+    const std::string name = absl::StrFormat("attnctl-bench-%d-%08x", getpid(), entropy());
+    auto created = (*client)->CreateCache(name, *config);
+    if (!created.ok()) {
+      PrintError(absl::StrCat("create cache ", name), created.status());
+      return kExitFailure;
+    }
+    cache = *std::move(created);
+  }
+  if (cache.config().kind() == attnd::v1::ATTENTION_KIND_MLA ||
+      cache.config().page_table_mode() == attnd::v1::PAGE_TABLE_MODE_EXTERNAL) {
+    absl::FPrintF(stderr, "attnctl bench: drives MHA/GQA caches in managed mode only\n");
+    if (existing.empty()) (void)(*client)->DeleteCache(cache.name(), true);
+    return kExitUsage;
+  }
+  const int32_t window = absl::GetFlag(FLAGS_window);
+  settings.window = window > 0 ? window : settings.stream ? cache.config().num_layers() : 1;
+
+  Bench bench(**client, cache, settings, first_id);
+  const bool ran = bench.Run(info->limits().max_step_tokens() > 0
+                                 ? info->limits().max_step_tokens()
+                                 : int64_t{1} << 40);
+  if (ran) bench.PrintSummary();
+  if (existing.empty()) {
+    absl::Status deleted = (*client)->DeleteCache(cache.name(), /*force=*/true);
+    if (!deleted.ok()) PrintError(absl::StrCat("delete cache ", cache.name()), deleted);
+  } else {
+    bench.FreeSequences();
+  }
+  return ran && bench.errors() == 0 ? kExitOk : kExitFailure;
+}
+
+}  // namespace attnd::attnctl

@@ -1,0 +1,25 @@
+// attnctl's global flags (--server, --timeout, --json) and the client they describe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/flags/declare.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attnd/client/client.h"
+
+ABSL_DECLARE_FLAG(std::string, server);
+ABSL_DECLARE_FLAG(absl::Duration, timeout);
+ABSL_DECLARE_FLAG(bool, json);
+// Shared by demo and bench.
+ABSL_DECLARE_FLAG(bool, stream);
+ABSL_DECLARE_FLAG(uint64_t, seed);
+
+namespace attnd::attnctl {
+
+// A client for --server with --timeout as each call's deadline.
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags();
+
+}  // namespace attnd::attnctl

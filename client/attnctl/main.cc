@@ -1,0 +1,94 @@
+// attnctl: inspect and exercise an attnd daemon.
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+#include "commands.h"
+
+namespace {
+
+constexpr char kUsage[] =
+    "attnctl COMMAND [ARGS] [--flags]\n"
+    "\n"
+    "commands:\n"
+    "  info                       server version, backend, device, limits\n"
+    "  health [--service=NAME]    grpc.health.v1 check; exit 0 only when SERVING\n"
+    "  cache create NAME [...]    create a KV cache (shape flags below)\n"
+    "  cache list                 list caches\n"
+    "  cache get NAME             describe one cache\n"
+    "  cache delete NAME [--force]\n"
+    "  stats                      per-kernel counts and time\n"
+    "  demo                       a small mixed prefill/decode run checked against the CPU "
+    "reference\n"
+    "  bench                      load generator: decode steps over unary calls or --stream\n"
+    "\n"
+    "global flags: --server=HOST:PORT (localhost:50051) --timeout=30s --json\n"
+    "Flag names accept dashes or underscores (--qo-heads = --qo_heads).\n"
+    "Run attnctl --help for every flag.";
+
+// absl flags spell names with underscores; accept the dashed spelling users type too.
+// Only the name part (before '=') changes; arguments after a bare "--" are left alone.
+std::vector<std::string> NormaliseFlagNames(int argc, char** argv) {
+  std::vector<std::string> normalised(argv, argv + argc);
+  for (size_t i = 1; i < normalised.size(); ++i) {
+    std::string& arg = normalised[i];
+    if (arg == "--") break;
+    if (arg.size() < 2 || arg[0] != '-') continue;
+    const size_t name_start = arg[1] == '-' ? 2 : 1;
+    if (name_start >= arg.size() || !std::isalpha(static_cast<unsigned char>(arg[name_start]))) {
+      continue;  // "-1" is a value, not a flag
+    }
+    const size_t name_end = std::min(arg.find('='), arg.size());
+    for (size_t c = name_start; c < name_end; ++c) {
+      if (arg[c] == '-') arg[c] = '_';
+    }
+  }
+  return normalised;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::FlagsUsageConfig usage_config;
+  // --help lists attnctl's own flags, not Abseil's or gRPC's.
+  usage_config.contains_help_flags = [](absl::string_view path) {
+    return absl::StrContains(path, "attnctl/");
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
+  absl::SetProgramUsageMessage(kUsage);
+
+  std::vector<std::string> normalised = NormaliseFlagNames(argc, argv);
+  std::vector<char*> pointers;
+  for (std::string& arg : normalised) pointers.push_back(arg.data());
+  std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(pointers.size()), pointers.data());
+
+  using attnd::attnctl::Args;
+  Args args(positional.begin() + 1, positional.end());
+  if (args.empty()) {
+    absl::FPrintF(stderr, "%s\n", kUsage);
+    return attnd::attnctl::kExitUsage;
+  }
+  const std::string command = args.front();
+  args.erase(args.begin());
+  if (command == "info") return attnd::attnctl::RunInfo(args);
+  if (command == "health") return attnd::attnctl::RunHealth(args);
+  if (command == "stats") return attnd::attnctl::RunStats(args);
+  if (command == "cache") return attnd::attnctl::RunCache(args);
+  if (command == "demo") return attnd::attnctl::RunDemo(args);
+  if (command == "bench") return attnd::attnctl::RunBench(args);
+  if (command == "help") {
+    absl::PrintF("%s\n", kUsage);
+    return attnd::attnctl::kExitOk;
+  }
+  absl::FPrintF(stderr, "attnctl: unknown command '%s'\n\n%s\n", command, kUsage);
+  return attnd::attnctl::kExitUsage;
+}
