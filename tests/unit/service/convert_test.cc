@@ -1,0 +1,188 @@
+// Validation of requests that needs no server state: every error names its field.
+#include "service/convert.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace absl {
+ABSL_NAMESPACE_BEGIN
+inline void PrintTo(absl::string_view text, std::ostream* os) { *os << '"' << text << '"'; }
+ABSL_NAMESPACE_END
+}  // namespace absl
+
+namespace attnd {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::CreateCacheRequest ValidRequest() {
+  v1::CreateCacheRequest request;
+  request.set_name("llama-8b.0");
+  v1::CacheConfig* config = request.mutable_config();
+  config->set_num_layers(32);
+  config->set_num_qo_heads(32);
+  config->set_num_kv_heads(8);
+  config->set_head_dim(128);
+  config->set_num_pages(1000);
+  return request;
+}
+
+TEST(CacheSpecFromProtoTest, ResolvesDefaults) {
+  auto spec = CacheSpecFromProto(ValidRequest());
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const CacheGeometry& g = spec->geometry;
+  EXPECT_EQ(g.page_size, 16);
+  EXPECT_EQ(g.q_dtype, DType::kBFloat16);
+  EXPECT_EQ(g.kv_dtype, DType::kBFloat16);
+  EXPECT_EQ(g.layout, KvLayout::kNHD);
+  EXPECT_EQ(g.k_scale, 1.0f);
+  EXPECT_EQ(g.rope.style, RopeStyle::kNone);
+  EXPECT_FALSE(spec->external_pages);
+  EXPECT_EQ(g.num_pages, 1000);
+}
+
+TEST(CacheSpecFromProtoTest, DerivesPagesFromAByteBudget) {
+  v1::CreateCacheRequest request = ValidRequest();
+  // One page: 16 tokens x 8 heads x 128 dims x 2 bytes x (K + V) x 32 layers = 2 MiB.
+  request.mutable_config()->set_memory_bytes((10ll << 20) + 5);
+  auto spec = CacheSpecFromProto(request);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->geometry.num_pages, 5);
+}
+
+TEST(CacheSpecFromProtoTest, ResolvesMlaShapes) {
+  v1::CreateCacheRequest request = ValidRequest();
+  request.mutable_config()->set_kind(v1::ATTENTION_KIND_MLA);
+  request.mutable_config()->set_num_qo_heads(128);
+  request.mutable_config()->mutable_rope()->set_style(v1::ROPE_STYLE_INTERLEAVED);
+  auto spec = CacheSpecFromProto(request);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(spec->geometry.mla);
+  EXPECT_EQ(spec->geometry.k_head_dim, 512);
+  EXPECT_EQ(spec->geometry.v_head_dim, 64);
+  EXPECT_EQ(spec->geometry.num_kv_heads, 1);
+  EXPECT_EQ(spec->geometry.rope.rotary_dim, 64);
+}
+
+struct BadConfigCase {
+  const char* name;
+  void (*mutate)(v1::CreateCacheRequest&);
+  const char* field;
+};
+
+class BadConfigTest : public ::testing::TestWithParam<BadConfigCase> {};
+
+TEST_P(BadConfigTest, NamesTheField) {
+  v1::CreateCacheRequest request = ValidRequest();
+  GetParam().mutate(request);
+  auto spec = CacheSpecFromProto(request);
+  ASSERT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(spec.status().message(), HasSubstr(GetParam().field));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fields, BadConfigTest,
+    ::testing::Values(
+        BadConfigCase{"EmptyName", [](auto& r) { r.set_name(""); }, "name: expected"},
+        BadConfigCase{"NameWithSlash", [](auto& r) { r.set_name("a/b"); }, "name: expected"},
+        BadConfigCase{"NoLayers", [](auto& r) { r.mutable_config()->set_num_layers(0); },
+                      "config.num_layers"},
+        BadConfigCase{"GroupTooLarge", [](auto& r) { r.mutable_config()->set_num_kv_heads(2); },
+                      "config.num_kv_heads"},
+        BadConfigCase{"NotADivisor", [](auto& r) { r.mutable_config()->set_num_kv_heads(5); },
+                      "config.num_kv_heads"},
+        BadConfigCase{"HeadDim96", [](auto& r) { r.mutable_config()->set_head_dim(96); },
+                      "config.head_dim: expected 64, 128 or 256, got 96"},
+        BadConfigCase{"PageSize24", [](auto& r) { r.mutable_config()->set_page_size(24); },
+                      "config.page_size"},
+        BadConfigCase{"PageSize256", [](auto& r) { r.mutable_config()->set_page_size(256); },
+                      "config.page_size"},
+        BadConfigCase{"Fp8Query",
+                      [](auto& r) { r.mutable_config()->set_q_dtype(v1::DTYPE_FLOAT8_E4M3); },
+                      "config.q_dtype"},
+        BadConfigCase{"Fp32Cache",
+                      [](auto& r) { r.mutable_config()->set_kv_dtype(v1::DTYPE_FLOAT32); },
+                      "config.kv_dtype"},
+        BadConfigCase{"NegativeScale", [](auto& r) { r.mutable_config()->set_k_scale(-1); },
+                      "config.k_scale"},
+        BadConfigCase{"NoCapacity", [](auto& r) { r.mutable_config()->clear_capacity(); },
+                      "config.capacity"},
+        BadConfigCase{"ZeroPages", [](auto& r) { r.mutable_config()->set_num_pages(0); },
+                      "config.num_pages"},
+        BadConfigCase{"TinyBudget", [](auto& r) { r.mutable_config()->set_memory_bytes(100); },
+                      "config.memory_bytes"},
+        BadConfigCase{"OddRotaryDim",
+                      [](auto& r) {
+                        r.mutable_config()->mutable_rope()->set_style(v1::ROPE_STYLE_NEOX);
+                        r.mutable_config()->mutable_rope()->set_rotary_dim(33);
+                      },
+                      "config.rope.rotary_dim"},
+        BadConfigCase{"Llama3BadBand",
+                      [](auto& r) {
+                        auto* rope = r.mutable_config()->mutable_rope();
+                        rope->set_style(v1::ROPE_STYLE_NEOX);
+                        rope->set_scaling(v1::ROPE_SCALING_LLAMA3);
+                        rope->set_low_freq_factor(4);
+                        rope->set_high_freq_factor(2);
+                      },
+                      "config.rope.high_freq_factor"},
+        BadConfigCase{"SeparateKvManaged",
+                      [](auto& r) {
+                        r.mutable_config()->set_page_table_form(v1::PAGE_TABLE_FORM_SEPARATE_KV);
+                      },
+                      "config.page_table_form"},
+        BadConfigCase{"UnknownKind",
+                      [](auto& r) { r.mutable_config()->set_kind(static_cast<v1::AttentionKind>(9)); },
+                      "config.kind"},
+        BadConfigCase{"MlaRank128",
+                      [](auto& r) {
+                        r.mutable_config()->set_kind(v1::ATTENTION_KIND_MLA);
+                        r.mutable_config()->set_kv_lora_rank(128);
+                      },
+                      "config.kv_lora_rank"}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(ForwardArgsFromProtoTest, ConvertsFloatValuesToTheTensorDtype) {
+  v1::ForwardRequest request;
+  v1::Tensor* q = request.mutable_q();
+  q->set_dtype(v1::DTYPE_BFLOAT16);
+  q->add_shape(1);
+  q->add_shape(2);
+  q->add_values(1.0f);
+  q->add_values(-2.5f);
+  ForwardArgs args;
+  std::vector<std::string> scratch;
+  ASSERT_TRUE(ForwardArgsFromProto(request, args, scratch).ok());
+  ASSERT_TRUE(args.q.present);
+  EXPECT_FALSE(args.k.present);
+  ASSERT_EQ(args.q.data.size(), 4u);
+  EXPECT_EQ(LoadAsFloat(DType::kBFloat16, args.q.data.data(), 0), 1.0f);
+  EXPECT_EQ(LoadAsFloat(DType::kBFloat16, args.q.data.data(), 1), -2.5f);
+}
+
+TEST(ForwardArgsFromProtoTest, RejectsMismatchedValuesAndBadShapes) {
+  v1::ForwardRequest request;
+  v1::Tensor* k = request.mutable_k();
+  k->set_dtype(v1::DTYPE_FLOAT16);
+  k->add_shape(3);
+  k->add_values(1.0f);
+  ForwardArgs args;
+  std::vector<std::string> scratch;
+  absl::Status status = ForwardArgsFromProto(request, args, scratch);
+  EXPECT_THAT(status.message(), HasSubstr("k.values: expected 3 values"));
+
+  k->clear_values();
+  k->set_shape(0, -4);
+  ForwardArgs again;
+  status = ForwardArgsFromProto(request, again, scratch);
+  EXPECT_THAT(status.message(), HasSubstr("k.shape[0]"));
+
+  v1::ForwardRequest unset;
+  unset.mutable_v()->add_shape(1);
+  ForwardArgs third;
+  status = ForwardArgsFromProto(unset, third, scratch);
+  EXPECT_THAT(status.message(), HasSubstr("v.dtype"));
+}
+
+}  // namespace
+}  // namespace attnd
