@@ -1,0 +1,144 @@
+// Small device primitives shared by the kernels: packed element conversions and cp.async.
+// Conversions round to nearest even (FP8: saturating to +-448), like attnd/kernels/dtype.h, so a
+// kernel stores the bytes the reference stores for the same float.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace attnd::cuda {
+
+// Eight elements of T in raw storage: 16 bytes for 16-bit types, 8 bytes for FP8.
+template <typename T>
+struct Raw8;
+template <>
+struct Raw8<__half> {
+  using type = uint4;
+};
+template <>
+struct Raw8<__nv_bfloat16> {
+  using type = uint4;
+};
+template <>
+struct Raw8<__nv_fp8_e4m3> {
+  using type = uint2;
+};
+
+__device__ __forceinline__ float2 Bf16x2ToFloat2(uint32_t word) {
+  // A bfloat16 is the top half of a float: shifting is exact and cheaper than cvt.
+  return make_float2(__uint_as_float(word << 16), __uint_as_float(word & 0xffff0000u));
+}
+
+__device__ __forceinline__ float2 Fp16x2ToFloat2(uint32_t word) {
+  __half2 pair;
+  memcpy(&pair, &word, sizeof pair);
+  return __half22float2(pair);
+}
+
+// Two E4M3 values (low byte first) to float, through an exact E4M3 -> f16 conversion.
+__device__ __forceinline__ float2 Fp8x2ToFloat2(uint16_t bits) {
+  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(bits, __NV_E4M3);
+  __half2 pair;
+  memcpy(&pair, &raw, sizeof pair);
+  return __half22float2(pair);
+}
+
+template <typename T>
+__device__ __forceinline__ void Raw8ToFloat(const typename Raw8<T>::type& raw, float* out);
+
+template <>
+__device__ __forceinline__ void Raw8ToFloat<__nv_bfloat16>(const uint4& raw, float* out) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 pair = Bf16x2ToFloat2(words[i]);
+    out[2 * i] = pair.x;
+    out[2 * i + 1] = pair.y;
+  }
+}
+
+template <>
+__device__ __forceinline__ void Raw8ToFloat<__half>(const uint4& raw, float* out) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 pair = Fp16x2ToFloat2(words[i]);
+    out[2 * i] = pair.x;
+    out[2 * i + 1] = pair.y;
+  }
+}
+
+template <>
+__device__ __forceinline__ void Raw8ToFloat<__nv_fp8_e4m3>(const uint2& raw, float* out) {
+  const uint32_t words[2] = {raw.x, raw.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float2 low = Fp8x2ToFloat2(static_cast<uint16_t>(words[i] & 0xffffu));
+    const float2 high = Fp8x2ToFloat2(static_cast<uint16_t>(words[i] >> 16));
+    out[4 * i] = low.x;
+    out[4 * i + 1] = low.y;
+    out[4 * i + 2] = high.x;
+    out[4 * i + 3] = high.y;
+  }
+}
+
+// Packs two floats (a in the low half) rounded to T.
+__device__ __forceinline__ uint32_t PackFloat2(float a, float b, __nv_bfloat16*) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(a, b);
+  uint32_t word;
+  memcpy(&word, &pair, sizeof word);
+  return word;
+}
+__device__ __forceinline__ uint32_t PackFloat2(float a, float b, __half*) {
+  const __half2 pair = __floats2half2_rn(a, b);
+  uint32_t word;
+  memcpy(&word, &pair, sizeof word);
+  return word;
+}
+
+// Eight floats rounded to T, as raw storage.
+template <typename T>
+__device__ __forceinline__ typename Raw8<T>::type FloatToRaw8(const float* in) {
+  uint4 raw;
+  raw.x = PackFloat2(in[0], in[1], static_cast<T*>(nullptr));
+  raw.y = PackFloat2(in[2], in[3], static_cast<T*>(nullptr));
+  raw.z = PackFloat2(in[4], in[5], static_cast<T*>(nullptr));
+  raw.w = PackFloat2(in[6], in[7], static_cast<T*>(nullptr));
+  return raw;
+}
+
+template <>
+__device__ __forceinline__ uint2 FloatToRaw8<__nv_fp8_e4m3>(const float* in) {
+  uint32_t words[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t low =
+        __nv_cvt_float2_to_fp8x2(make_float2(in[4 * i], in[4 * i + 1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(in[4 * i + 2], in[4 * i + 3]),
+                                                   __NV_SATFINITE, __NV_E4M3);
+    words[i] = low | (high << 16);
+  }
+  return make_uint2(words[0], words[1]);
+}
+
+// Asynchronous 16-byte global -> shared copy (L2 only). With valid == false nothing is read and
+// the 16 bytes are zero-filled.
+__device__ __forceinline__ void CpAsync16(void* shared, const void* global, bool valid) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  const int source_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global),
+               "r"(source_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int kPendingGroups>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPendingGroups) : "memory");
+}
+
+}  // namespace attnd::cuda

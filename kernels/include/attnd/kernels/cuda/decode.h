@@ -1,0 +1,67 @@
+// Batch decode over the paged cache with split-KV (DESIGN 4.2): one query row per request
+// (times the GQA group) against the request's keys, chunked by a plan::DecodePlan. One CTA per
+// (work item, KV head) serves every query head of the group from one read of K and V; requests
+// split into several chunks write fp32 partials that MergeStates combines.
+//
+// Typical use (per cache, then per step, then per layer):
+//   ctas = DecodeCtasPerWave(config)                      // once per cache
+//   plan = plan::PlanBatchDecode(qo_indptr, kv_lengths, {.num_kv_heads, .ctas_per_wave = ctas})
+//   upload plan.Pack() once per step; work = plan.View(device_copy)
+//   BatchDecode({..., work, workspace of BatchDecodeWorkspaceBytes(plan.num_partials, ...)}, s)
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attnd/kernels/attention_params.h"
+#include "attnd/kernels/views.h"
+#include "plan/decode_work.h"
+
+namespace attnd::cuda {
+
+// What selects a decode kernel: supported are fp16/bf16 q, fp16/bf16/fp8_e4m3 KV, head_dim 64,
+// 128 or 256, group_size (num_qo_heads / num_kv_heads) 1..8. Page size and layout are runtime.
+struct DecodeKernelConfig {
+  DType q_dtype = DType::kBFloat16;
+  DType kv_dtype = DType::kBFloat16;
+  int32_t head_dim = 128;
+  int32_t group_size = 1;
+};
+
+// True when BatchDecode has a kernel for `config`.
+bool DecodeSupports(const DecodeKernelConfig& config);
+
+// CTAs of the decode kernel for `config` the current device runs at once: resident CTAs per SM
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor) x SMs. Feed it to
+// plan::DecodePlanOptions::ctas_per_wave; it is fixed per device and config, so query it once.
+absl::StatusOr<int32_t> DecodeCtasPerWave(const DecodeKernelConfig& config);
+
+// Device workspace BatchDecode needs for a plan with `num_partials` partial slots (0 when the
+// plan does not split). Partials are fp32 [num_partials][num_qo_heads][head_dim] plus lse.
+int64_t BatchDecodeWorkspaceBytes(int32_t num_partials, int32_t num_qo_heads, int32_t head_dim);
+
+// All pointers are device memory, valid until the launched work completes on the stream.
+struct BatchDecodeArgs {
+  TokenHeadsView q;      // [T_q][num_qo_heads][head_dim], fp16/bf16, already rotated
+  PageTableView pages;   // indptr, k_indices, v_indices read; the plan carries the lengths
+  PagedKvView k_cache;   // the layer's K pool (NHD or HND)
+  PagedKvView v_cache;   // the layer's V pool, same geometry
+  // causal is moot for one row per request; window_left must be the one the plan was cut for
+  // (the plan already limits each item's key range to the window).
+  AttentionParams params;
+  plan::DecodeWorkView work;  // an uploaded plan::DecodePlan
+  TokenHeadsView o;           // [T_q][num_qo_heads][head_dim], fp16/bf16; rows the plan names
+  float* lse = nullptr;       // [T_q][num_qo_heads] natural log, or null
+  void* workspace = nullptr;  // 256-byte aligned, BatchDecodeWorkspaceBytes(work.num_partials..)
+  int64_t workspace_bytes = 0;
+};
+
+// Launches decode, then MergeStates when the plan splits, on `stream`. Allocates nothing and
+// does not synchronise. Fully masked rows (no key) get o = 0, lse = -inf. Deterministic plans
+// give each request bitwise identical o and lse in any batch at any position.
+absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream);
+
+}  // namespace attnd::cuda

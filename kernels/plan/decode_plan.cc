@@ -1,0 +1,177 @@
+#include "plan/decode_plan.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace attnd::plan {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Keys a decode query of a request with `length` keys may see: the last window_left + 1, or all.
+int64_t WindowBegin(int64_t length, int32_t window_left) {
+  return window_left >= 0 ? std::max<int64_t>(0, length - 1 - window_left) : 0;
+}
+
+// CTAs that chunking by `chunk_tokens` launches (every active request gets at least one item).
+int64_t CountCtas(std::span<const int64_t> active_lengths, int64_t chunk_tokens,
+                  int32_t num_kv_heads) {
+  int64_t items = 0;
+  for (int64_t length : active_lengths) items += std::max<int64_t>(1, CeilDiv(length, chunk_tokens));
+  return items * num_kv_heads;
+}
+
+// The smallest chunk (a multiple of kChunkGranularityTokens, at least the floor) whose CTAs fit
+// in one wave; the longest request when even that does not fit (the batch fills the GPU alone).
+int64_t ChooseChunkTokens(std::span<const int64_t> active_lengths, const DecodePlanOptions& options) {
+  int64_t max_length = 1;
+  for (int64_t length : active_lengths) max_length = std::max(max_length, length);
+  const int64_t granularity = kChunkGranularityTokens;
+  int64_t low = CeilDiv(std::max(options.min_chunk_tokens, 1), granularity);
+  int64_t high = CeilDiv(max_length, granularity);
+  if (low >= high) return max_length;
+  if (CountCtas(active_lengths, high * granularity, options.num_kv_heads) > options.ctas_per_wave) {
+    return max_length;
+  }
+  // CountCtas is non-increasing in the chunk size: binary search for the first that fits.
+  while (low < high) {
+    const int64_t mid = low + (high - low) / 2;
+    if (CountCtas(active_lengths, mid * granularity, options.num_kv_heads) <= options.ctas_per_wave) {
+      high = mid;
+    } else {
+      low = mid + 1;
+    }
+  }
+  return std::min(low * granularity, max_length);
+}
+
+}  // namespace
+
+absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
+                                           std::span<const int64_t> kv_lengths,
+                                           const DecodePlanOptions& options) {
+  const size_t batch_size = kv_lengths.size();
+  if (qo_indptr.size() != batch_size + 1) {
+    return absl::InvalidArgumentError(absl::StrCat("qo_indptr: expected ", batch_size + 1,
+                                                   " entries, got ", qo_indptr.size()));
+  }
+  if (options.num_kv_heads <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_kv_heads: expected > 0, got ", options.num_kv_heads));
+  }
+  if (options.fixed_split_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fixed_split_tokens: expected >= 0, got ", options.fixed_split_tokens));
+  }
+  const bool chunk_pinned =
+      options.disable_split_kv || options.fixed_split_tokens > 0 || options.deterministic;
+  if (!chunk_pinned && options.ctas_per_wave <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ctas_per_wave: expected > 0 (measured occupancy x SMs), got ",
+                     options.ctas_per_wave));
+  }
+
+  // Active requests and the key range each reads.
+  std::vector<int32_t> requests;
+  std::vector<int64_t> begins, lengths;
+  for (size_t b = 0; b < batch_size; ++b) {
+    const int32_t rows = qo_indptr[b + 1] - qo_indptr[b];
+    if (rows < 0 || rows > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "qo_indptr: decode takes 0 or 1 query rows per request; request ", b, " has ", rows));
+    }
+    if (kv_lengths[b] < 0 || kv_lengths[b] > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv_lengths[", b, "]: expected 0..2^31-1, got ", kv_lengths[b]));
+    }
+    if (rows == 0) continue;
+    const int64_t begin = WindowBegin(kv_lengths[b], options.window_left);
+    requests.push_back(static_cast<int32_t>(b));
+    begins.push_back(begin);
+    lengths.push_back(kv_lengths[b] - begin);
+  }
+
+  DecodePlan plan;
+  plan.window_left = options.window_left;
+  if (requests.empty()) return plan;
+
+  int64_t chunk_tokens;
+  if (options.disable_split_kv) {
+    chunk_tokens = std::numeric_limits<int32_t>::max();
+  } else if (options.fixed_split_tokens > 0) {
+    chunk_tokens = options.fixed_split_tokens;
+  } else if (options.deterministic) {
+    chunk_tokens = kDeterministicChunkTokens;
+  } else {
+    chunk_tokens = ChooseChunkTokens(lengths, options);
+  }
+
+  int64_t max_length = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const int32_t b = requests[i];
+    const int32_t q_row = qo_indptr[b];
+    const int64_t num_chunks = std::max<int64_t>(1, CeilDiv(lengths[i], chunk_tokens));
+    max_length = std::max(max_length, lengths[i]);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int64_t begin = begins[i] + c * chunk_tokens;
+      const int64_t end = std::min(begins[i] + lengths[i], begin + chunk_tokens);
+      plan.item_request.push_back(b);
+      plan.item_q_row.push_back(q_row);
+      plan.item_kv_begin.push_back(static_cast<int32_t>(begin));
+      plan.item_kv_end.push_back(static_cast<int32_t>(end));
+      plan.item_partial.push_back(num_chunks == 1 ? -1 : plan.num_partials++);
+    }
+    if (num_chunks > 1) {
+      plan.split_kv = true;
+      plan.merge_q_row.push_back(q_row);
+      plan.merge_indptr.push_back(plan.num_partials);
+    }
+  }
+  plan.kv_chunk_tokens = static_cast<int32_t>(std::min(chunk_tokens, std::max<int64_t>(max_length, 1)));
+  return plan;
+}
+
+std::vector<int32_t> DecodePlan::Pack() const {
+  std::vector<int32_t> packed;
+  packed.reserve(5 * item_request.size() + merge_indptr.size() + merge_q_row.size());
+  for (const auto* array : {&item_request, &item_q_row, &item_kv_begin, &item_kv_end,
+                            &item_partial, &merge_indptr, &merge_q_row}) {
+    packed.insert(packed.end(), array->begin(), array->end());
+  }
+  return packed;
+}
+
+DecodeWorkView DecodePlan::View(const int32_t* packed) const {
+  const int32_t items = num_items();
+  DecodeWorkView view;
+  view.num_items = items;
+  view.item_request = packed;
+  view.item_q_row = packed + items;
+  view.item_kv_begin = packed + 2 * items;
+  view.item_kv_end = packed + 3 * items;
+  view.item_partial = packed + 4 * items;
+  view.num_merge_rows = num_merge_rows();
+  view.merge_indptr = packed + 5 * items;
+  view.merge_q_row = view.merge_indptr + merge_indptr.size();
+  view.num_partials = num_partials;
+  view.window_left = window_left;
+  return view;
+}
+
+std::string DecodePlan::DebugString() const {
+  std::string out = absl::StrCat("DecodePlan{chunk=", kv_chunk_tokens, " tokens, split=", split_kv,
+                                 ", items=", num_items(), ", partials=", num_partials,
+                                 ", merge_rows=", num_merge_rows(), ", window_left=", window_left);
+  for (int32_t i = 0; i < num_items(); ++i) {
+    absl::StrAppend(&out, "\n  item ", i, ": request ", item_request[i], " row ", item_q_row[i],
+                    " keys [", item_kv_begin[i], ", ", item_kv_end[i], ") -> ",
+                    item_partial[i] < 0 ? std::string("o") : absl::StrCat("partial ", item_partial[i]));
+  }
+  absl::StrAppend(&out, "}");
+  return out;
+}
+
+}  // namespace attnd::plan

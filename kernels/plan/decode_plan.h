@@ -1,0 +1,70 @@
+// Split-KV planning of batch decode (DESIGN 4.2, 4.4): which CTA reads which tokens of which
+// request, and how the partial results merge. Built once per step on the host, uploaded once
+// (Pack), and read by every layer's decode launch (View). Plain data: print it, test it.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "plan/decode_work.h"
+
+namespace attnd::plan {
+
+// Chunk size of deterministic decode when the caller pins none. Fixed in tokens so that a
+// request's chunking, and with it its reduction order, depends on the request alone.
+inline constexpr int32_t kDeterministicChunkTokens = 512;
+
+// Non-deterministic chunk sizes are multiples of this (the decode kernel's smallest KV tile), so
+// no chunk ends in a mostly empty tile.
+inline constexpr int32_t kChunkGranularityTokens = 16;
+
+struct DecodePlanOptions {
+  int32_t num_kv_heads = 0;        // one CTA per work item and KV head
+  // CTAs of the decode kernel the device runs at once: resident CTAs per SM (from
+  // cudaOccupancyMaxActiveBlocksPerMultiprocessor) x SMs. Measured by the launcher
+  // (attnd::cuda::DecodeCtasPerWave), not assumed. Unused when the chunk is pinned.
+  int32_t ctas_per_wave = 0;
+  int32_t min_chunk_tokens = 128;  // floor: shorter chunks cost more to merge than they gain
+  int32_t fixed_split_tokens = 0;  // > 0 pins the chunk size (tokens)
+  bool disable_split_kv = false;   // one chunk per request (e.g. for graph capture)
+  bool deterministic = false;      // chunk fixed in tokens (fixed_split_tokens or the default)
+  int32_t window_left = -1;        // >= 0: only the last window_left + 1 keys are read
+};
+
+// The plan: work items in request order, a request's chunks in token order. A request with
+// one item writes o and lse itself; a request with several writes fp32 partials (slots
+// numbered in item order), merged per request in slot order.
+struct DecodePlan {
+  int32_t kv_chunk_tokens = 0;  // chunk size chosen; 0 when the batch has no rows
+  bool split_kv = false;        // some request has more than one chunk
+  int32_t window_left = -1;
+  std::vector<int32_t> item_request;
+  std::vector<int32_t> item_q_row;
+  std::vector<int32_t> item_kv_begin;
+  std::vector<int32_t> item_kv_end;
+  std::vector<int32_t> item_partial;
+  std::vector<int32_t> merge_indptr{0};
+  std::vector<int32_t> merge_q_row;
+  int32_t num_partials = 0;
+
+  int32_t num_items() const { return static_cast<int32_t>(item_request.size()); }
+  int32_t num_merge_rows() const { return static_cast<int32_t>(merge_q_row.size()); }
+
+  // All arrays in one buffer, for one upload per step.
+  std::vector<int32_t> Pack() const;
+  // Pointers into `packed`, a copy of Pack() (typically in device memory).
+  DecodeWorkView View(const int32_t* packed) const;
+  std::string DebugString() const;
+};
+
+// Plans a decode batch. Request b has kv_lengths[b] keys (this step's token included) and
+// qo_indptr[b + 1] - qo_indptr[b] query rows: 1 for decode, 0 for a padding slot (no work, no
+// output). INVALID_ARGUMENT for more than one row, negative lengths or bad options.
+absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
+                                           std::span<const int64_t> kv_lengths,
+                                           const DecodePlanOptions& options);
+
+}  // namespace attnd::plan

@@ -1,0 +1,24 @@
+// The device-side view of an uploaded decode plan: what BatchDecode reads. Kept apart from
+// decode_plan.h so CUDA translation units (compiled as C++17) can include it.
+#pragma once
+
+#include <cstdint>
+
+namespace attnd::plan {
+
+// Device-side view of an uploaded plan (pointers into one Pack()ed buffer). Owns nothing.
+struct DecodeWorkView {
+  int32_t num_items = 0;
+  const int32_t* item_request = nullptr;   // [num_items] batch index (page-table row)
+  const int32_t* item_q_row = nullptr;     // [num_items] row of q, o and lse
+  const int32_t* item_kv_begin = nullptr;  // [num_items] first token read
+  const int32_t* item_kv_end = nullptr;    // [num_items] one past the last token read
+  const int32_t* item_partial = nullptr;   // [num_items] partial slot, -1: writes o directly
+  int32_t num_merge_rows = 0;
+  const int32_t* merge_indptr = nullptr;   // [num_merge_rows + 1] into partial slots
+  const int32_t* merge_q_row = nullptr;    // [num_merge_rows] row of o and lse
+  int32_t num_partials = 0;
+  int32_t window_left = -1;                // the window the plan was cut for
+};
+
+}  // namespace attnd::plan

@@ -1,0 +1,215 @@
+#include "plan/decode_plan.h"
+
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace attnd::plan {
+namespace {
+
+using ::testing::ElementsAre;
+
+std::vector<int32_t> DecodeRows(int32_t batch_size) {
+  std::vector<int32_t> indptr(batch_size + 1);
+  std::iota(indptr.begin(), indptr.end(), 0);
+  return indptr;
+}
+
+DecodePlanOptions Options(int32_t num_kv_heads, int32_t ctas_per_wave) {
+  DecodePlanOptions options;
+  options.num_kv_heads = num_kv_heads;
+  options.ctas_per_wave = ctas_per_wave;
+  return options;
+}
+
+int64_t Ctas(const DecodePlan& plan, int32_t num_kv_heads) {
+  return int64_t{plan.num_items()} * num_kv_heads;
+}
+
+// Every request's items tile its key range exactly, in order.
+void ExpectCovers(const DecodePlan& plan, const std::vector<int64_t>& begins,
+                  const std::vector<int64_t>& ends) {
+  std::vector<int64_t> next = begins;
+  for (int32_t i = 0; i < plan.num_items(); ++i) {
+    const int32_t b = plan.item_request[i];
+    EXPECT_EQ(plan.item_kv_begin[i], next[b]) << "item " << i;
+    EXPECT_LE(plan.item_kv_begin[i], plan.item_kv_end[i]);
+    next[b] = plan.item_kv_end[i];
+  }
+  EXPECT_EQ(next, ends);
+}
+
+TEST(PlanBatchDecodeTest, SplitsLongSequenceWhenBatchUnderfillsGpu) {
+  const std::vector<int64_t> lengths = {32768};
+  auto plan = PlanBatchDecode(DecodeRows(1), lengths, Options(8, 528));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->split_kv);
+  EXPECT_LE(Ctas(*plan, 8), 528);
+  // The smallest chunk that fits: one granule less would need more CTAs than a wave.
+  EXPECT_EQ(plan->kv_chunk_tokens % kChunkGranularityTokens, 0);
+  const int64_t smaller = plan->kv_chunk_tokens - kChunkGranularityTokens;
+  EXPECT_GT((32768 + smaller - 1) / smaller * 8, 528);
+  EXPECT_EQ(plan->num_merge_rows(), 1);
+  EXPECT_EQ(plan->num_partials, plan->num_items());
+  ExpectCovers(*plan, {0}, {32768});
+}
+
+TEST(PlanBatchDecodeTest, DoesNotSplitWhenBatchFillsGpu) {
+  const std::vector<int64_t> lengths(256, 4096);
+  auto plan = PlanBatchDecode(DecodeRows(256), lengths, Options(8, 528));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_FALSE(plan->split_kv);
+  EXPECT_EQ(plan->num_items(), 256);
+  EXPECT_EQ(plan->num_partials, 0);
+  EXPECT_EQ(plan->num_merge_rows(), 0);
+  for (int32_t p : plan->item_partial) EXPECT_EQ(p, -1);
+}
+
+TEST(PlanBatchDecodeTest, ChunkNeverBelowFloor) {
+  const std::vector<int64_t> lengths = {1024};
+  auto plan = PlanBatchDecode(DecodeRows(1), lengths, Options(8, 100000));
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->kv_chunk_tokens, 128);
+  EXPECT_EQ(plan->num_items(), 8);
+}
+
+TEST(PlanBatchDecodeTest, ShortSequenceIsOneChunk) {
+  const std::vector<int64_t> lengths = {100, 1};
+  auto plan = PlanBatchDecode(DecodeRows(2), lengths, Options(8, 100000));
+  ASSERT_TRUE(plan.ok());
+  EXPECT_FALSE(plan->split_kv);
+  EXPECT_EQ(plan->num_items(), 2);
+}
+
+TEST(PlanBatchDecodeTest, FixedSplitPinsChunkInTokens) {
+  DecodePlanOptions options = Options(8, 528);
+  options.fixed_split_tokens = 1000;
+  const std::vector<int64_t> lengths = {2500, 1000, 10};
+  auto plan = PlanBatchDecode(DecodeRows(3), lengths, options);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->kv_chunk_tokens, 1000);
+  EXPECT_THAT(plan->item_kv_begin, ElementsAre(0, 1000, 2000, 0, 0));
+  EXPECT_THAT(plan->item_kv_end, ElementsAre(1000, 2000, 2500, 1000, 10));
+  EXPECT_THAT(plan->item_partial, ElementsAre(0, 1, 2, -1, -1));
+  EXPECT_THAT(plan->merge_indptr, ElementsAre(0, 3));
+  EXPECT_THAT(plan->merge_q_row, ElementsAre(0));
+}
+
+TEST(PlanBatchDecodeTest, DisableSplitKvGivesOneChunkPerRequest) {
+  DecodePlanOptions options = Options(8, 528);
+  options.disable_split_kv = true;
+  const std::vector<int64_t> lengths = {32768, 7};
+  auto plan = PlanBatchDecode(DecodeRows(2), lengths, options);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_FALSE(plan->split_kv);
+  EXPECT_THAT(plan->item_kv_end, ElementsAre(32768, 7));
+}
+
+TEST(PlanBatchDecodeTest, DeterministicChunkingDependsOnTheRequestAlone) {
+  DecodePlanOptions options = Options(8, 528);
+  options.deterministic = true;
+  // The same 3000-token request alone, and at another position among other requests.
+  auto alone = PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{3000}, options);
+  const std::vector<int64_t> crowd = {5, 100000, 3000, 64};
+  auto crowded = PlanBatchDecode(DecodeRows(4), crowd, options);
+  ASSERT_TRUE(alone.ok() && crowded.ok());
+  std::vector<std::pair<int32_t, int32_t>> alone_chunks, crowded_chunks;
+  for (int32_t i = 0; i < alone->num_items(); ++i)
+    alone_chunks.emplace_back(alone->item_kv_begin[i], alone->item_kv_end[i]);
+  for (int32_t i = 0; i < crowded->num_items(); ++i) {
+    if (crowded->item_request[i] == 2)
+      crowded_chunks.emplace_back(crowded->item_kv_begin[i], crowded->item_kv_end[i]);
+  }
+  EXPECT_EQ(alone_chunks, crowded_chunks);
+  EXPECT_EQ(alone->kv_chunk_tokens, kDeterministicChunkTokens);
+}
+
+TEST(PlanBatchDecodeTest, PaddingSlotsGetNoWork) {
+  const std::vector<int32_t> qo_indptr = {0, 1, 1, 2};  // request 1 is padding
+  const std::vector<int64_t> lengths = {10, 0, 20};
+  auto plan = PlanBatchDecode(qo_indptr, lengths, Options(2, 100));
+  ASSERT_TRUE(plan.ok());
+  EXPECT_THAT(plan->item_request, ElementsAre(0, 2));
+  EXPECT_THAT(plan->item_q_row, ElementsAre(0, 1));
+}
+
+TEST(PlanBatchDecodeTest, EmptyRequestStillWritesItsRow) {
+  const std::vector<int64_t> lengths = {0};
+  auto plan = PlanBatchDecode(DecodeRows(1), lengths, Options(8, 528));
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->num_items(), 1);
+  EXPECT_EQ(plan->item_kv_begin[0], plan->item_kv_end[0]);
+  EXPECT_EQ(plan->item_partial[0], -1);
+}
+
+TEST(PlanBatchDecodeTest, SlidingWindowReadsOnlyTheWindow) {
+  DecodePlanOptions options = Options(8, 528);
+  options.window_left = 255;
+  const std::vector<int64_t> lengths = {10000, 100};
+  auto plan = PlanBatchDecode(DecodeRows(2), lengths, options);
+  ASSERT_TRUE(plan.ok());
+  ExpectCovers(*plan, {10000 - 256, 0}, {10000, 100});
+  EXPECT_EQ(plan->window_left, 255);
+}
+
+TEST(PlanBatchDecodeTest, MixedLengthsStayWithinOneWave) {
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < 16; ++i) lengths.push_back(1 + (i * 7919) % 8192);
+  auto plan = PlanBatchDecode(DecodeRows(16), lengths, Options(8, 528));
+  ASSERT_TRUE(plan.ok());
+  EXPECT_LE(Ctas(*plan, 8), 528);
+  std::vector<int64_t> zeros(16, 0);
+  ExpectCovers(*plan, zeros, lengths);
+  // Partial slots are numbered in item order and merge rows list each split request once.
+  int32_t next_slot = 0;
+  for (int32_t p : plan->item_partial) {
+    if (p >= 0) {
+      EXPECT_EQ(p, next_slot++);
+    }
+  }
+  EXPECT_EQ(next_slot, plan->num_partials);
+  EXPECT_EQ(plan->merge_indptr.back(), plan->num_partials);
+}
+
+TEST(PlanBatchDecodeTest, RejectsPrefillRowsAndBadOptions) {
+  const std::vector<int32_t> prefill = {0, 3};
+  EXPECT_EQ(PlanBatchDecode(prefill, std::vector<int64_t>{10}, Options(8, 528)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{-1}, Options(8, 528))
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{10}, Options(8, 0)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{10}, Options(0, 528)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(PlanBatchDecodeTest, PackAndViewAgree) {
+  DecodePlanOptions options = Options(8, 528);
+  options.fixed_split_tokens = 100;
+  auto plan = PlanBatchDecode(DecodeRows(2), std::vector<int64_t>{250, 50}, options);
+  ASSERT_TRUE(plan.ok());
+  const std::vector<int32_t> packed = plan->Pack();
+  const DecodeWorkView view = plan->View(packed.data());
+  ASSERT_EQ(view.num_items, plan->num_items());
+  for (int32_t i = 0; i < view.num_items; ++i) {
+    EXPECT_EQ(view.item_request[i], plan->item_request[i]);
+    EXPECT_EQ(view.item_q_row[i], plan->item_q_row[i]);
+    EXPECT_EQ(view.item_kv_begin[i], plan->item_kv_begin[i]);
+    EXPECT_EQ(view.item_kv_end[i], plan->item_kv_end[i]);
+    EXPECT_EQ(view.item_partial[i], plan->item_partial[i]);
+  }
+  ASSERT_EQ(view.num_merge_rows, 1);
+  EXPECT_EQ(view.merge_indptr[0], 0);
+  EXPECT_EQ(view.merge_indptr[1], 3);
+  EXPECT_EQ(view.merge_q_row[0], 0);
+  EXPECT_EQ(view.num_partials, 3);
+  EXPECT_EQ(static_cast<size_t>(view.merge_q_row + 1 - packed.data()), packed.size());
+}
+
+}  // namespace
+}  // namespace attnd::plan
