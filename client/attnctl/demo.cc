@@ -52,16 +52,14 @@ std::vector<StepSpec> DemoSteps() {
 
 std::string DescribeEntry(const EntrySpec& entry, const attnd::v1::PlanEntryResult& result) {
   if (entry.num_new_tokens == 0) return "padding (no rows)";
-  const int64_t first = result.start_position();
-  const int64_t last = first + entry.num_new_tokens - 1;
-  const int64_t row = result.row_offset();
-  if (entry.num_new_tokens == 1) {
-    return absl::StrFormat("seq %d  decode  1 token  at position %d        row %d",
-                           entry.sequence_id, first, row);
-  }
-  return absl::StrFormat("seq %d  prefill %d tokens at positions %d..%d  rows %d..%d",
-                         entry.sequence_id, entry.num_new_tokens, first, last, row,
-                         row + entry.num_new_tokens - 1);
+  auto range = [](int64_t first, int64_t count) {
+    return count == 1 ? absl::StrCat(first) : absl::StrCat(first, "..", first + count - 1);
+  };
+  return absl::StrFormat("seq %d  %-7s %2d token%s  positions %-7s  rows %s", entry.sequence_id,
+                         entry.num_new_tokens == 1 ? "decode" : "prefill", entry.num_new_tokens,
+                         entry.num_new_tokens == 1 ? " " : "s",
+                         range(result.start_position(), entry.num_new_tokens),
+                         range(result.row_offset(), entry.num_new_tokens));
 }
 
 // Deletes the demo cache on every exit path.
@@ -324,8 +322,8 @@ int RunDemo(const Args& args) {
     return kExitFailure;
   }
   CacheCleanup cleanup(**client, name);
-  absl::PrintF("created cache %s: %s, %d pages (%s)\n", name, DescribeConfig(cache->config()),
-               cache->num_pages(), FormatBytes(cache->pool_bytes()));
+  absl::PrintF("created cache %s: %s (%s)\n", name, DescribeConfig(cache->config()),
+               FormatBytes(cache->pool_bytes()));
 
   auto reference = client::ReferenceCache::Create(cache->config());
   if (!reference.ok()) {
