@@ -87,8 +87,6 @@ PagedKvView PagedCache::View(std::vector<uint8_t>& pool, int32_t head_dim) {
           spec_.page_size, spec_.num_heads, head_dim};
 }
 
-// Computed here from the layout definition rather than through PagedKvView::Offset, so a
-// mistake there would show as a mismatch.
 int64_t PagedCache::ElementOffset(int32_t request, int64_t token, int32_t head, int32_t dim,
                                   bool v) const {
   const std::vector<int32_t>& ids = v ? v_indices_ : k_indices_;

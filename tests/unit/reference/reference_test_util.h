@@ -71,10 +71,12 @@ class PagedCache {
   const std::vector<int32_t>& k_indices() const { return k_indices_; }
   const std::vector<int32_t>& v_indices() const { return v_indices_; }
   const std::vector<int32_t>& last_page_len() const { return last_page_len_; }
+  // Element index of (request, token, head, dim) in the K (or V) pool, from the layout's
+  // definition (not through PagedKvView::Offset).
+  int64_t ElementOffset(int32_t request, int64_t token, int32_t head, int32_t dim, bool v) const;
 
  private:
   PagedKvView View(std::vector<uint8_t>& pool, int32_t head_dim);
-  int64_t ElementOffset(int32_t request, int64_t token, int32_t head, int32_t dim, bool v) const;
 
   PagedCacheSpec spec_;
   int64_t num_pages_ = 0;
