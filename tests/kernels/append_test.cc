@@ -1,0 +1,448 @@
+// Fused RoPE + quantise + paged append on the GPU against the CPU reference (DESIGN 4.1, 7).
+// Sweep: fp16/bf16 inputs into fp16/bf16/fp8 caches, head dims 64/128/256, page sizes 1/16/128,
+// NHD/HND, SHARED/SEPARATE_KV, neox (full, half and odd partial rotary), interleaved and no
+// RoPE, FP8 scales that saturate; MLA (ckv/kpe/q_pe). The pools start as random bytes and q_out
+// as NaN; padding tokens (batch index -1, with positions that would otherwise hit real slots)
+// are mixed in.
+//
+// Checks: every byte of every slot no real token owns is unchanged (so padding touched
+// nothing), q_out rows of padding tokens stay poisoned, and each written element matches the
+// reference's to within one code of its dtype (the GPU's sincosf may differ from the host's by
+// an ulp, which can move a rounding), with at most 1% of elements differing at all.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnd/kernels/cuda/append.h"
+#include "attnd/kernels/rope.h"
+#include "gtest/gtest.h"
+#include "kernel_test_util.h"
+#include "reference/append.h"
+
+namespace attnd {
+namespace {
+
+using kernel_test::DeviceBuffer;
+using kernel_test::DevicePageTable;
+using kernel_test::HostPageTable;
+using kernel_test::Upload;
+
+struct AppendCase {
+  DType in_dtype = DType::kBFloat16;
+  DType cache_dtype = DType::kBFloat16;
+  int32_t head_dim = 128;
+  int32_t num_qo_heads = 8;
+  int32_t num_kv_heads = 2;
+  int32_t page_size = 16;
+  KvLayout layout = KvLayout::kNHD;
+  bool separate_kv = false;
+  RopeStyle rope = RopeStyle::kNeox;
+  int32_t rotary_dim = 0;  // 0: head_dim
+  bool with_q = true;
+  uint32_t seed = 1;
+};
+
+std::string CaseName(const AppendCase& c) {
+  std::string rope = c.rope == RopeStyle::kNone ? "norope"
+                     : c.rope == RopeStyle::kNeox ? "neox" : "inter";
+  return std::string(kernel_test::ShortName(c.in_dtype)) + "_to_" +
+         kernel_test::ShortName(c.cache_dtype) + "_d" + std::to_string(c.head_dim) + "_p" +
+         std::to_string(c.page_size) + (c.layout == KvLayout::kNHD ? "_nhd" : "_hnd") +
+         (c.separate_kv ? "_sep_" : "_") + rope + std::to_string(c.rotary_dim) +
+         (c.with_q ? "" : "_noq");
+}
+
+// Distance in codes between two stored values of a 1- or 2-byte dtype (sign-magnitude).
+int64_t CodeDistance(DType dtype, const uint8_t* a, const uint8_t* b) {
+  auto ordinal = [&](const uint8_t* p) -> int64_t {
+    if (DTypeBytes(dtype) == 1) {
+      const int64_t magnitude = p[0] & 0x7f;
+      return (p[0] & 0x80) ? -magnitude : magnitude;
+    }
+    uint16_t bits;
+    std::memcpy(&bits, p, 2);
+    const int64_t magnitude = bits & 0x7fff;
+    return (bits & 0x8000) ? -magnitude : magnitude;
+  };
+  return std::abs(ordinal(a) - ordinal(b));
+}
+
+// Compares two pools slot by slot: slots outside `written` must equal `initial` byte for byte
+// (on the GPU result; the reference is checked too), written slots must be within one code of
+// the reference.
+struct Comparison {
+  int64_t elements = 0;
+  int64_t differing = 0;
+  int64_t far = 0;             // more than one code apart
+  int64_t unwritten_changed = 0;
+};
+
+void CompareBytes(DType dtype, const uint8_t* gpu, const uint8_t* ref, const uint8_t* initial,
+                  int64_t count, bool written, Comparison* result) {
+  const int bytes = DTypeBytes(dtype);
+  for (int64_t i = 0; i < count; ++i) {
+    const uint8_t* g = gpu + i * bytes;
+    const uint8_t* r = ref + i * bytes;
+    if (!written) {
+      if (std::memcmp(g, initial + i * bytes, bytes) != 0) ++result->unwritten_changed;
+      continue;
+    }
+    ++result->elements;
+    if (std::memcmp(g, r, bytes) == 0) continue;
+    ++result->differing;
+    if (CodeDistance(dtype, g, r) > 1) ++result->far;
+  }
+}
+
+void ExpectClose(const char* what, const Comparison& c) {
+  EXPECT_EQ(c.unwritten_changed, 0) << what << ": bytes outside the appended slots changed";
+  EXPECT_EQ(c.far, 0) << what << ": elements more than one code from the reference";
+  EXPECT_LE(c.differing, c.elements / 100 + 1) << what << ": " << c.differing << " of "
+                                               << c.elements << " elements differ";
+}
+
+// The step: requests with prior lengths get new tokens at their end; padding rows interleave.
+struct AppendStep {
+  HostPageTable table;  // lengths include the new tokens
+  std::vector<int32_t> batch_indices;
+  std::vector<int32_t> positions;
+  // Per pool slot (page * page_size + entry): does a real token write it?
+  std::vector<bool> k_written, v_written;
+};
+
+AppendStep MakeStep(int32_t page_size, bool separate_kv, std::mt19937& rng) {
+  AppendStep step;
+  const std::vector<int64_t> prior = {0, 5, page_size - 1 > 0 ? page_size - 1 : 1, 3 * page_size, 40};
+  const std::vector<int64_t> fresh = {7, 1, 2, page_size + 2, 0};
+  std::vector<int64_t> total;
+  for (size_t b = 0; b < prior.size(); ++b) total.push_back(prior[b] + fresh[b]);
+  step.table = kernel_test::MakePageTable(total, page_size, separate_kv, 2, rng);
+  std::uniform_int_distribution<int32_t> coin(0, 3);
+  for (size_t b = 0; b < prior.size(); ++b) {
+    for (int64_t t = prior[b]; t < total[b]; ++t) {
+      if (coin(rng) == 0) {
+        // Padding whose position names a real slot: it must still write nothing.
+        step.batch_indices.push_back(-1);
+        step.positions.push_back(static_cast<int32_t>(t));
+      }
+      step.batch_indices.push_back(static_cast<int32_t>(b));
+      step.positions.push_back(static_cast<int32_t>(t));
+    }
+  }
+  step.batch_indices.push_back(-1);
+  step.positions.push_back(123456);
+  const int64_t slots = step.table.num_pages * page_size;
+  step.k_written.assign(slots, false);
+  step.v_written.assign(slots, false);
+  for (size_t i = 0; i < step.batch_indices.size(); ++i) {
+    const int32_t b = step.batch_indices[i];
+    if (b < 0) continue;
+    const int32_t slot = step.table.indptr[b] + step.positions[i] / page_size;
+    const int32_t entry = step.positions[i] % page_size;
+    step.k_written[int64_t{step.table.k_indices[slot]} * page_size + entry] = true;
+    step.v_written[int64_t{step.table.v_indices[slot]} * page_size + entry] = true;
+  }
+  return step;
+}
+
+// Compares one pool (all heads of every slot) of the GPU and reference results.
+Comparison ComparePool(const PagedKvView& view, const std::vector<uint8_t>& gpu,
+                       const std::vector<uint8_t>& ref, const std::vector<uint8_t>& initial,
+                       const std::vector<bool>& written) {
+  Comparison result;
+  const int bytes = DTypeBytes(view.dtype);
+  for (int64_t page = 0; page < view.num_pages; ++page) {
+    for (int32_t entry = 0; entry < view.page_size; ++entry) {
+      for (int32_t head = 0; head < view.num_heads; ++head) {
+        const int64_t offset = view.Offset(page, entry, head) * bytes;
+        CompareBytes(view.dtype, gpu.data() + offset, ref.data() + offset, initial.data() + offset,
+                     view.head_dim, written[page * view.page_size + entry], &result);
+      }
+    }
+  }
+  return result;
+}
+
+Comparison CompareQ(DType dtype, int64_t row_elements, const AppendStep& step,
+                    const std::vector<uint8_t>& gpu, const std::vector<uint8_t>& ref,
+                    const std::vector<uint8_t>& poison) {
+  Comparison result;
+  const int bytes = DTypeBytes(dtype);
+  for (size_t t = 0; t < step.batch_indices.size(); ++t) {
+    const int64_t offset = static_cast<int64_t>(t) * row_elements * bytes;
+    CompareBytes(dtype, gpu.data() + offset, ref.data() + offset, poison.data() + offset,
+                 row_elements, step.batch_indices[t] >= 0, &result);
+  }
+  return result;
+}
+
+class AppendSweepTest : public ::testing::TestWithParam<AppendCase> {};
+
+TEST_P(AppendSweepTest, MatchesReference) {
+  ATTND_SKIP_WITHOUT_GPU();
+  const AppendCase& c = GetParam();
+  std::mt19937 rng(c.seed);
+  AppendStep step = MakeStep(c.page_size, c.separate_kv, rng);
+  const int64_t num_tokens = static_cast<int64_t>(step.batch_indices.size());
+  const int32_t rotary_dim = c.rotary_dim > 0 ? c.rotary_dim : c.head_dim;
+  RopeConfig rope_config;
+  rope_config.style = c.rope;
+  rope_config.rotary_dim = rotary_dim;
+  rope_config.theta = 10000.0;
+  const std::vector<float> inv_freq = RopeInverseFrequencies(rope_config);
+
+  // FP8: inputs reach past 448 * scale so saturation is exercised.
+  const float range = c.cache_dtype == DType::kFloat8E4M3 ? 600.0f : 4.0f;
+  const float k_scale = c.cache_dtype == DType::kFloat8E4M3 ? 0.5f : 1.0f;
+  const float v_scale = c.cache_dtype == DType::kFloat8E4M3 ? 2.0f : 1.0f;
+  std::vector<uint8_t> q_in = kernel_test::RandomElements(
+      c.in_dtype, num_tokens * c.num_qo_heads * c.head_dim, range, rng);
+  std::vector<uint8_t> k_in = kernel_test::RandomElements(
+      c.in_dtype, num_tokens * c.num_kv_heads * c.head_dim, range, rng);
+  std::vector<uint8_t> v_in = kernel_test::RandomElements(
+      c.in_dtype, num_tokens * c.num_kv_heads * c.head_dim, range, rng);
+  std::vector<uint8_t> q_poison(q_in.size(), 0xff);
+  const int64_t pool_bytes = step.table.num_pages * c.page_size * c.num_kv_heads *
+                             int64_t{c.head_dim} * DTypeBytes(c.cache_dtype);
+  std::vector<uint8_t> k_initial(pool_bytes), v_initial(pool_bytes);
+  for (auto& byte : k_initial) byte = static_cast<uint8_t>(rng());
+  for (auto& byte : v_initial) byte = static_cast<uint8_t>(rng());
+
+  auto make_pool = [&](void* data) {
+    return PagedKvView{data, c.cache_dtype, c.layout, step.table.num_pages, c.page_size,
+                       c.num_kv_heads, c.head_dim};
+  };
+
+  // Reference on host copies.
+  std::vector<uint8_t> ref_q = q_poison, ref_k = k_initial, ref_v = v_initial;
+  reference::AppendArgs ref_args;
+  ref_args.tokens = AppendIndexView{num_tokens, step.batch_indices.data(), step.positions.data()};
+  ref_args.pages = step.table.View();
+  ref_args.rope_style = c.rope;
+  ref_args.rope_inv_freq = inv_freq;
+  if (c.with_q) {
+    ref_args.q_in = TokenHeadsView{q_in.data(), c.in_dtype, num_tokens, c.num_qo_heads, c.head_dim};
+    ref_args.q_out = TokenHeadsView{ref_q.data(), c.in_dtype, num_tokens, c.num_qo_heads, c.head_dim};
+  }
+  ref_args.k_in = TokenHeadsView{k_in.data(), c.in_dtype, num_tokens, c.num_kv_heads, c.head_dim};
+  ref_args.v_in = TokenHeadsView{v_in.data(), c.in_dtype, num_tokens, c.num_kv_heads, c.head_dim};
+  ref_args.k_cache = make_pool(ref_k.data());
+  ref_args.v_cache = make_pool(ref_v.data());
+  ref_args.k_scale = k_scale;
+  ref_args.v_scale = v_scale;
+  reference::AppendKv(ref_args);
+
+  // GPU.
+  DevicePageTable table(step.table, c.separate_kv);
+  DeviceBuffer batch_indices = Upload(step.batch_indices);
+  DeviceBuffer positions = Upload(step.positions);
+  DeviceBuffer inv_freq_device = Upload(inv_freq);
+  DeviceBuffer q_in_device = Upload(q_in), k_in_device = Upload(k_in), v_in_device = Upload(v_in);
+  DeviceBuffer q_out_device = Upload(q_poison);
+  DeviceBuffer k_pool = Upload(k_initial), v_pool = Upload(v_initial);
+  cuda::AppendKvArgs args;
+  args.tokens = AppendIndexView{num_tokens, batch_indices.as<int32_t>(), positions.as<int32_t>()};
+  args.pages = table.view;
+  args.rope_style = c.rope;
+  args.rope_inv_freq = inv_freq_device.as<float>();
+  args.rotary_dim = c.rope == RopeStyle::kNone ? 0 : rotary_dim;
+  if (c.with_q) {
+    args.q_in = TokenHeadsView{q_in_device.get(), c.in_dtype, num_tokens, c.num_qo_heads, c.head_dim};
+    args.q_out = TokenHeadsView{q_out_device.get(), c.in_dtype, num_tokens, c.num_qo_heads, c.head_dim};
+  }
+  args.k_in = TokenHeadsView{k_in_device.get(), c.in_dtype, num_tokens, c.num_kv_heads, c.head_dim};
+  args.v_in = TokenHeadsView{v_in_device.get(), c.in_dtype, num_tokens, c.num_kv_heads, c.head_dim};
+  args.k_cache = make_pool(k_pool.get());
+  args.v_cache = make_pool(v_pool.get());
+  args.k_scale = k_scale;
+  args.v_scale = v_scale;
+  const absl::Status status = cuda::AppendKv(args, nullptr);
+  ASSERT_TRUE(status.ok()) << status;
+  ATTND_ASSERT_CUDA(cudaDeviceSynchronize());
+
+  const std::vector<uint8_t> gpu_q = kernel_test::Download<uint8_t>(q_out_device, q_poison.size());
+  const std::vector<uint8_t> gpu_k = kernel_test::Download<uint8_t>(k_pool, pool_bytes);
+  const std::vector<uint8_t> gpu_v = kernel_test::Download<uint8_t>(v_pool, pool_bytes);
+  ExpectClose("k pool", ComparePool(make_pool(nullptr), gpu_k, ref_k, k_initial, step.k_written));
+  ExpectClose("v pool", ComparePool(make_pool(nullptr), gpu_v, ref_v, v_initial, step.v_written));
+  // The reference obeys the same rule (sanity of the oracle and of the written-slot mask).
+  EXPECT_EQ(ComparePool(make_pool(nullptr), ref_k, ref_k, k_initial, step.k_written).unwritten_changed, 0);
+  if (c.with_q) {
+    ExpectClose("q_out", CompareQ(c.in_dtype, int64_t{c.num_qo_heads} * c.head_dim, step, gpu_q,
+                                  ref_q, q_poison));
+  } else {
+    EXPECT_EQ(gpu_q, q_poison) << "q_out written without q";
+  }
+}
+
+std::vector<AppendCase> AppendCases() {
+  std::vector<AppendCase> cases;
+  uint32_t seed = 1;
+  for (DType in_dtype : {DType::kFloat16, DType::kBFloat16}) {
+    for (DType cache_dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3}) {
+      for (int32_t head_dim : {64, 128, 256}) {
+        for (int32_t page_size : {1, 16, 128}) {
+          for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
+            AppendCase c;
+            c.in_dtype = in_dtype;
+            c.cache_dtype = cache_dtype;
+            c.head_dim = head_dim;
+            c.page_size = page_size;
+            c.layout = layout;
+            c.separate_kv = seed % 2 == 0;
+            // Cycle the rotary variants through the sweep.
+            switch (seed % 5) {
+              case 0:
+                c.rope = RopeStyle::kNeox;
+                break;
+              case 1:
+                c.rope = RopeStyle::kInterleaved;
+                break;
+              case 2:
+                c.rope = RopeStyle::kNeox;
+                c.rotary_dim = head_dim / 2;
+                break;
+              case 3:
+                c.rope = RopeStyle::kNeox;
+                c.rotary_dim = head_dim == 64 ? 24 : 40;  // half not a multiple of 16
+                break;
+              case 4:
+                c.rope = seed % 3 == 0 ? RopeStyle::kNone : RopeStyle::kInterleaved;
+                c.rotary_dim = c.rope == RopeStyle::kNone ? 0 : 26;
+                break;
+            }
+            c.with_q = seed % 7 != 3;
+            c.seed = seed++;
+            cases.push_back(c);
+          }
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, AppendSweepTest, ::testing::ValuesIn(AppendCases()),
+                         [](const ::testing::TestParamInfo<AppendCase>& info) {
+                           return CaseName(info.param) + "_" + std::to_string(info.index);
+                         });
+
+// A few for compute-sanitizer.
+INSTANTIATE_TEST_SUITE_P(
+    SanitizerAppend, AppendSweepTest,
+    ::testing::Values(AppendCase{DType::kBFloat16, DType::kFloat8E4M3, 64, 4, 1, 1, KvLayout::kHND,
+                                 true, RopeStyle::kNeox, 24, true, 11},
+                      AppendCase{DType::kFloat16, DType::kBFloat16, 256, 8, 2, 16, KvLayout::kNHD,
+                                 false, RopeStyle::kInterleaved, 0, true, 12}),
+    [](const ::testing::TestParamInfo<AppendCase>& info) { return CaseName(info.param); });
+
+class AppendMlaTest : public ::testing::TestWithParam<std::pair<DType, int32_t>> {};
+
+TEST_P(AppendMlaTest, MatchesReference) {
+  ATTND_SKIP_WITHOUT_GPU();
+  const DType cache_dtype = GetParam().first;
+  const int32_t page_size = GetParam().second;
+  const DType in_dtype = DType::kBFloat16;
+  constexpr int32_t kLora = 512, kRope = 64, kHeads = 16;
+  std::mt19937 rng(77 + page_size);
+  AppendStep step = MakeStep(page_size, /*separate_kv=*/true, rng);
+  const int64_t num_tokens = static_cast<int64_t>(step.batch_indices.size());
+  RopeConfig rope_config;
+  rope_config.style = RopeStyle::kNeox;
+  rope_config.rotary_dim = kRope;
+  const std::vector<float> inv_freq = RopeInverseFrequencies(rope_config);
+  const float scale = cache_dtype == DType::kFloat8E4M3 ? 0.25f : 1.0f;
+  std::vector<uint8_t> q_pe = kernel_test::RandomElements(in_dtype, num_tokens * kHeads * kRope, 50, rng);
+  std::vector<uint8_t> ckv = kernel_test::RandomElements(in_dtype, num_tokens * kLora, 50, rng);
+  std::vector<uint8_t> kpe = kernel_test::RandomElements(in_dtype, num_tokens * kRope, 50, rng);
+  std::vector<uint8_t> q_poison(q_pe.size(), 0xff);
+  const int64_t slots = step.table.num_pages * page_size;
+  std::vector<uint8_t> ckv_initial(slots * kLora * DTypeBytes(cache_dtype));
+  std::vector<uint8_t> kpe_initial(slots * kRope * DTypeBytes(cache_dtype));
+  for (auto& byte : ckv_initial) byte = static_cast<uint8_t>(rng());
+  for (auto& byte : kpe_initial) byte = static_cast<uint8_t>(rng());
+  auto pool = [&](void* data, int32_t dim) {
+    return PagedKvView{data, cache_dtype, KvLayout::kNHD, step.table.num_pages, page_size, 1, dim};
+  };
+
+  std::vector<uint8_t> ref_q = q_poison, ref_ckv = ckv_initial, ref_kpe = kpe_initial;
+  reference::MlaAppendArgs ref_args;
+  ref_args.tokens = AppendIndexView{num_tokens, step.batch_indices.data(), step.positions.data()};
+  ref_args.pages = step.table.View();
+  ref_args.rope_style = RopeStyle::kNeox;
+  ref_args.rope_inv_freq = inv_freq;
+  ref_args.q_pe_in = TokenHeadsView{q_pe.data(), in_dtype, num_tokens, kHeads, kRope};
+  ref_args.q_pe_out = TokenHeadsView{ref_q.data(), in_dtype, num_tokens, kHeads, kRope};
+  ref_args.ckv_in = TokenHeadsView{ckv.data(), in_dtype, num_tokens, 1, kLora};
+  ref_args.kpe_in = TokenHeadsView{kpe.data(), in_dtype, num_tokens, 1, kRope};
+  ref_args.ckv_cache = pool(ref_ckv.data(), kLora);
+  ref_args.kpe_cache = pool(ref_kpe.data(), kRope);
+  ref_args.ckv_scale = scale;
+  ref_args.kpe_scale = scale;
+  reference::AppendMla(ref_args);
+
+  DevicePageTable table(step.table, true);
+  DeviceBuffer batch_indices = Upload(step.batch_indices), positions = Upload(step.positions);
+  DeviceBuffer inv_freq_device = Upload(inv_freq);
+  DeviceBuffer q_in_device = Upload(q_pe), ckv_device = Upload(ckv), kpe_device = Upload(kpe);
+  DeviceBuffer q_out_device = Upload(q_poison);
+  DeviceBuffer ckv_pool = Upload(ckv_initial), kpe_pool = Upload(kpe_initial);
+  cuda::AppendMlaArgs args;
+  args.tokens = AppendIndexView{num_tokens, batch_indices.as<int32_t>(), positions.as<int32_t>()};
+  args.pages = table.view;
+  args.rope_style = RopeStyle::kNeox;
+  args.rope_inv_freq = inv_freq_device.as<float>();
+  args.q_pe_in = TokenHeadsView{q_in_device.get(), in_dtype, num_tokens, kHeads, kRope};
+  args.q_pe_out = TokenHeadsView{q_out_device.get(), in_dtype, num_tokens, kHeads, kRope};
+  args.ckv_in = TokenHeadsView{ckv_device.get(), in_dtype, num_tokens, 1, kLora};
+  args.kpe_in = TokenHeadsView{kpe_device.get(), in_dtype, num_tokens, 1, kRope};
+  args.ckv_cache = pool(ckv_pool.get(), kLora);
+  args.kpe_cache = pool(kpe_pool.get(), kRope);
+  args.ckv_scale = scale;
+  args.kpe_scale = scale;
+  const absl::Status status = cuda::AppendMla(args, nullptr);
+  ASSERT_TRUE(status.ok()) << status;
+  ATTND_ASSERT_CUDA(cudaDeviceSynchronize());
+
+  ExpectClose("ckv", ComparePool(pool(nullptr, kLora),
+                                 kernel_test::Download<uint8_t>(ckv_pool, ckv_initial.size()),
+                                 ref_ckv, ckv_initial, step.k_written));
+  ExpectClose("kpe", ComparePool(pool(nullptr, kRope),
+                                 kernel_test::Download<uint8_t>(kpe_pool, kpe_initial.size()),
+                                 ref_kpe, kpe_initial, step.v_written));
+  ExpectClose("q_pe", CompareQ(in_dtype, int64_t{kHeads} * kRope, step,
+                               kernel_test::Download<uint8_t>(q_out_device, q_poison.size()),
+                               ref_q, q_poison));
+}
+
+INSTANTIATE_TEST_SUITE_P(Mla, AppendMlaTest,
+                         ::testing::Values(std::pair{DType::kBFloat16, 1},
+                                           std::pair{DType::kBFloat16, 64},
+                                           std::pair{DType::kFloat8E4M3, 16}),
+                         [](const auto& info) {
+                           return std::string(kernel_test::ShortName(info.param.first)) + "_p" +
+                                  std::to_string(info.param.second);
+                         });
+
+TEST(AppendArgsTest, RejectsRotaryWiderThanHead) {
+  cuda::AppendKvArgs args;
+  int32_t dummy[4] = {0, 0, 0, 0};
+  args.tokens = AppendIndexView{1, dummy, dummy};
+  args.pages = PageTableView{1, 16, dummy, dummy, dummy, dummy};
+  alignas(16) static uint8_t storage[1 << 14];
+  args.k_in = TokenHeadsView{storage, DType::kBFloat16, 1, 1, 64};
+  args.v_in = args.k_in;
+  args.k_cache = PagedKvView{storage, DType::kBFloat16, KvLayout::kNHD, 1, 16, 1, 64};
+  args.v_cache = args.k_cache;
+  args.rope_style = RopeStyle::kNeox;
+  args.rope_inv_freq = reinterpret_cast<const float*>(storage);
+  args.rotary_dim = 128;
+  EXPECT_EQ(cuda::AppendKv(args, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace attnd

@@ -1,0 +1,478 @@
+// Batch decode with split-KV on the GPU against the float64 CPU reference (DESIGN 4.2, 4.4, 7).
+// Sweep: q/KV dtypes, head dims, page sizes 1/16/128, NHD/HND, SHARED/SEPARATE_KV tables, GQA
+// groups 1..8, lengths 0, 1, page boundaries and long; planner-chosen, pinned and disabled
+// splits; soft cap, sliding window, lse. Outputs are poisoned (NaN) before each launch, and
+// cache slots no request owns hold NaN, so a read past a sequence's end or an unwritten output
+// shows. Tolerances (normwise relative error of o against the float64 reference, whose o is
+// kept in float32): 4e-3 for bf16 o, 6e-4 for fp16 o (the outputs' own rounding is ~1.1e-3 and
+// ~1.4e-4); lse within 1e-4 + 1e-5 |lse|. Deterministic mode is checked bitwise.
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnd/kernels/cuda/decode.h"
+#include "gtest/gtest.h"
+#include "kernel_test_util.h"
+#include "plan/decode_plan.h"
+#include "reference/attention.h"
+
+namespace attnd {
+namespace {
+
+using kernel_test::DevicePageTable;
+using kernel_test::DeviceBuffer;
+using kernel_test::HostPageTable;
+using kernel_test::Upload;
+
+enum class Split { kAuto, kDisabled, kFixed, kDeterministic };
+
+struct DecodeCase {
+  DType q_dtype = DType::kBFloat16;
+  DType kv_dtype = DType::kBFloat16;
+  int32_t head_dim = 128;
+  int32_t group = 4;
+  int32_t num_kv_heads = 2;
+  int32_t page_size = 16;
+  KvLayout layout = KvLayout::kNHD;
+  bool separate_kv = false;
+  float soft_cap = 0.0f;
+  int32_t window_left = -1;
+  Split split = Split::kAuto;
+  int32_t fixed_split_tokens = 37;  // odd on purpose: chunks end mid-page and mid-tile
+  std::vector<int64_t> lengths;     // empty: the standard mix for the page size
+  uint32_t seed = 1;
+};
+
+std::string CaseName(const DecodeCase& c) {
+  std::string name = std::string(kernel_test::ShortName(c.q_dtype)) + "_kv" +
+                     kernel_test::ShortName(c.kv_dtype) + "_d" + std::to_string(c.head_dim) +
+                     "_g" + std::to_string(c.group) + "_p" + std::to_string(c.page_size) +
+                     (c.layout == KvLayout::kNHD ? "_nhd" : "_hnd") + (c.separate_kv ? "_sep" : "");
+  if (c.soft_cap > 0) name += "_cap";
+  if (c.window_left >= 0) name += "_win" + std::to_string(c.window_left);
+  switch (c.split) {
+    case Split::kAuto:
+      break;
+    case Split::kDisabled:
+      name += "_nosplit";
+      break;
+    case Split::kFixed:
+      name += "_fixed" + std::to_string(c.fixed_split_tokens);
+      break;
+    case Split::kDeterministic:
+      name += "_det";
+      break;
+  }
+  return name;
+}
+
+std::vector<int64_t> StandardLengths(int32_t page_size) {
+  // 0 (fully masked), 1, around page boundaries, and a few hundred to a thousand (split).
+  return {0, 1, std::max(1, page_size - 1), page_size, page_size + 1, 2 * page_size + 3, 300, 1029};
+}
+
+// The host side of one decode problem: q, the two pools and the table.
+struct DecodeProblem {
+  DecodeCase config;
+  int32_t num_qo_heads = 0;
+  HostPageTable table;
+  std::vector<int32_t> qo_indptr;  // a padding slot (0 rows) sits at index 1 when batch > 2
+  int32_t num_rows = 0;
+  std::vector<uint8_t> q;
+  std::vector<uint8_t> k_pool, v_pool;
+  AttentionParams params;
+
+  PagedKvView Pool(std::vector<uint8_t>& bytes) const {
+    return PagedKvView{bytes.data(), config.kv_dtype, config.layout, table.num_pages,
+                       config.page_size, config.num_kv_heads, config.head_dim};
+  }
+};
+
+DecodeProblem MakeProblem(const DecodeCase& c) {
+  std::mt19937 rng(c.seed);
+  DecodeProblem problem;
+  problem.config = c;
+  problem.num_qo_heads = c.num_kv_heads * c.group;
+  std::vector<int64_t> lengths = c.lengths.empty() ? StandardLengths(c.page_size) : c.lengths;
+  // A padding slot with keys but no query row: it must produce nothing and break nothing.
+  if (lengths.size() > 2) lengths.insert(lengths.begin() + 1, 50);
+  problem.table = kernel_test::MakePageTable(lengths, c.page_size, c.separate_kv, 3, rng);
+  problem.qo_indptr.push_back(0);
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    const bool padding = lengths.size() > 2 && b == 1;
+    problem.qo_indptr.push_back(problem.qo_indptr.back() + (padding ? 0 : 1));
+  }
+  problem.num_rows = problem.qo_indptr.back();
+  problem.q = kernel_test::RandomElements(
+      c.q_dtype, int64_t{problem.num_rows} * problem.num_qo_heads * c.head_dim, 3.0f, rng);
+
+  // Every slot starts as NaN; only the slots of real tokens get values.
+  const int64_t pool_elements =
+      problem.table.num_pages * c.page_size * c.num_kv_heads * int64_t{c.head_dim};
+  problem.k_pool.assign(pool_elements * DTypeBytes(c.kv_dtype), 0xff);
+  problem.v_pool.assign(pool_elements * DTypeBytes(c.kv_dtype), 0xff);
+  PagedKvView k = problem.Pool(problem.k_pool);
+  PagedKvView v = problem.Pool(problem.v_pool);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    for (int64_t t = 0; t < lengths[b]; ++t) {
+      const int32_t slot = problem.table.indptr[b] + static_cast<int32_t>(t / c.page_size);
+      const int32_t entry = static_cast<int32_t>(t % c.page_size);
+      for (int32_t h = 0; h < c.num_kv_heads; ++h) {
+        const int64_t k_base = k.Offset(problem.table.k_indices[slot], entry, h);
+        const int64_t v_base = v.Offset(problem.table.v_indices[slot], entry, h);
+        for (int32_t d = 0; d < c.head_dim; ++d) {
+          StoreFromFloat(c.kv_dtype, k.data, k_base + d, uniform(rng));
+          StoreFromFloat(c.kv_dtype, v.data, v_base + d, uniform(rng));
+        }
+      }
+    }
+  }
+  problem.params.causal = true;
+  problem.params.sm_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  problem.params.logits_soft_cap = c.soft_cap;
+  problem.params.window_left = c.window_left;
+  if (c.kv_dtype == DType::kFloat8E4M3) {
+    problem.params.k_scale = 0.75f;
+    problem.params.v_scale = 1.5f;
+  }
+  return problem;
+}
+
+struct DecodeOutput {
+  std::vector<uint8_t> o;  // [num_rows][Hq][D], q dtype
+  std::vector<float> lse;  // [num_rows][Hq]
+  plan::DecodePlan plan;
+};
+
+// Runs the CUDA decode on `problem`; fails the test (and returns false) on any error.
+bool RunGpuDecode(DecodeProblem& problem, DecodeOutput* out) {
+  const DecodeCase& c = problem.config;
+  cuda::DecodeKernelConfig config{c.q_dtype, c.kv_dtype, c.head_dim, c.group};
+  auto ctas = cuda::DecodeCtasPerWave(config);
+  EXPECT_TRUE(ctas.ok()) << ctas.status();
+  if (!ctas.ok()) return false;
+
+  plan::DecodePlanOptions options;
+  options.num_kv_heads = c.num_kv_heads;
+  options.ctas_per_wave = *ctas;
+  options.window_left = c.window_left;
+  options.disable_split_kv = c.split == Split::kDisabled;
+  options.deterministic = c.split == Split::kDeterministic;
+  if (c.split == Split::kFixed) options.fixed_split_tokens = c.fixed_split_tokens;
+  std::vector<int64_t> lengths;
+  for (int32_t b = 0; b + 1 < static_cast<int32_t>(problem.table.indptr.size()); ++b)
+    lengths.push_back(problem.table.KvLength(b));
+  auto plan = plan::PlanBatchDecode(problem.qo_indptr, lengths, options);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  if (!plan.ok()) return false;
+  out->plan = *plan;
+
+  DevicePageTable table(problem.table, c.separate_kv);
+  DeviceBuffer q = Upload(problem.q);
+  DeviceBuffer k_pool = Upload(problem.k_pool);
+  DeviceBuffer v_pool = Upload(problem.v_pool);
+  DeviceBuffer packed = Upload(plan->Pack());
+  const int64_t o_elements = int64_t{problem.num_rows} * problem.num_qo_heads * c.head_dim;
+  std::vector<uint8_t> poison(o_elements * DTypeBytes(c.q_dtype), 0xff);
+  DeviceBuffer o = Upload(poison);
+  std::vector<float> lse_poison(int64_t{problem.num_rows} * problem.num_qo_heads, NAN);
+  DeviceBuffer lse = Upload(lse_poison);
+  const int64_t workspace_bytes =
+      cuda::BatchDecodeWorkspaceBytes(plan->num_partials, problem.num_qo_heads, c.head_dim);
+  DeviceBuffer workspace(workspace_bytes);
+  if (workspace_bytes > 0) cudaMemset(workspace.get(), 0xff, workspace_bytes);
+
+  cuda::BatchDecodeArgs args;
+  args.q = TokenHeadsView{q.get(), c.q_dtype, problem.num_rows, problem.num_qo_heads, c.head_dim};
+  args.pages = table.view;
+  args.k_cache = problem.Pool(problem.k_pool);
+  args.k_cache.data = k_pool.get();
+  args.v_cache = problem.Pool(problem.v_pool);
+  args.v_cache.data = v_pool.get();
+  args.params = problem.params;
+  args.work = plan->View(packed.as<int32_t>());
+  args.o = TokenHeadsView{o.get(), c.q_dtype, problem.num_rows, problem.num_qo_heads, c.head_dim};
+  args.lse = lse.as<float>();
+  args.workspace = workspace.get();
+  args.workspace_bytes = workspace_bytes;
+  const absl::Status status = cuda::BatchDecode(args, nullptr);
+  EXPECT_TRUE(status.ok()) << status;
+  if (!status.ok()) return false;
+  const cudaError_t error = cudaDeviceSynchronize();
+  EXPECT_EQ(error, cudaSuccess) << cudaGetErrorString(error);
+  if (error != cudaSuccess) return false;
+  out->o = kernel_test::Download<uint8_t>(o, poison.size());
+  out->lse = kernel_test::Download<float>(lse, lse_poison.size());
+  return true;
+}
+
+struct ReferenceOutput {
+  std::vector<uint8_t> o;  // float32
+  std::vector<float> lse;
+};
+
+ReferenceOutput RunReference(DecodeProblem& problem) {
+  const DecodeCase& c = problem.config;
+  ReferenceOutput ref;
+  const int64_t o_elements = int64_t{problem.num_rows} * problem.num_qo_heads * c.head_dim;
+  ref.o.assign(o_elements * sizeof(float), 0);
+  ref.lse.assign(int64_t{problem.num_rows} * problem.num_qo_heads, 0.0f);
+  reference::BatchAttentionArgs args;
+  args.q = TokenHeadsView{problem.q.data(), c.q_dtype, problem.num_rows, problem.num_qo_heads,
+                          c.head_dim};
+  args.qo_indptr = problem.qo_indptr.data();
+  args.pages = problem.table.View();
+  args.k_cache = problem.Pool(problem.k_pool);
+  args.v_cache = problem.Pool(problem.v_pool);
+  args.params = problem.params;
+  args.o = TokenHeadsView{ref.o.data(), DType::kFloat32, problem.num_rows, problem.num_qo_heads,
+                          c.head_dim};
+  args.lse = ref.lse.data();
+  args.accumulation = reference::Accumulation::kFloat64;
+  reference::BatchAttention(args);
+  return ref;
+}
+
+double Tolerance(DType o_dtype) { return o_dtype == DType::kBFloat16 ? 4e-3 : 6e-4; }
+
+void ExpectMatchesReference(const DecodeProblem& problem, const DecodeOutput& gpu,
+                            const ReferenceOutput& ref) {
+  const DecodeCase& c = problem.config;
+  const int64_t rows = int64_t{problem.num_rows} * problem.num_qo_heads;
+  const double error = kernel_test::NormwiseRelativeError(c.q_dtype, gpu.o, DType::kFloat32, ref.o,
+                                                          rows * c.head_dim);
+  EXPECT_LE(error, Tolerance(c.q_dtype)) << "normwise relative error of o";
+  int lse_failures = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float expected = ref.lse[r];
+    const float actual = gpu.lse[r];
+    if (std::isinf(expected)) {
+      if (actual != expected && lse_failures++ < 5) ADD_FAILURE() << "lse row " << r << ": " << actual;
+      // A row that sees no key: o exactly 0.
+      for (int32_t d = 0; d < c.head_dim; ++d) {
+        const double value = kernel_test::ElementAt(c.q_dtype, gpu.o, r * c.head_dim + d);
+        if (value != 0.0 && lse_failures++ < 5) ADD_FAILURE() << "masked row " << r << " o=" << value;
+      }
+    } else if (!(std::fabs(actual - expected) <= 1e-4f + 1e-5f * std::fabs(expected))) {
+      if (lse_failures++ < 5) ADD_FAILURE() << "lse row " << r << ": " << actual << " vs " << expected;
+    }
+  }
+}
+
+class DecodeSweepTest : public ::testing::TestWithParam<DecodeCase> {};
+
+TEST_P(DecodeSweepTest, MatchesFloat64Reference) {
+  ATTND_SKIP_WITHOUT_GPU();
+  DecodeProblem problem = MakeProblem(GetParam());
+  DecodeOutput gpu;
+  ASSERT_TRUE(RunGpuDecode(problem, &gpu));
+  ExpectMatchesReference(problem, gpu, RunReference(problem));
+}
+
+std::vector<DecodeCase> SweepCases() {
+  std::vector<DecodeCase> cases;
+  const std::pair<DType, DType> dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
+                                            {DType::kFloat16, DType::kFloat16},
+                                            {DType::kBFloat16, DType::kFloat8E4M3},
+                                            {DType::kFloat16, DType::kFloat8E4M3}};
+  uint32_t seed = 100;
+  for (const auto& [q_dtype, kv_dtype] : dtypes) {
+    for (int32_t head_dim : {64, 128, 256}) {
+      for (int32_t page_size : {1, 16, 128}) {
+        for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
+          for (int32_t group : {1, 4, 8}) {
+            DecodeCase c;
+            c.q_dtype = q_dtype;
+            c.kv_dtype = kv_dtype;
+            c.head_dim = head_dim;
+            c.page_size = page_size;
+            c.layout = layout;
+            c.group = group;
+            c.separate_kv = (seed % 3) == 0;
+            c.seed = seed++;
+            cases.push_back(c);
+          }
+        }
+      }
+    }
+  }
+  // Mixed q/KV 16-bit types, odd groups (padded up inside the kernel), options.
+  DecodeCase mixed;
+  mixed.q_dtype = DType::kFloat16;
+  mixed.kv_dtype = DType::kBFloat16;
+  cases.push_back(mixed);
+  for (int32_t group : {2, 3, 5, 6, 7}) {
+    DecodeCase c;
+    c.group = group;
+    c.seed = 200 + group;
+    cases.push_back(c);
+  }
+  for (Split split : {Split::kDisabled, Split::kFixed, Split::kDeterministic}) {
+    for (int32_t page_size : {1, 16}) {
+      DecodeCase c;
+      c.split = split;
+      c.page_size = page_size;
+      c.layout = page_size == 1 ? KvLayout::kHND : KvLayout::kNHD;
+      c.seed = 300 + page_size + static_cast<int>(split);
+      cases.push_back(c);
+    }
+  }
+  for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
+    DecodeCase cap;
+    cap.soft_cap = 5.0f;
+    cap.layout = layout;
+    cases.push_back(cap);
+    DecodeCase window;
+    window.window_left = 100;
+    window.layout = layout;
+    window.kv_dtype = DType::kFloat8E4M3;
+    cases.push_back(window);
+    DecodeCase window_fixed = window;
+    window_fixed.window_left = 0;
+    window_fixed.split = Split::kFixed;
+    cases.push_back(window_fixed);
+  }
+  // Long sequences (~32k keys) beside short ones.
+  for (const auto& [kv_dtype, page_size] :
+       {std::pair{DType::kBFloat16, 16}, std::pair{DType::kFloat8E4M3, 128},
+        std::pair{DType::kFloat16, 1}}) {
+    DecodeCase c;
+    c.q_dtype = kv_dtype == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
+    c.kv_dtype = kv_dtype;
+    c.page_size = page_size;
+    c.group = 8;
+    c.lengths = {32768, 1, 32771, 4096};
+    c.seed = 400 + page_size;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, DecodeSweepTest, ::testing::ValuesIn(SweepCases()),
+                         [](const ::testing::TestParamInfo<DecodeCase>& info) {
+                           return CaseName(info.param) + "_" + std::to_string(info.index);
+                         });
+
+// The same request, alone and among others at another position (different q row, different
+// partner lengths, so a batch-dependent chunking would change its reduction order), must give
+// bitwise identical o and lse in deterministic mode.
+class DecodeDeterminismTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(DecodeDeterminismTest, RequestResultIsBitwiseBatchInvariant) {
+  ATTND_SKIP_WITHOUT_GPU();
+  DecodeCase base;
+  base.kv_dtype = GetParam();
+  base.split = Split::kDeterministic;
+  base.seed = 7;
+  // Batch A: the request alone (plus a short one, so the table isn't trivial).
+  // Batch B: the request at index 3 of mixed lengths. Same key values via the same seed are not
+  // enough (pools are drawn in order), so batch B's request is copied from batch A's pools.
+  DecodeCase case_a = base;
+  case_a.lengths = {5000, 3};
+  DecodeProblem a = MakeProblem(case_a);
+  DecodeCase case_b = base;
+  case_b.lengths = {700, 20000, 1, 5000, 9000, 64};
+  case_b.seed = 8;
+  DecodeProblem b = MakeProblem(case_b);
+  // Request 0 of A is request 4 of B (index 1 of B is the inserted padding slot).
+  const int32_t request_b = 4;
+  ASSERT_EQ(b.table.KvLength(request_b), 5000);
+  const int64_t row_elements = int64_t{base.num_kv_heads} * base.head_dim;
+  const PagedKvView a_k = a.Pool(a.k_pool), a_v = a.Pool(a.v_pool);
+  const PagedKvView b_k = b.Pool(b.k_pool), b_v = b.Pool(b.v_pool);
+  const int bytes = DTypeBytes(base.kv_dtype);
+  for (int64_t t = 0; t < 5000; ++t) {
+    const int32_t slot_a = a.table.indptr[0] + static_cast<int32_t>(t / base.page_size);
+    const int32_t slot_b = b.table.indptr[request_b] + static_cast<int32_t>(t / base.page_size);
+    const int32_t entry = static_cast<int32_t>(t % base.page_size);
+    for (int32_t h = 0; h < base.num_kv_heads; ++h) {
+      std::memcpy(b.k_pool.data() + b_k.Offset(b.table.k_indices[slot_b], entry, h) * bytes,
+                  a.k_pool.data() + a_k.Offset(a.table.k_indices[slot_a], entry, h) * bytes,
+                  base.head_dim * bytes);
+      std::memcpy(b.v_pool.data() + b_v.Offset(b.table.v_indices[slot_b], entry, h) * bytes,
+                  a.v_pool.data() + a_v.Offset(a.table.v_indices[slot_a], entry, h) * bytes,
+                  base.head_dim * bytes);
+    }
+  }
+  (void)row_elements;
+  const int32_t row_b = b.qo_indptr[request_b];
+  const int64_t q_row_bytes = int64_t{a.num_qo_heads} * base.head_dim * DTypeBytes(base.q_dtype);
+  std::memcpy(b.q.data() + row_b * q_row_bytes, a.q.data(), q_row_bytes);
+
+  DecodeOutput out_a, out_b;
+  ASSERT_TRUE(RunGpuDecode(a, &out_a));
+  ASSERT_TRUE(RunGpuDecode(b, &out_b));
+  ASSERT_TRUE(out_a.plan.split_kv) << "the request should be split: " << out_a.plan.DebugString();
+  EXPECT_EQ(std::memcmp(out_a.o.data(), out_b.o.data() + row_b * q_row_bytes, q_row_bytes), 0)
+      << "o differs between batches";
+  EXPECT_EQ(std::memcmp(out_a.lse.data(), out_b.lse.data() + int64_t{row_b} * a.num_qo_heads,
+                        a.num_qo_heads * sizeof(float)),
+            0)
+      << "lse differs between batches";
+  // And the answer is right.
+  ExpectMatchesReference(a, out_a, RunReference(a));
+}
+
+INSTANTIATE_TEST_SUITE_P(KvDtypes, DecodeDeterminismTest,
+                         ::testing::Values(DType::kBFloat16, DType::kFloat8E4M3),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return std::string(kernel_test::ShortName(info.param));
+                         });
+
+// A small sweep for compute-sanitizer (run with --gtest_filter='Sanitizer*').
+class SanitizerDecodeTest : public ::testing::TestWithParam<DecodeCase> {};
+
+TEST_P(SanitizerDecodeTest, MatchesReference) {
+  ATTND_SKIP_WITHOUT_GPU();
+  DecodeProblem problem = MakeProblem(GetParam());
+  DecodeOutput gpu;
+  ASSERT_TRUE(RunGpuDecode(problem, &gpu));
+  ExpectMatchesReference(problem, gpu, RunReference(problem));
+}
+
+std::vector<DecodeCase> SanitizerCases() {
+  std::vector<DecodeCase> cases;
+  uint32_t seed = 900;
+  for (DType kv_dtype : {DType::kBFloat16, DType::kFloat8E4M3}) {
+    for (int32_t head_dim : {64, 256}) {
+      for (int32_t page_size : {1, 16}) {
+        DecodeCase c;
+        c.kv_dtype = kv_dtype;
+        c.head_dim = head_dim;
+        c.page_size = page_size;
+        c.group = page_size == 1 ? 8 : 1;
+        c.layout = page_size == 1 ? KvLayout::kHND : KvLayout::kNHD;
+        c.separate_kv = page_size == 1;
+        c.split = page_size == 1 ? Split::kFixed : Split::kAuto;
+        c.lengths = {0, 1, 17, 300};
+        c.seed = seed++;
+        cases.push_back(c);
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Sanitizer, SanitizerDecodeTest, ::testing::ValuesIn(SanitizerCases()),
+                         [](const ::testing::TestParamInfo<DecodeCase>& info) {
+                           return CaseName(info.param);
+                         });
+
+TEST(DecodeArgsTest, RejectsUnsupportedConfigs) {
+  EXPECT_FALSE(cuda::DecodeSupports({DType::kBFloat16, DType::kBFloat16, 96, 1}));
+  EXPECT_FALSE(cuda::DecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 9}));
+  EXPECT_FALSE(cuda::DecodeSupports({DType::kFloat8E4M3, DType::kBFloat16, 128, 1}));
+  EXPECT_TRUE(cuda::DecodeSupports({DType::kFloat16, DType::kFloat8E4M3, 256, 7}));
+  EXPECT_EQ(cuda::BatchDecodeWorkspaceBytes(0, 32, 128), 0);
+  EXPECT_GE(cuda::BatchDecodeWorkspaceBytes(10, 32, 128), 10 * 32 * 128 * 4 + 10 * 32 * 4);
+}
+
+}  // namespace
+}  // namespace attnd
