@@ -1,0 +1,21 @@
+// Batch prefill instantiations for head_dim 128 (one file per head_dim so builds run them in
+// parallel).
+#include "prefill_kernel.cuh"
+
+namespace attnd::cuda::prefill {
+
+cudaError_t LaunchPrefillD128(const KernelParams& params, int32_t tile_rows, DType q_dtype,
+                             DType kv_dtype, int32_t num_ctas, cudaStream_t stream) {
+  switch (tile_rows) {
+    case 16:
+      return LaunchTileForTypes<16, 128>(params, q_dtype, kv_dtype, num_ctas, stream);
+    case 64:
+      return LaunchTileForTypes<64, 128>(params, q_dtype, kv_dtype, num_ctas, stream);
+    case 128:
+      return LaunchTileForTypes<128, 128>(params, q_dtype, kv_dtype, num_ctas, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace attnd::cuda::prefill

@@ -1,0 +1,623 @@
+// Batch prefill attention over the paged KV cache (DESIGN 4.3): the kernel template.
+//
+// One CTA (4 warps) computes one query tile of packed rows (token, head-in-group) of one request
+// against one KV head, streaming the request's keys in tiles of kTileKv through shared memory:
+//   S = Q K^T (mma.sync m16n8k16, fp32), online softmax (m, d, o) in the log2 domain,
+//   O += P V (P rounded to the MMA type).
+// Warps split the query rows (tiles of 64 and 128 rows: 4 x 1) or the keys of each KV tile
+// (tile of 16 rows: 1 x 4, merged through shared memory at the end, in warp order).
+//
+// Shared memory holds Q [kTileRows][D], K [kTileKv][D], V [kTileKv][D], all in the MMA type,
+// rows of D/8 16-byte chunks with chunk c of row r stored at c ^ (r % 8), so that the 8 row
+// addresses of every ldmatrix phase and of every cp.async wave hit distinct banks.
+//
+// Pipeline: K of tile j+1 loads while P V of tile j runs, V of tile j+1 while Q K^T of tile j+1
+// runs, both with cp.async. Caches of another type than q (fp8, or the other 16-bit type) land
+// raw and are converted in shared memory by the threads that loaded them (KvTileLoader).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "prefill_params.h"
+#include "prefill_ptx.cuh"
+
+namespace attnd::cuda::prefill {
+
+inline constexpr int kThreads = 128;
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+constexpr int KvBlocksPerWarp(int tile_rows, int head_dim) {
+  // 16-key blocks each warp multiplies per KV tile. Bounded by registers: a thread holds
+  // kMmaQ * kMmaKv * 8 scores and kMmaQ * D / 2 output accumulators.
+  if (tile_rows == 16) return head_dim == 256 ? 1 : 2;
+  if (tile_rows == 64) return head_dim == 64 ? 8 : 4;
+  return 4;  // 128 rows, head_dim 64 or 128
+}
+
+// kRawKvBytes: bytes per element of a cache that lands raw beside the tiles (fp8: 1), else 0.
+template <int kTileRowsArg, int kHeadDimArg, int kRawKvBytes>
+struct TileShape {
+  static constexpr int kTileRows = kTileRowsArg;
+  static constexpr int kHeadDim = kHeadDimArg;
+  static constexpr int kWarpsQ = kTileRows == 16 ? 1 : 4;
+  static constexpr int kWarpsKv = 4 / kWarpsQ;
+  static constexpr int kMmaQ = kTileRows / (16 * kWarpsQ);  // 16-row blocks per warp
+  static constexpr int kMmaD = kHeadDim / 16;
+  static constexpr int kMmaKv = KvBlocksPerWarp(kTileRows, kHeadDim);
+  static constexpr int kTileKv = 16 * kMmaKv * kWarpsKv;
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row in shared memory
+  static constexpr int kQElements = kTileRows * kHeadDim;
+  static constexpr int kKvElements = kTileKv * kHeadDim;
+  static constexpr int kRawBytes = kRawKvBytes * kKvElements;  // per raw tile (K, V)
+  static constexpr int kLoopBytes = 2 * (kQElements + 2 * kKvElements) + 2 * kRawBytes;
+  // Cross-warp merge of the 1 x 4 layout: o [4][16][D + 8] floats (padded against bank
+  // conflicts), then m and d [4][16].
+  static constexpr int kMergeStride = kHeadDim + 8;
+  static constexpr int kMergeBytes = kWarpsKv == 1 ? 0 : 4 * (4 * 16 * kMergeStride + 2 * 4 * 16);
+  static constexpr int kSmemBytes = kLoopBytes > kMergeBytes ? kLoopBytes : kMergeBytes;
+
+  static_assert(kMmaQ >= 1 && kMmaQ * 16 * kWarpsQ == kTileRows, "query tile");
+  static_assert(kHeadDim >= 64, "the swizzle needs at least 8 chunks per row");
+};
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] tile.
+template <int kHeadDim>
+__device__ __forceinline__ int Swizzle(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+// Byte offset, within a swizzled tile, of chunk 2 * step + (lane bit) of a row whose low three
+// bits are the lane's: with z = lane bit ^ (row & 7), the chunk lands at
+// 8 * (step / 4) + ((2 * (step % 4)) ^ z). Written this way the compiler keeps four per-lane
+// registers and folds the rest into ldmatrix immediates instead of hoisting one address per
+// (step, block) pair.
+template <int kStep>
+__device__ __forceinline__ uint32_t SwizzledStepBytes(uint32_t z) {
+  return 128u * (kStep / 4) + ((static_cast<uint32_t>(2 * (kStep % 4)) ^ z) << 4);
+}
+
+// Calls f(std::integral_constant<int, i>) for i in [0, n), so the index is a template constant.
+template <int kCount, typename F, int... kIndices>
+__device__ __forceinline__ void StaticForImpl(F&& f, std::integer_sequence<int, kIndices...>) {
+  (f(std::integral_constant<int, kIndices>{}), ...);
+}
+template <int kCount, typename F>
+__device__ __forceinline__ void StaticFor(F&& f) {
+  StaticForImpl<kCount>(f, std::make_integer_sequence<int, kCount>{});
+}
+
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float FastLog2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// tanh(x) = 1 - 2 / (e^{2x} + 1): relative error ~1e-6, unlike tanh.approx (~5e-4), which a
+// soft cap of 30-50 would turn into logit errors of a few percent.
+__device__ __forceinline__ float AccurateTanh(float x) {
+  return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
+}
+
+// Loads KV tiles of `Stored` elements into swizzled shared tiles of the MMA type T, always with
+// cp.async. A cache of another type lands raw first (16-bit: in place, at the swizzled chunk it
+// will occupy; fp8: in a separate raw tile of D bytes per row) and Convert() then rewrites, in
+// each thread, exactly the chunks that thread loaded, so its own wait_group is all the
+// ordering the conversion needs.
+template <typename Shape, typename T, typename Stored>
+struct KvTileLoader {
+  static constexpr bool kDirect = std::is_same_v<Stored, T>;
+  static constexpr bool kNarrow = sizeof(Stored) == 1;
+  static constexpr int kStoredPerLoad = 16 / sizeof(Stored);
+  static constexpr int kLoadsPerRow = Shape::kHeadDim / kStoredPerLoad;
+  static constexpr int kRowsPerPass = kThreads / kLoadsPerRow;
+  static constexpr int kPasses = Shape::kTileKv / kRowsPerPass;
+  static_assert(kThreads % kLoadsPerRow == 0 && Shape::kTileKv % kRowsPerPass == 0, "loader");
+
+  // Where this thread's 16 raw bytes of `row` land.
+  __device__ __forceinline__ static uint8_t* RawChunk(T* tile, uint8_t* raw, int row, int load) {
+    if constexpr (kNarrow) return raw + row * Shape::kHeadDim + load * 16;
+    return reinterpret_cast<uint8_t*>(tile + Swizzle<Shape::kHeadDim>(row, load));
+  }
+
+  // `pool` is this KV head's base (pool + kv_head * head_stride), `page_ids` this request's page
+  // ids. Geometry comes from the kernel parameters (constant bank), not from registers.
+  __device__ __forceinline__ static void Issue(T* tile, uint8_t* raw, const Stored* pool,
+                                               const int32_t* page_ids, const KernelParams& params,
+                                               int tile_start, int kv_end) {
+    const int load = threadIdx.x % kLoadsPerRow;
+    const int first_row = threadIdx.x / kLoadsPerRow;
+    const int page_mask = (1 << params.page_size_log2) - 1;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int row = first_row + pass * kRowsPerPass;
+      const int token = tile_start + row;
+      // Keys past the end are zero-filled: V must be, since P = 0 times stale memory could be NaN.
+      const bool valid = token < kv_end;
+      const Stored* source = pool;
+      if (valid) {
+        const int64_t page = page_ids[token >> params.page_size_log2];
+        source += page * params.kv_page_stride + (token & page_mask) * params.kv_entry_stride +
+                  load * kStoredPerLoad;
+      }
+      CpAsync16(SharedAddress(RawChunk(tile, raw, row, load)), source, valid);
+    }
+  }
+
+  __device__ __forceinline__ static void Convert(T* tile, uint8_t* raw) {
+    if constexpr (!kDirect) {
+      const int load = threadIdx.x % kLoadsPerRow;
+      const int first_row = threadIdx.x / kLoadsPerRow;
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int row = first_row + pass * kRowsPerPass;
+        const uint4 bits = *reinterpret_cast<const uint4*>(RawChunk(tile, raw, row, load));
+        const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
+        if constexpr (kNarrow) {
+          // 16 fp8 values -> chunks 2 * load and 2 * load + 1.
+          uint32_t out[8];
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            out[2 * w] = ConvertPair<T, Stored>(words[w] & 0xffffu);
+            out[2 * w + 1] = ConvertPair<T, Stored>(words[w] >> 16);
+          }
+          *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, 2 * load)) =
+              make_uint4(out[0], out[1], out[2], out[3]);
+          *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, 2 * load + 1)) =
+              make_uint4(out[4], out[5], out[6], out[7]);
+        } else {
+          *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, load)) =
+              make_uint4(ConvertPair<T, Stored>(words[0]), ConvertPair<T, Stored>(words[1]),
+                         ConvertPair<T, Stored>(words[2]), ConvertPair<T, Stored>(words[3]));
+        }
+      }
+    }
+  }
+};
+
+template <typename Shape, typename T, typename Stored>
+__global__ void __launch_bounds__(kThreads)
+    BatchPrefillKernel(const __grid_constant__ KernelParams params) {
+  constexpr int kHeadDim = Shape::kHeadDim;
+  constexpr int kTileRows = Shape::kTileRows;
+  constexpr int kTileKv = Shape::kTileKv;
+  constexpr int kMmaQ = Shape::kMmaQ;
+  constexpr int kMmaD = Shape::kMmaD;
+  constexpr int kMmaKv = Shape::kMmaKv;
+  constexpr int kChunks = Shape::kChunks;
+
+  extern __shared__ __align__(128) uint8_t shared_bytes[];
+  T* q_tile = reinterpret_cast<T*>(shared_bytes);  // [kTileRows][D] swizzled
+  T* k_tile = q_tile + Shape::kQElements;          // [kTileKv][D] swizzled
+  T* v_tile = k_tile + Shape::kKvElements;         // [kTileKv][D] swizzled
+  // fp8 caches: raw [kTileKv][D] bytes of K, then of V, unswizzled.
+  uint8_t* k_raw = reinterpret_cast<uint8_t*>(v_tile + Shape::kKvElements);
+  uint8_t* v_raw = k_raw + Shape::kRawBytes;
+
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warp_q = Shape::kWarpsQ == 1 ? 0 : warp;
+  const int warp_kv = Shape::kWarpsKv == 1 ? 0 : warp;
+  const int kv_head = blockIdx.x % params.num_kv_heads;
+  const WorkItem item = params.items[blockIdx.x / params.num_kv_heads];
+
+  const int request = item.request;
+  const int qo_start = params.qo_indptr[request];
+  const int q_len = params.qo_indptr[request + 1] - qo_start;
+  const int page_begin = params.page_indptr[request];
+  const int num_pages = params.page_indptr[request + 1] - page_begin;
+  const int kv_len =
+      num_pages == 0 ? 0 : ((num_pages - 1) << params.page_size_log2) + params.last_page_len[request];
+  const int group = params.group_size;
+  const int row_start = item.packed_row_start;
+  const int row_end = min(row_start + kTileRows, q_len * group);
+  // Query token i of the request sits at position kv_len - q_len + i (bottom-right aligned).
+  const int position_offset = kv_len - q_len;
+  const int first_position = position_offset + row_start / group;
+  const int last_position = position_offset + (row_end - 1) / group;
+
+  // Keys this CTA must visit: the chunk, cut by the causal limit of its last row and the
+  // window of its first row. Rows that see fewer keys are masked per element.
+  int kv_begin = item.kv_chunk_start;
+  int kv_end = min(item.kv_chunk_end, kv_len);
+  if (params.causal) kv_end = min(kv_end, last_position + 1);
+  if (params.window_left >= 0) kv_begin = max(kv_begin, first_position - params.window_left);
+  const int num_kv_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kTileKv - 1) / kTileKv : 0;
+
+  // --- Q tile: packed rows past the request's end are zero-filled and never stored.
+  {
+    const T* q = static_cast<const T*>(params.q);
+    constexpr int kPasses = kTileRows * kChunks / kThreads;
+    const int chunk = threadIdx.x % kChunks;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int row = threadIdx.x / kChunks + pass * (kThreads / kChunks);
+      const int packed = row_start + row;
+      const bool valid = packed < row_end;
+      const T* source = q;
+      if (valid) {
+        const int token = packed / group;
+        const int head = kv_head * group + (packed - token * group);
+        source += (static_cast<int64_t>(qo_start + token) * params.num_qo_heads + head) * kHeadDim +
+                  chunk * 8;
+      }
+      CpAsync16(SharedAddress(q_tile + Swizzle<kHeadDim>(row, chunk)), source, valid);
+    }
+  }
+
+  const Stored* k_pool = static_cast<const Stored*>(params.k_pool) + kv_head * params.kv_head_stride;
+  const Stored* v_pool = static_cast<const Stored*>(params.v_pool) + kv_head * params.kv_head_stride;
+  const int32_t* k_page_ids = params.k_page_ids + page_begin;
+  const int32_t* v_page_ids = params.v_page_ids + page_begin;
+  using Loader = KvTileLoader<Shape, T, Stored>;
+
+  if (num_kv_tiles > 0) Loader::Issue(k_tile, k_raw, k_pool, k_page_ids, params, kv_begin, kv_end);
+  CpAsyncCommit();
+  if (num_kv_tiles > 0) Loader::Issue(v_tile, v_raw, v_pool, v_page_ids, params, kv_begin, kv_end);
+  CpAsyncCommit();
+
+  // Positions of this thread's rows: block mq, half h holds row 16 * mq + 8 * h + lane / 4.
+  int row_position[kMmaQ][2];
+#pragma unroll
+  for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp_q * 16 * kMmaQ + mq * 16 + h * 8 + lane / 4;
+      row_position[mq][h] = position_offset + (row_start + row) / group;
+    }
+  }
+
+  const bool soft_cap = params.soft_cap > 0.0f;
+  // Without a cap, scores stay raw and exp2(s * scale_log2 - m) folds the scale into one FFMA.
+  const float scale_log2 = soft_cap ? 1.0f : params.score_scale * kLog2e;
+  const float cap_input_scale = soft_cap ? params.score_scale / params.soft_cap : 0.0f;
+  const float cap_log2 = params.soft_cap * kLog2e;
+
+  float o[kMmaQ][kMmaD][8];
+  float row_max[kMmaQ][2];  // log2 domain; -inf until a row sees a key
+  float row_sum[kMmaQ][2];  // this thread's share; summed over the quad at the end
+#pragma unroll
+  for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+    for (int db = 0; db < kMmaD; ++db) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[mq][db][e] = 0.0f;
+    }
+    row_max[mq][0] = row_max[mq][1] = -INFINITY;
+    row_sum[mq][0] = row_sum[mq][1] = 0.0f;
+  }
+
+  // ldmatrix lane addresses (see SwizzledStepBytes). Q and V lanes 0-7/8-15/16-23/24-31 give
+  // rows 0-7/8-15/0-7/8-15 at chunks +0/+0/+1/+1; K lanes give rows 0-7/0-7/8-15/8-15 at
+  // chunks +0/+1/+0/+1, so x4 returns (b0, b1) of two n8 key blocks.
+  constexpr int kRowBytes = 2 * kHeadDim;
+  const int warp_key_base = warp_kv * 16 * kMmaKv;
+  const uint32_t q_lane = SharedAddress(q_tile) +
+                          (warp_q * 16 * kMmaQ + (lane % 8) + 8 * ((lane / 8) % 2)) * kRowBytes;
+  const uint32_t k_lane = SharedAddress(k_tile) + (warp_key_base + (lane % 8) + 8 * (lane / 16)) * kRowBytes;
+  const uint32_t v_lane =
+      SharedAddress(v_tile) + (warp_key_base + (lane % 8) + 8 * ((lane / 8) % 2)) * kRowBytes;
+  const uint32_t q_z = (lane / 16) ^ (lane % 8);
+  const uint32_t k_z = ((lane / 8) % 2) ^ (lane % 8);
+  const uint32_t v_z = q_z;
+
+  for (int tile = 0; tile < num_kv_tiles; ++tile) {
+    const int tile_start = kv_begin + tile * kTileKv;
+    CpAsyncWait<1>();  // Q and K of this tile have landed; V may still be in flight
+    Loader::Convert(k_tile, k_raw);
+    __syncthreads();
+
+    // S = Q K^T. s[mq][jb]: [0,1] row g keys 2t,2t+1; [2,3] row g+8; [4..7] the same, keys +8,
+    // with g = lane / 4, t = lane % 4 (the m16n8k16 accumulator layout, two n8 blocks).
+    float s[kMmaQ][kMmaKv][8];
+#pragma unroll
+    for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+      for (int jb = 0; jb < kMmaKv; ++jb) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s[mq][jb][e] = 0.0f;
+      }
+    }
+    StaticFor<kMmaD>([&](auto ks_constant) {
+      constexpr int ks = decltype(ks_constant)::value;
+      uint32_t qa[kMmaQ][4];
+#pragma unroll
+      for (int mq = 0; mq < kMmaQ; ++mq) {
+        LdMatrixX4(q_lane + mq * 16 * kRowBytes + SwizzledStepBytes<ks>(q_z), qa[mq]);
+      }
+#pragma unroll
+      for (int jb = 0; jb < kMmaKv; ++jb) {
+        uint32_t kb[4];
+        LdMatrixX4(k_lane + jb * 16 * kRowBytes + SwizzledStepBytes<ks>(k_z), kb);
+#pragma unroll
+        for (int mq = 0; mq < kMmaQ; ++mq) {
+          Mma16816<T>(s[mq][jb], qa[mq], kb[0], kb[1]);
+          Mma16816<T>(s[mq][jb] + 4, qa[mq], kb[2], kb[3]);
+        }
+      }
+    });
+
+    if (soft_cap) {
+#pragma unroll
+      for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+        for (int jb = 0; jb < kMmaKv; ++jb) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s[mq][jb][e] = cap_log2 * AccurateTanh(s[mq][jb][e] * cap_input_scale);
+        }
+      }
+    }
+
+    // Per-element masking only where some row of the tile can see a masked key.
+    const int tile_end = tile_start + kTileKv;
+    const bool needs_mask = tile_end > kv_end || (params.causal && tile_end - 1 > first_position) ||
+                            (params.window_left >= 0 && tile_start < last_position - params.window_left);
+    if (needs_mask) {
+#pragma unroll
+      for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+        for (int jb = 0; jb < kMmaKv; ++jb) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const int key = tile_start + warp_key_base + jb * 16 + (e / 4) * 8 + 2 * (lane % 4) + (e % 2);
+            const int position = row_position[mq][(e / 2) % 2];
+            const bool masked = key >= kv_end || (params.causal && key > position) ||
+                                (params.window_left >= 0 && key < position - params.window_left);
+            if (masked) s[mq][jb][e] = -INFINITY;
+          }
+        }
+      }
+    }
+
+    // Online softmax: new row max, rescale o and d, s -> p.
+#pragma unroll
+    for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int jb = 0; jb < kMmaKv; ++jb) {
+          tile_max = fmaxf(tile_max, fmaxf(s[mq][jb][2 * h], s[mq][jb][2 * h + 1]));
+          tile_max = fmaxf(tile_max, fmaxf(s[mq][jb][4 + 2 * h], s[mq][jb][4 + 2 * h + 1]));
+        }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float new_max = fmaxf(row_max[mq][h], tile_max * scale_log2);
+        // A row with no visible key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+        const float subtract = new_max == -INFINITY ? 0.0f : new_max;
+        const float rescale = FastExp2(row_max[mq][h] - subtract);
+        row_max[mq][h] = new_max;
+        row_sum[mq][h] *= rescale;
+#pragma unroll
+        for (int db = 0; db < kMmaD; ++db) {
+          o[mq][db][2 * h] *= rescale;
+          o[mq][db][2 * h + 1] *= rescale;
+          o[mq][db][4 + 2 * h] *= rescale;
+          o[mq][db][4 + 2 * h + 1] *= rescale;
+        }
+#pragma unroll
+        for (int jb = 0; jb < kMmaKv; ++jb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int e = (i / 2) * 4 + 2 * h + (i % 2);
+            const float p = FastExp2(fmaf(s[mq][jb][e], scale_log2, -subtract));
+            s[mq][jb][e] = p;
+            row_sum[mq][h] += p;
+          }
+        }
+      }
+    }
+    // P as the A operand of m16n8k16, packed now so the fp32 scores die before P V.
+    uint32_t p_frag[kMmaQ][kMmaKv][4];
+#pragma unroll
+    for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+      for (int jb = 0; jb < kMmaKv; ++jb) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p_frag[mq][jb][i] = PackFloat2<T>(s[mq][jb][2 * i], s[mq][jb][2 * i + 1]);
+      }
+    }
+
+    __syncthreads();  // every warp is done with this K tile
+    if (tile + 1 < num_kv_tiles) {
+      Loader::Issue(k_tile, k_raw, k_pool, k_page_ids, params, tile_start + kTileKv, kv_end);
+    }
+    CpAsyncCommit();
+    CpAsyncWait<1>();  // V of this tile has landed
+    Loader::Convert(v_tile, v_raw);
+    __syncthreads();
+
+    // O += P V.
+#pragma unroll
+    for (int jb = 0; jb < kMmaKv; ++jb) {
+      StaticFor<kMmaD>([&](auto db_constant) {
+        constexpr int db = decltype(db_constant)::value;
+        uint32_t vb[4];
+        LdMatrixX4Trans(v_lane + jb * 16 * kRowBytes + SwizzledStepBytes<db>(v_z), vb);
+#pragma unroll
+        for (int mq = 0; mq < kMmaQ; ++mq) {
+          Mma16816<T>(o[mq][db], p_frag[mq][jb], vb[0], vb[1]);
+          Mma16816<T>(o[mq][db] + 4, p_frag[mq][jb], vb[2], vb[3]);
+        }
+      });
+    }
+
+    __syncthreads();  // every warp is done with this V tile
+    if (tile + 1 < num_kv_tiles) {
+      Loader::Issue(v_tile, v_raw, v_pool, v_page_ids, params, tile_start + kTileKv, kv_end);
+    }
+    CpAsyncCommit();
+  }
+
+  CpAsyncWait<0>();
+  __syncthreads();  // the loop's tiles are free for the epilogue
+
+  // Row sums over the quad, in a fixed order.
+#pragma unroll
+  for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_sum[mq][h] += __shfl_xor_sync(0xffffffffu, row_sum[mq][h], 1);
+      row_sum[mq][h] += __shfl_xor_sync(0xffffffffu, row_sum[mq][h], 2);
+    }
+  }
+
+  T* o_out = static_cast<T*>(params.o);
+  if constexpr (Shape::kWarpsKv == 1) {
+    // Each warp owns its rows: stage them in its own rows of the Q tile, then store 16-byte
+    // chunks. A row that saw no key has d = 0 and o = 0: it stores 0 and lse = -inf.
+#pragma unroll
+    for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float sum = row_sum[mq][h];
+        const float inverse = sum > 0.0f ? params.v_scale / sum : 0.0f;
+        const int row = warp_q * 16 * kMmaQ + mq * 16 + h * 8 + lane / 4;
+#pragma unroll
+        for (int db = 0; db < kMmaD; ++db) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int chunk = 2 * db + half;
+            const uint32_t packed = PackFloat2<T>(o[mq][db][4 * half + 2 * h] * inverse,
+                                                  o[mq][db][4 * half + 2 * h + 1] * inverse);
+            *reinterpret_cast<uint32_t*>(q_tile + Swizzle<kHeadDim>(row, chunk) + 2 * (lane % 4)) = packed;
+          }
+        }
+        if (params.lse != nullptr && lane % 4 == 0 && row_start + row < row_end) {
+          const int packed_row = row_start + row;
+          const int token = packed_row / group;
+          const int head = kv_head * group + (packed_row - token * group);
+          params.lse[static_cast<int64_t>(qo_start + token) * params.num_qo_heads + head] =
+              sum > 0.0f ? (row_max[mq][h] + FastLog2(sum)) * kLn2 : -INFINITY;
+        }
+      }
+    }
+    __syncwarp();
+    constexpr int kWarpRows = 16 * kMmaQ;
+#pragma unroll
+    for (int i = lane; i < kWarpRows * kChunks; i += 32) {
+      const int row = warp_q * kWarpRows + i / kChunks;
+      const int chunk = i % kChunks;
+      const int packed_row = row_start + row;
+      if (packed_row < row_end) {
+        const int token = packed_row / group;
+        const int head = kv_head * group + (packed_row - token * group);
+        *reinterpret_cast<uint4*>(o_out + (static_cast<int64_t>(qo_start + token) * params.num_qo_heads + head) *
+                                              kHeadDim + chunk * 8) =
+            *reinterpret_cast<const uint4*>(q_tile + Swizzle<kHeadDim>(row, chunk));
+      }
+    }
+  } else {
+    // 1 x 4 warps: each warp holds (m, d, o) over its quarter of every KV tile. Merge them in
+    // warp order (deterministic) through shared memory.
+    constexpr int kStride = Shape::kMergeStride;
+    float* merge_o = reinterpret_cast<float*>(shared_bytes);  // [4][16][kStride]
+    float* merge_m = merge_o + 4 * 16 * kStride;              // [4][16]
+    float* merge_d = merge_m + 4 * 16;                        // [4][16]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = h * 8 + lane / 4;
+      if (lane % 4 == 0) {
+        merge_m[warp * 16 + row] = row_max[0][h];
+        merge_d[warp * 16 + row] = row_sum[0][h];
+      }
+#pragma unroll
+      for (int db = 0; db < kMmaD; ++db) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int dim = 16 * db + 8 * half + 2 * (lane % 4);
+          *reinterpret_cast<float2*>(merge_o + (warp * 16 + row) * kStride + dim) =
+              make_float2(o[0][db][4 * half + 2 * h], o[0][db][4 * half + 2 * h + 1]);
+        }
+      }
+    }
+    __syncthreads();
+    constexpr int kDimsPerThread = kHeadDim / 8;
+    const int row = threadIdx.x / 8;
+    const int dim_begin = (threadIdx.x % 8) * kDimsPerThread;
+    float merged_max = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) merged_max = fmaxf(merged_max, merge_m[w * 16 + row]);
+    const float subtract = merged_max == -INFINITY ? 0.0f : merged_max;
+    float weight[4];
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      weight[w] = FastExp2(merge_m[w * 16 + row] - subtract);
+      sum += weight[w] * merge_d[w * 16 + row];
+    }
+    const float inverse = sum > 0.0f ? params.v_scale / sum : 0.0f;
+    const int packed_row = row_start + row;
+    if (packed_row < row_end) {
+      const int token = packed_row / group;
+      const int head = kv_head * group + (packed_row - token * group);
+      const int64_t out_row = static_cast<int64_t>(qo_start + token) * params.num_qo_heads + head;
+#pragma unroll
+      for (int c = 0; c < kDimsPerThread / 8; ++c) {
+        uint32_t words[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float value[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int dim = dim_begin + 8 * c + 2 * i + j;
+            float accumulated = 0.0f;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) accumulated += weight[w] * merge_o[(w * 16 + row) * kStride + dim];
+            value[j] = accumulated * inverse;
+          }
+          words[i] = PackFloat2<T>(value[0], value[1]);
+        }
+        *reinterpret_cast<uint4*>(o_out + out_row * kHeadDim + dim_begin + 8 * c) =
+            make_uint4(words[0], words[1], words[2], words[3]);
+      }
+      if (params.lse != nullptr && threadIdx.x % 8 == 0) {
+        params.lse[out_row] = sum > 0.0f ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
+      }
+    }
+  }
+}
+
+// Launches one instantiation; opts the kernel into the dynamic shared memory it needs.
+template <int kTileRows, int kHeadDim, typename T, typename Stored>
+cudaError_t LaunchTile(const KernelParams& params, int32_t num_ctas, cudaStream_t stream) {
+  using Shape = TileShape<kTileRows, kHeadDim, sizeof(Stored) == 1 ? 1 : 0>;
+  auto* kernel = &BatchPrefillKernel<Shape, T, Stored>;
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
+  if (error != cudaSuccess) return error;
+  kernel<<<num_ctas, kThreads, Shape::kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+// Dispatches the dtype pair for one (tile, head_dim).
+template <int kTileRows, int kHeadDim>
+cudaError_t LaunchTileForTypes(const KernelParams& params, DType q_dtype, DType kv_dtype,
+                               int32_t num_ctas, cudaStream_t stream) {
+  if (q_dtype == DType::kFloat16) {
+    switch (kv_dtype) {
+      case DType::kFloat16: return LaunchTile<kTileRows, kHeadDim, __half, __half>(params, num_ctas, stream);
+      case DType::kBFloat16: return LaunchTile<kTileRows, kHeadDim, __half, __nv_bfloat16>(params, num_ctas, stream);
+      case DType::kFloat8E4M3: return LaunchTile<kTileRows, kHeadDim, __half, __nv_fp8_e4m3>(params, num_ctas, stream);
+      default: break;
+    }
+  } else if (q_dtype == DType::kBFloat16) {
+    switch (kv_dtype) {
+      case DType::kFloat16: return LaunchTile<kTileRows, kHeadDim, __nv_bfloat16, __half>(params, num_ctas, stream);
+      case DType::kBFloat16: return LaunchTile<kTileRows, kHeadDim, __nv_bfloat16, __nv_bfloat16>(params, num_ctas, stream);
+      case DType::kFloat8E4M3: return LaunchTile<kTileRows, kHeadDim, __nv_bfloat16, __nv_fp8_e4m3>(params, num_ctas, stream);
+      default: break;
+    }
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace attnd::cuda::prefill

@@ -1,0 +1,62 @@
+// What one launch of the batch prefill kernel reads: plain device pointers and resolved scalars,
+// passed by value. Built by the launcher (prefill.cu) from the public views; the kernel
+// templates (prefill_kernel.cuh) and the per-head-dim instantiation files share it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "attnd/kernels/dtype.h"
+
+namespace attnd::cuda::prefill {
+
+// One CTA's work (times num_kv_heads: CTA x works on item x / num_kv_heads, kv head
+// x % num_kv_heads). Rows are packed (token, head-in-group): packed row r of a request is token
+// r / group_size, query head kv_head * group_size + r % group_size.
+struct WorkItem {
+  int32_t request;
+  int32_t packed_row_start;  // first packed row of the query tile
+  int32_t kv_chunk_start;    // keys [kv_chunk_start, kv_chunk_end) of the request
+  int32_t kv_chunk_end;
+};
+static_assert(sizeof(WorkItem) == 16, "WorkItem is loaded as one int4");
+
+struct KernelParams {
+  const void* q;         // [T_q][num_qo_heads][head_dim], q dtype
+  void* o;               // [T_q][num_qo_heads][head_dim], q dtype
+  float* lse;            // [T_q][num_qo_heads] natural log; may be null
+  const void* k_pool;    // [num_pages][page_size][num_kv_heads][head_dim] (NHD) or
+  const void* v_pool;    // [num_pages][num_kv_heads][page_size][head_dim] (HND), kv dtype
+  const int32_t* qo_indptr;      // [batch + 1]
+  const int32_t* page_indptr;    // [batch + 1]
+  const int32_t* k_page_ids;     // [page_indptr[batch]]
+  const int32_t* v_page_ids;     // == k_page_ids for a SHARED table
+  const int32_t* last_page_len;  // [batch]
+  const WorkItem* items;         // this launch's items, heavy first
+  int64_t kv_page_stride;   // elements between pages
+  int64_t kv_entry_stride;  // elements between tokens of a page
+  int64_t kv_head_stride;   // elements between heads of a token
+  int32_t num_qo_heads;
+  int32_t num_kv_heads;
+  int32_t group_size;       // num_qo_heads / num_kv_heads
+  int32_t page_size_log2;   // page sizes are powers of two
+  // score_log2 = log2(e) * f(sm_scale * k_scale * q.k) with f the soft cap (or identity).
+  float score_scale;        // sm_scale * k_scale
+  float soft_cap;           // 0: none
+  float v_scale;
+  int32_t window_left;      // -1: none
+  bool causal;
+};
+
+// Launches the kernel of one (head_dim, query tile, q dtype, kv dtype) on `num_ctas` CTAs.
+// Each of the three files prefill_d{64,128,256}.cu instantiates one head_dim, so the build can
+// compile them in parallel.
+cudaError_t LaunchPrefillD64(const KernelParams& params, int32_t tile_rows, DType q_dtype,
+                             DType kv_dtype, int32_t num_ctas, cudaStream_t stream);
+cudaError_t LaunchPrefillD128(const KernelParams& params, int32_t tile_rows, DType q_dtype,
+                              DType kv_dtype, int32_t num_ctas, cudaStream_t stream);
+cudaError_t LaunchPrefillD256(const KernelParams& params, int32_t tile_rows, DType q_dtype,
+                              DType kv_dtype, int32_t num_ctas, cudaStream_t stream);
+
+}  // namespace attnd::cuda::prefill

@@ -1,0 +1,51 @@
+// Batch prefill attention on the GPU (DESIGN 4.3): ragged queries against the paged KV cache,
+// on tensor cores. Chunked prefill (new tokens of a sequence that already has KV) is the same
+// call: a request's q rows are its last q_len positions.
+//
+// Use, once per step:  plan = plan::PlanPrefill(...) on the host;
+//                      bytes = BatchPrefillWorkspaceBytes(plan); (a reused device buffer)
+//                      UploadBatchPrefillPlan(plan, workspace, bytes, stream);
+// then once per layer: BatchPrefill(plan, args, workspace, bytes, stream).
+// Every pointer in BatchPrefillArgs is device memory; the caller keeps it alive until the stream
+// has passed the launch. Nothing here allocates or synchronises.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "attnd/kernels/attention_params.h"
+#include "attnd/kernels/views.h"
+#include "plan/prefill_plan.h"
+
+namespace attnd::cuda {
+
+struct BatchPrefillArgs {
+  TokenHeadsView q;                    // [T_q][num_qo_heads][head_dim], fp16 or bf16, rotated
+  const int32_t* qo_indptr = nullptr;  // [batch_size + 1], the plan's qo_indptr, on the device
+  PageTableView pages;                 // device arrays; SHARED (v == k ids) or SEPARATE_KV
+  PagedKvView k_cache;                 // fp16, bf16 or fp8_e4m3; NHD or HND
+  PagedKvView v_cache;                 // same geometry and dtype as k_cache
+  AttentionParams params;              // sm_scale > 0 resolved; k/v scales dequantise fp8
+  TokenHeadsView o;                    // [T_q][num_qo_heads][head_dim], q's dtype; fully
+                                       // masked rows get 0
+  float* lse = nullptr;                // [T_q][num_qo_heads] natural log, -inf when fully
+                                       // masked; optional
+};
+
+// Device workspace bytes the plan needs (its work list), 256-byte aligned.
+int64_t BatchPrefillWorkspaceBytes(const plan::PrefillPlan& plan);
+
+// Copies the plan's work list into `workspace` on `stream`. The copy is from pageable memory,
+// which CUDA stages before returning, so the plan may change or die once this returns.
+absl::Status UploadBatchPrefillPlan(const plan::PrefillPlan& plan, void* workspace,
+                                    int64_t workspace_bytes, cudaStream_t stream);
+
+// Launches the plan's kernels (one per query tile size) on `stream`. Validates shapes, dtypes
+// and the workspace (INVALID_ARGUMENT / UNIMPLEMENTED) and reports launch failures (INTERNAL);
+// page ids and lengths in device memory are trusted (validated when the engine built them).
+absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs& args,
+                          void* workspace, int64_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace attnd::cuda

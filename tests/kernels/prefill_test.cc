@@ -1,0 +1,600 @@
+// Batch prefill on the GPU against the float64 CPU reference (DESIGN 4.3-4.4, 7): dtypes, head
+// dims, page sizes, layouts, page-table forms, options, long and mixed batches, fully masked
+// rows, and bitwise batch invariance. GPU tests skip without a device; planner and argument
+// tests run everywhere.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnd/kernels/cuda/prefill.h"
+#include "gtest/gtest.h"
+#include "plan/prefill_plan.h"
+#include "reference/attention.h"
+
+namespace attnd {
+namespace {
+
+bool HaveGpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device"
+
+#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+// Device memory freed on scope exit.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes > 0 && cudaMalloc(&data_, bytes) != cudaSuccess) data_ = nullptr;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  void* get() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+template <typename T>
+DeviceBuffer Upload(const std::vector<T>& host) {
+  DeviceBuffer buffer(std::max<size_t>(host.size() * sizeof(T), 16));
+  if (!host.empty()) cudaMemcpy(buffer.get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return buffer;
+}
+
+enum class TableForm { kShared, kSeparateKv };
+
+struct Config {
+  DType q_dtype = DType::kBFloat16;
+  DType kv_dtype = DType::kBFloat16;
+  int32_t head_dim = 128;
+  int32_t num_qo_heads = 8;
+  int32_t num_kv_heads = 2;
+  int32_t page_size = 16;
+  KvLayout layout = KvLayout::kNHD;
+  TableForm table = TableForm::kShared;
+  AttentionParams params;  // sm_scale 0 here means 1/sqrt(head_dim)
+  bool return_lse = true;
+  uint32_t seed = 1;
+
+  std::string Name() const {
+    return std::string(DTypeName(q_dtype)) + "/" + std::string(DTypeName(kv_dtype)) + " D" +
+           std::to_string(head_dim) + " H" + std::to_string(num_qo_heads) + "/" + std::to_string(num_kv_heads) +
+           " page" + std::to_string(page_size) + (layout == KvLayout::kNHD ? " NHD" : " HND") +
+           (table == TableForm::kShared ? " shared" : " separate") + (params.causal ? " causal" : "") +
+           (params.logits_soft_cap > 0 ? " cap" : "") +
+           (params.window_left >= 0 ? " window" + std::to_string(params.window_left) : "");
+  }
+};
+
+// Normwise relative error bound against float64: P and the output round to the MMA type.
+double Tolerance(const Config& config) {
+  if (config.kv_dtype == DType::kFloat8E4M3) return 5e-2;
+  if (config.q_dtype == DType::kBFloat16 || config.kv_dtype == DType::kBFloat16) return 1e-2;
+  return 2e-3;
+}
+
+// Host-side batch: random q and pools, page tables, and the views of both sides.
+struct Batch {
+  Config config;
+  std::vector<int32_t> q_lens, kv_lens;
+  std::vector<int32_t> qo_indptr, page_indptr, k_page_ids, v_page_ids, last_page_len;
+  std::vector<uint8_t> q, k_pool, v_pool;
+  int64_t num_pages = 0;
+  int64_t num_rows = 0;
+
+  PagedKvView Pool(void* data) const {
+    PagedKvView view;
+    view.data = data;
+    view.dtype = config.kv_dtype;
+    view.layout = config.layout;
+    view.num_pages = num_pages;
+    view.page_size = config.page_size;
+    view.num_heads = config.num_kv_heads;
+    view.head_dim = config.head_dim;
+    return view;
+  }
+  AttentionParams Params() const {
+    AttentionParams params = config.params;
+    if (params.sm_scale == 0.0f) params.sm_scale = 1.0f / std::sqrt(static_cast<float>(config.head_dim));
+    return params;
+  }
+};
+
+uint16_t NanBits16() { return 0x7fff; }
+
+Batch MakeBatch(const Config& config, const std::vector<int32_t>& q_lens, const std::vector<int32_t>& kv_lens) {
+  Batch batch;
+  batch.config = config;
+  batch.q_lens = q_lens;
+  batch.kv_lens = kv_lens;
+  std::mt19937 rng(config.seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int32_t batch_size = static_cast<int32_t>(q_lens.size());
+  const int32_t page_size = config.page_size;
+
+  batch.qo_indptr = {0};
+  batch.page_indptr = {0};
+  for (int32_t b = 0; b < batch_size; ++b) {
+    batch.qo_indptr.push_back(batch.qo_indptr.back() + q_lens[b]);
+    const int32_t pages = (kv_lens[b] + page_size - 1) / page_size;
+    batch.page_indptr.push_back(batch.page_indptr.back() + pages);
+    batch.last_page_len.push_back(pages == 0 ? 0 : kv_lens[b] - (pages - 1) * page_size);
+  }
+  batch.num_rows = batch.qo_indptr.back();
+  const int32_t used_pages = batch.page_indptr.back();
+  // Spare pages, shuffled ids: pages of a request are scattered through the pool.
+  batch.num_pages = used_pages + 3;
+  std::vector<int32_t> ids(batch.num_pages);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  batch.k_page_ids.assign(ids.begin(), ids.begin() + used_pages);
+  if (config.table == TableForm::kSeparateKv) std::shuffle(ids.begin(), ids.end(), rng);
+  batch.v_page_ids.assign(ids.begin(), ids.begin() + used_pages);
+
+  const int q_bytes = DTypeBytes(config.q_dtype);
+  const int kv_bytes = DTypeBytes(config.kv_dtype);
+  const int64_t q_elements = batch.num_rows * config.num_qo_heads * config.head_dim;
+  batch.q.resize(q_elements * q_bytes);
+  for (int64_t i = 0; i < q_elements; ++i) StoreFromFloat(config.q_dtype, batch.q.data(), i, normal(rng));
+
+  // Every slot starts as NaN, so a read outside a request's keys shows up in its output.
+  const PagedKvView shape = batch.Pool(nullptr);
+  const int64_t pool_elements = batch.num_pages * shape.PageElements();
+  for (std::vector<uint8_t>* pool : {&batch.k_pool, &batch.v_pool}) {
+    pool->resize(pool_elements * kv_bytes);
+    if (kv_bytes == 1) {
+      std::fill(pool->begin(), pool->end(), uint8_t{0x7f});
+    } else {
+      auto* words = reinterpret_cast<uint16_t*>(pool->data());
+      std::fill(words, words + pool_elements, NanBits16());
+    }
+  }
+  const AttentionParams params = batch.Params();
+  for (int32_t b = 0; b < batch_size; ++b) {
+    for (int32_t token = 0; token < kv_lens[b]; ++token) {
+      const int32_t slot = batch.page_indptr[b] + token / page_size;
+      for (int32_t head = 0; head < config.num_kv_heads; ++head) {
+        const int64_t k_offset = shape.Offset(batch.k_page_ids[slot], token % page_size, head);
+        const int64_t v_offset = shape.Offset(batch.v_page_ids[slot], token % page_size, head);
+        for (int32_t d = 0; d < config.head_dim; ++d) {
+          StoreFromFloat(config.kv_dtype, batch.k_pool.data(), k_offset + d, normal(rng) / params.k_scale);
+          StoreFromFloat(config.kv_dtype, batch.v_pool.data(), v_offset + d, normal(rng) / params.v_scale);
+        }
+      }
+    }
+  }
+  return batch;
+}
+
+struct Output {
+  std::vector<uint8_t> o;  // q dtype
+  std::vector<float> lse;
+};
+
+// Runs the GPU kernel on a poisoned output.
+Output RunGpu(const Batch& batch) {
+  const Config& config = batch.config;
+  Output out;
+  auto plan_or = plan::PlanPrefill({batch.qo_indptr, batch.kv_lens, config.num_qo_heads, config.num_kv_heads,
+                                    config.head_dim, config.params.causal});
+  EXPECT_TRUE(plan_or.ok()) << plan_or.status();
+  if (!plan_or.ok()) return out;
+  const plan::PrefillPlan& plan = *plan_or;
+
+  DeviceBuffer q = Upload(batch.q), k_pool = Upload(batch.k_pool), v_pool = Upload(batch.v_pool);
+  DeviceBuffer qo_indptr = Upload(batch.qo_indptr), page_indptr = Upload(batch.page_indptr);
+  DeviceBuffer k_ids = Upload(batch.k_page_ids), v_ids = Upload(batch.v_page_ids);
+  DeviceBuffer last = Upload(batch.last_page_len);
+  const int64_t o_elements = batch.num_rows * config.num_qo_heads * config.head_dim;
+  const size_t o_bytes = o_elements * DTypeBytes(config.q_dtype);
+  DeviceBuffer o(std::max<size_t>(o_bytes, 16));
+  DeviceBuffer lse(std::max<size_t>(batch.num_rows * config.num_qo_heads * sizeof(float), 16));
+  cudaMemset(o.get(), 0xff, o.bytes());  // NaN in fp16 and bf16: every row must be written
+  cudaMemset(lse.get(), 0xff, lse.bytes());
+  const int64_t workspace_bytes = cuda::BatchPrefillWorkspaceBytes(plan);
+  DeviceBuffer workspace(std::max<int64_t>(workspace_bytes, 16));
+
+  cuda::BatchPrefillArgs args;
+  args.q = {q.get(), config.q_dtype, batch.num_rows, config.num_qo_heads, config.head_dim};
+  args.qo_indptr = static_cast<const int32_t*>(qo_indptr.get());
+  args.pages.batch_size = static_cast<int32_t>(batch.q_lens.size());
+  args.pages.page_size = config.page_size;
+  args.pages.indptr = static_cast<const int32_t*>(page_indptr.get());
+  args.pages.k_indices = static_cast<const int32_t*>(k_ids.get());
+  args.pages.v_indices =
+      static_cast<const int32_t*>(config.table == TableForm::kShared ? k_ids.get() : v_ids.get());
+  args.pages.last_page_len = static_cast<const int32_t*>(last.get());
+  args.k_cache = batch.Pool(k_pool.get());
+  args.v_cache = batch.Pool(v_pool.get());
+  args.params = batch.Params();
+  args.o = {o.get(), config.q_dtype, batch.num_rows, config.num_qo_heads, config.head_dim};
+  args.lse = config.return_lse ? static_cast<float*>(lse.get()) : nullptr;
+
+  absl::Status status = cuda::UploadBatchPrefillPlan(plan, workspace.get(), workspace_bytes, nullptr);
+  EXPECT_TRUE(status.ok()) << status;
+  status = cuda::BatchPrefill(plan, args, workspace.get(), workspace_bytes, nullptr);
+  EXPECT_TRUE(status.ok()) << status;
+  const cudaError_t sync = cudaDeviceSynchronize();
+  EXPECT_EQ(sync, cudaSuccess) << cudaGetErrorString(sync);
+  out.o.resize(o_bytes);
+  out.lse.resize(batch.num_rows * config.num_qo_heads);
+  cudaMemcpy(out.o.data(), o.get(), o_bytes, cudaMemcpyDeviceToHost);
+  cudaMemcpy(out.lse.data(), lse.get(), out.lse.size() * sizeof(float), cudaMemcpyDeviceToHost);
+  return out;
+}
+
+struct Expected {
+  std::vector<float> o;
+  std::vector<float> lse;
+};
+
+Expected RunReference(const Batch& batch) {
+  const Config& config = batch.config;
+  Expected expected;
+  expected.o.resize(batch.num_rows * config.num_qo_heads * config.head_dim);
+  expected.lse.resize(batch.num_rows * config.num_qo_heads);
+  reference::BatchAttentionArgs args;
+  args.q = {const_cast<uint8_t*>(batch.q.data()), config.q_dtype, batch.num_rows, config.num_qo_heads,
+            config.head_dim};
+  args.qo_indptr = batch.qo_indptr.data();
+  args.pages.batch_size = static_cast<int32_t>(batch.q_lens.size());
+  args.pages.page_size = config.page_size;
+  args.pages.indptr = batch.page_indptr.data();
+  args.pages.k_indices = batch.k_page_ids.data();
+  args.pages.v_indices = batch.v_page_ids.data();
+  args.pages.last_page_len = batch.last_page_len.data();
+  args.k_cache = batch.Pool(const_cast<uint8_t*>(batch.k_pool.data()));
+  args.v_cache = batch.Pool(const_cast<uint8_t*>(batch.v_pool.data()));
+  args.params = batch.Params();
+  args.o = {expected.o.data(), DType::kFloat32, batch.num_rows, config.num_qo_heads, config.head_dim};
+  args.lse = expected.lse.data();
+  args.accumulation = reference::Accumulation::kFloat64;
+  reference::BatchAttention(args);
+  return expected;
+}
+
+// Compares a GPU result with the reference: normwise relative error of o, lse within 2e-3
+// (-inf exactly where the reference has it), fully masked rows exactly 0, nothing NaN.
+void ExpectMatches(const Batch& batch, const Output& got, const Expected& expected) {
+  const Config& config = batch.config;
+  const int64_t rows = batch.num_rows * config.num_qo_heads;
+  const int32_t head_dim = config.head_dim;
+  ASSERT_EQ(got.o.size(), static_cast<size_t>(rows * head_dim * DTypeBytes(config.q_dtype)));
+  double error_sq = 0.0, norm_sq = 0.0;
+  int64_t bad_rows = 0, bad_lse = 0;
+  std::string first_bad;
+  for (int64_t row = 0; row < rows; ++row) {
+    const bool masked = std::isinf(expected.lse[row]) && expected.lse[row] < 0;
+    bool row_bad = false;
+    for (int32_t d = 0; d < head_dim; ++d) {
+      const float value = LoadAsFloat(config.q_dtype, got.o.data(), row * head_dim + d);
+      const double want = expected.o[row * head_dim + d];
+      if (std::isnan(value) || (masked && value != 0.0f)) row_bad = true;
+      error_sq += (value - want) * (value - want);
+      norm_sq += want * want;
+    }
+    if (row_bad) {
+      if (bad_rows++ == 0) first_bad = "row " + std::to_string(row / config.num_qo_heads) + " head " +
+                                       std::to_string(row % config.num_qo_heads);
+    }
+    if (config.return_lse) {
+      const float lse = got.lse[row];
+      const bool lse_ok = masked ? (std::isinf(lse) && lse < 0) : std::fabs(lse - expected.lse[row]) <= 2e-3 * std::max(1.0f, std::fabs(expected.lse[row]));
+      if (!lse_ok && bad_lse++ == 0) {
+        ADD_FAILURE() << config.Name() << ": lse of row " << row / config.num_qo_heads << " head "
+                      << row % config.num_qo_heads << " is " << lse << ", want " << expected.lse[row];
+      }
+    }
+  }
+  EXPECT_EQ(bad_rows, 0) << config.Name() << ": rows with NaN, or nonzero where fully masked; first " << first_bad;
+  EXPECT_EQ(bad_lse, 0) << config.Name() << ": rows with a wrong lse";
+  const double relative = norm_sq > 0 ? std::sqrt(error_sq / norm_sq) : std::sqrt(error_sq);
+  EXPECT_LE(relative, Tolerance(config)) << config.Name();
+  std::printf("  %-60s relative error %.2e\n", config.Name().c_str(), relative);
+}
+
+void CheckAgainstReference(const Config& config, const std::vector<int32_t>& q_lens,
+                           const std::vector<int32_t>& kv_lens) {
+  SCOPED_TRACE(config.Name());
+  const Batch batch = MakeBatch(config, q_lens, kv_lens);
+  const Output got = RunGpu(batch);
+  if (::testing::Test::HasFailure()) return;
+  ExpectMatches(batch, got, RunReference(batch));
+}
+
+Config WithCausal(Config config, bool causal) {
+  config.params.causal = causal;
+  return config;
+}
+
+// A mixed batch: a decode row, short and long prefills, chunked prefill (kv > q), page
+// boundaries on both sides, a request whose rows see no key (q > kv, causal), a padding slot.
+const std::vector<int32_t> kMixedQ = {1, 7, 33, 100, 16, 0, 300, 5, 40};
+const std::vector<int32_t> kMixedKv = {1, 7, 129, 611, 16, 12, 300, 2, 40};
+
+// --- GPU tests --------------------------------------------------------------------------------
+
+TEST(BatchPrefillTest, MatchesReferenceAcrossDtypesAndHeadDims) {
+  SKIP_WITHOUT_GPU();
+  const std::pair<DType, DType> dtypes[] = {
+      {DType::kFloat16, DType::kFloat16},     {DType::kBFloat16, DType::kBFloat16},
+      {DType::kFloat16, DType::kFloat8E4M3},  {DType::kBFloat16, DType::kFloat8E4M3},
+      {DType::kFloat16, DType::kBFloat16},    {DType::kBFloat16, DType::kFloat16}};
+  uint32_t seed = 10;
+  for (const auto& [q_dtype, kv_dtype] : dtypes) {
+    for (int32_t head_dim : {64, 128, 256}) {
+      Config config;
+      config.q_dtype = q_dtype;
+      config.kv_dtype = kv_dtype;
+      config.head_dim = head_dim;
+      config.seed = seed++;
+      if (kv_dtype == DType::kFloat8E4M3) {
+        config.params.k_scale = 1.0f / 64;
+        config.params.v_scale = 1.0f / 32;
+      }
+      CheckAgainstReference(WithCausal(config, seed % 2 == 0), kMixedQ, kMixedKv);
+    }
+  }
+}
+
+TEST(BatchPrefillTest, MatchesReferenceAcrossPageSizesLayoutsAndTables) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 40;
+  for (int32_t page_size : {1, 16, 128}) {
+    for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
+      for (TableForm table : {TableForm::kShared, TableForm::kSeparateKv}) {
+        Config config;
+        config.page_size = page_size;
+        config.layout = layout;
+        config.table = table;
+        config.seed = seed++;
+        // Group sizes 1, 4 and 8 in turn.
+        config.num_qo_heads = (seed % 3 == 0) ? 4 : (seed % 3 == 1 ? 8 : 16);
+        config.num_kv_heads = (seed % 3 == 0) ? 4 : 2;
+        CheckAgainstReference(WithCausal(config, true), {3, 129, 17, 256}, {130, 129, 300, 1000});
+      }
+    }
+  }
+}
+
+TEST(BatchPrefillTest, MatchesReferenceWithSoftCapWindowAndNonCausal) {
+  SKIP_WITHOUT_GPU();
+  for (bool causal : {true, false}) {
+    for (int32_t window : {-1, 0, 5, 64, 200}) {
+      for (float cap : {0.0f, 30.0f}) {
+        Config config;
+        config.params.causal = causal;
+        config.params.window_left = window;
+        config.params.logits_soft_cap = cap;
+        config.params.sm_scale = cap > 0 ? 1.0f : 0.0f;  // large logits make the cap bite
+        config.seed = 100 + window + (causal ? 7 : 0);
+        CheckAgainstReference(config, kMixedQ, kMixedKv);
+      }
+    }
+  }
+}
+
+TEST(BatchPrefillTest, FullyMaskedRowsGetZeroAndNegativeInfinity) {
+  SKIP_WITHOUT_GPU();
+  Config config;
+  // q longer than kv: with the causal bottom-right alignment the first q - kv rows see nothing;
+  // the second request has no keys at all.
+  CheckAgainstReference(config, {50, 20, 8}, {10, 0, 8});
+  config.params.causal = false;
+  CheckAgainstReference(config, {20, 3}, {0, 40});
+}
+
+TEST(BatchPrefillTest, MatchesReferenceOnLongSequences) {
+  SKIP_WITHOUT_GPU();
+  Config config;
+  config.num_qo_heads = 4;
+  config.num_kv_heads = 1;
+  CheckAgainstReference(config, {8192}, {8192});
+  config.seed = 2;
+  config.params.causal = false;
+  CheckAgainstReference(config, {2048, 1}, {2048, 4097});
+  // Chunked prefill against a long history; page boundaries at 32768.
+  config.seed = 3;
+  config.params.causal = true;
+  config.page_size = 128;
+  CheckAgainstReference(config, {300, 16}, {32768, 32767});
+}
+
+TEST(BatchPrefillTest, MatchesReferenceOnMixedBatchOf128Requests) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(7);
+  std::vector<int32_t> q_lens, kv_lens;
+  for (int i = 0; i < 128; ++i) {
+    const int32_t q = i % 16 == 0 ? 0 : (i % 3 == 0 ? 1 : std::uniform_int_distribution<int32_t>(1, 200)(rng));
+    q_lens.push_back(q);
+    kv_lens.push_back(q + std::uniform_int_distribution<int32_t>(0, 700)(rng));
+  }
+  Config config;
+  config.num_qo_heads = 16;
+  config.num_kv_heads = 4;
+  CheckAgainstReference(config, q_lens, kv_lens);
+}
+
+// A request's bits do not depend on its neighbours: alone, among many decode rows (mean query
+// length ~1), among long prefills, and at another batch position.
+TEST(BatchPrefillTest, OutputIsBitwiseIndependentOfTheBatch) {
+  SKIP_WITHOUT_GPU();
+  Config config;
+  config.num_qo_heads = 8;
+  config.num_kv_heads = 2;
+  const int32_t probe_q = 150, probe_kv = 700;
+  struct Composition {
+    std::vector<int32_t> q, kv;
+    int probe;
+  };
+  std::vector<Composition> compositions;
+  compositions.push_back({{probe_q}, {probe_kv}, 0});
+  Composition decode_heavy;
+  for (int i = 0; i < 60; ++i) {
+    decode_heavy.q.push_back(1);
+    decode_heavy.kv.push_back(100 + i);
+  }
+  decode_heavy.q.insert(decode_heavy.q.begin() + 31, probe_q);
+  decode_heavy.kv.insert(decode_heavy.kv.begin() + 31, probe_kv);
+  decode_heavy.probe = 31;
+  compositions.push_back(decode_heavy);
+  compositions.push_back({{2000, 1500, probe_q, 3000}, {2000, 4000, probe_kv, 3000}, 2});
+
+  std::vector<uint8_t> first_o;
+  std::vector<float> first_lse;
+  for (size_t c = 0; c < compositions.size(); ++c) {
+    const Composition& composition = compositions[c];
+    // The probe's inputs are the same in every batch: same seed, and it is generated alone
+    // first, then its q rows and pages are copied into the batch.
+    Config probe_config = config;
+    probe_config.seed = 99;
+    const Batch probe = MakeBatch(probe_config, {probe_q}, {probe_kv});
+    Config batch_config = config;
+    batch_config.seed = 1000 + static_cast<uint32_t>(c);
+    Batch batch = MakeBatch(batch_config, composition.q, composition.kv);
+    const int row_bytes = config.num_qo_heads * config.head_dim * DTypeBytes(config.q_dtype);
+    std::memcpy(batch.q.data() + int64_t{batch.qo_indptr[composition.probe]} * row_bytes, probe.q.data(),
+                int64_t{probe_q} * row_bytes);
+    const PagedKvView shape = batch.Pool(nullptr);
+    const int64_t page_bytes = shape.PageElements() * DTypeBytes(config.kv_dtype);
+    for (int32_t p = 0; p < probe.page_indptr[1]; ++p) {
+      const int32_t slot = batch.page_indptr[composition.probe] + p;
+      std::memcpy(batch.k_pool.data() + batch.k_page_ids[slot] * page_bytes,
+                  probe.k_pool.data() + probe.k_page_ids[p] * page_bytes, page_bytes);
+      std::memcpy(batch.v_pool.data() + batch.v_page_ids[slot] * page_bytes,
+                  probe.v_pool.data() + probe.v_page_ids[p] * page_bytes, page_bytes);
+    }
+    const Output out = RunGpu(batch);
+    ASSERT_FALSE(HasFailure());
+    const int64_t first_row = batch.qo_indptr[composition.probe];
+    std::vector<uint8_t> o(out.o.begin() + first_row * row_bytes, out.o.begin() + (first_row + probe_q) * row_bytes);
+    std::vector<float> lse(out.lse.begin() + first_row * config.num_qo_heads,
+                           out.lse.begin() + (first_row + probe_q) * config.num_qo_heads);
+    if (c == 0) {
+      first_o = o;
+      first_lse = lse;
+      ExpectMatches(probe, out, RunReference(probe));
+    } else {
+      EXPECT_TRUE(o == first_o) << "composition " << c << ": o bits differ";
+      EXPECT_EQ(std::memcmp(lse.data(), first_lse.data(), lse.size() * sizeof(float)), 0)
+          << "composition " << c << ": lse bits differ";
+    }
+  }
+}
+
+// Small and quick: the sweep run under compute-sanitizer memcheck.
+TEST(BatchPrefillTest, SanitizerSweep) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 500;
+  for (DType kv_dtype : {DType::kBFloat16, DType::kFloat8E4M3}) {
+    for (int32_t head_dim : {64, 128, 256}) {
+      for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
+        Config config;
+        config.kv_dtype = kv_dtype;
+        config.head_dim = head_dim;
+        config.layout = layout;
+        config.table = seed % 2 ? TableForm::kSeparateKv : TableForm::kShared;
+        config.page_size = seed % 3 == 0 ? 1 : 16;
+        config.params.window_left = seed % 4 == 0 ? 9 : -1;
+        config.seed = seed++;
+        CheckAgainstReference(config, {1, 20, 70, 0, 3}, {1, 20, 150, 5, 0});
+      }
+    }
+  }
+}
+
+// --- Tests without a GPU ----------------------------------------------------------------------
+
+TEST(PrefillPlanTest, PicksTheQueryTilePerRequestFromItsOwnLength) {
+  EXPECT_EQ(plan::PrefillQueryTileRows(1, 128), 16);
+  EXPECT_EQ(plan::PrefillQueryTileRows(16, 128), 16);
+  EXPECT_EQ(plan::PrefillQueryTileRows(17, 128), 64);
+  EXPECT_EQ(plan::PrefillQueryTileRows(64, 128), 64);
+  EXPECT_EQ(plan::PrefillQueryTileRows(65, 128), 128);
+  EXPECT_EQ(plan::PrefillQueryTileRows(65, 256), 64);
+
+  // Group 4: 2 tokens -> 8 packed rows (tile 16); 100 tokens -> 400 rows (tile 128).
+  const std::vector<int32_t> qo_indptr = {0, 2, 102, 102};
+  const std::vector<int32_t> kv_lengths = {50, 100, 7};
+  auto plan = plan::PlanPrefill({qo_indptr, kv_lengths, 8, 2, 128, true});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->launches.size(), 2u);
+  EXPECT_EQ(plan->launches[0].tile_rows, 128);
+  EXPECT_EQ(plan->launches[0].num_items, 4);  // ceil(400 / 128)
+  EXPECT_EQ(plan->launches[1].tile_rows, 16);
+  EXPECT_EQ(plan->launches[1].num_items, 1);
+  EXPECT_EQ(plan->NumCtas(), 10);
+  // Heaviest first: the causal diagonal makes the last query tile the longest.
+  EXPECT_EQ(plan->items[0].packed_row_start, 384);
+  for (const plan::PrefillWorkItem& item : plan->items) EXPECT_NE(item.request, 2) << "padding slot got a CTA";
+}
+
+TEST(PrefillPlanTest, RejectsInconsistentInputs) {
+  const std::vector<int32_t> qo_indptr = {0, 4};
+  const std::vector<int32_t> kv_lengths = {4, 4};
+  EXPECT_FALSE(plan::PlanPrefill({qo_indptr, kv_lengths, 8, 2, 128, true}).ok());
+  const std::vector<int32_t> one_kv = {4};
+  EXPECT_FALSE(plan::PlanPrefill({qo_indptr, one_kv, 8, 3, 128, true}).ok());
+  EXPECT_FALSE(plan::PlanPrefill({qo_indptr, one_kv, 8, 2, 96, true}).ok());
+  EXPECT_TRUE(plan::PlanPrefill({qo_indptr, one_kv, 8, 2, 64, true}).ok());
+}
+
+TEST(BatchPrefillArgsTest, RejectsMismatchedViewsBeforeTouchingTheDevice) {
+  const std::vector<int32_t> qo_indptr = {0, 4};
+  const std::vector<int32_t> kv_lengths = {4};
+  auto plan = plan::PlanPrefill({qo_indptr, kv_lengths, 8, 2, 128, true});
+  ASSERT_TRUE(plan.ok());
+  alignas(16) static uint8_t fake[64];
+  cuda::BatchPrefillArgs args;
+  args.q = {fake, DType::kBFloat16, 4, 8, 128};
+  args.o = {fake, DType::kBFloat16, 4, 8, 128};
+  args.qo_indptr = reinterpret_cast<const int32_t*>(fake);
+  args.pages = {1, 16, args.qo_indptr, args.qo_indptr, args.qo_indptr, args.qo_indptr};
+  args.k_cache = {fake, DType::kBFloat16, KvLayout::kNHD, 1, 16, 2, 128};
+  args.v_cache = args.k_cache;
+  args.params.sm_scale = 0.1f;
+
+  cuda::BatchPrefillArgs bad = args;
+  bad.q.head_dim = 64;
+  EXPECT_EQ(cuda::BatchPrefill(*plan, bad, fake, 64, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  bad = args;
+  bad.k_cache.dtype = DType::kFloat32;
+  bad.v_cache.dtype = DType::kFloat32;
+  EXPECT_EQ(cuda::BatchPrefill(*plan, bad, fake, 64, nullptr).code(), absl::StatusCode::kUnimplemented);
+  bad = args;
+  bad.pages.page_size = 12;
+  bad.k_cache.page_size = bad.v_cache.page_size = 12;
+  EXPECT_EQ(cuda::BatchPrefill(*plan, bad, fake, 64, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  bad = args;
+  bad.params.sm_scale = 0.0f;
+  EXPECT_EQ(cuda::BatchPrefill(*plan, bad, fake, 64, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::BatchPrefill(*plan, args, fake, 0, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace attnd
