@@ -9,12 +9,13 @@
 namespace attnd::client {
 
 struct KeepaliveOptions {
-  // Ping an idle connection this often, and drop it when a ping is not answered in `timeout`.
-  // 5 minutes is a gRPC server's default minimum ping interval: pinging more often than the
-  // server permits gets the connection closed (GOAWAY too_many_pings), streams included.
-  absl::Duration time = absl::Minutes(5);
-  absl::Duration timeout = absl::Seconds(20);
-  bool permit_without_calls = false;
+  // Ping the connection this often, and drop it when a ping is not answered in `timeout`, so
+  // a dead peer (or a NAT that forgot the flow) fails calls instead of hanging them. attnd
+  // accepts pings every 10 s, with or without calls in flight; a server that allows fewer
+  // closes the connection (GOAWAY too_many_pings), so raise `time` for other servers.
+  absl::Duration time = absl::Seconds(30);
+  absl::Duration timeout = absl::Seconds(10);
+  bool permit_without_calls = true;
 };
 
 struct TlsOptions {

@@ -1,0 +1,91 @@
+// /metrics over HTTP: the attnd_ families exist and move when work is done.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <random>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "http_get.h"
+#include "status_matchers.h"
+#include "test_server.h"
+#include "test_steps.h"
+
+namespace attnd::integration {
+namespace {
+
+using ::testing::HasSubstr;
+
+class MetricsTest : public IntegrationTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = TestServerOptions();
+    options.metrics_address = "127.0.0.1:0";
+    return options;
+  }
+};
+
+// Sum of the samples of `name` whose label set contains every one of `labels`
+// (e.g. {"phase=\"prefill\""}); -1 when there is no such sample. Label values compare
+// case-insensitively (a status code may be exported as "OK" or "ok").
+double Sample(const std::string& exposition, const std::string& name,
+              const std::vector<std::string>& labels = {}) {
+  double total = -1;
+  std::istringstream lines(exposition);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t name_end = line.find_first_of("{ ");
+    if (name_end == std::string::npos || line.compare(0, name_end, name) != 0 ||
+        name_end != name.size()) {
+      continue;
+    }
+    const std::string lower_line = absl::AsciiStrToLower(line);
+    bool matches = true;
+    for (const std::string& label : labels) {
+      matches = matches && lower_line.find(absl::AsciiStrToLower(label)) != std::string::npos;
+    }
+    if (!matches) continue;
+    double value = 0;
+    if (!absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &value)) continue;
+    total = (total < 0 ? 0 : total) + value;
+  }
+  return total;
+}
+
+TEST_F(MetricsTest, AttndFamiliesAreExposedAndMove) {
+  ASSERT_GT(server().metrics_port(), 0);
+  ASSERT_OK_AND_ASSIGN(const std::string before, HttpGet(server().metrics_port(), "/metrics"));
+  EXPECT_EQ(Sample(before, "attnd_build_info", {"backend=\"cpu\""}), 1.0);
+
+  ASSERT_OK_AND_ASSIGN(auto cache, client().CreateCache("m", SmallConfig()));
+  ASSERT_OK_AND_ASSIGN(auto reference, client::ReferenceCache::Create(cache.config()));
+  std::mt19937_64 rng(40);
+  ASSERT_NO_FATAL_FAILURE(RunStepAndCheck(client(), *reference, cache, {{1, 6}, {2, 1}}, rng));
+  ASSERT_NO_FATAL_FAILURE(RunStepAndCheck(client(), *reference, cache, {{1, 1}, {2, 1}}, rng));
+  EXPECT_EQ(client().GetCache("missing").status().code(), absl::StatusCode::kNotFound);
+
+  ASSERT_OK_AND_ASSIGN(const std::string after, HttpGet(server().metrics_port(), "/metrics"));
+  for (const char* family :
+       {"attnd_kernel_duration_seconds", "attnd_rpc_duration_seconds", "attnd_rpc_requests_total",
+        "attnd_plan_duration_seconds", "attnd_batch_tokens", "attnd_tokens_total",
+        "attnd_kv_pages", "attnd_kv_cache_usage_ratio", "attnd_transfer_bytes_total",
+        "attnd_errors_total", "attnd_build_info"}) {
+    EXPECT_THAT(after, HasSubstr(std::string("# TYPE ") + family)) << family;
+  }
+  EXPECT_GE(Sample(after, "attnd_tokens_total", {"phase=\"prefill\""}), 6);
+  EXPECT_GE(Sample(after, "attnd_tokens_total", {"phase=\"decode\""}), 3);
+  EXPECT_GE(Sample(after, "attnd_rpc_requests_total", {"method=\"Forward\"", "code=\"OK\""}), 4);
+  EXPECT_GE(Sample(after, "attnd_rpc_requests_total", {"code=\"NOT_FOUND\""}), 1);
+  EXPECT_GT(Sample(after, "attnd_kernel_duration_seconds_count"),
+            std::max(0.0, Sample(before, "attnd_kernel_duration_seconds_count")));
+  EXPECT_GT(Sample(after, "attnd_plan_duration_seconds_count"),
+            std::max(0.0, Sample(before, "attnd_plan_duration_seconds_count")));
+  // Sequence 1 holds 2 pages and sequence 2 one page of 4 tokens.
+  EXPECT_EQ(Sample(after, "attnd_kv_pages", {"cache=\"m\"", "state=\"used\""}), 3);
+  EXPECT_EQ(Sample(after, "attnd_kv_pages", {"cache=\"m\"", "state=\"free\""}), 61);
+}
+
+}  // namespace
+}  // namespace attnd::integration

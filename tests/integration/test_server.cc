@@ -1,0 +1,49 @@
+#include "test_server.h"
+
+#include "absl/strings/str_cat.h"
+#include "status_matchers.h"
+
+namespace attnd::integration {
+
+ServerOptions TestServerOptions() {
+  ServerOptions options;
+  options.listen_address = "127.0.0.1:0";
+  // The Prometheus exposer takes about a second to stop; only the metrics test starts it.
+  options.metrics_address = "";
+  options.backend = BackendKind::kCpu;
+  options.kv_memory_bytes = kTestKvBudgetBytes;
+  options.drain_grace = absl::Milliseconds(200);
+  options.exit_grace = absl::Milliseconds(500);
+  return options;
+}
+
+void IntegrationTest::SetUp() {
+  ASSERT_OK_AND_ASSIGN(server_, Server::Start(Options()));
+  ASSERT_GT(server_->port(), 0);
+  client_ = NewClient();
+  ASSERT_NE(client_, nullptr);
+  ASSERT_OK(client_->WaitForConnected(absl::Seconds(10)));
+}
+
+void IntegrationTest::TearDown() {
+  client_.reset();
+  if (server_ != nullptr) {
+    server_->Shutdown();
+    server_->Wait();
+  }
+}
+
+std::string IntegrationTest::address() const {
+  return absl::StrCat("127.0.0.1:", server_->port());
+}
+
+std::unique_ptr<client::Client> IntegrationTest::NewClient() const {
+  client::ClientOptions options;
+  options.address = address();
+  options.timeout = absl::Seconds(30);
+  auto made = client::Client::Connect(options);
+  EXPECT_TRUE(made.ok()) << made.status();
+  return made.ok() ? *std::move(made) : nullptr;
+}
+
+}  // namespace attnd::integration

@@ -1,0 +1,42 @@
+// The real daemon started in-process on loopback (CPU backend, small KV budget), and clients
+// of it through the client library. Each test gets a fresh server.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "attnd/client/client.h"
+#include "server.h"
+
+namespace attnd::integration {
+
+// 64 MiB of KV budget: small enough to exhaust on purpose.
+inline constexpr int64_t kTestKvBudgetBytes = int64_t{64} << 20;
+
+// Options of the test server: a loopback port picked by the kernel, CPU backend, short drain,
+// no metrics exposer.
+ServerOptions TestServerOptions();
+
+class IntegrationTest : public ::testing::Test {
+ protected:
+  void SetUp() override;
+  void TearDown() override;
+
+  // Override to start the server with other options.
+  virtual ServerOptions Options() const { return TestServerOptions(); }
+
+  // A new client with its own channel.
+  std::unique_ptr<client::Client> NewClient() const;
+
+  Server& server() { return *server_; }
+  client::Client& client() { return *client_; }
+  std::string address() const;
+
+ private:
+  std::unique_ptr<Server> server_;
+  std::unique_ptr<client::Client> client_;
+};
+
+}  // namespace attnd::integration
