@@ -1,0 +1,189 @@
+#include "backend/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "attnd/status_macros.h"
+#include "backend/cuda_cache.h"
+#include "backend/cuda_memory.h"
+#include "backend/cuda_range_allocator.h"
+#include "cuda/cuda_check.h"
+
+namespace attnd {
+namespace {
+
+using cuda_backend::CudaCache;
+using cuda_backend::RangeAllocator;
+
+bool IsPowerOfTwo(int64_t value) { return value > 0 && (value & (value - 1)) == 0; }
+
+// What the CUDA kernels take; the service validates most of this already, so a refusal here
+// names the limit of this backend rather than of the API.
+absl::Status CheckSupported(const CacheGeometry& g) {
+  if (g.mla) {
+    return absl::UnimplementedError(
+        "MLA caches are not supported by the CUDA backend yet (no MLA GPU kernel); run attnd "
+        "with --backend=cpu to serve MLA");
+  }
+  auto unsupported = [](absl::string_view what) {
+    return absl::UnimplementedError(absl::StrCat("the CUDA backend does not support ", what));
+  };
+  if (g.q_dtype != DType::kFloat16 && g.q_dtype != DType::kBFloat16) {
+    return unsupported(absl::StrCat("q_dtype ", DTypeName(g.q_dtype), " (float16, bfloat16)"));
+  }
+  if (g.kv_dtype != DType::kFloat16 && g.kv_dtype != DType::kBFloat16 &&
+      g.kv_dtype != DType::kFloat8E4M3) {
+    return unsupported(absl::StrCat("kv_dtype ", DTypeName(g.kv_dtype),
+                                    " (float16, bfloat16, float8_e4m3)"));
+  }
+  if ((g.k_head_dim != 64 && g.k_head_dim != 128 && g.k_head_dim != 256) ||
+      g.v_head_dim != g.k_head_dim) {
+    return unsupported(absl::StrCat("head_dim ", g.k_head_dim, " (64, 128, 256)"));
+  }
+  if (g.num_kv_heads <= 0 || g.num_qo_heads % g.num_kv_heads != 0) {
+    return unsupported(absl::StrCat("num_qo_heads ", g.num_qo_heads, " with num_kv_heads ",
+                                    g.num_kv_heads));
+  }
+  if (!IsPowerOfTwo(g.page_size) || g.page_size > 128) {
+    return unsupported(absl::StrCat("page_size ", g.page_size, " (a power of two up to 128)"));
+  }
+  if (g.rope.style != RopeStyle::kNone &&
+      (g.rope.rotary_dim <= 0 || g.rope.rotary_dim % 2 != 0 || g.rope.rotary_dim > g.k_head_dim)) {
+    return unsupported(absl::StrCat("rotary_dim ", g.rope.rotary_dim));
+  }
+  if (g.num_pages <= 0 || g.num_layers <= 0) {
+    return absl::InvalidArgumentError("the cache needs at least one layer and one page");
+  }
+  return absl::OkStatus();
+}
+
+class CudaBackend final : public Backend {
+ public:
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const CudaBackendOptions& options);
+  ~CudaBackend() override {
+    if (reservation_ != nullptr) cudaFree(reservation_);
+  }
+
+  BackendInfo Info() const override { return info_; }
+
+  int64_t KvFreeBytes() const override {
+    std::lock_guard lock(mu_);
+    return ranges_.free_bytes();
+  }
+
+  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(
+      const CacheGeometry& geometry) override;
+
+ private:
+  CudaBackend(const CudaBackendOptions& options, const BackendInfo& info, uint8_t* reservation,
+              int64_t reservation_bytes)
+      : options_(options),
+        info_(info),
+        reservation_(reservation),
+        ranges_(reservation_bytes, cuda_backend::kBufferAlignment) {}
+
+  const CudaBackendOptions options_;
+  const BackendInfo info_;
+  uint8_t* const reservation_;
+  const int device_ = 0;
+  mutable std::mutex mu_;
+  RangeAllocator ranges_;
+};
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
+    const CudaBackendOptions& options) {
+  if (CudaDeviceCount() == 0) {
+    return absl::FailedPreconditionError("the CUDA backend needs a CUDA device; none is visible");
+  }
+  const int device = 0;
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  cudaDeviceProp properties{};
+  CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, device));
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+
+  int64_t budget = options.kv_budget_bytes;
+  if (budget <= 0) {
+    if (!(options.kv_memory_fraction > 0.0 && options.kv_memory_fraction <= 1.0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--kv_memory_fraction: expected a fraction in (0, 1], got ", options.kv_memory_fraction));
+    }
+    budget = static_cast<int64_t>(static_cast<double>(free_bytes) * options.kv_memory_fraction);
+  }
+  budget &= ~(cuda_backend::kBufferAlignment - 1);
+  if (budget <= 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV budget of ", budget, " bytes is too small (device has ", free_bytes, " bytes free)"));
+  }
+  void* reservation = nullptr;
+  const cudaError_t error = cudaMalloc(&reservation, static_cast<size_t>(budget));
+  if (error != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "reserving ", budget, " bytes of KV memory (--kv_memory_bytes / --kv_memory_fraction) "
+        "failed: ", cudaGetErrorString(error), "; the device has ", free_bytes, " of ",
+        total_bytes, " bytes free"));
+  }
+
+  BackendInfo info;
+  info.name = "cuda";
+  info.device = properties.name;
+  info.num_sms = properties.multiProcessorCount;
+  info.device_memory_bytes = static_cast<int64_t>(properties.totalGlobalMem);
+  info.kv_budget_bytes = budget;
+  // No "mla" (no MLA kernel yet) and no "pod" (mixed steps run decode then prefill).
+  info.extensions = {"fp8_kv", "deterministic", "separate_kv_index"};
+  return std::unique_ptr<CudaBackend>(
+      new CudaBackend(options, info, static_cast<uint8_t*>(reservation), budget));
+}
+
+absl::StatusOr<std::unique_ptr<BackendCache>> CudaBackend::CreateCache(
+    const CacheGeometry& geometry) {
+  RETURN_IF_ERROR(CheckSupported(geometry));
+  const int64_t bytes = geometry.PoolBytes();
+  std::optional<int64_t> offset;
+  {
+    std::lock_guard lock(mu_);
+    offset = ranges_.Allocate(bytes);
+    if (!offset.has_value()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the cache needs ", bytes, " bytes of KV memory (", geometry.num_pages, " pages of ",
+          geometry.BytesPerPage(), " bytes) but ", ranges_.free_bytes(), " of the CUDA KV budget (",
+          ranges_.capacity_bytes(), " bytes, --kv_memory_bytes) are free, the largest free range ",
+          ranges_.largest_free_range(), " bytes"));
+    }
+  }
+  auto release = [this, offset = *offset, bytes] {
+    std::lock_guard lock(mu_);
+    ranges_.Free(offset, bytes);
+  };
+  auto cache = CudaCache::Create(geometry, reservation_ + *offset, device_, options_.observer,
+                                 release);
+  if (!cache.ok()) {  // the failed cache gave its range back
+    return absl::Status(cache.status().code(),
+                        absl::StrCat("set up the cache on the GPU: ", cache.status().message()));
+  }
+  return std::unique_ptr<BackendCache>(std::move(cache).value());
+}
+
+}  // namespace
+
+int CudaDeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options) {
+  ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> backend, CudaBackend::Create(options));
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+}  // namespace attnd

@@ -1,0 +1,32 @@
+// CudaBackend: KV pools in GPU memory, attention on the GPU (DESIGN 3). At start it reserves the
+// KV budget with one cudaMalloc; each cache carves its pools from that reservation (first fit)
+// and gives them back when deleted. Caches, steps and the layer pipeline are in cuda_cache.h and
+// cuda_step.h. This header is CUDA-free so that the backend factory can include it.
+//
+// Supported caches: MHA/GQA with fp16/bf16 q, fp16/bf16/fp8_e4m3 KV, head_dim 64/128/256, NHD
+// or HND, SHARED or SEPARATE_KV page tables. MLA caches are refused (UNIMPLEMENTED) until an MLA
+// kernel exists; the CPU backend serves them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "backend/backend.h"
+
+namespace attnd {
+
+struct CudaBackendOptions {
+  int64_t kv_budget_bytes = 0;      // > 0: reserve exactly this; 0: kv_memory_fraction of free
+  double kv_memory_fraction = 0.9;  // of the device memory free at start, in (0, 1]
+  BackendObserver* observer = nullptr;  // may be null; must outlive the backend
+};
+
+// Visible CUDA devices; 0 on any error (no driver, no device), so callers can fall back.
+int CudaDeviceCount();
+
+// Uses device 0 (set CUDA_VISIBLE_DEVICES to pick another). RESOURCE_EXHAUSTED when the
+// reservation fails, FAILED_PRECONDITION without a device.
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options);
+
+}  // namespace attnd

@@ -1,0 +1,180 @@
+#include "backend/cuda_cache.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/decode.h"
+#include "attnd/kernels/cuda/prefill.h"
+#include "attnd/status_macros.h"
+#include "backend/cuda_step.h"
+#include "backend/cuda_step_plan.h"
+#include "cuda/cuda_check.h"
+
+namespace attnd::cuda_backend {
+
+CudaCache::CudaCache(const CacheGeometry& geometry, uint8_t* pool, BackendObserver* observer,
+                     std::function<void()> release_pool)
+    : geometry_(geometry),
+      pool_(pool),
+      observer_(observer),
+      release_pool_(std::move(release_pool)) {}
+
+absl::StatusOr<std::unique_ptr<CudaCache>> CudaCache::Create(const CacheGeometry& geometry,
+                                                             uint8_t* pool, int device,
+                                                             BackendObserver* observer,
+                                                             std::function<void()> release_pool) {
+  std::unique_ptr<CudaCache> cache(
+      new CudaCache(geometry, pool, observer, std::move(release_pool)));
+  RETURN_IF_ERROR(cache->Init(device));
+  return cache;
+}
+
+absl::Status CudaCache::Init(int device) {
+  RETURN_IF_ERROR(compute_stream_.Create());
+  RETURN_IF_ERROR(copy_stream_.Create());
+  // Zeroed so that a slot never written reads as 0 (as the CPU backend's calloc'd pools do).
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(pool_, 0, geometry_.PoolBytes(), compute_stream()));
+  const std::vector<float> inv_freq = RopeInverseFrequencies(geometry_.rope);
+  if (!inv_freq.empty()) {
+    const int64_t bytes = static_cast<int64_t>(inv_freq.size() * sizeof(float));
+    RETURN_IF_ERROR(rope_inv_freq_.Reserve(bytes));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(rope_inv_freq_.data(), inv_freq.data(), bytes,
+                                         cudaMemcpyHostToDevice, compute_stream()));
+  }
+  const cuda::DecodeKernelConfig config{geometry_.q_dtype, geometry_.kv_dtype,
+                                        geometry_.k_head_dim,
+                                        geometry_.num_qo_heads / geometry_.num_kv_heads};
+  decode_supported_ = cuda::DecodeSupports(config);
+  if (decode_supported_) {
+    ASSIGN_OR_RETURN(decode_ctas_per_wave_, cuda::DecodeCtasPerWave(config));
+  }
+  // A fault here belongs to this cache's creation, not to its first step.
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_stream()));
+  completions_ = std::make_unique<CompletionQueue>([device] { cudaSetDevice(device); });
+  return absl::OkStatus();
+}
+
+CudaCache::~CudaCache() {
+  // No layer is in flight (the engine's contract), so the queue is empty.
+  if (completions_) completions_->Shutdown();
+  if (compute_stream_.get() != nullptr) cudaStreamSynchronize(compute_stream_.get());
+  if (copy_stream_.get() != nullptr) cudaStreamSynchronize(copy_stream_.get());
+  free_resources_.clear();
+  if (release_pool_) release_pool_();
+}
+
+PagedKvView CudaCache::Pool(int32_t layer, bool v_pool) const {
+  const int64_t layer_bytes =
+      geometry_.num_pages * (geometry_.KPageBytes() + geometry_.VPageBytes());
+  uint8_t* base = pool_ + layer * layer_bytes;
+  if (v_pool) base += geometry_.num_pages * geometry_.KPageBytes();
+  PagedKvView view;
+  view.data = base;
+  view.dtype = geometry_.kv_dtype;
+  view.layout = geometry_.layout;
+  view.num_pages = geometry_.num_pages;
+  view.page_size = geometry_.page_size;
+  view.num_heads = geometry_.num_kv_heads;
+  view.head_dim = v_pool ? geometry_.v_head_dim : geometry_.k_head_dim;
+  return view;
+}
+
+absl::StatusOr<std::unique_ptr<StepResources>> CudaCache::TakeResources() {
+  {
+    std::lock_guard lock(resources_mu_);
+    if (!free_resources_.empty()) {
+      std::unique_ptr<StepResources> resources = std::move(free_resources_.back());
+      free_resources_.pop_back();
+      return resources;
+    }
+  }
+  auto resources = std::make_unique<StepResources>();
+  RETURN_IF_ERROR(resources->Init());
+  return resources;
+}
+
+void CudaCache::ReturnResources(std::unique_ptr<StepResources> resources) {
+  if (resources == nullptr) return;
+  std::lock_guard lock(resources_mu_);
+  free_resources_.push_back(std::move(resources));
+}
+
+absl::Status CudaCache::ReserveShared(int64_t q_rotated_bytes, int64_t out_bytes,
+                                      int64_t workspace_bytes) {
+  std::lock_guard lock(submit_mu_);
+  if (q_rotated_bytes <= q_rotated_.capacity() && out_bytes <= device_out_.capacity() &&
+      workspace_bytes <= decode_workspace_.capacity()) {
+    return absl::OkStatus();
+  }
+  // Growing frees the old buffers, which queued layers may still use.
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_stream()));
+  RETURN_IF_ERROR(q_rotated_.Reserve(q_rotated_bytes));
+  RETURN_IF_ERROR(device_out_.Reserve(out_bytes));
+  return decode_workspace_.Reserve(workspace_bytes);
+}
+
+absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
+    std::shared_ptr<const StepBatch> batch) {
+  StepPlanContext context;
+  context.geometry = &geometry_;
+  context.decode_supported = decode_supported_;
+  context.decode_ctas_per_wave = decode_ctas_per_wave_;
+  ASSIGN_OR_RETURN(StepPlan plan, PlanStep(*batch, context));
+
+  const LayerSizes sizes = LayerSizes::Of(geometry_, batch->num_tokens, batch->options.return_lse);
+  const int64_t prefill_work_offset = AlignUp(plan.offsets.total_bytes, kBufferAlignment);
+  const int64_t prefill_work_bytes =
+      plan.run_prefill ? cuda::BatchPrefillWorkspaceBytes(plan.prefill) : 0;
+  const int64_t workspace_bytes =
+      plan.run_decode ? cuda::BatchDecodeWorkspaceBytes(plan.decode.num_partials,
+                                                        geometry_.num_qo_heads,
+                                                        geometry_.k_head_dim)
+                      : 0;
+  RETURN_IF_ERROR(ReserveShared(sizes.q_bytes, sizes.out_bytes, workspace_bytes));
+
+  ASSIGN_OR_RETURN(std::unique_ptr<StepResources> resources, TakeResources());
+  absl::Status status = [&]() -> absl::Status {
+    // The previous owner's upload read host_arrays; usually long done.
+    CUDA_RETURN_IF_ERROR(cudaEventSynchronize(resources->arrays_uploaded.get()));
+    RETURN_IF_ERROR(resources->Reserve(sizes, prefill_work_offset + prefill_work_bytes));
+    plan.Fill(*batch, resources->host_arrays.data());
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(resources->device_arrays.data(),
+                                         resources->host_arrays.data(), plan.offsets.total_bytes,
+                                         cudaMemcpyHostToDevice, compute_stream()));
+    if (plan.run_prefill) {
+      RETURN_IF_ERROR(cuda::UploadBatchPrefillPlan(
+          plan.prefill, resources->device_arrays.data() + prefill_work_offset,
+          prefill_work_bytes, compute_stream()));
+    }
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(resources->arrays_uploaded.get(), compute_stream()));
+    return absl::OkStatus();
+  }();
+  if (!status.ok()) {
+    ReturnResources(std::move(resources));
+    return status;
+  }
+  if (observer_ != nullptr) {
+    observer_->OnTransfer("h2d", plan.offsets.total_bytes + prefill_work_bytes);
+  }
+  return std::make_unique<CudaStep>(this, std::move(batch), std::move(plan),
+                                    std::move(resources), prefill_work_offset);
+}
+
+absl::Status CudaCache::ReadPages(int32_t layer, bool v_pool, int64_t first_page,
+                                  std::span<uint8_t> bytes) {
+  const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+  if (layer < 0 || layer >= geometry_.num_layers || first_page < 0 ||
+      bytes.size() % page_bytes != 0 ||
+      first_page + static_cast<int64_t>(bytes.size()) / page_bytes > geometry_.num_pages) {
+    return absl::OutOfRangeError("ReadPages: layer or page range outside the pool");
+  }
+  if (bytes.empty()) return absl::OkStatus();
+  const uint8_t* pool = static_cast<const uint8_t*>(Pool(layer, v_pool).data);
+  // Ordered after every layer already enqueued on the compute stream.
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(bytes.data(), pool + first_page * page_bytes, bytes.size(),
+                                       cudaMemcpyDeviceToHost, compute_stream()));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_stream()));
+  return absl::OkStatus();
+}
+
+}  // namespace attnd::cuda_backend

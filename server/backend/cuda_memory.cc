@@ -1,0 +1,93 @@
+#include "backend/cuda_memory.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "cuda/cuda_check.h"
+
+namespace attnd::cuda_backend {
+namespace {
+
+// Small buffers are rounded up so that the first few steps do not each grow them.
+constexpr int64_t kMinCapacityBytes = 64 << 10;
+
+int64_t GrownCapacity(int64_t current, int64_t needed) {
+  return AlignUp(std::max({needed, current + current / 2, kMinCapacityBytes}), kBufferAlignment);
+}
+
+}  // namespace
+
+absl::Status DeviceBuffer::Reserve(int64_t bytes) {
+  if (bytes <= capacity_) return absl::OkStatus();
+  const int64_t capacity = GrownCapacity(capacity_, bytes);
+  Release();
+  void* data = nullptr;
+  const cudaError_t error = cudaMalloc(&data, static_cast<size_t>(capacity));
+  if (error != cudaSuccess) {
+    cudaGetLastError();  // an allocation failure is not sticky; do not leave it pending
+    return absl::ResourceExhaustedError(absl::StrCat("device allocation of ", capacity,
+                                                     " bytes failed: ", cudaGetErrorString(error)));
+  }
+  data_ = static_cast<uint8_t*>(data);
+  capacity_ = capacity;
+  return absl::OkStatus();
+}
+
+void DeviceBuffer::Release() {
+  if (data_ != nullptr) cudaFree(data_);
+  data_ = nullptr;
+  capacity_ = 0;
+}
+
+absl::Status PinnedBuffer::Reserve(int64_t bytes) {
+  if (bytes <= capacity_) return absl::OkStatus();
+  const int64_t capacity = GrownCapacity(capacity_, bytes);
+  Release();
+  void* data = nullptr;
+  const cudaError_t error =
+      cudaHostAlloc(&data, static_cast<size_t>(capacity), cudaHostAllocDefault);
+  if (error != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat("pinned host allocation of ", capacity,
+                                                     " bytes failed: ", cudaGetErrorString(error)));
+  }
+  data_ = static_cast<uint8_t*>(data);
+  capacity_ = capacity;
+  return absl::OkStatus();
+}
+
+void PinnedBuffer::Release() {
+  if (data_ != nullptr) cudaFreeHost(data_);
+  data_ = nullptr;
+  capacity_ = 0;
+}
+
+CudaEvent::~CudaEvent() {
+  if (event_ != nullptr) cudaEventDestroy(event_);
+}
+
+absl::Status CudaEvent::Create(bool timing) {
+  CUDA_RETURN_IF_ERROR(
+      cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
+  return absl::OkStatus();
+}
+
+CudaStream::~CudaStream() {
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+absl::Status CudaStream::Create() {
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  return absl::OkStatus();
+}
+
+double ElapsedSeconds(const CudaEvent& start, const CudaEvent& end) {
+  float milliseconds = 0.0f;
+  if (cudaEventElapsedTime(&milliseconds, start.get(), end.get()) != cudaSuccess) {
+    cudaGetLastError();
+    return 0.0;
+  }
+  return milliseconds * 1e-3;
+}
+
+}  // namespace attnd::cuda_backend

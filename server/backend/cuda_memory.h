@@ -1,0 +1,99 @@
+// Owning handles of CUDA resources the backend reuses: device buffers, pinned host buffers,
+// events and streams. Each frees its resource on destruction and ignores errors there (a
+// faulted context cannot free anything anyway). None is thread-safe; owners lock.
+//
+// Buffers grow (Reserve) only at plan time: growing frees the old memory, so the caller must
+// know that no queued work still uses it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace attnd::cuda_backend {
+
+// Round `bytes` up to a multiple of `alignment` (a power of two).
+constexpr int64_t AlignUp(int64_t bytes, int64_t alignment) {
+  return (bytes + alignment - 1) & ~(alignment - 1);
+}
+
+// Offsets of sub-buffers are aligned to this: the kernels want 16 bytes, decode workspaces 256.
+inline constexpr int64_t kBufferAlignment = 256;
+
+// Device memory from cudaMalloc.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { Release(); }
+
+  // Ensures at least `bytes` of capacity; contents are not kept. Grows geometrically (1.5x)
+  // so a slowly growing batch does not reallocate at every step.
+  absl::Status Reserve(int64_t bytes);
+  void Release();
+
+  uint8_t* data() const { return data_; }
+  int64_t capacity() const { return capacity_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  int64_t capacity_ = 0;
+};
+
+// Page-locked host memory from cudaHostAlloc: the source or target of asynchronous copies.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { Release(); }
+
+  absl::Status Reserve(int64_t bytes);  // as DeviceBuffer::Reserve
+  void Release();
+
+  uint8_t* data() const { return data_; }
+  int64_t capacity() const { return capacity_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  int64_t capacity_ = 0;
+};
+
+class CudaEvent {
+ public:
+  CudaEvent() = default;
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  ~CudaEvent();
+
+  // timing: the event can be an end of cudaEventElapsedTime; otherwise it is cheaper to
+  // record and to wait on.
+  absl::Status Create(bool timing);
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+class CudaStream {
+ public:
+  CudaStream() = default;
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+  ~CudaStream();
+
+  // A non-blocking stream: it does not wait for the legacy default stream.
+  absl::Status Create();
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+// Milliseconds between two completed timing events, in seconds; 0 when CUDA refuses.
+double ElapsedSeconds(const CudaEvent& start, const CudaEvent& end);
+
+}  // namespace attnd::cuda_backend

@@ -1,0 +1,66 @@
+// CudaStep: one planned step of a CudaCache. Its arrays (page table, COO append index, decode
+// plan, prefill work list) were uploaded once at PrepareStep; each RunLayer stages the layer's
+// q/k/v in a free layer slot, enqueues copy -> append -> attention -> copy back on the cache's
+// streams with events between the kernels, and posts the layer's completion (see
+// cuda_cache.h). With every slot busy a layer waits in the step, and the completion thread
+// enqueues it when a slot frees. The step's resources go back to the cache on destruction,
+// which the engine does only once no layer of the step is in flight.
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda_cache.h"
+#include "backend/cuda_step_plan.h"
+#include "backend/cuda_step_resources.h"
+
+namespace attnd::cuda_backend {
+
+class CudaStep final : public BackendStep {
+ public:
+  // `plan` was built for `batch`, whose arrays are in resources->device_arrays at
+  // plan.offsets, with the prefill work list at `prefill_work_offset`.
+  CudaStep(CudaCache* cache, std::shared_ptr<const StepBatch> batch, StepPlan plan,
+           std::unique_ptr<StepResources> resources, int64_t prefill_work_offset);
+  ~CudaStep() override;
+
+  std::string_view KernelName() const override { return plan_.KernelName(); }
+  void RunLayer(const LayerIo& io, DoneCallback done) override;
+
+ private:
+  struct PendingLayer {
+    LayerIo io;
+    DoneCallback done;
+  };
+
+  // Stages and enqueues a layer in `slot`, which the caller took.
+  void Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done);
+  absl::Status EnqueueLocked(LayerSlot& slot, int32_t layer);
+  // On the completion thread: waits, copies out, reports, frees the slot, calls done.
+  void Complete(LayerSlot* slot, const LayerIo& io, absl::Status status,
+                const DoneCallback& done);
+  void ReportTimes(const LayerSlot& slot) const;
+
+  CudaCache* const cache_;
+  const std::shared_ptr<const StepBatch> batch_;
+  const StepPlan plan_;
+  std::unique_ptr<StepResources> resources_;
+  const LayerSizes sizes_;
+
+  // Device views of the uploaded arrays.
+  const int32_t* qo_indptr_ = nullptr;
+  PageTableView pages_;
+  AppendIndexView tokens_;
+  plan::DecodeWorkView decode_work_;
+  void* prefill_work_ = nullptr;
+  int64_t prefill_work_bytes_ = 0;
+
+  std::mutex mu_;
+  std::vector<LayerSlot*> free_slots_;
+  std::deque<PendingLayer> pending_;
+};
+
+}  // namespace attnd::cuda_backend

@@ -1,0 +1,158 @@
+#include "backend/cuda_step_plan.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "attnd/status_macros.h"
+#include "backend/cuda_memory.h"
+
+namespace attnd::cuda_backend {
+namespace {
+
+int32_t Rows(const StepBatch& batch, int32_t b) {
+  return batch.qo_indptr[b + 1] - batch.qo_indptr[b];
+}
+
+// Decode plan of the 1-row entries: planned over a copy of qo_indptr in which every other
+// entry has no row, then its q rows mapped back onto the step's rows.
+absl::StatusOr<plan::DecodePlan> PlanDecodeRows(const StepBatch& batch,
+                                                const StepPlanContext& context) {
+  const int32_t page_size = context.geometry->page_size;
+  std::vector<int32_t> decode_indptr(batch.batch_size + 1, 0);
+  std::vector<int64_t> kv_lengths(batch.batch_size, 0);
+  std::vector<int32_t> row_of_decode_row;  // decode plan's row -> the step's row
+  for (int32_t b = 0; b < batch.batch_size; ++b) {
+    const bool decode = Rows(batch, b) == 1;
+    decode_indptr[b + 1] = decode_indptr[b] + (decode ? 1 : 0);
+    if (!decode) continue;
+    kv_lengths[b] = batch.KvLength(b, page_size);
+    row_of_decode_row.push_back(batch.qo_indptr[b]);
+  }
+  plan::DecodePlanOptions options;
+  options.num_kv_heads = context.geometry->num_kv_heads;
+  options.ctas_per_wave = context.decode_ctas_per_wave;
+  options.fixed_split_tokens = batch.options.fixed_split_tokens;
+  options.disable_split_kv = batch.options.disable_split_kv;
+  options.deterministic = batch.options.deterministic;
+  options.window_left = batch.options.params.window_left;
+  ASSIGN_OR_RETURN(plan::DecodePlan decode,
+                   plan::PlanBatchDecode(decode_indptr, kv_lengths, options));
+  for (int32_t& row : decode.item_q_row) row = row_of_decode_row[row];
+  for (int32_t& row : decode.merge_q_row) row = row_of_decode_row[row];
+  return decode;
+}
+
+// Prefill plan of the whole step; with `skip_decode_rows`, the CTAs of 1-row entries are
+// dropped (BatchDecode serves them). Items are self-contained, so a launch keeps the items it
+// had minus the dropped ones.
+absl::StatusOr<plan::PrefillPlan> PlanPrefillRows(const StepBatch& batch,
+                                                  const StepPlanContext& context,
+                                                  bool skip_decode_rows) {
+  const CacheGeometry& g = *context.geometry;
+  std::vector<int32_t> kv_lengths(batch.batch_size);
+  for (int32_t b = 0; b < batch.batch_size; ++b) {
+    kv_lengths[b] = static_cast<int32_t>(batch.KvLength(b, g.page_size));
+  }
+  plan::PrefillPlanInput input;
+  input.qo_indptr = batch.qo_indptr;
+  input.kv_lengths = kv_lengths;
+  input.num_qo_heads = g.num_qo_heads;
+  input.num_kv_heads = g.num_kv_heads;
+  input.head_dim = g.k_head_dim;
+  input.causal = batch.options.params.causal;
+  ASSIGN_OR_RETURN(plan::PrefillPlan prefill, plan::PlanPrefill(input));
+  if (!skip_decode_rows) return prefill;
+
+  std::vector<plan::PrefillWorkItem> items;
+  std::vector<plan::PrefillLaunch> launches;
+  for (const plan::PrefillLaunch& launch : prefill.launches) {
+    plan::PrefillLaunch kept = launch;
+    kept.first_item = static_cast<int32_t>(items.size());
+    for (int32_t i = launch.first_item; i < launch.first_item + launch.num_items; ++i) {
+      if (Rows(batch, prefill.items[i].request) > 1) items.push_back(prefill.items[i]);
+    }
+    kept.num_items = static_cast<int32_t>(items.size()) - kept.first_item;
+    if (kept.num_items > 0) launches.push_back(kept);
+  }
+  prefill.items = std::move(items);
+  prefill.launches = std::move(launches);
+  return prefill;
+}
+
+StepArrayOffsets LayOut(const StepBatch& batch, int64_t decode_words) {
+  StepArrayOffsets offsets;
+  int64_t at = 0;
+  auto place = [&at](int64_t words) {
+    const int64_t offset = at;
+    at = AlignUp(at + words * static_cast<int64_t>(sizeof(int32_t)), kBufferAlignment);
+    return offset;
+  };
+  const int64_t num_pages = static_cast<int64_t>(batch.k_page_indices.size());
+  offsets.qo_indptr = place(batch.batch_size + 1);
+  offsets.page_indptr = place(batch.batch_size + 1);
+  offsets.k_page_indices = place(num_pages);
+  offsets.v_page_indices = place(num_pages);
+  offsets.last_page_len = place(batch.batch_size);
+  offsets.token_batch_indices = place(batch.num_tokens);
+  offsets.token_positions = place(batch.num_tokens);
+  offsets.decode_work = place(decode_words);
+  offsets.total_bytes = at;
+  return offsets;
+}
+
+void Put(const std::vector<int32_t>& words, int64_t offset, uint8_t* buffer) {
+  if (!words.empty()) std::memcpy(buffer + offset, words.data(), words.size() * sizeof(int32_t));
+}
+
+}  // namespace
+
+std::string_view StepPlan::KernelName() const {
+  if (run_prefill) return "prefill";
+  return run_decode ? "decode" : "none";
+}
+
+void StepPlan::Fill(const StepBatch& batch, uint8_t* buffer) const {
+  Put(batch.qo_indptr, offsets.qo_indptr, buffer);
+  Put(batch.page_indptr, offsets.page_indptr, buffer);
+  Put(batch.k_page_indices, offsets.k_page_indices, buffer);
+  Put(batch.v_page_indices, offsets.v_page_indices, buffer);
+  Put(batch.last_page_len, offsets.last_page_len, buffer);
+  Put(batch.token_batch_indices, offsets.token_batch_indices, buffer);
+  Put(batch.token_positions, offsets.token_positions, buffer);
+  Put(decode_packed, offsets.decode_work, buffer);
+}
+
+absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext& context) {
+  const CacheGeometry& g = *context.geometry;
+  if (g.mla) return absl::UnimplementedError("MLA steps have no CUDA kernel");
+  if (static_cast<int32_t>(batch.qo_indptr.size()) != batch.batch_size + 1 ||
+      static_cast<int32_t>(batch.page_indptr.size()) != batch.batch_size + 1 ||
+      static_cast<int32_t>(batch.last_page_len.size()) != batch.batch_size ||
+      batch.v_page_indices.size() != batch.k_page_indices.size() ||
+      static_cast<int64_t>(batch.token_batch_indices.size()) != batch.num_tokens ||
+      static_cast<int64_t>(batch.token_positions.size()) != batch.num_tokens ||
+      batch.qo_indptr.back() != batch.num_tokens) {
+    return absl::InvalidArgumentError("step batch: array sizes disagree with its counts");
+  }
+  bool any_decode = false;
+  bool any_prefill = false;
+  for (int32_t b = 0; b < batch.batch_size; ++b) {
+    any_decode |= Rows(batch, b) == 1;
+    any_prefill |= Rows(batch, b) > 1;
+  }
+
+  StepPlan step;
+  step.run_decode = any_decode && context.decode_supported;
+  step.run_prefill = any_prefill || (any_decode && !context.decode_supported);
+  if (step.run_decode) {
+    ASSIGN_OR_RETURN(step.decode, PlanDecodeRows(batch, context));
+    step.decode_packed = step.decode.Pack();
+  }
+  if (step.run_prefill) {
+    ASSIGN_OR_RETURN(step.prefill, PlanPrefillRows(batch, context, step.run_decode));
+  }
+  step.offsets = LayOut(batch, static_cast<int64_t>(step.decode_packed.size()));
+  return step;
+}
+
+}  // namespace attnd::cuda_backend

@@ -1,0 +1,62 @@
+// Host side of a CUDA step, built once at PrepareStep: which attention kernels run for which
+// rows, and the one buffer of int32 arrays (page table, COO append index, decode plan) that is
+// uploaded once and read by every layer. Plain C++ (no CUDA calls), so it is testable anywhere.
+//
+// Kernel choice:
+// - decode-only steps (every entry 1 row or padding): BatchDecode, when a decode kernel exists
+//   for the cache's dtypes, head_dim and GQA group; otherwise BatchPrefill.
+// - steps with prefill rows: BatchPrefill for the entries of more than one row, and, when a
+//   decode kernel exists, BatchDecode for the 1-row entries of the same step (two launches on
+//   one stream, each writing its own rows of o). Until POD exists this is the simplest split
+//   that keeps a decode request's kernel, and so its bits under deterministic=true, the same
+//   whether or not prefill rows share its step. Without a decode kernel BatchPrefill runs
+//   every row (it takes 1-row requests).
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "backend/backend.h"
+#include "plan/decode_plan.h"
+#include "plan/prefill_plan.h"
+
+namespace attnd::cuda_backend {
+
+struct StepPlanContext {
+  const CacheGeometry* geometry = nullptr;
+  bool decode_supported = false;  // attnd::cuda::DecodeSupports for the cache
+  int32_t decode_ctas_per_wave = 0;
+};
+
+// Byte offsets of the arrays inside the uploaded buffer; each kBufferAlignment-aligned.
+struct StepArrayOffsets {
+  int64_t qo_indptr = 0;            // [batch_size + 1]
+  int64_t page_indptr = 0;          // [batch_size + 1]
+  int64_t k_page_indices = 0;       // [num_pages]
+  int64_t v_page_indices = 0;       // [num_pages]
+  int64_t last_page_len = 0;        // [batch_size]
+  int64_t token_batch_indices = 0;  // [num_tokens]
+  int64_t token_positions = 0;      // [num_tokens]
+  int64_t decode_work = 0;          // DecodePlan::Pack()
+  int64_t total_bytes = 0;
+};
+
+struct StepPlan {
+  bool run_decode = false;   // BatchDecode for the decode rows
+  bool run_prefill = false;  // BatchPrefill for the prefill rows (or every row)
+  plan::DecodePlan decode;   // q rows are the step's rows (remapped when mixed)
+  plan::PrefillPlan prefill;
+  std::vector<int32_t> decode_packed;  // decode.Pack()
+  StepArrayOffsets offsets;
+
+  // "none", "decode" or "prefill" (a step that runs both reports "prefill", its larger part).
+  std::string_view KernelName() const;
+  // Writes the arrays at their offsets into `buffer` (offsets.total_bytes bytes).
+  void Fill(const StepBatch& batch, uint8_t* buffer) const;
+};
+
+absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext& context);
+
+}  // namespace attnd::cuda_backend

@@ -1,0 +1,47 @@
+#include "backend/cuda_step_resources.h"
+
+#include "attnd/status_macros.h"
+
+namespace attnd::cuda_backend {
+
+LayerSizes LayerSizes::Of(const CacheGeometry& geometry, int64_t num_tokens, bool return_lse) {
+  const int64_t element_bytes = DTypeBytes(geometry.q_dtype);
+  LayerSizes sizes;
+  sizes.q_bytes = num_tokens * geometry.num_qo_heads * geometry.k_head_dim * element_bytes;
+  sizes.k_bytes = num_tokens * geometry.num_kv_heads * geometry.k_head_dim * element_bytes;
+  sizes.v_bytes = num_tokens * geometry.num_kv_heads * geometry.v_head_dim * element_bytes;
+  sizes.k_offset = AlignUp(sizes.q_bytes, kBufferAlignment);
+  sizes.v_offset = sizes.k_offset + AlignUp(sizes.k_bytes, kBufferAlignment);
+  sizes.in_bytes = sizes.v_offset + sizes.v_bytes;
+  sizes.o_bytes = num_tokens * geometry.num_qo_heads * geometry.v_head_dim * element_bytes;
+  sizes.lse_bytes = return_lse ? num_tokens * geometry.num_qo_heads * 4 : 0;
+  sizes.lse_offset = AlignUp(sizes.o_bytes, kBufferAlignment);
+  sizes.out_bytes = return_lse ? sizes.lse_offset + sizes.lse_bytes : sizes.o_bytes;
+  return sizes;
+}
+
+absl::Status StepResources::Init() {
+  RETURN_IF_ERROR(arrays_uploaded.Create(/*timing=*/false));
+  for (LayerSlot& slot : slots) {
+    RETURN_IF_ERROR(slot.inputs_copied.Create(false));
+    RETURN_IF_ERROR(slot.started.Create(true));
+    RETURN_IF_ERROR(slot.appended.Create(true));
+    RETURN_IF_ERROR(slot.attended_first.Create(true));
+    RETURN_IF_ERROR(slot.attended_second.Create(true));
+    RETURN_IF_ERROR(slot.finished.Create(false));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StepResources::Reserve(const LayerSizes& sizes, int64_t array_bytes) {
+  RETURN_IF_ERROR(host_arrays.Reserve(array_bytes));
+  RETURN_IF_ERROR(device_arrays.Reserve(array_bytes));
+  for (LayerSlot& slot : slots) {
+    RETURN_IF_ERROR(slot.host_in.Reserve(sizes.in_bytes));
+    RETURN_IF_ERROR(slot.host_out.Reserve(sizes.out_bytes));
+    RETURN_IF_ERROR(slot.device_in.Reserve(sizes.in_bytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnd::cuda_backend
