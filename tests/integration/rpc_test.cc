@@ -4,6 +4,7 @@
 
 #include <random>
 
+#include "attnd/client/tensor.h"
 #include "status_matchers.h"
 #include "test_server.h"
 #include "test_steps.h"
@@ -170,6 +171,52 @@ TEST_F(RpcTest, GetStatsCountsStepsTokensAndKernels) {
     kernel_calls += kernel.count();
   }
   EXPECT_GT(kernel_calls, 0);
+}
+
+TEST_F(RpcTest, ForwardAcceptsFloatValuesInsteadOfRawData) {
+  // grpcurl users send `values`; the server converts them to the dtype as MakeTensor would.
+  ASSERT_OK_AND_ASSIGN(auto cache, client().CreateCache("c", SmallConfig()));
+  ASSERT_OK_AND_ASSIGN(auto reference, client::ReferenceCache::Create(cache.config()));
+  std::mt19937_64 rng(5);
+  const attnd::v1::PlanRequest plan = MakePlan("c", {{1, 3}});
+  ASSERT_OK_AND_ASSIGN(auto step, client().BeginStep(plan));
+  ASSERT_OK(reference->BeginStep(plan));
+  for (int32_t layer = 0; layer < 2; ++layer) {
+    const attnd::v1::ForwardRequest raw = RandomLayer(rng, cache.config(), 3, layer);
+    attnd::v1::ForwardRequest as_values = raw;
+    for (attnd::v1::Tensor* tensor :
+         {as_values.mutable_q(), as_values.mutable_k(), as_values.mutable_v()}) {
+      ASSERT_OK_AND_ASSIGN(const std::vector<float> values, client::TensorToFloats(*tensor));
+      tensor->clear_data();
+      for (float value : values) tensor->add_values(value);
+    }
+    ASSERT_OK_AND_ASSIGN(auto out, step->Forward(as_values));
+    ASSERT_OK_AND_ASSIGN(auto expected, reference->Forward(raw));
+    ExpectMatchesReference(out, expected, reference->q_dtype(), "values");
+    EXPECT_FALSE(out.o().data().empty()) << "responses always use data";
+  }
+}
+
+TEST_F(RpcTest, MessagesAboveGrpcDefaultLimitTravelBothWays) {
+  // 128 query heads of 256 dims: 64 KiB of q per token, so 80 tokens make a 5 MiB request and
+  // a 5 MiB response, past gRPC's 4 MiB default.
+  attnd::v1::CacheConfig config = SmallConfig(32);
+  config.set_num_qo_heads(128);
+  config.set_num_kv_heads(16);
+  config.set_head_dim(256);
+  config.set_num_layers(1);
+  ASSERT_OK_AND_ASSIGN(auto cache, client().CreateCache("wide", config));
+  ASSERT_OK_AND_ASSIGN(auto reference, client::ReferenceCache::Create(cache.config()));
+  std::mt19937_64 rng(6);
+  const attnd::v1::PlanRequest plan = MakePlan("wide", {{1, 80}});
+  ASSERT_OK_AND_ASSIGN(auto step, client().BeginStep(plan));
+  ASSERT_OK(reference->BeginStep(plan));
+  const attnd::v1::ForwardRequest request = RandomLayer(rng, config, 80, 0);
+  ASSERT_GT(request.ByteSizeLong(), size_t{4} << 20);
+  ASSERT_OK_AND_ASSIGN(auto out, step->Forward(request));
+  EXPECT_GT(out.ByteSizeLong(), size_t{4} << 20);
+  ASSERT_OK_AND_ASSIGN(auto expected, reference->Forward(request));
+  ExpectMatchesReference(out, expected, reference->q_dtype(), "wide layer");
 }
 
 TEST_F(RpcTest, HealthReportsLivenessAndReadiness) {
