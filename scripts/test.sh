@@ -3,7 +3,8 @@
 # tests skip themselves when no GPU is present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
+# The e2e tests need a real Prometheus, npm (for buf), docker-compose and python3-yaml too.
+ATTND_E2E_DEPS=1 scripts/install-deps.sh
 start=$(date +%s)
 scripts/build.sh
 echo "test.sh: build took $(( $(date +%s) - start )) s" >&2
