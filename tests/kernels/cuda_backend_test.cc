@@ -1,0 +1,662 @@
+// The CUDA backend against the CPU backend (the reference) through the Backend interface, on
+// identical inputs: steps built the way the engine builds them (managed pages scattered over the
+// pool, or SEPARATE_KV tables), run layer by layer with every layer of a step in flight at once,
+// then o/lse and the raw bytes of every pool page compared. GPU tests skip without a device; the
+// range allocator's tests run everywhere.
+//
+// Tolerances: o normwise relative error <= 1e-2 for bf16 q (fp8 KV included), <= 5e-3 for fp16
+// q; lse max abs difference <= 2e-3. Pools: bitwise equal without RoPE and with fp16/bf16 KV;
+// with RoPE (k rotated in fp32 with the GPU's sin/cos) or fp8 KV (quantisation after a scale),
+// codes may differ by one ulp, never more.
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/backend_factory.h"
+#include "backend/cpu_backend.h"
+#include "backend/cuda_backend.h"
+#include "backend/cuda_range_allocator.h"
+#include "gtest/gtest.h"
+
+namespace attnd {
+namespace {
+
+using cuda_backend::RangeAllocator;
+
+bool HaveGpu() { return CudaDeviceCount() > 0; }
+
+#define SKIP_WITHOUT_GPU() \
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device"
+
+// ---- Range allocator (no GPU needed) ----
+
+TEST(RangeAllocatorTest, TakesTheLowestRangeThatFits) {
+  RangeAllocator ranges(4096, 256);
+  EXPECT_EQ(ranges.Allocate(1000), 0);     // rounded to 1024
+  EXPECT_EQ(ranges.Allocate(256), 1024);
+  EXPECT_EQ(ranges.Allocate(512), 1280);
+  EXPECT_EQ(ranges.free_bytes(), 4096 - 1792);
+  ranges.Free(0, 1000);
+  EXPECT_EQ(ranges.Allocate(512), 0);       // first fit, in the freed hole
+  EXPECT_EQ(ranges.Allocate(2304), 1792);   // the tail
+  EXPECT_EQ(ranges.Allocate(768), std::nullopt);
+  EXPECT_EQ(ranges.Allocate(512), 512);
+  EXPECT_EQ(ranges.free_bytes(), 0);
+}
+
+TEST(RangeAllocatorTest, FreedNeighboursMergeIntoOneRange) {
+  RangeAllocator ranges(3 * 1024, 1024);
+  const auto a = ranges.Allocate(1024);
+  const auto b = ranges.Allocate(1024);
+  const auto c = ranges.Allocate(1024);
+  ASSERT_TRUE(a && b && c);
+  ranges.Free(*a, 1024);
+  ranges.Free(*c, 1024);
+  EXPECT_EQ(ranges.largest_free_range(), 1024);
+  EXPECT_EQ(ranges.Allocate(2048), std::nullopt);
+  ranges.Free(*b, 1024);
+  EXPECT_EQ(ranges.largest_free_range(), 3 * 1024);
+  EXPECT_EQ(ranges.Allocate(3 * 1024), 0);
+}
+
+TEST(RangeAllocatorTest, RefusesEmptyAndOversizedRequests) {
+  RangeAllocator ranges(1 << 20, 256);
+  EXPECT_EQ(ranges.Allocate(0), std::nullopt);
+  EXPECT_EQ(ranges.Allocate((1 << 20) + 1), std::nullopt);
+  EXPECT_EQ(ranges.free_bytes(), 1 << 20);
+}
+
+// ---- Fixtures ----
+
+struct CacheConfig {
+  std::string name;
+  DType q_dtype = DType::kBFloat16;
+  DType kv_dtype = DType::kBFloat16;
+  int32_t head_dim = 128;
+  int32_t num_qo_heads = 8;
+  int32_t num_kv_heads = 2;
+  int32_t page_size = 16;
+  KvLayout layout = KvLayout::kNHD;
+  RopeStyle rope = RopeStyle::kNone;
+  int32_t rotary_dim = 0;  // 0: head_dim
+  bool separate_kv = false;
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
+  int32_t num_layers = 3;  // more than a step's layer slots: one layer waits for a slot
+};
+
+CacheGeometry GeometryOf(const CacheConfig& config) {
+  CacheGeometry g;
+  g.num_layers = config.num_layers;
+  g.num_qo_heads = config.num_qo_heads;
+  g.num_kv_heads = config.num_kv_heads;
+  g.k_head_dim = g.v_head_dim = config.head_dim;
+  g.page_size = config.page_size;
+  g.num_pages = 256 / config.page_size + 16;
+  g.kv_dtype = config.kv_dtype;
+  g.q_dtype = config.q_dtype;
+  g.layout = config.layout;
+  g.k_scale = config.k_scale;
+  g.v_scale = config.v_scale;
+  g.rope.style = config.rope;
+  g.rope.theta = 10000.0;
+  g.rope.rotary_dim = config.rope == RopeStyle::kNone
+                          ? 0
+                          : (config.rotary_dim > 0 ? config.rotary_dim : config.head_dim);
+  return g;
+}
+
+class RecordingObserver final : public BackendObserver {
+ public:
+  void OnKernel(std::string_view kernel, std::string_view phase, double seconds) override {
+    std::lock_guard lock(mu_);
+    ++kernels_[std::string(kernel) + "/" + std::string(phase)];
+    if (!(seconds > 0.0)) ++non_positive_;
+  }
+  void OnTransfer(std::string_view direction, int64_t bytes) override {
+    std::lock_guard lock(mu_);
+    bytes_[std::string(direction)] += bytes;
+  }
+  int Count(const std::string& kernel_phase) {
+    std::lock_guard lock(mu_);
+    return kernels_[kernel_phase];
+  }
+  int64_t Bytes(const std::string& direction) {
+    std::lock_guard lock(mu_);
+    return bytes_[direction];
+  }
+  int non_positive() {
+    std::lock_guard lock(mu_);
+    return non_positive_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, int> kernels_;
+  std::map<std::string, int64_t> bytes_;
+  int non_positive_ = 0;
+};
+
+// The engine's managed-page bookkeeping and StepBatch construction (server/engine/plan.cc),
+// with pages handed out in a shuffled order so requests' pages are scattered. SEPARATE_KV tables
+// draw V pages from their own shuffled list, as an external block manager would.
+class SequenceBook {
+ public:
+  SequenceBook(const CacheGeometry& geometry, bool separate_kv, uint32_t seed)
+      : page_size_(geometry.page_size), separate_kv_(separate_kv) {
+    std::mt19937 rng(seed);
+    for (auto* free : {&k_free_, &v_free_}) {
+      free->resize(geometry.num_pages);
+      std::iota(free->begin(), free->end(), 0);
+      std::shuffle(free->begin(), free->end(), rng);
+    }
+  }
+
+  // entries: {sequence id, new tokens}; 0 tokens is a padding slot.
+  std::shared_ptr<StepBatch> Plan(const std::vector<std::pair<int, int32_t>>& entries,
+                                  const StepOptions& options) {
+    auto batch = std::make_shared<StepBatch>();
+    batch->batch_size = static_cast<int32_t>(entries.size());
+    batch->options = options;
+    batch->qo_indptr.push_back(0);
+    batch->page_indptr.push_back(0);
+    bool decode = false;
+    bool prefill = false;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const auto [id, new_tokens] = entries[i];
+      int64_t kv_len = 0;
+      if (new_tokens > 0) {
+        Sequence& sequence = sequences_[id];
+        const int64_t start = sequence.length;
+        sequence.length += new_tokens;
+        kv_len = sequence.length;
+        while (static_cast<int64_t>(sequence.k_pages.size()) * page_size_ < kv_len) {
+          sequence.k_pages.push_back(Take(k_free_));
+          sequence.v_pages.push_back(separate_kv_ ? Take(v_free_) : sequence.k_pages.back());
+        }
+        batch->k_page_indices.insert(batch->k_page_indices.end(), sequence.k_pages.begin(),
+                                     sequence.k_pages.end());
+        batch->v_page_indices.insert(batch->v_page_indices.end(), sequence.v_pages.begin(),
+                                     sequence.v_pages.end());
+        for (int32_t t = 0; t < new_tokens; ++t) {
+          batch->token_batch_indices.push_back(static_cast<int32_t>(i));
+          batch->token_positions.push_back(static_cast<int32_t>(start + t));
+        }
+        decode |= new_tokens == 1;
+        prefill |= new_tokens > 1;
+      }
+      batch->num_tokens += new_tokens;
+      batch->qo_indptr.push_back(batch->qo_indptr.back() + new_tokens);
+      batch->page_indptr.push_back(static_cast<int32_t>(batch->k_page_indices.size()));
+      const int64_t pages = (kv_len + page_size_ - 1) / page_size_;
+      batch->last_page_len.push_back(
+          pages == 0 ? 0 : static_cast<int32_t>(kv_len - (pages - 1) * page_size_));
+    }
+    batch->phase = decode && prefill ? StepPhase::kMixed
+                   : prefill         ? StepPhase::kPrefill
+                   : decode          ? StepPhase::kDecode
+                                     : StepPhase::kEmpty;
+    return batch;
+  }
+
+ private:
+  struct Sequence {
+    std::vector<int32_t> k_pages;
+    std::vector<int32_t> v_pages;
+    int64_t length = 0;
+  };
+  static int32_t Take(std::vector<int32_t>& free) {
+    const int32_t page = free.back();
+    free.pop_back();
+    return page;
+  }
+
+  int32_t page_size_;
+  bool separate_kv_;
+  std::vector<int32_t> k_free_;
+  std::vector<int32_t> v_free_;
+  std::map<int, Sequence> sequences_;
+};
+
+std::vector<uint8_t> RandomTensor(DType dtype, int64_t elements, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint8_t> bytes(elements * DTypeBytes(dtype));
+  for (int64_t i = 0; i < elements; ++i) StoreFromFloat(dtype, bytes.data(), i, normal(rng));
+  return bytes;
+}
+
+struct LayerInputs {
+  std::vector<uint8_t> q, k, v;
+};
+
+struct LayerResult {
+  absl::Status status = absl::UnknownError("done not called");
+  std::vector<uint8_t> o;
+  std::vector<float> lse;
+  bool on_caller_thread = false;
+};
+
+// Prepares `batch` on `cache` and runs every layer at once (all RunLayer calls before any
+// wait), with outputs poisoned (0xFF: NaN in fp16/bf16/fp32) beforehand.
+struct StepRun {
+  std::string kernel;
+  std::vector<LayerResult> layers;
+};
+
+StepRun RunStep(BackendCache& cache, const std::shared_ptr<StepBatch>& batch,
+                const std::vector<LayerInputs>& inputs) {
+  const CacheGeometry& g = cache.geometry();
+  StepRun run;
+  auto step = cache.PrepareStep(batch);
+  EXPECT_TRUE(step.ok()) << step.status();
+  if (!step.ok()) return run;
+  run.kernel = std::string((*step)->KernelName());
+  run.layers.resize(g.num_layers);
+  std::mutex mu;
+  std::condition_variable all_done;
+  int remaining = g.num_layers;
+  const std::thread::id caller = std::this_thread::get_id();
+  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    LayerResult& result = run.layers[layer];
+    result.o.assign(batch->num_tokens * g.num_qo_heads * g.v_head_dim * DTypeBytes(g.q_dtype),
+                    0xFF);
+    if (batch->options.return_lse) {
+      result.lse.assign(batch->num_tokens * g.num_qo_heads, std::nanf(""));
+    }
+    LayerIo io;
+    io.layer = layer;
+    io.q = inputs[layer].q.data();
+    io.k = inputs[layer].k.data();
+    io.v = inputs[layer].v.data();
+    io.o = result.o.data();
+    io.lse = batch->options.return_lse ? result.lse.data() : nullptr;
+    (*step)->RunLayer(io, [&, caller, layer](absl::Status status) {
+      std::lock_guard lock(mu);
+      run.layers[layer].status = status;
+      run.layers[layer].on_caller_thread = std::this_thread::get_id() == caller;
+      if (--remaining == 0) all_done.notify_all();
+    });
+  }
+  std::unique_lock lock(mu);
+  all_done.wait(lock, [&] { return remaining == 0; });
+  return run;
+}
+
+// ||a - b|| / ||b|| over every element, and whether `a` holds a NaN (an unwritten element).
+struct Error {
+  double relative = 0.0;
+  bool nan = false;
+};
+
+Error NormwiseError(DType dtype, const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  Error error;
+  double diff = 0.0;
+  double norm = 0.0;
+  const int64_t elements = static_cast<int64_t>(a.size()) / DTypeBytes(dtype);
+  for (int64_t i = 0; i < elements; ++i) {
+    const double x = LoadAsFloat(dtype, a.data(), i);
+    const double y = LoadAsFloat(dtype, b.data(), i);
+    if (std::isnan(x)) error.nan = true;
+    diff += (x - y) * (x - y);
+    norm += y * y;
+  }
+  error.relative = norm > 0.0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+  return error;
+}
+
+double MaxLseDifference(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isinf(a[i]) || std::isinf(b[i])) {
+      if (a[i] != b[i]) return INFINITY;
+      continue;
+    }
+    if (std::isnan(a[i]) || std::isnan(b[i])) return NAN;
+    worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
+  }
+  return worst;
+}
+
+// Distance in units in the last place between two codes of a sign-magnitude format.
+int64_t UlpDistance(uint32_t a, uint32_t b, int bits) {
+  const uint32_t sign = 1u << (bits - 1);
+  auto ordered = [sign](uint32_t code) {
+    return (code & sign) ? -static_cast<int64_t>(code & (sign - 1)) : static_cast<int64_t>(code);
+  };
+  return std::llabs(ordered(a) - ordered(b));
+}
+
+struct PoolDifference {
+  int64_t differing_elements = 0;
+  int64_t max_ulp = 0;
+};
+
+PoolDifference ComparePools(BackendCache& gpu, BackendCache& cpu) {
+  const CacheGeometry& g = gpu.geometry();
+  const int bits = DTypeBytes(g.kv_dtype) * 8;
+  PoolDifference difference;
+  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    for (const bool v_pool : {false, true}) {
+      const int64_t bytes = g.num_pages * (v_pool ? g.VPageBytes() : g.KPageBytes());
+      std::vector<uint8_t> a(bytes);
+      std::vector<uint8_t> b(bytes);
+      EXPECT_TRUE(gpu.ReadPages(layer, v_pool, 0, a).ok());
+      EXPECT_TRUE(cpu.ReadPages(layer, v_pool, 0, b).ok());
+      for (int64_t i = 0; i < bytes * 8 / bits; ++i) {
+        uint32_t x = 0;
+        uint32_t y = 0;
+        std::memcpy(&x, a.data() + i * bits / 8, bits / 8);
+        std::memcpy(&y, b.data() + i * bits / 8, bits / 8);
+        if (x == y) continue;
+        ++difference.differing_elements;
+        difference.max_ulp = std::max(difference.max_ulp, UlpDistance(x, y, bits));
+      }
+    }
+  }
+  return difference;
+}
+
+struct ScenarioStep {
+  std::string what;
+  std::vector<std::pair<int, int32_t>> entries;
+  StepOptions options;
+  std::string expected_kernel;
+};
+
+StepOptions Options(const CacheGeometry& g) {
+  StepOptions options;
+  options.params.sm_scale = 1.0f / std::sqrt(static_cast<float>(g.k_head_dim));
+  options.params.k_scale = g.k_scale;
+  options.params.v_scale = g.v_scale;
+  options.return_lse = true;
+  return options;
+}
+
+// Prefill, split-KV decode, mixed with padding, windowed soft-capped decode, non-causal chunked
+// prefill, and an all-padding step, in that order over the same sequences.
+std::vector<ScenarioStep> Scenario(const CacheGeometry& g) {
+  std::vector<ScenarioStep> steps;
+  StepOptions options = Options(g);
+  steps.push_back({"prefill", {{0, 37}, {1, 16}, {2, 5}, {3, 70}}, options, "prefill"});
+  options.fixed_split_tokens = 16;  // several chunks per request: decode partials + merge
+  steps.push_back({"split-KV decode", {{0, 1}, {1, 1}, {2, 1}, {3, 1}}, options, "decode"});
+  options = Options(g);
+  options.deterministic = true;
+  steps.push_back({"mixed with padding",
+                   {{0, 1}, {9, 0}, {1, 9}, {4, 20}, {2, 1}, {9, 0}},
+                   options,
+                   "prefill"});
+  options = Options(g);
+  options.return_lse = false;
+  options.params.window_left = 8;
+  options.params.logits_soft_cap = 30.0f;
+  steps.push_back({"windowed decode with padding",
+                   {{9, 0}, {0, 1}, {1, 1}, {2, 1}, {3, 1}, {4, 1}, {9, 0}},
+                   options,
+                   "decode"});
+  options = Options(g);
+  options.params.causal = false;
+  steps.push_back({"non-causal chunked prefill", {{3, 12}, {0, 1}}, options, "prefill"});
+  steps.push_back({"all padding", {{9, 0}, {9, 0}}, Options(g), "none"});
+  return steps;
+}
+
+class CudaBackendVsCpuTest : public ::testing::TestWithParam<CacheConfig> {};
+
+TEST_P(CudaBackendVsCpuTest, MatchesTheReferenceStepByStep) {
+  SKIP_WITHOUT_GPU();
+  const CacheConfig& config = GetParam();
+  const CacheGeometry geometry = GeometryOf(config);
+  RecordingObserver observer;
+  CudaBackendOptions cuda_options;
+  cuda_options.kv_budget_bytes = int64_t{64} << 20;
+  cuda_options.observer = &observer;
+  auto gpu_backend = MakeCudaBackend(cuda_options);
+  ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
+  CpuBackendOptions cpu_options;
+  cpu_options.kv_budget_bytes = int64_t{64} << 20;
+  auto cpu_backend = MakeCpuBackend(cpu_options);
+  auto gpu = (*gpu_backend)->CreateCache(geometry);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto cpu = cpu_backend->CreateCache(geometry);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+
+  const bool exact_pools =
+      config.rope == RopeStyle::kNone && config.kv_dtype != DType::kFloat8E4M3;
+  const double o_tolerance = config.q_dtype == DType::kFloat16 ? 5e-3 : 1e-2;
+  SequenceBook book(geometry, config.separate_kv, /*seed=*/7);
+  std::mt19937 rng(1234);
+  for (const ScenarioStep& scenario : Scenario(geometry)) {
+    SCOPED_TRACE(scenario.what);
+    const std::shared_ptr<StepBatch> batch = book.Plan(scenario.entries, scenario.options);
+    std::vector<LayerInputs> inputs(geometry.num_layers);
+    const int64_t tokens = batch->num_tokens;
+    for (LayerInputs& layer : inputs) {
+      layer.q = RandomTensor(geometry.q_dtype, tokens * geometry.num_qo_heads * geometry.k_head_dim, rng);
+      layer.k = RandomTensor(geometry.q_dtype, tokens * geometry.num_kv_heads * geometry.k_head_dim, rng);
+      layer.v = RandomTensor(geometry.q_dtype, tokens * geometry.num_kv_heads * geometry.v_head_dim, rng);
+    }
+    const StepRun on_gpu = RunStep(**gpu, batch, inputs);
+    const StepRun on_cpu = RunStep(**cpu, batch, inputs);
+    EXPECT_EQ(on_gpu.kernel, scenario.expected_kernel);
+    ASSERT_EQ(on_gpu.layers.size(), on_cpu.layers.size());
+    for (size_t layer = 0; layer < on_gpu.layers.size(); ++layer) {
+      SCOPED_TRACE(::testing::Message() << "layer " << layer);
+      const LayerResult& a = on_gpu.layers[layer];
+      const LayerResult& b = on_cpu.layers[layer];
+      ASSERT_TRUE(a.status.ok()) << a.status;
+      ASSERT_TRUE(b.status.ok()) << b.status;
+      EXPECT_FALSE(a.on_caller_thread) << "done must come from a backend thread";
+      const Error o_error = NormwiseError(geometry.q_dtype, a.o, b.o);
+      EXPECT_FALSE(o_error.nan) << "an element of o was not written";
+      EXPECT_LE(o_error.relative, o_tolerance);
+      const double lse_error = MaxLseDifference(a.lse, b.lse);
+      EXPECT_LE(lse_error, 2e-3);
+      std::printf("[ %s | %s | layer %zu ] kernel %s, o rel err %.2e, lse max abs diff %.2e\n",
+                  config.name.c_str(), scenario.what.c_str(), layer, on_gpu.kernel.c_str(),
+                  o_error.relative, lse_error);
+    }
+    const PoolDifference pools = ComparePools(**gpu, **cpu);
+    std::printf("[ %s | %s ] pools: %lld elements differ, max %lld ulp\n", config.name.c_str(),
+                scenario.what.c_str(), static_cast<long long>(pools.differing_elements),
+                static_cast<long long>(pools.max_ulp));
+    if (exact_pools) {
+      EXPECT_EQ(pools.differing_elements, 0);
+    } else {
+      EXPECT_LE(pools.max_ulp, 1);
+    }
+  }
+  EXPECT_GT(observer.Count("append/append"), 0);
+  EXPECT_GT(observer.Count("decode/decode"), 0);
+  EXPECT_GT(observer.Count("prefill/prefill"), 0);
+  EXPECT_GT(observer.Count("decode/mixed"), 0);  // the mixed step's decode rows
+  EXPECT_GT(observer.Count("prefill/mixed"), 0);
+  EXPECT_EQ(observer.non_positive(), 0) << "kernel times must be positive";
+  EXPECT_GT(observer.Bytes("h2d"), 0);
+  EXPECT_GT(observer.Bytes("d2h"), 0);
+}
+
+std::vector<CacheConfig> Configs() {
+  std::vector<CacheConfig> configs;
+  {
+    CacheConfig c;
+    c.name = "bf16_nhd_d128_g4_p16";
+    configs.push_back(c);
+  }
+  {
+    CacheConfig c;
+    c.name = "bf16_hnd_d64_g1_p4_neox";
+    c.head_dim = 64;
+    c.num_qo_heads = 4;
+    c.num_kv_heads = 4;
+    c.page_size = 4;
+    c.layout = KvLayout::kHND;
+    c.rope = RopeStyle::kNeox;
+    configs.push_back(c);
+  }
+  {
+    CacheConfig c;
+    c.name = "fp16_hnd_d128_g8_p8_interleaved_rot32";
+    c.q_dtype = c.kv_dtype = DType::kFloat16;
+    c.num_qo_heads = 16;
+    c.num_kv_heads = 2;
+    c.page_size = 8;
+    c.layout = KvLayout::kHND;
+    c.rope = RopeStyle::kInterleaved;
+    c.rotary_dim = 32;
+    configs.push_back(c);
+  }
+  {
+    CacheConfig c;
+    c.name = "fp8kv_bf16q_nhd_d128_g8_p16_neox";
+    c.kv_dtype = DType::kFloat8E4M3;
+    c.num_qo_heads = 8;
+    c.num_kv_heads = 1;
+    c.rope = RopeStyle::kNeox;
+    c.k_scale = 0.5f;
+    c.v_scale = 2.0f;
+    configs.push_back(c);
+  }
+  {
+    CacheConfig c;
+    c.name = "bf16_nhd_d128_g4_p8_separate_kv";
+    c.page_size = 8;
+    c.separate_kv = true;
+    configs.push_back(c);
+  }
+  {
+    CacheConfig c;
+    c.name = "bf16_nhd_d256_g2_p1_neox";
+    c.head_dim = 256;
+    c.num_qo_heads = 2;
+    c.num_kv_heads = 1;
+    c.page_size = 1;
+    c.rope = RopeStyle::kNeox;
+    configs.push_back(c);
+  }
+  {
+    CacheConfig c;
+    c.name = "fp8kv_fp16q_hnd_d64_g2_p32_separate_kv";
+    c.q_dtype = DType::kFloat16;
+    c.kv_dtype = DType::kFloat8E4M3;
+    c.head_dim = 64;
+    c.num_qo_heads = 4;
+    c.num_kv_heads = 2;
+    c.page_size = 32;
+    c.layout = KvLayout::kHND;
+    c.separate_kv = true;
+    c.v_scale = 0.25f;
+    configs.push_back(c);
+  }
+  return configs;
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, CudaBackendVsCpuTest, ::testing::ValuesIn(Configs()),
+                         [](const ::testing::TestParamInfo<CacheConfig>& info) {
+                           return info.param.name;
+                         });
+
+// ---- Backend-level behaviour ----
+
+std::unique_ptr<Backend> SmallCudaBackend(int64_t budget_bytes) {
+  CudaBackendOptions options;
+  options.kv_budget_bytes = budget_bytes;
+  auto backend = MakeCudaBackend(options);
+  EXPECT_TRUE(backend.ok()) << backend.status();
+  return backend.ok() ? std::move(backend).value() : nullptr;
+}
+
+TEST(CudaBackendTest, InfoDescribesTheDeviceAndWhatWorks) {
+  SKIP_WITHOUT_GPU();
+  auto backend = SmallCudaBackend(int64_t{16} << 20);
+  ASSERT_NE(backend, nullptr);
+  const BackendInfo info = backend->Info();
+  EXPECT_EQ(info.name, "cuda");
+  EXPECT_FALSE(info.device.empty());
+  EXPECT_GT(info.num_sms, 0);
+  EXPECT_GT(info.device_memory_bytes, info.kv_budget_bytes);
+  EXPECT_EQ(info.kv_budget_bytes, int64_t{16} << 20);
+  EXPECT_EQ(backend->KvFreeBytes(), info.kv_budget_bytes);
+  const auto& ext = info.extensions;
+  EXPECT_NE(std::find(ext.begin(), ext.end(), "fp8_kv"), ext.end());
+  EXPECT_NE(std::find(ext.begin(), ext.end(), "separate_kv_index"), ext.end());
+  EXPECT_EQ(std::find(ext.begin(), ext.end(), "mla"), ext.end());
+  std::printf("device %s, %d SMs, %lld bytes\n", info.device.c_str(), info.num_sms,
+              static_cast<long long>(info.device_memory_bytes));
+}
+
+TEST(CudaBackendTest, RefusesMlaCachesAsUnimplemented) {
+  SKIP_WITHOUT_GPU();
+  auto backend = SmallCudaBackend(int64_t{16} << 20);
+  ASSERT_NE(backend, nullptr);
+  CacheGeometry g;
+  g.mla = true;
+  g.num_layers = 1;
+  g.num_qo_heads = 16;
+  g.num_kv_heads = 1;
+  g.k_head_dim = 512;
+  g.v_head_dim = 64;
+  g.page_size = 64;
+  g.num_pages = 4;
+  const auto cache = backend->CreateCache(g);
+  EXPECT_EQ(cache.status().code(), absl::StatusCode::kUnimplemented) << cache.status();
+  EXPECT_EQ(backend->KvFreeBytes(), int64_t{16} << 20);
+}
+
+TEST(CudaBackendTest, CachesCarveTheBudgetAndGiveItBack) {
+  SKIP_WITHOUT_GPU();
+  auto backend = SmallCudaBackend(int64_t{8} << 20);
+  ASSERT_NE(backend, nullptr);
+  CacheConfig config;
+  CacheGeometry g = GeometryOf(config);
+  g.num_layers = 1;
+  g.num_pages = (int64_t{3} << 20) / g.BytesPerPage();  // 3 MiB
+  auto first = backend->CreateCache(g);
+  auto second = backend->CreateCache(g);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(backend->KvFreeBytes(), (int64_t{8} << 20) - 2 * g.PoolBytes());
+  const auto third = backend->CreateCache(g);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(std::string(third.status().message()).find("free"), std::string::npos);
+  first->reset();
+  EXPECT_EQ(backend->KvFreeBytes(), (int64_t{8} << 20) - g.PoolBytes());
+  auto again = backend->CreateCache(g);
+  ASSERT_TRUE(again.ok()) << again.status();
+  // A fresh cache over reused memory reads as zeros.
+  std::vector<uint8_t> bytes(g.num_pages * g.KPageBytes(), 0xAB);
+  ASSERT_TRUE((*again)->ReadPages(0, false, 0, bytes).ok());
+  EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [](uint8_t b) { return b == 0; }));
+  EXPECT_EQ((*again)->ReadPages(1, false, 0, bytes).code(), absl::StatusCode::kOutOfRange);
+}
+
+// Runs everywhere: without a device (or driver) auto serves on the CPU and cuda is refused.
+TEST(CudaBackendTest, AutoPicksCudaExactlyWhenADeviceIsVisible) {
+  BackendFactoryOptions options;
+  options.kv_memory_bytes = int64_t{16} << 20;
+  auto backend = MakeBackend(options);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  EXPECT_EQ((*backend)->Info().name, HaveGpu() ? "cuda" : "cpu");
+  options.kind = BackendKind::kCuda;
+  backend = MakeBackend(options);
+  if (HaveGpu()) {
+    EXPECT_TRUE(backend.ok()) << backend.status();
+  } else {
+    EXPECT_EQ(backend.status().code(), absl::StatusCode::kFailedPrecondition);
+  }
+}
+
+}  // namespace
+}  // namespace attnd
