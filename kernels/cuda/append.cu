@@ -1,8 +1,10 @@
 // Fused RoPE + quantise + paged append (DESIGN 4.1). A CTA takes kTokensPerCta tokens: it looks
-// up each token's page slot and computes its rotary cos/sin once (shared by every head), then
-// every thread transforms 16-element segments of the tokens' rows. A launch runs up to three
-// "jobs" over the same tokens: MHA q (dense, rotated), k (paged, rotated), v (paged); MLA q_pe
-// (dense, rotated), ckv (paged), kpe (paged, rotated). Loads and stores are 16 bytes wide.
+// up each token's page slot and computes its rotary cos/sin once (shared by every head), while
+// every thread already loads its first 16-element segment; then the threads walk the tokens'
+// segments, loading the next segment before transforming the current one so two are in flight.
+// A launch runs up to three "jobs" over the same tokens, walked as one flat segment list: MHA
+// q (dense, rotated), k (paged, rotated), v (paged); MLA q_pe (dense, rotated), ckv (paged),
+// kpe (paged, rotated). Loads and stores are 16 bytes wide.
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
@@ -15,7 +17,7 @@ namespace attnd::cuda {
 namespace {
 
 constexpr int kAppendThreads = 256;
-constexpr int kTokensPerCta = 4;
+constexpr int kTokensPerCta = 8;
 constexpr int kMaxRopePairs = 128;  // rotary_dim <= 256
 constexpr int kSegment = 16;        // elements a thread handles at once
 constexpr int kMaxJobs = 3;
@@ -30,10 +32,11 @@ struct AppendJob {
   int64_t head_stride;
   int32_t num_heads;
   int32_t width;
-  int32_t segments_per_row;
-  int32_t segments_per_token;
+  int32_t log2_segments_per_row;  // width / 16 is a power of two (widths 64..512)
+  int32_t segments_per_token;     // 0: job absent
   bool rotate;
-  float scale;  // paged: stores value / scale
+  float scale;          // paged: stores value / scale ...
+  float inverse_scale;  // ... computed as a correctly rounded quotient from 1 / scale
 };
 
 struct AppendParams {
@@ -47,13 +50,6 @@ struct AppendParams {
   int32_t rope_pairs;  // 0: no rotation
   bool interleaved;
 };
-
-template <typename T>
-__device__ __forceinline__ void Load16(const T* source, float* out) {
-  const uint4* raw = reinterpret_cast<const uint4*>(source);
-  Raw8ToFloat<T>(raw[0], out);
-  Raw8ToFloat<T>(raw[1], out + 8);
-}
 
 template <typename T>
 __device__ __forceinline__ float LoadOne(const T* source) {
@@ -74,14 +70,89 @@ __device__ __forceinline__ void Store16<__nv_fp8_e4m3>(__nv_fp8_e4m3* target, co
   *reinterpret_cast<uint4*>(target) = make_uint4(low.x, low.y, high.x, high.y);
 }
 
-// Rotates the elements of x (dims [first_dim, first_dim + 16) of a row starting at row) that
-// fall in the rotary range. Products and sums are rounded separately (no FMA contraction), as
-// the reference's float arithmetic does, so both store the same bits for the same cos/sin.
-template <typename T>
-__device__ __forceinline__ void Rotate16(float* x, const T* row, int first_dim, int rope_pairs,
-                                         bool interleaved, const float2* angles) {
-  const int rotary_dim = 2 * rope_pairs;
-  if (interleaved) {
+// value / scale, correctly rounded, from the reciprocal: q = value * (1/scale) is within an ulp,
+// the residual value - q * scale is exact in one FMA, and one correction step rounds correctly
+// (Markstein) — three instructions instead of a full division.
+__device__ __forceinline__ float DivideByScale(float value, float scale, float inverse_scale) {
+  const float quotient = value * inverse_scale;
+  const float residual = fmaf(-quotient, scale, value);
+  return fmaf(residual, inverse_scale, quotient);
+}
+
+// Where segment `index` of a CTA's flat list lies: job, token in the CTA, head, first dim.
+struct Segment {
+  int job;
+  int token;  // in the CTA; >= the CTA's token count: nothing to do
+  int head;
+  int first_dim;
+};
+
+__device__ __forceinline__ Segment Locate(const AppendParams& params, int index) {
+  Segment segment;
+  segment.job = 0;
+#pragma unroll
+  for (int j = 0; j < kMaxJobs - 1; ++j) {
+    const int job_segments = kTokensPerCta * params.jobs[segment.job].segments_per_token;
+    if (index >= job_segments) {
+      index -= job_segments;
+      ++segment.job;
+    }
+  }
+  const AppendJob& job = params.jobs[segment.job];
+  segment.token = index / job.segments_per_token;
+  const int in_token = index - segment.token * job.segments_per_token;
+  segment.head = in_token >> job.log2_segments_per_row;
+  segment.first_dim = (in_token - (segment.head << job.log2_segments_per_row)) * kSegment;
+  return segment;
+}
+
+// The raw input bytes of a segment, and of its neox partner segment when that is one aligned
+// vector (the half rotary width a multiple of 16).
+struct SegmentData {
+  uint4 value[2];
+  uint4 partner[2];
+};
+
+template <typename InT>
+__device__ __forceinline__ const InT* InputRow(const AppendParams& params, const Segment& segment,
+                                               int64_t first_token) {
+  const AppendJob& job = params.jobs[segment.job];
+  return static_cast<const InT*>(job.in) +
+         ((first_token + segment.token) * job.num_heads + segment.head) * static_cast<int64_t>(job.width);
+}
+
+__device__ __forceinline__ bool HasVectorPartner(const AppendParams& params, const Segment& segment) {
+  return params.jobs[segment.job].rotate && !params.interleaved && params.rope_pairs % kSegment == 0 &&
+         segment.first_dim + kSegment <= 2 * params.rope_pairs;
+}
+
+template <typename InT>
+__device__ __forceinline__ void LoadSegment(const AppendParams& params, const Segment& segment,
+                                            int64_t first_token, int tokens_here, SegmentData& data) {
+  if (segment.token >= tokens_here) return;
+  const InT* row = InputRow<InT>(params, segment, first_token);
+  const uint4* source = reinterpret_cast<const uint4*>(row + segment.first_dim);
+  data.value[0] = source[0];
+  data.value[1] = source[1];
+  if (HasVectorPartner(params, segment)) {
+    const int pairs = params.rope_pairs;
+    const int partner_dim = segment.first_dim < pairs ? segment.first_dim + pairs : segment.first_dim - pairs;
+    const uint4* partner = reinterpret_cast<const uint4*>(row + partner_dim);
+    data.partner[0] = partner[0];
+    data.partner[1] = partner[1];
+  }
+}
+
+// Rotates the elements of x (dims [first_dim, first_dim + 16) of `row`) that fall in the
+// rotary range. Products and sums are rounded separately (no FMA contraction), as the
+// reference's float arithmetic does, so both store the same bits for the same cos/sin.
+template <typename InT>
+__device__ __forceinline__ void Rotate16(float* x, const AppendParams& params, const Segment& segment,
+                                         const SegmentData& data, const InT* row, const float2* angles) {
+  const int pairs = params.rope_pairs;
+  const int rotary_dim = 2 * pairs;
+  const int first_dim = segment.first_dim;
+  if (params.interleaved) {
 #pragma unroll
     for (int k = 0; k < kSegment; k += 2) {
       const int dim = first_dim + k;
@@ -95,48 +166,60 @@ __device__ __forceinline__ void Rotate16(float* x, const T* row, int first_dim, 
     }
     return;
   }
-  // Neox: dim pairs (i, i + rope_pairs). The partner segment is one aligned vector when the
-  // half rotary width is a multiple of 16; otherwise partners are read one by one.
+  // Neox: dim pairs (i, i + pairs).
   float partner[kSegment];
-  if (rope_pairs % kSegment == 0 && first_dim + kSegment <= rotary_dim) {
-    Load16(row + (first_dim < rope_pairs ? first_dim + rope_pairs : first_dim - rope_pairs), partner);
+  if (HasVectorPartner(params, segment)) {
+    Raw8ToFloat<InT>(data.partner[0], partner);
+    Raw8ToFloat<InT>(data.partner[1], partner + 8);
   } else {
 #pragma unroll
     for (int k = 0; k < kSegment; ++k) {
       const int dim = first_dim + k;
-      partner[k] = dim < rotary_dim
-                       ? LoadOne(row + (dim < rope_pairs ? dim + rope_pairs : dim - rope_pairs))
-                       : 0.0f;
+      partner[k] = dim < rotary_dim ? LoadOne(row + (dim < pairs ? dim + pairs : dim - pairs)) : 0.0f;
     }
   }
 #pragma unroll
   for (int k = 0; k < kSegment; ++k) {
     const int dim = first_dim + k;
-    if (dim < rope_pairs) {
+    if (dim < pairs) {
       const float2 angle = angles[dim];
       x[k] = __fsub_rn(__fmul_rn(x[k], angle.x), __fmul_rn(partner[k], angle.y));
     } else if (dim < rotary_dim) {
-      const float2 angle = angles[dim - rope_pairs];
+      const float2 angle = angles[dim - pairs];
       x[k] = __fadd_rn(__fmul_rn(partner[k], angle.y), __fmul_rn(x[k], angle.x));
     }
   }
 }
 
 template <typename InT, typename CacheT>
-__global__ void __launch_bounds__(kAppendThreads) AppendKvKernel(const AppendParams params) {
+// Capped at 80 registers (3 CTAs an SM): uncapped it takes 120 and halves the resident threads.
+__global__ void __launch_bounds__(kAppendThreads, 3) AppendKvKernel(const AppendParams params) {
   __shared__ float2 angles[kTokensPerCta][kMaxRopePairs];  // (cos, sin) per token and pair
   __shared__ int32_t token_slot[kTokensPerCta];  // index into the page-id arrays; -1: skip
   __shared__ int32_t token_entry[kTokensPerCta];
 
   const int64_t first_token = static_cast<int64_t>(blockIdx.x) * kTokensPerCta;
+  const int tokens_here = static_cast<int>(min(static_cast<int64_t>(kTokensPerCta), params.num_tokens - first_token));
+  int total = 0;
+#pragma unroll
+  for (int j = 0; j < kMaxJobs; ++j) total += kTokensPerCta * params.jobs[j].segments_per_token;
+
+  // The first segment's loads go out before the CTA waits for its tokens' slots and angles.
+  int index = threadIdx.x;
+  Segment segment{};
+  SegmentData data{};
+  if (index < total) {
+    segment = Locate(params, index);
+    LoadSegment<InT>(params, segment, first_token, tokens_here, data);
+  }
+
   if (threadIdx.x < kTokensPerCta) {
-    const int64_t token = first_token + threadIdx.x;
     int32_t slot = -1;
     int32_t entry = 0;
-    if (token < params.num_tokens) {
-      const int32_t request = params.batch_indices[token];
+    if (static_cast<int>(threadIdx.x) < tokens_here) {
+      const int32_t request = params.batch_indices[first_token + threadIdx.x];
       if (request >= 0) {  // -1 is a padding slot: no byte of it is touched
-        const int32_t position = params.positions[token];
+        const int32_t position = params.positions[first_token + threadIdx.x];
         slot = params.page_indptr[request] + (position >> params.log2_page_size);
         entry = position & ((1 << params.log2_page_size) - 1);
       }
@@ -147,52 +230,58 @@ __global__ void __launch_bounds__(kAppendThreads) AppendKvKernel(const AppendPar
   for (int i = threadIdx.x; i < kTokensPerCta * params.rope_pairs; i += kAppendThreads) {
     const int t = i / params.rope_pairs;
     const int pair = i - t * params.rope_pairs;
-    const int64_t token = first_token + t;
-    if (token < params.num_tokens && params.batch_indices[token] >= 0) {
-      // Angle in float32, as the reference computes it: float(position) * inv_freq.
-      const float angle = static_cast<float>(params.positions[token]) * params.inv_freq[pair];
-      float sine, cosine;
-      sincosf(angle, &sine, &cosine);
-      angles[t][pair] = make_float2(cosine, sine);
+    if (t < tokens_here && params.batch_indices[first_token + t] >= 0) {
+      // Angle in float32 as the reference computes it, float(position) * inv_freq; cos and sin
+      // in double, rounded once, so they are the correctly rounded values the host's float cos
+      // and sin (nearly always) give too.
+      const float angle = static_cast<float>(params.positions[first_token + t]) * params.inv_freq[pair];
+      double sine, cosine;
+      sincos(static_cast<double>(angle), &sine, &cosine);
+      angles[t][pair] = make_float2(static_cast<float>(cosine), static_cast<float>(sine));
     }
   }
   __syncthreads();
 
-#pragma unroll
-  for (int j = 0; j < kMaxJobs; ++j) {
-    const AppendJob& job = params.jobs[j];
-    if (job.in == nullptr) continue;
-    const int total = kTokensPerCta * job.segments_per_token;
-    for (int segment = threadIdx.x; segment < total; segment += kAppendThreads) {
-      const int t = segment / job.segments_per_token;
-      const int32_t slot = token_slot[t];
-      if (slot < 0) continue;
-      const int in_token = segment - t * job.segments_per_token;
-      const int head = in_token / job.segments_per_row;
-      const int first_dim = (in_token - head * job.segments_per_row) * kSegment;
-      const int64_t token = first_token + t;
-      const InT* row = static_cast<const InT*>(job.in) +
-                       (token * job.num_heads + head) * static_cast<int64_t>(job.width);
+  while (index < total) {
+    // Load the next segment before transforming this one: two segments in flight per thread.
+    const int next_index = index + kAppendThreads;
+    Segment next = segment;
+    SegmentData next_data{};
+    if (next_index < total) {
+      next = Locate(params, next_index);
+      LoadSegment<InT>(params, next, first_token, tokens_here, next_data);
+    }
+
+    if (segment.token < tokens_here && token_slot[segment.token] >= 0) {
+      const AppendJob& job = params.jobs[segment.job];
+      const int64_t token = first_token + segment.token;
       float x[kSegment];
-      Load16(row + first_dim, x);
-      if (job.rotate && first_dim < 2 * params.rope_pairs) {
-        Rotate16(x, row, first_dim, params.rope_pairs, params.interleaved, angles[t]);
+      Raw8ToFloat<InT>(data.value[0], x);
+      Raw8ToFloat<InT>(data.value[1], x + 8);
+      if (job.rotate && segment.first_dim < 2 * params.rope_pairs) {
+        Rotate16<InT>(x, params, segment, data, InputRow<InT>(params, segment, first_token),
+                      angles[segment.token]);
       }
       if (job.page_ids == nullptr) {
         Store16(static_cast<InT*>(job.out) +
-                    (token * job.num_heads + head) * static_cast<int64_t>(job.width) + first_dim,
+                    (token * job.num_heads + segment.head) * static_cast<int64_t>(job.width) +
+                    segment.first_dim,
                 x);
       } else {
         if (job.scale != 1.0f) {
 #pragma unroll
-          for (int k = 0; k < kSegment; ++k) x[k] = __fdiv_rn(x[k], job.scale);
+          for (int k = 0; k < kSegment; ++k) x[k] = DivideByScale(x[k], job.scale, job.inverse_scale);
         }
-        const int64_t page = job.page_ids[slot];
+        const int64_t page = job.page_ids[token_slot[segment.token]];
         Store16(static_cast<CacheT*>(job.out) + page * job.page_stride +
-                    token_entry[t] * job.entry_stride + head * job.head_stride + first_dim,
+                    token_entry[segment.token] * job.entry_stride + segment.head * job.head_stride +
+                    segment.first_dim,
                 x);
       }
     }
+    index = next_index;
+    segment = next;
+    data = next_data;
   }
 }
 
@@ -232,10 +321,12 @@ absl::Status CheckInput(const char* name, const TokenHeadsView& view, int64_t nu
     return absl::InvalidArgumentError(absl::StrCat(name, ".dtype: expected ", DTypeName(dtype),
                                                    ", got ", DTypeName(view.dtype)));
   }
-  if (view.num_heads <= 0 || view.head_dim <= 0 || view.head_dim % kSegment != 0) {
+  const int32_t segments_per_row = view.head_dim / kSegment;
+  if (view.num_heads <= 0 || view.head_dim <= 0 || view.head_dim % kSegment != 0 ||
+      (segments_per_row & (segments_per_row - 1)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": heads ", view.num_heads,
                                                    ", head_dim ", view.head_dim,
-                                                   " (a positive multiple of 16)"));
+                                                   " (16 times a power of two, e.g. 64..512)"));
   }
   if (!Aligned16(view.data)) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": not 16-byte aligned"));
@@ -267,10 +358,12 @@ AppendJob DenseJob(const TokenHeadsView& in, const TokenHeadsView& out, bool rot
   job.out = out.data;
   job.num_heads = in.num_heads;
   job.width = in.head_dim;
-  job.segments_per_row = in.head_dim / kSegment;
-  job.segments_per_token = in.num_heads * job.segments_per_row;
+  const int32_t segments_per_row = in.head_dim / kSegment;
+  while ((1 << job.log2_segments_per_row) < segments_per_row) ++job.log2_segments_per_row;
+  job.segments_per_token = in.num_heads * segments_per_row;
   job.rotate = rotate;
   job.scale = 1.0f;
+  job.inverse_scale = 1.0f;
   return job;
 }
 
@@ -288,6 +381,7 @@ AppendJob PagedJob(const TokenHeadsView& in, const PagedKvView& pool, const int3
     job.head_stride = int64_t{pool.page_size} * pool.head_dim;
   }
   job.scale = scale;
+  job.inverse_scale = 1.0f / scale;
   return job;
 }
 

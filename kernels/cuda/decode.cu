@@ -60,7 +60,7 @@ template <int kHeadDim, typename KvT, int kGroup>
 struct DecodeTraits {
   static constexpr int kVec = 8;  // head_dim elements per thread
   static constexpr int kBdx = kHeadDim / kVec;
-  static constexpr int kHeadsPerThread = kGroup < 4 ? kGroup : 4;
+  static constexpr int kHeadsPerThread = kGroup < 2 ? kGroup : 2;
   static constexpr int kBdy = kGroup / kHeadsPerThread;
   static constexpr int kBdz = kDecodeThreads / (kBdx * kBdy);
   static constexpr int kRowBytes = kHeadDim * static_cast<int>(sizeof(KvT));
@@ -69,6 +69,10 @@ struct DecodeTraits {
   static constexpr int kChunksPerRow = kRowBytes / 16;
   static constexpr int kLoadsPerThread = kTileTokens * kChunksPerRow / kDecodeThreads;
   static constexpr int kSharedBytes = 2 * kDecodeStages * kStageBytes;
+  // Registers are capped so 5 CTAs share an SM (4 where FP8 x group 8 needs more registers):
+  // more resident CTAs mean a larger wave, so the planner can cut mixed-length batches into
+  // finer, better balanced chunks. Tighter caps spilled.
+  static constexpr int kMinCtasPerSm = sizeof(KvT) == 1 && kGroup == 8 ? 4 : 5;
 
   static_assert(kBdx <= 32 && 32 % kBdx == 0, "a head's lanes must sit in one warp");
   static_assert(kBdz >= 1 && kBdx * kBdy * kBdz == kDecodeThreads);
@@ -93,7 +97,7 @@ __device__ __forceinline__ void StoreO8(void* o, bool bf16, int64_t offset, cons
 }
 
 template <int kHeadDim, typename KvT, int kGroup>
-__global__ void __launch_bounds__(kDecodeThreads)
+__global__ void __launch_bounds__(kDecodeThreads, (DecodeTraits<kHeadDim, KvT, kGroup>::kMinCtasPerSm))
     BatchDecodeKernel(const DecodeParams params) {
   using Traits = DecodeTraits<kHeadDim, KvT, kGroup>;
   constexpr int kBdx = Traits::kBdx;

@@ -14,7 +14,8 @@ namespace attnd::cuda {
 
 // All pointers are device memory.
 struct MergeStatesArgs {
-  // [num_partials][num_heads][head_dim] fp32; each partial normalised by its own denominator.
+  // [num_partials][num_heads][head_dim] fp32 (16-byte aligned); each partial normalised by its
+  // own denominator.
   const float* partial_o = nullptr;
   // [num_partials][num_heads] natural-log sum of exp(score); -inf: the chunk saw no key.
   const float* partial_lse = nullptr;
@@ -24,7 +25,7 @@ struct MergeStatesArgs {
   const int32_t* out_rows = nullptr;
   int32_t num_rows = 0;  // host-known: sets the grid
   int32_t num_heads = 0;
-  int32_t head_dim = 0;  // multiple of 4
+  int32_t head_dim = 0;  // multiple of 4, at most 512
   TokenHeadsView o;      // [*][num_heads][head_dim], fp16, bf16 or fp32
   float* lse = nullptr;  // [*][num_heads] natural log, or null
 };

@@ -1,0 +1,647 @@
+// attnd_bench: the decode and append kernel benchmarks of PERFORMANCE.md.
+//
+// Per case: build the inputs on the device (random, fixed seeds), enough independent input sets
+// that one rotation exceeds the L2 (~200 MB), check the result of set 0 against the CPU
+// reference with poisoned outputs, then time a CUDA graph of N launches rotating over the sets
+// with events (median of the replays, divided by N). Each case reports its time and the
+// fraction of the device-to-device copy bandwidth measured at the start of the same run.
+//
+//   attnd_bench [--decode] [--append] [--quick] [--variants] [--csv=PATH]
+// (no case flag: both). --quick runs a reduced sweep; --variants adds decode cases with pinned
+// chunk sizes next to the planner's choice.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnd/kernels/cuda/append.h"
+#include "attnd/kernels/cuda/decode.h"
+#include "attnd/kernels/rope.h"
+#include "device_fill.h"
+#include "plan/decode_plan.h"
+#include "reference/append.h"
+#include "reference/attention.h"
+
+namespace attnd::bench {
+namespace {
+
+#define CHECK_CUDA(expr)                                                                   \
+  do {                                                                                     \
+    const cudaError_t bench_error_ = (expr);                                               \
+    if (bench_error_ != cudaSuccess) {                                                     \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                   \
+                   cudaGetErrorString(bench_error_));                                      \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (false)
+
+#define CHECK_OK(expr)                                                                     \
+  do {                                                                                     \
+    const absl::Status bench_status_ = (expr);                                             \
+    if (!bench_status_.ok()) {                                                             \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, bench_status_.ToString().c_str()); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (false)
+
+constexpr int64_t kRotationBytes = 200'000'000;  // 4x the H100's 50 MB L2
+constexpr int kMaxSets = 64;
+constexpr double kTargetGraphSeconds = 3e-3;
+constexpr int kReplays = 15;
+
+// Standard shapes (PERFORMANCE.md).
+constexpr int32_t kQoHeads = 32;
+constexpr int32_t kKvHeads = 8;
+constexpr int32_t kHeadDim = 128;
+constexpr int32_t kPageSize = 16;
+
+class DeviceMemory {
+ public:
+  explicit DeviceMemory(size_t bytes) : bytes_(bytes) {
+    if (bytes > 0) CHECK_CUDA(cudaMalloc(&data_, bytes));
+  }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  ~DeviceMemory() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(data_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+template <typename T>
+void CopyToDevice(void* device, const std::vector<T>& host) {
+  if (!host.empty()) CHECK_CUDA(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+// Captures `launches` calls of enqueue(i) into a graph and returns the median seconds per call
+// over kReplays replays (after two warm-up replays).
+double TimeGraph(cudaStream_t stream, int launches, const std::function<void(int)>& enqueue) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < launches; ++i) enqueue(i);
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 2; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  std::vector<double> seconds;
+  for (int r = 0; r < kReplays; ++r) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    seconds.push_back(ms * 1e-3 / launches);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  return Median(seconds);
+}
+
+int SetsFor(int64_t bytes_per_set) {
+  return static_cast<int>(std::clamp<int64_t>((kRotationBytes + bytes_per_set - 1) / bytes_per_set, 1, kMaxSets));
+}
+
+// Launches per graph: a few milliseconds of work, a multiple of the set count.
+int LaunchesFor(double estimated_seconds, int sets) {
+  int launches = static_cast<int>(std::ceil(kTargetGraphSeconds / std::max(estimated_seconds, 1e-6)));
+  launches = std::clamp(launches, 3, 400);
+  return (launches + sets - 1) / sets * sets;
+}
+
+bool FitsInMemory(size_t bytes) {
+  size_t free_bytes = 0, total_bytes = 0;
+  CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return bytes + (size_t{1} << 30) < free_bytes;
+}
+
+struct CopyBandwidths {
+  double memcpy = 0;  // cudaMemcpyAsync device to device
+  double kernel = 0;  // CopyWithKernel
+  double reference() const { return std::max(memcpy, kernel); }
+};
+
+// Bytes read + bytes written per second of a 1 GiB device-to-device copy, both ways.
+CopyBandwidths MeasureCopy(cudaStream_t stream) {
+  const size_t bytes = size_t{1} << 30;
+  DeviceMemory source(bytes), target(bytes);
+  CHECK_CUDA(FillRandom(source.get(), DType::kFloat32, bytes / 4, 1, 1.0f, stream));
+  CopyBandwidths result;
+  result.memcpy = 2.0 * bytes / TimeGraph(stream, 4, [&](int) {
+    CHECK_CUDA(cudaMemcpyAsync(target.get(), source.get(), bytes, cudaMemcpyDeviceToDevice, stream));
+  });
+  result.kernel = 2.0 * bytes / TimeGraph(stream, 4, [&](int) {
+    CHECK_CUDA(CopyWithKernel(target.get(), source.get(), bytes, stream));
+  });
+  return result;
+}
+
+struct Result {
+  std::string kind;
+  std::string name;
+  int32_t batch = 0;
+  int64_t kv_len = 0;  // mean for mixed lengths
+  int64_t max_kv_len = 0;
+  int64_t tokens = 0;
+  double bytes = 0;
+  double seconds = 0;
+  std::string note;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Decode
+
+struct DecodeSpec {
+  std::string name;
+  std::vector<int64_t> lengths;
+  int32_t fixed_split_tokens = 0;  // variants: a pinned chunk instead of the planner's
+};
+
+// Normwise relative error of GPU rows (bf16) against the float64 reference for a few requests,
+// read back from the device pools.
+double CheckDecode(const std::vector<int64_t>& lengths, const std::vector<int32_t>& indptr,
+                   const std::vector<int32_t>& k_indices, const DeviceMemory& k_pool,
+                   const DeviceMemory& v_pool, const DeviceMemory& q, const DeviceMemory& o,
+                   const AttentionParams& params) {
+  const int32_t batch = static_cast<int32_t>(lengths.size());
+  const std::vector<int32_t> picks = batch > 1 ? std::vector<int32_t>{0, batch - 1} : std::vector<int32_t>{0};
+  const int64_t page_bytes = int64_t{kPageSize} * kKvHeads * kHeadDim * 2;
+  const int64_t row_elements = int64_t{kQoHeads} * kHeadDim;
+  std::vector<int32_t> host_indptr = {0}, host_pages, last_page_len;
+  std::vector<uint8_t> host_k, host_v, host_q, gpu_o;
+  for (int32_t b : picks) {
+    const int32_t pages = indptr[b + 1] - indptr[b];
+    for (int32_t p = 0; p < pages; ++p) {
+      const int64_t page = k_indices[indptr[b] + p];
+      const size_t at = host_k.size();
+      host_k.resize(at + page_bytes);
+      host_v.resize(at + page_bytes);
+      CHECK_CUDA(cudaMemcpy(host_k.data() + at, k_pool.get<uint8_t>() + page * page_bytes, page_bytes, cudaMemcpyDeviceToHost));
+      CHECK_CUDA(cudaMemcpy(host_v.data() + at, v_pool.get<uint8_t>() + page * page_bytes, page_bytes, cudaMemcpyDeviceToHost));
+      host_pages.push_back(static_cast<int32_t>(host_pages.size()));
+    }
+    host_indptr.push_back(static_cast<int32_t>(host_pages.size()));
+    last_page_len.push_back(pages == 0 ? 0 : static_cast<int32_t>(lengths[b] - int64_t{pages - 1} * kPageSize));
+    const size_t at = host_q.size();
+    host_q.resize(at + row_elements * 2);
+    gpu_o.resize(at + row_elements * 2);
+    CHECK_CUDA(cudaMemcpy(host_q.data() + at, q.get<uint8_t>() + b * row_elements * 2, row_elements * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(gpu_o.data() + at, o.get<uint8_t>() + b * row_elements * 2, row_elements * 2, cudaMemcpyDeviceToHost));
+  }
+  const int32_t rows = static_cast<int32_t>(picks.size());
+  std::vector<int32_t> qo_indptr(rows + 1);
+  std::iota(qo_indptr.begin(), qo_indptr.end(), 0);
+  std::vector<float> ref_o(rows * row_elements);
+  reference::BatchAttentionArgs args;
+  args.q = TokenHeadsView{host_q.data(), DType::kBFloat16, rows, kQoHeads, kHeadDim};
+  args.qo_indptr = qo_indptr.data();
+  args.pages = PageTableView{rows, kPageSize, host_indptr.data(), host_pages.data(), host_pages.data(), last_page_len.data()};
+  args.k_cache = PagedKvView{host_k.data(), DType::kBFloat16, KvLayout::kNHD,
+                             static_cast<int64_t>(host_pages.size()), kPageSize, kKvHeads, kHeadDim};
+  args.v_cache = args.k_cache;
+  args.v_cache.data = host_v.data();
+  args.params = params;
+  args.o = TokenHeadsView{ref_o.data(), DType::kFloat32, rows, kQoHeads, kHeadDim};
+  args.accumulation = reference::Accumulation::kFloat64;
+  reference::BatchAttention(args);
+  double diff = 0, norm = 0;
+  for (int64_t i = 0; i < rows * row_elements; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, gpu_o.data() + i * 2, 2);
+    const double value = BFloat16ToFloat(bits);
+    diff += (value - ref_o[i]) * (value - ref_o[i]);
+    norm += double{ref_o[i]} * ref_o[i];
+  }
+  return std::isnan(diff) ? NAN : std::sqrt(diff / std::max(norm, 1e-30));
+}
+
+Result RunDecode(const DecodeSpec& spec, int32_t ctas_per_wave, cudaStream_t stream) {
+  Result result;
+  result.kind = "decode";
+  result.name = spec.name;
+  result.batch = static_cast<int32_t>(spec.lengths.size());
+  const int32_t batch = result.batch;
+  int64_t total_tokens = 0, pages_per_set = 0;
+  for (int64_t length : spec.lengths) {
+    total_tokens += length;
+    pages_per_set += (length + kPageSize - 1) / kPageSize;
+  }
+  result.kv_len = total_tokens / batch;
+  result.max_kv_len = *std::max_element(spec.lengths.begin(), spec.lengths.end());
+  const int64_t page_bytes = int64_t{kPageSize} * kKvHeads * kHeadDim * 2;
+  const int64_t row_bytes = int64_t{kQoHeads} * kHeadDim * 2;
+  // Bytes a decode must move: every K and V byte once, q read once, o written once.
+  const int64_t bytes = total_tokens * kKvHeads * kHeadDim * 2 * 2 + 2 * batch * row_bytes;
+  result.bytes = static_cast<double>(bytes);
+  const int sets = SetsFor(bytes);
+  const size_t pool_bytes = static_cast<size_t>(sets * pages_per_set * page_bytes);
+  if (!FitsInMemory(2 * pool_bytes)) {
+    result.note = "skipped: does not fit";
+    return result;
+  }
+  DeviceMemory k_pool(pool_bytes), v_pool(pool_bytes);
+  DeviceMemory q(sets * batch * row_bytes), o(sets * batch * row_bytes);
+  CHECK_CUDA(FillRandom(k_pool.get(), DType::kBFloat16, pool_bytes / 2, 11, 1.0f, stream));
+  CHECK_CUDA(FillRandom(v_pool.get(), DType::kBFloat16, pool_bytes / 2, 12, 1.0f, stream));
+  CHECK_CUDA(FillRandom(q.get(), DType::kBFloat16, sets * batch * row_bytes / 2, 13, 3.0f, stream));
+
+  // Page tables: set s owns pages [s * pages_per_set, (s + 1) * pages_per_set), shuffled.
+  std::mt19937 rng(17);
+  std::vector<int32_t> indptr = {0};
+  for (int64_t length : spec.lengths) indptr.push_back(indptr.back() + static_cast<int32_t>((length + kPageSize - 1) / kPageSize));
+  std::vector<std::vector<int32_t>> k_indices(sets);
+  DeviceMemory indptr_device(indptr.size() * 4), indices_device(sets * pages_per_set * 4);
+  CopyToDevice(indptr_device.get(), indptr);
+  for (int s = 0; s < sets; ++s) {
+    k_indices[s].resize(pages_per_set);
+    std::iota(k_indices[s].begin(), k_indices[s].end(), static_cast<int32_t>(s * pages_per_set));
+    std::shuffle(k_indices[s].begin(), k_indices[s].end(), rng);
+    CopyToDevice(indices_device.get<int32_t>() + s * pages_per_set, k_indices[s]);
+  }
+
+  std::vector<int32_t> qo_indptr(batch + 1);
+  std::iota(qo_indptr.begin(), qo_indptr.end(), 0);
+  plan::DecodePlanOptions options;
+  options.num_kv_heads = kKvHeads;
+  options.ctas_per_wave = ctas_per_wave;
+  options.fixed_split_tokens = spec.fixed_split_tokens;
+  auto plan = plan::PlanBatchDecode(qo_indptr, spec.lengths, options);
+  CHECK_OK(plan.status());
+  const std::vector<int32_t> packed = plan->Pack();
+  DeviceMemory packed_device(packed.size() * 4);
+  CopyToDevice(packed_device.get(), packed);
+  const int64_t workspace_bytes = cuda::BatchDecodeWorkspaceBytes(plan->num_partials, kQoHeads, kHeadDim);
+  DeviceMemory workspace(workspace_bytes);
+
+  AttentionParams params;
+  params.sm_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  std::vector<cuda::BatchDecodeArgs> args(sets);
+  for (int s = 0; s < sets; ++s) {
+    cuda::BatchDecodeArgs& a = args[s];
+    a.q = TokenHeadsView{q.get<uint8_t>() + s * batch * row_bytes, DType::kBFloat16, batch, kQoHeads, kHeadDim};
+    a.pages = PageTableView{batch, kPageSize, indptr_device.get<int32_t>(),
+                            indices_device.get<int32_t>() + s * pages_per_set,
+                            indices_device.get<int32_t>() + s * pages_per_set, nullptr};
+    a.k_cache = PagedKvView{k_pool.get(), DType::kBFloat16, KvLayout::kNHD, sets * pages_per_set, kPageSize, kKvHeads, kHeadDim};
+    a.v_cache = a.k_cache;
+    a.v_cache.data = v_pool.get();
+    a.params = params;
+    a.work = plan->View(packed_device.get<int32_t>());
+    a.o = TokenHeadsView{o.get<uint8_t>() + s * batch * row_bytes, DType::kBFloat16, batch, kQoHeads, kHeadDim};
+    a.workspace = workspace.get();
+    a.workspace_bytes = workspace_bytes;
+  }
+
+  // Correctness of set 0 first, with o poisoned (NaN).
+  CHECK_CUDA(cudaMemsetAsync(o.get(), 0xff, o.bytes(), stream));
+  CHECK_OK(cuda::BatchDecode(args[0], stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const double error = CheckDecode(spec.lengths, indptr, k_indices[0], k_pool, v_pool, q, o, params);
+  char note[160];
+  std::snprintf(note, sizeof note, "chunk=%d items=%d sets=%d err=%.1e%s", plan->kv_chunk_tokens,
+                plan->num_items(), sets, error, error <= 1e-2 ? "" : " FAILED CHECK");
+  result.note = note;
+
+  const double estimate = bytes / 2.5e12 + 5e-6;
+  const int launches = LaunchesFor(estimate, sets);
+  result.seconds = TimeGraph(stream, launches, [&](int i) { CHECK_OK(cuda::BatchDecode(args[i % sets], stream)); });
+  return result;
+}
+
+// Pinned-chunk variants of the small-batch and mixed cases, to compare with the planner's choice.
+std::vector<DecodeSpec> DecodeVariants(const std::vector<DecodeSpec>& specs) {
+  std::vector<DecodeSpec> variants;
+  for (const DecodeSpec& spec : specs) {
+    const size_t batch = spec.lengths.size();
+    if (batch > 64) continue;
+    for (int32_t chunk : {64, 256, 512, 1024, 2048}) {
+      if (batch == 1 && chunk > 512) continue;
+      if (batch > 1 && chunk < 256) continue;
+      DecodeSpec variant = spec;
+      variant.name += "_fix" + std::to_string(chunk);
+      variant.fixed_split_tokens = chunk;
+      variants.push_back(variant);
+    }
+  }
+  return variants;
+}
+
+std::vector<DecodeSpec> DecodeSpecs(bool quick) {
+  std::vector<DecodeSpec> specs;
+  const std::vector<int32_t> batches = quick ? std::vector<int32_t>{1, 16, 64, 256} : std::vector<int32_t>{1, 16, 64, 128, 256};
+  const std::vector<int64_t> lengths = quick ? std::vector<int64_t>{1024, 8192} : std::vector<int64_t>{1024, 4096, 8192, 32768};
+  for (int32_t batch : batches) {
+    for (int64_t length : lengths) {
+      specs.push_back({"b" + std::to_string(batch) + "_kv" + std::to_string(length),
+                       std::vector<int64_t>(batch, length)});
+    }
+  }
+  // Mixed lengths: uniform in [1, 2 * mean], seed = batch.
+  for (const auto& [batch, mean] : {std::pair{16, 4096}, std::pair{64, 4096}, std::pair{256, 4096}, std::pair{64, 1024}}) {
+    std::mt19937 rng(batch);
+    std::uniform_int_distribution<int64_t> uniform(1, 2 * int64_t{mean});
+    DecodeSpec spec{"mixed_b" + std::to_string(batch) + "_mean" + std::to_string(mean), {}};
+    for (int b = 0; b < batch; ++b) spec.lengths.push_back(uniform(rng));
+    specs.push_back(spec);
+  }
+  return specs;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Append
+
+struct AppendSpec {
+  int64_t tokens;
+  DType in_dtype;
+  DType cache_dtype;
+};
+
+Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
+  Result result;
+  result.kind = "append";
+  result.name = std::string(spec.in_dtype == DType::kFloat16 ? "f16" : "bf16") + "->" +
+                (spec.cache_dtype == DType::kFloat8E4M3 ? "fp8" : "bf16") + "_t" + std::to_string(spec.tokens);
+  result.tokens = spec.tokens;
+  const int64_t tokens = spec.tokens;
+  const int32_t batch = static_cast<int32_t>(std::min<int64_t>(tokens, 64));
+  result.batch = batch;
+  const int64_t per_request = tokens / batch;
+  const int cache_bytes = DTypeBytes(spec.cache_dtype);
+  std::vector<int64_t> prior(batch), total(batch);
+  std::vector<int32_t> indptr = {0};
+  for (int32_t b = 0; b < batch; ++b) {
+    prior[b] = (b * 7) % kPageSize;
+    total[b] = prior[b] + per_request;
+    indptr.push_back(indptr.back() + static_cast<int32_t>((total[b] + kPageSize - 1) / kPageSize));
+  }
+  const int64_t pages_per_set = indptr.back();
+  const int64_t q_bytes = tokens * kQoHeads * kHeadDim * 2;
+  const int64_t kv_in_bytes = tokens * kKvHeads * kHeadDim * 2;
+  // q read and written, k and v read, k and v stored at the cache dtype.
+  const int64_t bytes = 2 * q_bytes + 2 * kv_in_bytes + 2 * tokens * kKvHeads * kHeadDim * cache_bytes;
+  result.bytes = static_cast<double>(bytes);
+  const int sets = SetsFor(bytes);
+  const int64_t page_bytes = int64_t{kPageSize} * kKvHeads * kHeadDim * cache_bytes;
+  DeviceMemory q_in(sets * q_bytes), q_out(sets * q_bytes), k_in(sets * kv_in_bytes), v_in(sets * kv_in_bytes);
+  DeviceMemory k_pool(sets * pages_per_set * page_bytes), v_pool(sets * pages_per_set * page_bytes);
+  CHECK_CUDA(FillRandom(q_in.get(), spec.in_dtype, sets * q_bytes / 2, 21, 4.0f, stream));
+  CHECK_CUDA(FillRandom(k_in.get(), spec.in_dtype, sets * kv_in_bytes / 2, 22, 4.0f, stream));
+  CHECK_CUDA(FillRandom(v_in.get(), spec.in_dtype, sets * kv_in_bytes / 2, 23, 4.0f, stream));
+  CHECK_CUDA(cudaMemsetAsync(k_pool.get(), 0, k_pool.bytes(), stream));
+  CHECK_CUDA(cudaMemsetAsync(v_pool.get(), 0, v_pool.bytes(), stream));
+
+  std::vector<int32_t> batch_indices, positions;
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int64_t t = prior[b]; t < total[b]; ++t) {
+      batch_indices.push_back(b);
+      positions.push_back(static_cast<int32_t>(t));
+    }
+  }
+  DeviceMemory batch_device(tokens * 4), positions_device(tokens * 4), indptr_device(indptr.size() * 4);
+  CopyToDevice(batch_device.get(), batch_indices);
+  CopyToDevice(positions_device.get(), positions);
+  CopyToDevice(indptr_device.get(), indptr);
+  std::mt19937 rng(31);
+  std::vector<std::vector<int32_t>> page_ids(sets);
+  DeviceMemory pages_device(sets * pages_per_set * 4);
+  for (int s = 0; s < sets; ++s) {
+    page_ids[s].resize(pages_per_set);
+    std::iota(page_ids[s].begin(), page_ids[s].end(), static_cast<int32_t>(s * pages_per_set));
+    std::shuffle(page_ids[s].begin(), page_ids[s].end(), rng);
+    CopyToDevice(pages_device.get<int32_t>() + s * pages_per_set, page_ids[s]);
+  }
+  RopeConfig rope;
+  rope.style = RopeStyle::kNeox;
+  rope.rotary_dim = kHeadDim;
+  rope.theta = 500000.0;
+  const std::vector<float> inv_freq = RopeInverseFrequencies(rope);
+  DeviceMemory inv_freq_device(inv_freq.size() * 4);
+  CopyToDevice(inv_freq_device.get(), inv_freq);
+  const float k_scale = spec.cache_dtype == DType::kFloat8E4M3 ? 0.05f : 1.0f;
+  const float v_scale = k_scale;
+
+  std::vector<cuda::AppendKvArgs> args(sets);
+  for (int s = 0; s < sets; ++s) {
+    cuda::AppendKvArgs& a = args[s];
+    a.tokens = AppendIndexView{tokens, batch_device.get<int32_t>(), positions_device.get<int32_t>()};
+    const int32_t* ids = pages_device.get<int32_t>() + s * pages_per_set;
+    a.pages = PageTableView{batch, kPageSize, indptr_device.get<int32_t>(), ids, ids, nullptr};
+    a.rope_style = RopeStyle::kNeox;
+    a.rope_inv_freq = inv_freq_device.get<float>();
+    a.rotary_dim = kHeadDim;
+    a.q_in = TokenHeadsView{q_in.get<uint8_t>() + s * q_bytes, spec.in_dtype, tokens, kQoHeads, kHeadDim};
+    a.q_out = TokenHeadsView{q_out.get<uint8_t>() + s * q_bytes, spec.in_dtype, tokens, kQoHeads, kHeadDim};
+    a.k_in = TokenHeadsView{k_in.get<uint8_t>() + s * kv_in_bytes, spec.in_dtype, tokens, kKvHeads, kHeadDim};
+    a.v_in = TokenHeadsView{v_in.get<uint8_t>() + s * kv_in_bytes, spec.in_dtype, tokens, kKvHeads, kHeadDim};
+    a.k_cache = PagedKvView{k_pool.get(), spec.cache_dtype, KvLayout::kNHD, sets * pages_per_set, kPageSize, kKvHeads, kHeadDim};
+    a.v_cache = a.k_cache;
+    a.v_cache.data = v_pool.get();
+    a.k_scale = k_scale;
+    a.v_scale = v_scale;
+  }
+
+  // Check set 0 against the reference: poisoned q_out, pools as they are (zeros).
+  CHECK_CUDA(cudaMemsetAsync(q_out.get(), 0xff, q_bytes, stream));
+  CHECK_OK(cuda::AppendKv(args[0], stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<uint8_t> host_q(q_bytes), host_k(kv_in_bytes), host_v(kv_in_bytes), gpu_q(q_bytes);
+  const int64_t set_pool_bytes = pages_per_set * page_bytes;
+  std::vector<uint8_t> gpu_k(set_pool_bytes), gpu_v(set_pool_bytes);
+  CHECK_CUDA(cudaMemcpy(host_q.data(), q_in.get(), q_bytes, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(host_k.data(), k_in.get(), kv_in_bytes, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(host_v.data(), v_in.get(), kv_in_bytes, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(gpu_q.data(), q_out.get(), q_bytes, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(gpu_k.data(), k_pool.get(), set_pool_bytes, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(gpu_v.data(), v_pool.get(), set_pool_bytes, cudaMemcpyDeviceToHost));
+  std::vector<uint8_t> ref_q(q_bytes, 0xff), ref_k(set_pool_bytes, 0), ref_v(set_pool_bytes, 0);
+  reference::AppendArgs ref;
+  ref.tokens = AppendIndexView{tokens, batch_indices.data(), positions.data()};
+  ref.pages = PageTableView{batch, kPageSize, indptr.data(), page_ids[0].data(), page_ids[0].data(), nullptr};
+  ref.rope_style = RopeStyle::kNeox;
+  ref.rope_inv_freq = inv_freq;
+  ref.q_in = TokenHeadsView{host_q.data(), spec.in_dtype, tokens, kQoHeads, kHeadDim};
+  ref.q_out = TokenHeadsView{ref_q.data(), spec.in_dtype, tokens, kQoHeads, kHeadDim};
+  ref.k_in = TokenHeadsView{host_k.data(), spec.in_dtype, tokens, kKvHeads, kHeadDim};
+  ref.v_in = TokenHeadsView{host_v.data(), spec.in_dtype, tokens, kKvHeads, kHeadDim};
+  ref.k_cache = PagedKvView{ref_k.data(), spec.cache_dtype, KvLayout::kNHD, pages_per_set, kPageSize, kKvHeads, kHeadDim};
+  ref.v_cache = ref.k_cache;
+  ref.v_cache.data = ref_v.data();
+  ref.k_scale = k_scale;
+  ref.v_scale = v_scale;
+  reference::AppendKv(ref);
+  // Elements more than one code apart beyond a rotation's rounding (cos/sin on the GPU and the
+  // host may differ by an ulp, which can move a rounding where the rotation cancels).
+  auto far = [](const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, DType dtype,
+                double tolerance) {
+    const int element_bytes = DTypeBytes(dtype);
+    int64_t count = 0;
+    for (size_t i = 0; i < a.size(); i += element_bytes) {
+      int64_t x = 0, y = 0;
+      if (element_bytes == 1) {
+        x = (a[i] & 0x80) ? -(a[i] & 0x7f) : (a[i] & 0x7f);
+        y = (b[i] & 0x80) ? -(b[i] & 0x7f) : (b[i] & 0x7f);
+      } else {
+        uint16_t p, r;
+        std::memcpy(&p, &a[i], 2);
+        std::memcpy(&r, &b[i], 2);
+        x = (p & 0x8000) ? -(p & 0x7fff) : (p & 0x7fff);
+        y = (r & 0x8000) ? -(r & 0x7fff) : (r & 0x7fff);
+      }
+      if (std::abs(x - y) <= 1) continue;
+      const double difference = std::fabs(double{LoadAsFloat(dtype, &a[i], 0)} - LoadAsFloat(dtype, &b[i], 0));
+      count += !(difference <= tolerance);
+    }
+    return count;
+  };
+  const double tolerance = 16 * 0x1p-24 * 4.0;  // inputs are in [-4, 4)
+  const int64_t mismatches = far(gpu_q, ref_q, spec.in_dtype, tolerance) +
+                             far(gpu_k, ref_k, spec.cache_dtype, tolerance / k_scale) +
+                             far(gpu_v, ref_v, spec.cache_dtype, tolerance / v_scale);
+  char note[160];
+  std::snprintf(note, sizeof note, "sets=%d far_elements=%lld%s", sets, static_cast<long long>(mismatches),
+                mismatches == 0 ? "" : " FAILED CHECK");
+  result.note = note;
+
+  const double estimate = bytes / 2.5e12 + 4e-6;
+  const int launches = LaunchesFor(estimate, sets);
+  result.seconds = TimeGraph(stream, launches, [&](int i) { CHECK_OK(cuda::AppendKv(args[i % sets], stream)); });
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+void PrintDevice() {
+  int device = 0, sms = 0, l2 = 0, clock_khz = 0, memory_khz = 0, driver = 0, runtime = 0;
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDevice(&device));
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  CHECK_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device);
+  cudaDeviceGetAttribute(&memory_khz, cudaDevAttrMemoryClockRate, device);
+  CHECK_CUDA(cudaDriverGetVersion(&driver));
+  CHECK_CUDA(cudaRuntimeGetVersion(&runtime));
+  std::printf("device: %s, %d SMs, L2 %d MB, peak SM clock %d MHz, memory clock %d MHz, driver %d, runtime %d\n",
+              prop.name, sms, l2 >> 20, clock_khz / 1000, memory_khz / 1000, driver, runtime);
+}
+
+int Main(int argc, char** argv) {
+  bool decode = false, append = false, quick = false, variants = false;
+  std::string csv_path;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--decode") {
+      decode = true;
+    } else if (arg == "--append") {
+      append = true;
+    } else if (arg == "--quick") {
+      quick = true;
+    } else if (arg == "--variants") {
+      variants = true;
+    } else if (arg.rfind("--csv=", 0) == 0) {
+      csv_path = arg.substr(6);
+    } else {
+      std::fprintf(stderr, "usage: attnd_bench [--decode] [--append] [--quick] [--variants] [--csv=PATH]\n");
+      return 2;
+    }
+  }
+  if (!decode && !append) decode = append = true;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    std::fprintf(stderr, "attnd_bench: no CUDA device\n");
+    return 1;
+  }
+  PrintDevice();
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const CopyBandwidths copy = MeasureCopy(stream);
+  const double copy_bandwidth = copy.reference();
+  std::printf("copy bandwidth (1 GiB D2D, read + write): cudaMemcpy %.3f TB/s, copy kernel %.3f TB/s; "
+              "%%copy below is against the larger, %.3f TB/s\n",
+              copy.memcpy / 1e12, copy.kernel / 1e12, copy_bandwidth / 1e12);
+
+  std::vector<Result> results;
+  auto report = [&](const Result& r) {
+    const double fraction = r.seconds > 0 ? r.bytes / r.seconds / copy_bandwidth : 0;
+    std::printf("%-7s %-22s %10.2f us %8.3f TB/s %6.1f%%  %s\n", r.kind.c_str(), r.name.c_str(),
+                r.seconds * 1e6, r.seconds > 0 ? r.bytes / r.seconds / 1e12 : 0.0, 100 * fraction,
+                r.note.c_str());
+    std::fflush(stdout);
+    results.push_back(r);
+  };
+  if (decode) {
+    auto ctas = cuda::DecodeCtasPerWave({DType::kBFloat16, DType::kBFloat16, kHeadDim, kQoHeads / kKvHeads});
+    CHECK_OK(ctas.status());
+    std::printf("decode: Hq %d Hkv %d D %d bf16 NHD page %d; %d CTAs per wave (measured occupancy x SMs)\n",
+                kQoHeads, kKvHeads, kHeadDim, kPageSize, *ctas);
+    const std::vector<DecodeSpec> specs = DecodeSpecs(quick);
+    for (const DecodeSpec& spec : specs) report(RunDecode(spec, *ctas, stream));
+    if (variants) {
+      for (const DecodeSpec& spec : DecodeVariants(specs)) report(RunDecode(spec, *ctas, stream));
+    }
+  }
+  if (append) {
+    std::printf("append: Hq %d Hkv %d D %d, neox RoPE, NHD page %d (q rotated into q_out)\n", kQoHeads,
+                kKvHeads, kHeadDim, kPageSize);
+    const std::vector<int64_t> token_counts = quick ? std::vector<int64_t>{1, 1024, 16384}
+                                                    : std::vector<int64_t>{1, 16, 128, 1024, 4096, 16384};
+    for (const auto& [in_dtype, cache_dtype] : {std::pair{DType::kFloat16, DType::kFloat8E4M3},
+                                                std::pair{DType::kBFloat16, DType::kBFloat16}}) {
+      for (int64_t tokens : token_counts) report(RunAppend({tokens, in_dtype, cache_dtype}, stream));
+    }
+  }
+  if (!csv_path.empty()) {
+    FILE* file = std::fopen(csv_path.c_str(), "w");
+    if (file == nullptr) {
+      std::fprintf(stderr, "cannot write %s\n", csv_path.c_str());
+      return 1;
+    }
+    std::fprintf(file, "kind,name,batch,kv_len,max_kv_len,tokens,bytes,time_us,tbps,copy_tbps,frac_copy,note\n");
+    for (const Result& r : results) {
+      std::fprintf(file, "%s,%s,%d,%lld,%lld,%lld,%.0f,%.3f,%.4f,%.4f,%.4f,%s\n", r.kind.c_str(), r.name.c_str(),
+                   r.batch, static_cast<long long>(r.kv_len), static_cast<long long>(r.max_kv_len),
+                   static_cast<long long>(r.tokens), r.bytes,
+                   r.seconds * 1e6, r.seconds > 0 ? r.bytes / r.seconds / 1e12 : 0.0, copy_bandwidth / 1e12,
+                   r.seconds > 0 ? r.bytes / r.seconds / copy_bandwidth : 0.0, r.note.c_str());
+    }
+    std::fclose(file);
+  }
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  for (const Result& r : results) {
+    if (r.note.find("FAILED") != std::string::npos) return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace attnd::bench
+
+int main(int argc, char** argv) { return attnd::bench::Main(argc, argv); }
