@@ -7,10 +7,17 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 scripts/build.sh
 build_dir=${ATTND_BUILD_DIR:-build}
+buf=$build_dir/e2e-tools/node_modules/.bin/buf  # installed by scripts/test.sh
 cat >&2 <<TXT
 attnd: starting. From another shell:
   $build_dir/client/attnctl info
   $build_dir/client/attnctl demo
+  $build_dir/client/attnctl health --service=attnd.v1.AttentionService
   curl -s localhost:9400/metrics | grep ^attnd_
+  grpcurl -plaintext localhost:50051 list
+  grpcurl -plaintext localhost:50051 describe attnd.v1.AttentionService
+  $buf curl --protocol grpc --http2-prior-knowledge --reflect-protocol grpc-v1alpha \
+    http://localhost:50051/attnd.v1.AttentionService/GetServerInfo
+README.md ("Calling attnd") has CreateCache / Plan / Forward examples with JSON values.
 TXT
 exec "$build_dir/server/attnd" "$@"
