@@ -58,25 +58,32 @@ float Fp8E4M3ToFloat(uint8_t bits) {
   return negative ? -magnitude : magnitude;
 }
 
+// Integer-only: the append path encodes every cached element, and the frexp/ldexp/nearbyint
+// version spent most of its time in libm.
 uint8_t FloatToFp8E4M3(float value) {
-  if (std::isnan(value)) return 0x7f;
-  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
-  const float magnitude = std::fabs(value);
-  if (magnitude >= kFp8E4M3Max) return sign | 0x7e;
-  if (magnitude < 0.015625f) {
-    // Subnormal: a multiple of 2^-9; 8 * 2^-9 is the smallest normal, whose code is also 8.
-    return sign | static_cast<uint8_t>(std::nearbyint(magnitude * 512.0f));
+  const uint32_t bits = FloatBits(value);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return 0x7f;            // NaN
+  if (magnitude >= 0x43e00000u) return sign | 0x7e;    // >= 448, infinity included: saturate
+  if (magnitude >= 0x3c800000u) {
+    // Normal E4M3 (>= 2^-6): keep 3 of the 23 mantissa bits, rounding to nearest even; a carry
+    // moves into the exponent, and nothing below 448 rounds past 0x7e.
+    const uint32_t rounded = magnitude + 0x7ffffu + ((magnitude >> 20) & 1u);
+    return sign | static_cast<uint8_t>((rounded >> 20) - (120u << 3));
   }
-  int exponent;
-  std::frexp(magnitude, &exponent);  // magnitude = f * 2^exponent, f in [0.5, 1)
-  int unbiased = exponent - 1;
-  int significand = static_cast<int>(std::nearbyint(std::ldexp(magnitude, 3 - unbiased)));
-  if (significand == 16) {
-    significand = 8;
-    ++unbiased;
-  }
-  const int code = ((unbiased + 7) << 3) | (significand - 8);
-  return sign | static_cast<uint8_t>(code > 0x7e ? 0x7e : code);
+  // Subnormal E4M3: the value in units of 2^-9, rounded to nearest even (8 units is the
+  // smallest normal, whose code is also 8).
+  const uint32_t exponent = magnitude >> 23;
+  if (exponent == 0) return sign;  // float subnormals are far below half a unit
+  const uint32_t significand = (magnitude & 0x7fffffu) | 0x800000u;  // value = sig * 2^(e-150)
+  const uint32_t shift = 141 - exponent;                              // >= 21 here
+  if (shift > 24) return sign;                                        // below half a unit
+  const uint32_t units = significand >> shift;
+  const uint32_t remainder = significand & ((1u << shift) - 1);
+  const uint32_t half = 1u << (shift - 1);
+  const bool round_up = remainder > half || (remainder == half && (units & 1u));
+  return sign | static_cast<uint8_t>(units + (round_up ? 1 : 0));
 }
 
 }  // namespace attnd

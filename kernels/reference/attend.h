@@ -42,7 +42,8 @@ inline int64_t TileKeysFor(int32_t qk_dim) { return qk_dim <= 256 ? 128 : 64; }
 // Scratch of one thread, reused across tasks so steady-state calls do not allocate.
 template <typename T>
 struct AttendWorkspace {
-  std::vector<T> kt;      // [qk_dim][tile_keys]: the tile's keys, transposed
+  std::vector<T> k_rows;  // [tile_keys][qk_dim]: the tile's keys as loaded
+  std::vector<T> kt;      // [qk_dim][kt_stride]: the same keys, transposed
   std::vector<T> v;       // [tile_keys][v_dim_padded]
   std::vector<T> q;       // [num_rows][qk_dim]
   std::vector<T> o;       // [num_rows][v_dim_padded]: unnormalised output
@@ -60,8 +61,8 @@ struct AttendWorkspace {
 
 // One chunk of rows. The loaders are called as:
 //   load_q(row, T* out)                   // qk_dim values of the row's query
-//   load_kv(first_key, num_keys, T* kt, int64_t kt_stride, T* v, int64_t v_stride)
-//       // key k (of num_keys from first_key) into kt[d * kt_stride + k] and v[k * v_stride + d]
+//   load_kv(first_key, num_keys, T* k, int64_t k_stride, T* v, int64_t v_stride)
+//       // key k (of num_keys from first_key) into k[k * k_stride + d] and v[k * v_stride + d]
 //   write_row(row, const T* o, T lse)     // v_dim normalised outputs (zeros, lse -inf when
 //                                         // the row sees no key)
 // Rows' ranges must be filled into workspace.ranges[0, num_rows) before the call.
@@ -71,12 +72,15 @@ void AttendChunk(AttendWorkspace<T>& ws, int64_t num_rows, int32_t qk_dim, int32
                  WriteRow&& write_row) {
   const TileKernels<T>& kernels = GetTileKernels<T>();
   const int64_t tile_keys = TileKeysFor(qk_dim);
+  // A row stride of a power of two bytes would map every kt row to the same few L1 sets.
+  const int64_t kt_stride = tile_keys + kTileKeyQuantum;
   const int32_t v_dim_padded = static_cast<int32_t>(RoundUp(v_dim, kTileDimQuantum));
   const T sm_scale = static_cast<T>(params.sm_scale);
   const T soft_cap = static_cast<T>(params.logits_soft_cap);
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 
-  ws.kt.resize(static_cast<size_t>(qk_dim) * tile_keys);
+  ws.k_rows.resize(static_cast<size_t>(tile_keys) * qk_dim);
+  ws.kt.resize(static_cast<size_t>(qk_dim) * kt_stride);
   // Padding dims of V must be finite: they are multiplied into discarded output dims.
   ws.v.assign(static_cast<size_t>(tile_keys) * v_dim_padded, T{0});
   ws.q.resize(static_cast<size_t>(num_rows) * qk_dim);
@@ -103,8 +107,10 @@ void AttendChunk(AttendWorkspace<T>& ws, int64_t num_rows, int32_t qk_dim, int32
     const int64_t tile_end = tile_begin + tile_keys;
     const int64_t load_begin = std::max(first_key, tile_begin);
     const int64_t load_end = std::min(end_key, tile_end);
-    load_kv(load_begin, load_end - load_begin, ws.kt.data() + (load_begin - tile_begin), tile_keys,
+    load_kv(load_begin, load_end - load_begin, ws.k_rows.data(), int64_t{qk_dim},
             ws.v.data() + (load_begin - tile_begin) * v_dim_padded, int64_t{v_dim_padded});
+    kernels.transpose_keys(ws.k_rows.data(), qk_dim, load_end - load_begin, qk_dim,
+                           ws.kt.data() + (load_begin - tile_begin), kt_stride);
 
     for (int64_t block = 0; block < num_rows; block += kBlockRows) {
       const int block_rows = static_cast<int>(std::min<int64_t>(kBlockRows, num_rows - block));
@@ -133,7 +139,7 @@ void AttendChunk(AttendWorkspace<T>& ws, int64_t num_rows, int32_t qk_dim, int32
         prob_rows[r] = ws.probs.data() + r * tile_keys;
         o_rows[r] = ws.o.data() + row * v_dim_padded;
       }
-      kernels.score_block(q_rows, qk_dim, ws.kt.data(), tile_keys,
+      kernels.score_block(q_rows, qk_dim, ws.kt.data(), kt_stride,
                           block_union.begin / kTileKeyQuantum * kTileKeyQuantum,
                           RoundUp(block_union.end, kTileKeyQuantum), score_rows);
 

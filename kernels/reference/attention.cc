@@ -16,6 +16,8 @@ namespace {
 // Query rows (token x head in group) per task: enough that converting the task's keys costs
 // little next to the products, few enough that a prefill splits over the cores.
 constexpr int64_t kRowsPerTask = 64;
+// Cache rows requested this many keys before they are converted.
+constexpr int64_t kPrefetchKeysAhead = 4;
 
 struct Task {
   int32_t request = 0;
@@ -65,13 +67,20 @@ void RunTask(const BatchAttentionArgs& args, const Task& task) {
   };
   const T k_scale = static_cast<T>(args.params.k_scale);
   const T v_scale = static_cast<T>(args.params.v_scale);
-  const auto load_kv = [&](int64_t first_key, int64_t num_keys, T* kt, int64_t kt_stride, T* v,
+  const int64_t k_row_bytes = int64_t{head_dim} * DTypeBytes(args.k_cache.dtype);
+  const int64_t v_row_bytes = int64_t{head_dim} * DTypeBytes(args.v_cache.dtype);
+  const auto load_kv = [&](int64_t first_key, int64_t num_keys, T* k_rows, int64_t k_stride, T* v,
                            int64_t v_stride) {
     for (int64_t k = 0; k < num_keys; ++k) {
       const int64_t token = first_key + k;
+      if (k + kPrefetchKeysAhead < num_keys) {
+        const int64_t ahead = token + kPrefetchKeysAhead;
+        PrefetchRow(PoolRow(args.k_cache, k_pages, page_size, ahead, task.kv_head), k_row_bytes);
+        PrefetchRow(PoolRow(args.v_cache, v_pages, page_size, ahead, task.kv_head), v_row_bytes);
+      }
       ConvertRow<T>(args.k_cache.dtype,
                     PoolRow(args.k_cache, k_pages, page_size, token, task.kv_head), head_dim,
-                    k_scale, kt + k, kt_stride);
+                    k_scale, k_rows + k * k_stride);
       ConvertRow<T>(args.v_cache.dtype,
                     PoolRow(args.v_cache, v_pages, page_size, token, task.kv_head), head_dim,
                     v_scale, v + k * v_stride);

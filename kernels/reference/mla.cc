@@ -13,6 +13,7 @@ namespace attnd::reference {
 namespace {
 
 constexpr int64_t kRowsPerTask = 64;
+constexpr int64_t kPrefetchKeysAhead = 4;
 
 struct Task {
   int32_t request = 0;
@@ -63,15 +64,24 @@ void RunTask(const MlaAttentionArgs& args, const Task& task) {
   };
   const T ckv_scale = static_cast<T>(args.params.k_scale);
   const T kpe_scale = static_cast<T>(args.params.v_scale);
-  const auto load_kv = [&](int64_t first_key, int64_t num_keys, T* kt, int64_t kt_stride, T* v,
+  const int64_t ckv_row_bytes = int64_t{latent_dim} * DTypeBytes(args.ckv_cache.dtype);
+  const int64_t kpe_row_bytes = int64_t{rope_dim} * DTypeBytes(args.kpe_cache.dtype);
+  const auto load_kv = [&](int64_t first_key, int64_t num_keys, T* k_rows, int64_t k_stride, T* v,
                            int64_t v_stride) {
     for (int64_t k = 0; k < num_keys; ++k) {
       const int64_t token = first_key + k;
-      const uint8_t* ckv = LatentRow(args.ckv_cache, ckv_pages, page_size, token);
-      ConvertRow<T>(args.ckv_cache.dtype, ckv, latent_dim, ckv_scale, kt + k, kt_stride);
+      if (k + kPrefetchKeysAhead < num_keys) {
+        const int64_t ahead = token + kPrefetchKeysAhead;
+        PrefetchRow(LatentRow(args.ckv_cache, ckv_pages, page_size, ahead), ckv_row_bytes);
+        PrefetchRow(LatentRow(args.kpe_cache, kpe_pages, page_size, ahead), kpe_row_bytes);
+      }
+      T* key = k_rows + k * k_stride;
+      ConvertRow<T>(args.ckv_cache.dtype, LatentRow(args.ckv_cache, ckv_pages, page_size, token),
+                    latent_dim, ckv_scale, key);
       ConvertRow<T>(args.kpe_cache.dtype, LatentRow(args.kpe_cache, kpe_pages, page_size, token),
-                    rope_dim, kpe_scale, kt + latent_dim * kt_stride + k, kt_stride);
-      ConvertRow<T>(args.ckv_cache.dtype, ckv, latent_dim, ckv_scale, v + k * v_stride);
+                    rope_dim, kpe_scale, key + latent_dim);
+      // The values are the dequantised ckv just loaded.
+      std::copy(key, key + latent_dim, v + k * v_stride);
     }
   };
   const auto write_row = [&](int64_t row, const T* o, T lse) {

@@ -9,6 +9,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 namespace attnd::reference {
 namespace {
 
@@ -87,11 +91,23 @@ class ThreadPool {
   std::vector<std::thread> workers_;
 };
 
+// hardware_concurrency counts the machine's CPUs even when this process may only run on a few
+// (taskset, a container's cpuset); more threads than usable CPUs only add context switches.
+int UsableCpus() {
+  int cpus = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+#if defined(__linux__)
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) == 0) {
+    cpus = std::min(cpus, std::max(1, CPU_COUNT(&allowed)));
+  }
+#endif
+  return cpus;
+}
+
 ThreadPool& Pool() {
   // Never destroyed: workers block on the queue until the process exits, so no static
   // destructor can race a late ParallelFor.
-  static ThreadPool* const pool = new ThreadPool(
-      std::max(1, static_cast<int>(std::thread::hardware_concurrency())) - 1);
+  static ThreadPool* const pool = new ThreadPool(UsableCpus() - 1);
   return *pool;
 }
 

@@ -13,7 +13,8 @@ namespace attnd::reference {
 // is unspecified: results must not depend on it.
 void ParallelFor(int64_t num_tasks, const std::function<void(int64_t)>& task);
 
-// Threads that ParallelFor can use at once, the caller included (hardware_concurrency, >= 1).
+// Threads that ParallelFor can use at once, the caller included: hardware_concurrency, or
+// fewer when the process's CPU affinity allows fewer (>= 1).
 int ParallelismLevel();
 
 }  // namespace attnd::reference

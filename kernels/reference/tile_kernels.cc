@@ -12,6 +12,20 @@ namespace attnd::reference {
   void AccumulateBlock##suffix(int rows, const T* const* p, const T* v, int64_t v_stride,       \
                                int64_t key_begin, int64_t key_end, int32_t v_dim_padded,       \
                                T* const* o);                                                   \
+  template <typename T>                                                                        \
+  void ConvertRow##suffix(DType dtype, const void* src, int64_t count, T scale, T* dst,         \
+                          const float* fp8_table);                                             \
+  extern template void ConvertRow##suffix<float>(DType, const void*, int64_t, float, float*,   \
+                                                 const float*);                                \
+  extern template void ConvertRow##suffix<double>(DType, const void*, int64_t, double, double*, \
+                                                  const float*);                               \
+  template <typename T>                                                                        \
+  void TransposeKeys##suffix(const T* rows, int64_t row_stride, int64_t num_keys, int32_t dim,  \
+                             T* kt, int64_t kt_stride);                                        \
+  extern template void TransposeKeys##suffix<float>(const float*, int64_t, int64_t, int32_t,   \
+                                                    float*, int64_t);                          \
+  extern template void TransposeKeys##suffix<double>(const double*, int64_t, int64_t, int32_t, \
+                                                     double*, int64_t);                        \
   extern template void ScoreBlock##suffix<float>(const float* const*, int32_t, const float*,   \
                                                  int64_t, int64_t, int64_t, float* const*);    \
   extern template void ScoreBlock##suffix<double>(const double* const*, int32_t,               \
@@ -32,14 +46,22 @@ ATTND_DECLARE_TILE_KERNELS(Avx2)
 namespace {
 
 template <typename T>
+TileKernels<T> Generic() {
+  return {&ScoreBlockGeneric<T>, &AccumulateBlockGeneric<T>, &TransposeKeysGeneric<T>,
+          &ConvertRowGeneric<T>, "generic"};
+}
+
+template <typename T>
 TileKernels<T> ChooseKernels() {
 #if ATTND_REFERENCE_AVX2
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return {&ScoreBlockAvx2<T>, &AccumulateBlockAvx2<T>, "avx2"};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return {&ScoreBlockAvx2<T>, &AccumulateBlockAvx2<T>, &TransposeKeysAvx2<T>,
+            &ConvertRowAvx2<T>, "avx2"};
   }
 #endif
-  return {&ScoreBlockGeneric<T>, &AccumulateBlockGeneric<T>, "generic"};
+  return Generic<T>();
 }
 
 }  // namespace
@@ -51,6 +73,16 @@ const TileKernels<float>& FloatTileKernels() {
 
 const TileKernels<double>& DoubleTileKernels() {
   static const TileKernels<double> kernels = ChooseKernels<double>();
+  return kernels;
+}
+
+const TileKernels<float>& GenericFloatTileKernels() {
+  static const TileKernels<float> kernels = Generic<float>();
+  return kernels;
+}
+
+const TileKernels<double>& GenericDoubleTileKernels() {
+  static const TileKernels<double> kernels = Generic<double>();
   return kernels;
 }
 

@@ -1,5 +1,5 @@
-// The two inner products of CPU attention, on one tile of keys and a block of query rows, in
-// float or double. They are written with explicit SIMD lanes (no reassociation of any single
+// The inner loops of CPU attention, in float or double: converting cache rows, transposing a
+// tile of keys, and the two products on one tile of keys and a block of query rows. They are written with explicit SIMD lanes (no reassociation of any single
 // sum), so each score and each output element is accumulated in a fixed order whatever the
 // block size: a row's result does not depend on the rows batched with it. On x86-64 an
 // AVX2+FMA variant is chosen at run time when the CPU has it (its fused multiply-adds round
@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstdint>
+
+#include "attnd/kernels/dtype.h"
 
 namespace attnd::reference {
 
@@ -27,12 +29,23 @@ struct TileKernels {
   // [key_begin, key_end) in order, d in [0, v_dim_padded) (a multiple of kTileDimQuantum).
   void (*accumulate_block)(int rows, const T* const* p, const T* v, int64_t v_stride,
                            int64_t key_begin, int64_t key_end, int32_t v_dim_padded, T* const* o);
+  // kt[d * kt_stride + k] = rows[k * row_stride + d] for k < num_keys, d < dim.
+  void (*transpose_keys)(const T* rows, int64_t row_stride, int64_t num_keys, int32_t dim, T* kt,
+                         int64_t kt_stride);
+  // dst[i] = T(element i of src, a dense array of dtype) * scale for i < count; exact decode.
+  // fp8_table: the 256 E4M3 values (convert.h's Fp8E4M3Table).
+  void (*convert_row)(DType dtype, const void* src, int64_t count, T scale, T* dst,
+                      const float* fp8_table);
   const char* isa;  // "avx2" or "generic"
 };
 
 // The best kernels this CPU runs; chosen once.
 const TileKernels<float>& FloatTileKernels();
 const TileKernels<double>& DoubleTileKernels();
+
+// The portable kernels, whatever the CPU; for tests that compare the two variants.
+const TileKernels<float>& GenericFloatTileKernels();
+const TileKernels<double>& GenericDoubleTileKernels();
 
 template <typename T>
 const TileKernels<T>& GetTileKernels();

@@ -1,12 +1,18 @@
 // Bodies of the tile kernels (tile_kernels.h), included once per ISA by tile_kernels_generic.cc
-// and tile_kernels_avx2.cc (the latter compiled with -mavx2 -mfma). Everything but the
+// and tile_kernels_avx2.cc (the latter compiled with -mavx2 -mfma -mf16c). Everything but the
 // ISA-suffixed entry points has internal linkage, so the linker can never hand one ISA's copy
 // of a helper to the other's callers.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "attnd/kernels/dtype.h"
 #include "reference/tile_kernels.h"
 
 // The including file names its kernels with this suffix.
@@ -44,8 +50,8 @@ ATTND_ALWAYS_INLINE void Store(T* to, const typename Lanes<T>::Vec& value) {
   std::memcpy(to, &value, sizeof value);
 }
 
-// Each step of d loads kSpan keys of one kt row and broadcasts one q element per row, so every
-// accumulator lane is one (row, key) sum taken over d in order.
+// Each step of d loads kTileKeyQuantum keys of one kt row and broadcasts one q element per row,
+// so every accumulator lane is one (row, key) sum taken over d in order.
 template <typename T>
 ATTND_ALWAYS_INLINE void ScoreBlockImpl(const T* const* q, int32_t qk_dim, const T* kt,
                                         int64_t kt_stride, int64_t key_begin, int64_t key_end,
@@ -134,6 +140,139 @@ ATTND_ALWAYS_INLINE void AccumulateDispatch(int rows, const T* const* p, const T
 static_assert(kTileDimQuantum % (2 * Lanes<float>::kCount) == 0);
 static_assert(kTileKeyQuantum % Lanes<float>::kCount == 0);
 
+
+#if defined(__AVX2__)
+// Eight rows of eight floats, transposed in registers (the standard unpack/shuffle/permute
+// network).
+ATTND_ALWAYS_INLINE void Transpose8x8(const float* from, int64_t from_stride, float* to,
+                                      int64_t to_stride) {
+  __m256 r[8], t[8], s[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(from + i * from_stride);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(to + i * to_stride, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
+    _mm256_storeu_ps(to + (i + 4) * to_stride, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
+  }
+}
+#endif
+
+// kt[d * kt_stride + k] = rows[k * row_stride + d]. Converting rows contiguously and then
+// transposing in blocks is several times faster than converting straight into columns, whose
+// scattered stores dominated decode.
+template <typename T>
+ATTND_ALWAYS_INLINE void TransposeKeysImpl(const T* rows, int64_t row_stride, int64_t num_keys,
+                                           int32_t dim, T* kt, int64_t kt_stride) {
+  int64_t k0 = 0;
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) {
+    for (; k0 + 8 <= num_keys; k0 += 8) {
+      int32_t d0 = 0;
+      for (; d0 + 8 <= dim; d0 += 8)
+        Transpose8x8(rows + k0 * row_stride + d0, row_stride, kt + d0 * kt_stride + k0, kt_stride);
+      for (; d0 < dim; ++d0)
+        for (int k = 0; k < 8; ++k) kt[d0 * kt_stride + k0 + k] = rows[(k0 + k) * row_stride + d0];
+    }
+  }
+#endif
+  // Eight keys at a time: eight source rows stay in L1 while d advances.
+  for (; k0 < num_keys; k0 += 8) {
+    const int keys = static_cast<int>(num_keys - k0 < 8 ? num_keys - k0 : 8);
+    for (int32_t d = 0; d < dim; ++d)
+      for (int k = 0; k < keys; ++k) kt[d * kt_stride + k0 + k] = rows[(k0 + k) * row_stride + d];
+  }
+}
+
+
+// ---- Row conversion ---------------------------------------------------------------------------
+// Local copies of the decoders (not dtype.h's inline functions: an out-of-line copy compiled
+// here with AVX2 could be picked by the linker for every caller). They are exact, and
+// dtype_test checks them against dtype.h on every code.
+
+ATTND_ALWAYS_INLINE float DecodeBFloat16(uint16_t bits) {
+  const uint32_t word = uint32_t{bits} << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+// The 15 magnitude bits shifted into a float's position give the value times 2^-112, normals
+// and subnormals alike; only inf/NaN need their exponent set.
+ATTND_ALWAYS_INLINE float DecodeFloat16(uint16_t bits) {
+  const uint32_t magnitude = uint32_t{bits & 0x7fffu} << 13;
+  const uint32_t sign = uint32_t{bits & 0x8000u} << 16;
+  float scaled;
+  std::memcpy(&scaled, &magnitude, sizeof scaled);
+  scaled *= 0x1p112f;
+  uint32_t word;
+  std::memcpy(&word, &scaled, sizeof word);
+  if ((bits & 0x7c00u) == 0x7c00u) word = 0x7f800000u | magnitude;
+  word |= sign;
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+// dst[i] = T(element i of src) * scale. The AVX2 build widens eight elements per instruction,
+// which also keeps enough cache-line loads in flight: decode reads scattered 256-byte rows and
+// was latency-bound with a scalar loop.
+template <typename T>
+ATTND_ALWAYS_INLINE void ConvertRowImpl(DType dtype, const void* src, int64_t count, T scale,
+                                        T* dst, const float* fp8_table) {
+  int64_t i = 0;
+  switch (dtype) {
+    case DType::kBFloat16: {
+      const auto* in = static_cast<const uint16_t*>(src);
+#if defined(__AVX2__)
+      if constexpr (std::is_same_v<T, float>) {
+        const __m256 factor = _mm256_set1_ps(scale);
+        for (; i + 8 <= count; i += 8) {
+          const __m256i wide =
+              _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+          _mm256_storeu_ps(dst + i,
+                           _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)), factor));
+        }
+      }
+#endif
+      for (; i < count; ++i) dst[i] = static_cast<T>(DecodeBFloat16(in[i])) * scale;
+      return;
+    }
+    case DType::kFloat16: {
+      const auto* in = static_cast<const uint16_t*>(src);
+#if defined(__AVX2__) && defined(__F16C__)
+      if constexpr (std::is_same_v<T, float>) {
+        const __m256 factor = _mm256_set1_ps(scale);
+        for (; i + 8 <= count; i += 8) {
+          const __m256 wide =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+          _mm256_storeu_ps(dst + i, _mm256_mul_ps(wide, factor));
+        }
+      }
+#endif
+      for (; i < count; ++i) dst[i] = static_cast<T>(DecodeFloat16(in[i])) * scale;
+      return;
+    }
+    case DType::kFloat8E4M3: {
+      const auto* in = static_cast<const uint8_t*>(src);
+      for (; i < count; ++i) dst[i] = static_cast<T>(fp8_table[in[i]]) * scale;
+      return;
+    }
+    case DType::kFloat32: {
+      const auto* in = static_cast<const float*>(src);
+      for (; i < count; ++i) dst[i] = static_cast<T>(in[i]) * scale;
+      return;
+    }
+  }
+}
+
 }  // namespace
 
 #define ATTND_TILE_CONCAT_INNER(a, b) a##b
@@ -154,6 +293,30 @@ void ATTND_TILE_CONCAT(AccumulateBlock, ATTND_TILE_ISA)(int rows, const T* const
   AccumulateDispatch<T>(rows, p, v, v_stride, key_begin, key_end, v_dim_padded, o);
 }
 
+template <typename T>
+void ATTND_TILE_CONCAT(TransposeKeys, ATTND_TILE_ISA)(const T* rows, int64_t row_stride,
+                                                      int64_t num_keys, int32_t dim, T* kt,
+                                                      int64_t kt_stride) {
+  TransposeKeysImpl<T>(rows, row_stride, num_keys, dim, kt, kt_stride);
+}
+
+template <typename T>
+void ATTND_TILE_CONCAT(ConvertRow, ATTND_TILE_ISA)(DType dtype, const void* src, int64_t count,
+                                                   T scale, T* dst, const float* fp8_table) {
+  ConvertRowImpl<T>(dtype, src, count, scale, dst, fp8_table);
+}
+
+template void ATTND_TILE_CONCAT(ConvertRow, ATTND_TILE_ISA)<float>(DType, const void*, int64_t,
+                                                                    float, float*, const float*);
+template void ATTND_TILE_CONCAT(ConvertRow, ATTND_TILE_ISA)<double>(DType, const void*, int64_t,
+                                                                     double, double*,
+                                                                     const float*);
+template void ATTND_TILE_CONCAT(TransposeKeys, ATTND_TILE_ISA)<float>(const float*, int64_t,
+                                                                       int64_t, int32_t, float*,
+                                                                       int64_t);
+template void ATTND_TILE_CONCAT(TransposeKeys, ATTND_TILE_ISA)<double>(const double*, int64_t,
+                                                                        int64_t, int32_t,
+                                                                        double*, int64_t);
 template void ATTND_TILE_CONCAT(ScoreBlock, ATTND_TILE_ISA)<float>(
     const float* const*, int32_t, const float*, int64_t, int64_t, int64_t, float* const*);
 template void ATTND_TILE_CONCAT(ScoreBlock, ATTND_TILE_ISA)<double>(

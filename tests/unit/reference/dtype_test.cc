@@ -5,10 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include "reference/convert.h"
+#include "reference/tile_kernels.h"
 
 namespace attnd {
 namespace {
@@ -63,6 +66,16 @@ TEST(Fp8E4M3, DecodesKnownValues) {
   EXPECT_EQ(Fp8E4M3ToFloat(0x77), 240.0f);
 }
 
+TEST(Fp8E4M3, FlushesValuesBelowHalfTheSmallestSubnormalToSignedZero) {
+  const float half_unit = std::ldexp(1.0f, -10);
+  EXPECT_EQ(FloatToFp8E4M3(half_unit), 0x00);  // tie with 0: even
+  EXPECT_EQ(FloatToFp8E4M3(std::nextafter(half_unit, 1.0f)), 0x01);
+  EXPECT_EQ(FloatToFp8E4M3(std::nextafter(half_unit, 0.0f)), 0x00);
+  EXPECT_EQ(FloatToFp8E4M3(-1e-30f), 0x80);
+  EXPECT_EQ(FloatToFp8E4M3(std::numeric_limits<float>::denorm_min()), 0x00);
+  EXPECT_EQ(FloatToFp8E4M3(-0.0f), 0x80);
+}
+
 TEST(Fp8E4M3, SaturatesLargeAndInfiniteValuesToPlusMinus448) {
   for (const float big : {448.0f, 449.0f, 464.0f, 479.0f, 480.0f, 1000.0f, 1e30f, kInf}) {
     EXPECT_EQ(FloatToFp8E4M3(big), 0x7e) << big;
@@ -86,8 +99,9 @@ TEST(Fp8E4M3, RoundsTiesToEvenBetweenEveryPairOfNeighbours) {
 
 TEST(Fp8E4M3, EncodesRandomValuesToTheNearestCode) {
   std::mt19937 rng(5);
-  std::uniform_real_distribution<double> log_magnitude(-12, 9.5);
-  for (int i = 0; i < 20000; ++i) {
+  // From far below the smallest subnormal (2^-9) to past the saturation point (448 < 2^9).
+  std::uniform_real_distribution<double> log_magnitude(-14, 9.5);
+  for (int i = 0; i < 100000; ++i) {
     const float x = static_cast<float>(std::exp2(log_magnitude(rng))) * (i % 2 ? -1 : 1);
     int want = NearestEvenCode(std::fabs(x), 0x7f, [](int code) {
       return double{Fp8E4M3ToFloat(static_cast<uint8_t>(code))};
@@ -208,11 +222,67 @@ TEST(DTypeConversions, StoreThenLoadGivesTheRoundedValueForEveryDtype) {
   }
 }
 
-TEST(ReferenceConvert, FastFloat16DecodeMatchesHalfToFloatOnEveryCode) {
-  for (int code = 0; code < 65536; ++code) {
-    ASSERT_TRUE(SameFloat(reference::HalfToFloatFast(static_cast<uint16_t>(code)),
-                          HalfToFloat(static_cast<uint16_t>(code))))
-        << code;
+// Both the CPU's chosen kernels and the portable ones decode exactly what dtype.h decodes.
+template <typename T>
+std::vector<const reference::TileKernels<T>*> KernelVariants();
+template <>
+std::vector<const reference::TileKernels<float>*> KernelVariants<float>() {
+  return {&reference::FloatTileKernels(), &reference::GenericFloatTileKernels()};
+}
+template <>
+std::vector<const reference::TileKernels<double>*> KernelVariants<double>() {
+  return {&reference::DoubleTileKernels(), &reference::GenericDoubleTileKernels()};
+}
+
+template <typename T>
+void ExpectConvertRowDecodesEveryCode(DType dtype) {
+  const int codes = dtype == DType::kFloat8E4M3 ? 256 : 65536;
+  std::vector<uint8_t> bytes(codes * DTypeBytes(dtype));
+  for (int code = 0; code < codes; ++code) {
+    if (DTypeBytes(dtype) == 1) {
+      bytes[code] = static_cast<uint8_t>(code);
+    } else {
+      const uint16_t bits = static_cast<uint16_t>(code);
+      std::memcpy(&bytes[code * 2], &bits, 2);
+    }
+  }
+  for (const auto* kernels : KernelVariants<T>()) {
+    // An odd count and offset exercise the vector body and the scalar tail.
+    std::vector<T> out(codes + 1, T{-7});
+    kernels->convert_row(dtype, bytes.data(), codes - 1, T{1}, out.data(),
+                         reference::Fp8E4M3Table().data());
+    for (int code = 0; code < codes - 1; ++code) {
+      const float want = LoadAsFloat(dtype, bytes.data(), code);
+      ASSERT_TRUE((std::isnan(want) && std::isnan(out[code])) ||
+                  (out[code] == T{want} && std::signbit(out[code]) == std::signbit(want)))
+          << kernels->isa << " " << DTypeName(dtype) << " code " << code;
+    }
+    EXPECT_EQ(out[codes - 1], T{-7}) << "wrote past the row";
+  }
+}
+
+TEST(ReferenceConvert, ConvertRowDecodesEveryCodeExactlyInEveryVariant) {
+  for (const DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3}) {
+    ExpectConvertRowDecodesEveryCode<float>(dtype);
+    ExpectConvertRowDecodesEveryCode<double>(dtype);
+  }
+}
+
+TEST(ReferenceConvert, ConvertRowMultipliesByTheScaleInTheAccumulationType) {
+  std::mt19937 rng(3);
+  for (const DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3, DType::kFloat32}) {
+    std::vector<uint8_t> bytes(37 * DTypeBytes(dtype));
+    for (uint8_t& byte : bytes) byte = static_cast<uint8_t>(rng());
+    std::vector<double> out_double(37);
+    reference::ConvertRow<double>(dtype, bytes.data(), 37, 0.1, out_double.data());
+    std::vector<float> out_float(37);
+    reference::ConvertRow<float>(dtype, bytes.data(), 37, 0.1f, out_float.data());
+    for (int i = 0; i < 37; ++i) {
+      const float loaded = LoadAsFloat(dtype, bytes.data(), i);
+      if (std::isnan(loaded)) continue;
+      EXPECT_EQ(out_double[i], double{loaded} * 0.1) << i;
+      EXPECT_EQ(out_float[i], loaded * 0.1f) << i;
+    }
   }
 }
 
@@ -221,21 +291,6 @@ TEST(ReferenceConvert, Fp8TableMatchesDecodeOnEveryCode) {
     EXPECT_TRUE(SameFloat(reference::Fp8E4M3Table()[code],
                           Fp8E4M3ToFloat(static_cast<uint8_t>(code))))
         << code;
-  }
-}
-
-TEST(ReferenceConvert, ConvertRowMatchesLoadAsFloatTimesScaleWithStride) {
-  std::mt19937 rng(3);
-  for (const DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3, DType::kFloat32}) {
-    std::vector<uint8_t> bytes(64 * DTypeBytes(dtype));
-    for (uint8_t& byte : bytes) byte = static_cast<uint8_t>(rng());
-    std::vector<double> out(64 * 3, -1.0);
-    reference::ConvertRow<double>(dtype, bytes.data(), 64, 0.5, out.data(), 3);
-    for (int i = 0; i < 64; ++i) {
-      const double want = double{LoadAsFloat(dtype, bytes.data(), i)} * 0.5;
-      EXPECT_TRUE((std::isnan(want) && std::isnan(out[i * 3])) || want == out[i * 3]);
-      EXPECT_EQ(out[i * 3 + 1], -1.0);
-    }
   }
 }
 

@@ -8,6 +8,8 @@
 #include <thread>
 #include <vector>
 
+#include <sched.h>
+
 namespace attnd::reference {
 namespace {
 
@@ -19,9 +21,12 @@ TEST(ParallelFor, RunsEveryIndexExactlyOnce) {
   }
 }
 
-TEST(ParallelFor, UsesEveryHardwareThread) {
-  const unsigned hardware = std::max(1u, std::thread::hardware_concurrency());
-  EXPECT_EQ(ParallelismLevel(), static_cast<int>(hardware));
+TEST(ParallelFor, UsesEveryCpuTheProcessMayRunOn) {
+  int usable = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof allowed, &allowed), 0);
+  usable = std::min(usable, CPU_COUNT(&allowed));
+  EXPECT_EQ(ParallelismLevel(), usable);
 }
 
 TEST(ParallelFor, ConcurrentCallersEachCompleteTheirOwnWork) {
