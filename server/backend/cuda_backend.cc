@@ -60,37 +60,69 @@ absl::Status CheckSupported(const CacheGeometry& g) {
   return absl::OkStatus();
 }
 
+// The KV reservation and its ranges. Shared by the backend and its caches: a cache can be
+// destroyed on its own completion thread after the engine has let go of everything (the last
+// reference to it can sit in a finished layer's callback), possibly after the backend.
+class KvReservation {
+ public:
+  KvReservation(uint8_t* base, int64_t bytes)
+      : base_(base), ranges_(bytes, cuda_backend::kBufferAlignment) {}
+  ~KvReservation() { cudaFree(base_); }
+
+  uint8_t* base() const { return base_; }
+  int64_t capacity_bytes() const { return ranges_.capacity_bytes(); }
+  int64_t FreeBytes() const {
+    std::lock_guard lock(mu_);
+    return ranges_.capacity_bytes() - used_bytes_;
+  }
+  absl::StatusOr<int64_t> Allocate(const CacheGeometry& geometry) {
+    const int64_t bytes = geometry.PoolBytes();
+    std::lock_guard lock(mu_);
+    const std::optional<int64_t> offset = ranges_.Allocate(bytes);
+    if (!offset.has_value()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the cache needs ", bytes, " bytes of KV memory (", geometry.num_pages, " pages of ",
+          geometry.BytesPerPage(), " bytes) but ", ranges_.capacity_bytes() - used_bytes_,
+          " of the CUDA KV budget (", ranges_.capacity_bytes(),
+          " bytes, --kv_memory_bytes) are free, the largest free range ",
+          ranges_.largest_free_range(), " bytes"));
+    }
+    used_bytes_ += bytes;
+    return *offset;
+  }
+  void Free(int64_t offset, int64_t bytes) {
+    std::lock_guard lock(mu_);
+    ranges_.Free(offset, bytes);
+    used_bytes_ -= bytes;
+  }
+
+ private:
+  uint8_t* const base_;
+  mutable std::mutex mu_;
+  RangeAllocator ranges_;
+  // Pool bytes the caches asked for: ranges are rounded up, but the budget is reported
+  // unrounded, as the CPU backend does.
+  int64_t used_bytes_ = 0;
+};
+
 class CudaBackend final : public Backend {
  public:
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const CudaBackendOptions& options);
-  ~CudaBackend() override {
-    if (reservation_ != nullptr) cudaFree(reservation_);
-  }
 
   BackendInfo Info() const override { return info_; }
-
-  int64_t KvFreeBytes() const override {
-    std::lock_guard lock(mu_);
-    return ranges_.free_bytes();
-  }
-
+  int64_t KvFreeBytes() const override { return reservation_->FreeBytes(); }
   absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(
       const CacheGeometry& geometry) override;
 
  private:
-  CudaBackend(const CudaBackendOptions& options, const BackendInfo& info, uint8_t* reservation,
-              int64_t reservation_bytes)
-      : options_(options),
-        info_(info),
-        reservation_(reservation),
-        ranges_(reservation_bytes, cuda_backend::kBufferAlignment) {}
+  CudaBackend(const CudaBackendOptions& options, const BackendInfo& info,
+              std::shared_ptr<KvReservation> reservation)
+      : options_(options), info_(info), reservation_(std::move(reservation)) {}
 
   const CudaBackendOptions options_;
   const BackendInfo info_;
-  uint8_t* const reservation_;
+  const std::shared_ptr<KvReservation> reservation_;
   const int device_ = 0;
-  mutable std::mutex mu_;
-  RangeAllocator ranges_;
 };
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
@@ -137,31 +169,19 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   info.kv_budget_bytes = budget;
   // No "mla" (no MLA kernel yet) and no "pod" (mixed steps run decode then prefill).
   info.extensions = {"fp8_kv", "deterministic", "separate_kv_index"};
-  return std::unique_ptr<CudaBackend>(
-      new CudaBackend(options, info, static_cast<uint8_t*>(reservation), budget));
+  return std::unique_ptr<CudaBackend>(new CudaBackend(
+      options, info,
+      std::make_shared<KvReservation>(static_cast<uint8_t*>(reservation), budget)));
 }
 
 absl::StatusOr<std::unique_ptr<BackendCache>> CudaBackend::CreateCache(
     const CacheGeometry& geometry) {
   RETURN_IF_ERROR(CheckSupported(geometry));
-  const int64_t bytes = geometry.PoolBytes();
-  std::optional<int64_t> offset;
-  {
-    std::lock_guard lock(mu_);
-    offset = ranges_.Allocate(bytes);
-    if (!offset.has_value()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the cache needs ", bytes, " bytes of KV memory (", geometry.num_pages, " pages of ",
-          geometry.BytesPerPage(), " bytes) but ", ranges_.free_bytes(), " of the CUDA KV budget (",
-          ranges_.capacity_bytes(), " bytes, --kv_memory_bytes) are free, the largest free range ",
-          ranges_.largest_free_range(), " bytes"));
-    }
-  }
-  auto release = [this, offset = *offset, bytes] {
-    std::lock_guard lock(mu_);
-    ranges_.Free(offset, bytes);
+  ASSIGN_OR_RETURN(const int64_t offset, reservation_->Allocate(geometry));
+  auto release = [reservation = reservation_, offset, bytes = geometry.PoolBytes()] {
+    reservation->Free(offset, bytes);
   };
-  auto cache = CudaCache::Create(geometry, reservation_ + *offset, device_, options_.observer,
+  auto cache = CudaCache::Create(geometry, reservation_->base() + offset, device_, options_.observer,
                                  release);
   if (!cache.ok()) {  // the failed cache gave its range back
     return absl::Status(cache.status().code(),

@@ -26,7 +26,7 @@ int64_t BytesPerPage(const attnd::v1::CacheConfig& config) {
 
 TEST_F(RpcTest, GetServerInfoReportsCpuBackendBudgetAndLimits) {
   ASSERT_OK_AND_ASSIGN(auto info, client().GetServerInfo());
-  EXPECT_EQ(info.backend(), "cpu");
+  EXPECT_EQ(info.backend(), TestBackendName());
   EXPECT_THAT(info.version(), Not(IsEmpty()));
   EXPECT_THAT(info.device(), Not(IsEmpty()));
   EXPECT_EQ(info.kv_budget_bytes(), kTestKvBudgetBytes);

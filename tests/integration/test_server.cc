@@ -1,16 +1,24 @@
 #include "test_server.h"
 
+#include <cstdlib>
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "status_matchers.h"
 
 namespace attnd::integration {
+
+std::string TestBackendName() {
+  const char* backend = std::getenv("ATTND_TEST_BACKEND");
+  return backend != nullptr && std::strcmp(backend, "cuda") == 0 ? "cuda" : "cpu";
+}
 
 ServerOptions TestServerOptions() {
   ServerOptions options;
   options.listen_address = "127.0.0.1:0";
   // The Prometheus exposer takes about a second to stop; only the metrics test starts it.
   options.metrics_address = "";
-  options.backend = BackendKind::kCpu;
+  options.backend = TestBackendName() == "cuda" ? BackendKind::kCuda : BackendKind::kCpu;
   options.kv_memory_bytes = kTestKvBudgetBytes;
   options.drain_grace = absl::Milliseconds(200);
   options.exit_grace = absl::Milliseconds(500);

@@ -19,6 +19,10 @@ inline constexpr int64_t kTestKvBudgetBytes = int64_t{64} << 20;
 // no metrics exposer.
 ServerOptions TestServerOptions();
 
+// The backend TestServerOptions() picks: "cpu", or "cuda" when the environment sets
+// ATTND_TEST_BACKEND=cuda (to run this suite against the CUDA backend on a GPU machine).
+std::string TestBackendName();
+
 class IntegrationTest : public ::testing::Test {
  protected:
   void SetUp() override;
