@@ -1,10 +1,12 @@
-// Fused RoPE + quantise + paged append (DESIGN 4.1). A CTA takes kTokensPerCta tokens: it looks
-// up each token's page slot and computes its rotary cos/sin once (shared by every head), while
-// every thread already loads its first 16-element segment; then the threads walk the tokens'
-// segments, loading the next segment before transforming the current one so two are in flight.
-// A launch runs up to three "jobs" over the same tokens, walked as one flat segment list: MHA
-// q (dense, rotated), k (paged, rotated), v (paged); MLA q_pe (dense, rotated), ckv (paged),
-// kpe (paged, rotated). Loads and stores are 16 bytes wide.
+// Fused RoPE + quantise + paged append (DESIGN 4.1). A CTA takes kTokensPerCta tokens and walks
+// their rows as one flat list of 8-element units (one 16-byte input vector each; the jobs of a
+// launch one after another: MHA q (dense, rotated), k (paged, rotated), v (paged); MLA q_pe
+// (dense, rotated), ckv (paged), kpe (paged, rotated)). Consecutive lanes take consecutive units,
+// so every warp load and store is 512 contiguous bytes; each thread loads kUnitsInFlight units
+// before transforming any, to keep enough bytes in flight. The CTA looks up each token's page
+// slot and computes its rotary cos/sin once (shared by every head) while the first loads are
+// out. FP8 units give 8 bytes: lane pairs (always halves of one row) join them into one 16-byte
+// store.
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
@@ -17,9 +19,10 @@ namespace attnd::cuda {
 namespace {
 
 constexpr int kAppendThreads = 256;
-constexpr int kTokensPerCta = 8;
+constexpr int kTokensPerCta = 4;
 constexpr int kMaxRopePairs = 128;  // rotary_dim <= 256
-constexpr int kSegment = 16;        // elements a thread handles at once
+constexpr int kUnit = 8;            // elements of one unit
+constexpr int kUnitsInFlight = 4;   // units a thread loads before transforming them
 constexpr int kMaxJobs = 3;
 
 struct AppendJob {
@@ -32,8 +35,8 @@ struct AppendJob {
   int64_t head_stride;
   int32_t num_heads;
   int32_t width;
-  int32_t log2_segments_per_row;  // width / 16 is a power of two (widths 64..512)
-  int32_t segments_per_token;     // 0: job absent
+  int32_t log2_units_per_row;  // width / 8 is a power of two (widths 16..512)
+  int32_t units_per_token;     // 0: job absent
   bool rotate;
   float scale;          // paged: stores value / scale ...
   float inverse_scale;  // ... computed as a correctly rounded quotient from 1 / scale
@@ -56,105 +59,68 @@ __device__ __forceinline__ float LoadOne(const T* source) {
   return static_cast<float>(*source);
 }
 
-template <typename T>
-__device__ __forceinline__ void Store16(T* target, const float* values) {
-  uint4* raw = reinterpret_cast<uint4*>(target);
-  raw[0] = FloatToRaw8<T>(values);
-  raw[1] = FloatToRaw8<T>(values + 8);
-}
-
-template <>
-__device__ __forceinline__ void Store16<__nv_fp8_e4m3>(__nv_fp8_e4m3* target, const float* values) {
-  const uint2 low = FloatToRaw8<__nv_fp8_e4m3>(values);
-  const uint2 high = FloatToRaw8<__nv_fp8_e4m3>(values + 8);
-  *reinterpret_cast<uint4*>(target) = make_uint4(low.x, low.y, high.x, high.y);
-}
-
 // value / scale, correctly rounded, from the reciprocal: q = value * (1/scale) is within an ulp,
 // the residual value - q * scale is exact in one FMA, and one correction step rounds correctly
-// (Markstein) — three instructions instead of a full division.
+// (Markstein): three instructions instead of a full division.
 __device__ __forceinline__ float DivideByScale(float value, float scale, float inverse_scale) {
   const float quotient = value * inverse_scale;
   const float residual = fmaf(-quotient, scale, value);
   return fmaf(residual, inverse_scale, quotient);
 }
 
-// Where segment `index` of a CTA's flat list lies: job, token in the CTA, head, first dim.
-struct Segment {
+// Where unit `index` of a CTA's flat list lies: job, token in the CTA, head, first dim.
+struct Unit {
   int job;
-  int token;  // in the CTA; >= the CTA's token count: nothing to do
+  int token;
   int head;
   int first_dim;
 };
 
-__device__ __forceinline__ Segment Locate(const AppendParams& params, int index) {
-  Segment segment;
-  segment.job = 0;
+__device__ __forceinline__ Unit Locate(const AppendParams& params, int index) {
+  Unit unit;
+  unit.job = 0;
 #pragma unroll
   for (int j = 0; j < kMaxJobs - 1; ++j) {
-    const int job_segments = kTokensPerCta * params.jobs[segment.job].segments_per_token;
-    if (index >= job_segments) {
-      index -= job_segments;
-      ++segment.job;
+    const int job_units = kTokensPerCta * params.jobs[unit.job].units_per_token;
+    if (index >= job_units) {
+      index -= job_units;
+      ++unit.job;
     }
   }
-  const AppendJob& job = params.jobs[segment.job];
-  segment.token = index / job.segments_per_token;
-  const int in_token = index - segment.token * job.segments_per_token;
-  segment.head = in_token >> job.log2_segments_per_row;
-  segment.first_dim = (in_token - (segment.head << job.log2_segments_per_row)) * kSegment;
-  return segment;
+  const AppendJob& job = params.jobs[unit.job];
+  unit.token = index / job.units_per_token;
+  const int in_token = index - unit.token * job.units_per_token;
+  unit.head = in_token >> job.log2_units_per_row;
+  unit.first_dim = (in_token - (unit.head << job.log2_units_per_row)) * kUnit;
+  return unit;
 }
 
-// The raw input bytes of a segment, and of its neox partner segment when that is one aligned
-// vector (the half rotary width a multiple of 16).
-struct SegmentData {
-  uint4 value[2];
-  uint4 partner[2];
-};
-
 template <typename InT>
-__device__ __forceinline__ const InT* InputRow(const AppendParams& params, const Segment& segment,
+__device__ __forceinline__ const InT* InputRow(const AppendParams& params, const Unit& unit,
                                                int64_t first_token) {
-  const AppendJob& job = params.jobs[segment.job];
+  const AppendJob& job = params.jobs[unit.job];
   return static_cast<const InT*>(job.in) +
-         ((first_token + segment.token) * job.num_heads + segment.head) * static_cast<int64_t>(job.width);
+         ((first_token + unit.token) * job.num_heads + unit.head) * static_cast<int64_t>(job.width);
 }
 
-__device__ __forceinline__ bool HasVectorPartner(const AppendParams& params, const Segment& segment) {
-  return params.jobs[segment.job].rotate && !params.interleaved && params.rope_pairs % kSegment == 0 &&
-         segment.first_dim + kSegment <= 2 * params.rope_pairs;
+// The neox partner of a unit is one aligned vector when the half rotary width is a multiple of 8.
+__device__ __forceinline__ bool HasVectorPartner(const AppendParams& params, const Unit& unit) {
+  return params.jobs[unit.job].rotate && !params.interleaved && params.rope_pairs % kUnit == 0 &&
+         unit.first_dim + kUnit <= 2 * params.rope_pairs;
 }
 
+// Rotates the elements of x (dims [first_dim, first_dim + 8) of `row`) in the rotary range.
+// Products and sums are rounded separately (no FMA contraction), as the reference's float
+// arithmetic does, so both store the same bits for the same cos/sin.
 template <typename InT>
-__device__ __forceinline__ void LoadSegment(const AppendParams& params, const Segment& segment,
-                                            int64_t first_token, int tokens_here, SegmentData& data) {
-  if (segment.token >= tokens_here) return;
-  const InT* row = InputRow<InT>(params, segment, first_token);
-  const uint4* source = reinterpret_cast<const uint4*>(row + segment.first_dim);
-  data.value[0] = source[0];
-  data.value[1] = source[1];
-  if (HasVectorPartner(params, segment)) {
-    const int pairs = params.rope_pairs;
-    const int partner_dim = segment.first_dim < pairs ? segment.first_dim + pairs : segment.first_dim - pairs;
-    const uint4* partner = reinterpret_cast<const uint4*>(row + partner_dim);
-    data.partner[0] = partner[0];
-    data.partner[1] = partner[1];
-  }
-}
-
-// Rotates the elements of x (dims [first_dim, first_dim + 16) of `row`) that fall in the
-// rotary range. Products and sums are rounded separately (no FMA contraction), as the
-// reference's float arithmetic does, so both store the same bits for the same cos/sin.
-template <typename InT>
-__device__ __forceinline__ void Rotate16(float* x, const AppendParams& params, const Segment& segment,
-                                         const SegmentData& data, const InT* row, const float2* angles) {
+__device__ __forceinline__ void Rotate8(float* x, const AppendParams& params, const Unit& unit,
+                                        const uint4& partner_raw, const InT* row, const float2* angles) {
   const int pairs = params.rope_pairs;
   const int rotary_dim = 2 * pairs;
-  const int first_dim = segment.first_dim;
+  const int first_dim = unit.first_dim;
   if (params.interleaved) {
 #pragma unroll
-    for (int k = 0; k < kSegment; k += 2) {
+    for (int k = 0; k < kUnit; k += 2) {
       const int dim = first_dim + k;
       if (dim < rotary_dim) {
         const float2 angle = angles[dim / 2];
@@ -167,19 +133,18 @@ __device__ __forceinline__ void Rotate16(float* x, const AppendParams& params, c
     return;
   }
   // Neox: dim pairs (i, i + pairs).
-  float partner[kSegment];
-  if (HasVectorPartner(params, segment)) {
-    Raw8ToFloat<InT>(data.partner[0], partner);
-    Raw8ToFloat<InT>(data.partner[1], partner + 8);
+  float partner[kUnit];
+  if (HasVectorPartner(params, unit)) {
+    Raw8ToFloat<InT>(partner_raw, partner);
   } else {
 #pragma unroll
-    for (int k = 0; k < kSegment; ++k) {
+    for (int k = 0; k < kUnit; ++k) {
       const int dim = first_dim + k;
       partner[k] = dim < rotary_dim ? LoadOne(row + (dim < pairs ? dim + pairs : dim - pairs)) : 0.0f;
     }
   }
 #pragma unroll
-  for (int k = 0; k < kSegment; ++k) {
+  for (int k = 0; k < kUnit; ++k) {
     const int dim = first_dim + k;
     if (dim < pairs) {
       const float2 angle = angles[dim];
@@ -192,27 +157,40 @@ __device__ __forceinline__ void Rotate16(float* x, const AppendParams& params, c
 }
 
 template <typename InT, typename CacheT>
-// Capped at 80 registers (3 CTAs an SM): uncapped it takes 120 and halves the resident threads.
-__global__ void __launch_bounds__(kAppendThreads, 3) AppendKvKernel(const AppendParams params) {
+__global__ void __launch_bounds__(kAppendThreads, 4) AppendKvKernel(const AppendParams params) {
+  constexpr bool kFp8Cache = sizeof(CacheT) == 1;
   __shared__ float2 angles[kTokensPerCta][kMaxRopePairs];  // (cos, sin) per token and pair
   __shared__ int32_t token_slot[kTokensPerCta];  // index into the page-id arrays; -1: skip
   __shared__ int32_t token_entry[kTokensPerCta];
 
   const int64_t first_token = static_cast<int64_t>(blockIdx.x) * kTokensPerCta;
-  const int tokens_here = static_cast<int>(min(static_cast<int64_t>(kTokensPerCta), params.num_tokens - first_token));
+  const int tokens_here =
+      static_cast<int>(min(static_cast<int64_t>(kTokensPerCta), params.num_tokens - first_token));
   int total = 0;
 #pragma unroll
-  for (int j = 0; j < kMaxJobs; ++j) total += kTokensPerCta * params.jobs[j].segments_per_token;
+  for (int j = 0; j < kMaxJobs; ++j) total += kTokensPerCta * params.jobs[j].units_per_token;
 
-  // The first segment's loads go out before the CTA waits for its tokens' slots and angles.
-  int index = threadIdx.x;
-  Segment segment{};
-  SegmentData data{};
-  if (index < total) {
-    segment = Locate(params, index);
-    LoadSegment<InT>(params, segment, first_token, tokens_here, data);
-  }
+  uint4 value[kUnitsInFlight];
+  uint4 partner[kUnitsInFlight];
+  auto load_units = [&](int base) {
+#pragma unroll
+    for (int r = 0; r < kUnitsInFlight; ++r) {
+      const int index = base + r * kAppendThreads + threadIdx.x;
+      if (index >= total) continue;
+      const Unit unit = Locate(params, index);
+      if (unit.token >= tokens_here) continue;
+      const InT* row = InputRow<InT>(params, unit, first_token);
+      value[r] = *reinterpret_cast<const uint4*>(row + unit.first_dim);
+      if (HasVectorPartner(params, unit)) {
+        const int pairs = params.rope_pairs;
+        partner[r] = *reinterpret_cast<const uint4*>(
+            row + (unit.first_dim < pairs ? unit.first_dim + pairs : unit.first_dim - pairs));
+      }
+    }
+  };
 
+  // The first units' loads go out before the CTA waits for its tokens' slots and angles.
+  load_units(0);
   if (threadIdx.x < kTokensPerCta) {
     int32_t slot = -1;
     int32_t entry = 0;
@@ -232,8 +210,8 @@ __global__ void __launch_bounds__(kAppendThreads, 3) AppendKvKernel(const Append
     const int pair = i - t * params.rope_pairs;
     if (t < tokens_here && params.batch_indices[first_token + t] >= 0) {
       // Angle in float32 as the reference computes it, float(position) * inv_freq; cos and sin
-      // in double, rounded once, so they are the correctly rounded values the host's float cos
-      // and sin (nearly always) give too.
+      // in double, rounded once: the correctly rounded values, which the host's float cos and
+      // sin give too (nearly always).
       const float angle = static_cast<float>(params.positions[first_token + t]) * params.inv_freq[pair];
       double sine, cosine;
       sincos(static_cast<double>(angle), &sine, &cosine);
@@ -242,46 +220,63 @@ __global__ void __launch_bounds__(kAppendThreads, 3) AppendKvKernel(const Append
   }
   __syncthreads();
 
-  while (index < total) {
-    // Load the next segment before transforming this one: two segments in flight per thread.
-    const int next_index = index + kAppendThreads;
-    Segment next = segment;
-    SegmentData next_data{};
-    if (next_index < total) {
-      next = Locate(params, next_index);
-      LoadSegment<InT>(params, next, first_token, tokens_here, next_data);
-    }
-
-    if (segment.token < tokens_here && token_slot[segment.token] >= 0) {
-      const AppendJob& job = params.jobs[segment.job];
-      const int64_t token = first_token + segment.token;
-      float x[kSegment];
-      Raw8ToFloat<InT>(data.value[0], x);
-      Raw8ToFloat<InT>(data.value[1], x + 8);
-      if (job.rotate && segment.first_dim < 2 * params.rope_pairs) {
-        Rotate16<InT>(x, params, segment, data, InputRow<InT>(params, segment, first_token),
-                      angles[segment.token]);
-      }
-      if (job.page_ids == nullptr) {
-        Store16(static_cast<InT*>(job.out) +
-                    (token * job.num_heads + segment.head) * static_cast<int64_t>(job.width) +
-                    segment.first_dim,
-                x);
-      } else {
-        if (job.scale != 1.0f) {
+  for (int base = 0; base < total; base += kUnitsInFlight * kAppendThreads) {
+    if (base > 0) load_units(base);
 #pragma unroll
-          for (int k = 0; k < kSegment; ++k) x[k] = DivideByScale(x[k], job.scale, job.inverse_scale);
+    for (int r = 0; r < kUnitsInFlight; ++r) {
+      const int index = base + r * kAppendThreads + threadIdx.x;
+      // Uniform across the CTA (total is), so the shuffle below has every lane.
+      if (base + r * kAppendThreads >= total) break;
+      bool active = index < total;
+      Unit unit{};
+      if (active) {
+        unit = Locate(params, index);
+        active = unit.token < tokens_here && token_slot[unit.token] >= 0;
+      }
+      const AppendJob& job = params.jobs[unit.job];
+      float x[kUnit];
+      uint2 fp8_bytes = make_uint2(0, 0);
+      if (active) {
+        const int64_t token = first_token + unit.token;
+        Raw8ToFloat<InT>(value[r], x);
+        if (job.rotate && unit.first_dim < 2 * params.rope_pairs) {
+          Rotate8<InT>(x, params, unit, partner[r], InputRow<InT>(params, unit, first_token),
+                       angles[unit.token]);
         }
-        const int64_t page = job.page_ids[token_slot[segment.token]];
-        Store16(static_cast<CacheT*>(job.out) + page * job.page_stride +
-                    token_entry[segment.token] * job.entry_stride + segment.head * job.head_stride +
-                    segment.first_dim,
-                x);
+        if (job.page_ids == nullptr) {
+          *reinterpret_cast<uint4*>(static_cast<InT*>(job.out) +
+                                    (token * job.num_heads + unit.head) * static_cast<int64_t>(job.width) +
+                                    unit.first_dim) = FloatToRaw8<InT>(x);
+        } else {
+          if (job.scale != 1.0f) {
+#pragma unroll
+            for (int k = 0; k < kUnit; ++k) x[k] = DivideByScale(x[k], job.scale, job.inverse_scale);
+          }
+          if constexpr (kFp8Cache) {
+            fp8_bytes = FloatToRaw8<CacheT>(x);
+          } else {
+            const int64_t page = job.page_ids[token_slot[unit.token]];
+            *reinterpret_cast<uint4*>(static_cast<CacheT*>(job.out) + page * job.page_stride +
+                                      token_entry[unit.token] * job.entry_stride +
+                                      unit.head * job.head_stride + unit.first_dim) =
+                FloatToRaw8<CacheT>(x);
+          }
+        }
+      }
+      if constexpr (kFp8Cache) {
+        // Units 2k and 2k + 1 are the two halves of 16 dims of one row (rows have an even unit
+        // count and start at even indices), so the even lane stores both: 16 bytes.
+        const uint32_t odd_x = __shfl_xor_sync(0xffffffffu, fp8_bytes.x, 1);
+        const uint32_t odd_y = __shfl_xor_sync(0xffffffffu, fp8_bytes.y, 1);
+        if (active && job.page_ids != nullptr && (threadIdx.x & 1) == 0) {
+          const int64_t page = job.page_ids[token_slot[unit.token]];
+          *reinterpret_cast<uint4*>(static_cast<CacheT*>(job.out) + page * job.page_stride +
+                                    token_entry[unit.token] * job.entry_stride +
+                                    unit.head * job.head_stride + unit.first_dim) =
+              make_uint4(fp8_bytes.x, fp8_bytes.y, odd_x, odd_y);
+        }
       }
     }
-    index = next_index;
-    segment = next;
-    data = next_data;
   }
 }
 
@@ -321,12 +316,12 @@ absl::Status CheckInput(const char* name, const TokenHeadsView& view, int64_t nu
     return absl::InvalidArgumentError(absl::StrCat(name, ".dtype: expected ", DTypeName(dtype),
                                                    ", got ", DTypeName(view.dtype)));
   }
-  const int32_t segments_per_row = view.head_dim / kSegment;
-  if (view.num_heads <= 0 || view.head_dim <= 0 || view.head_dim % kSegment != 0 ||
-      (segments_per_row & (segments_per_row - 1)) != 0) {
+  const int32_t units_per_row = view.head_dim / kUnit;
+  if (view.num_heads <= 0 || view.head_dim < 2 * kUnit || view.head_dim % kUnit != 0 ||
+      (units_per_row & (units_per_row - 1)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": heads ", view.num_heads,
                                                    ", head_dim ", view.head_dim,
-                                                   " (16 times a power of two, e.g. 64..512)"));
+                                                   " (8 times a power of two, at least 16)"));
   }
   if (!Aligned16(view.data)) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": not 16-byte aligned"));
@@ -358,9 +353,9 @@ AppendJob DenseJob(const TokenHeadsView& in, const TokenHeadsView& out, bool rot
   job.out = out.data;
   job.num_heads = in.num_heads;
   job.width = in.head_dim;
-  const int32_t segments_per_row = in.head_dim / kSegment;
-  while ((1 << job.log2_segments_per_row) < segments_per_row) ++job.log2_segments_per_row;
-  job.segments_per_token = in.num_heads * segments_per_row;
+  const int32_t units_per_row = in.head_dim / kUnit;
+  while ((1 << job.log2_units_per_row) < units_per_row) ++job.log2_units_per_row;
+  job.units_per_token = in.num_heads * units_per_row;
   job.rotate = rotate;
   job.scale = 1.0f;
   job.inverse_scale = 1.0f;

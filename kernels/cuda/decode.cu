@@ -32,6 +32,7 @@ struct DecodeParams {
   const void* q;  // [T_q][num_qo_heads][head_dim] fp16/bf16
   bool q_bf16;
   int32_t num_qo_heads;
+  int32_t num_kv_heads;
   int32_t group_size;  // real group; the kernel's template group may be padded up
   const void* k_pool;
   const void* v_pool;
@@ -115,9 +116,16 @@ __global__ void __launch_bounds__(kDecodeThreads, (DecodeTraits<kHeadDim, KvT, k
   uint8_t* const k_shared = shared;
   uint8_t* const v_shared = shared + kDecodeStages * kStageBytes;
 
-  const int item = blockIdx.x;
-  const int kv_head = blockIdx.y;
+  // The KV heads of an item are adjacent CTAs: they run together and read the same pages (the
+  // heads of a token share its NHD rows), which keeps DRAM accesses local.
+  const int item = blockIdx.x / params.num_kv_heads;
+  const int kv_head = blockIdx.x - item * params.num_kv_heads;
   const int tid = threadIdx.x;
+  // Lets a following merge grid be scheduled as soon as every CTA of this one is running; it
+  // still waits (griddepcontrol.wait) for this grid's results. Hides the merge's launch latency.
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const int tx = tid % kBdx;
   const int ty = (tid / kBdx) % kBdy;
   const int tz = tid / (kBdx * kBdy);
@@ -512,6 +520,7 @@ absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream) {
   params.q = args.q.data;
   params.q_bf16 = args.q.dtype == DType::kBFloat16;
   params.num_qo_heads = args.q.num_heads;
+  params.num_kv_heads = args.k_cache.num_heads;
   params.group_size = config.group_size;
   params.k_pool = k.data;
   params.v_pool = args.v_cache.data;
@@ -546,7 +555,8 @@ absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream) {
 
   void* kernel_args[] = {&params};
   CUDA_RETURN_IF_ERROR(cudaLaunchKernel(reinterpret_cast<const void*>(kernel),
-                                        dim3(args.work.num_items, k.num_heads), dim3(kDecodeThreads),
+                                        dim3(static_cast<unsigned>(int64_t{args.work.num_items} * k.num_heads)),
+                                        dim3(kDecodeThreads),
                                         kernel_args, 0, stream));
   if (args.work.num_merge_rows == 0) return absl::OkStatus();
 

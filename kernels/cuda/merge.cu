@@ -44,6 +44,10 @@ __global__ void __launch_bounds__(kMergeThreads) MergeStatesKernel(const MergePa
   __shared__ float group_denominators[kMergeThreads];
   __shared__ float warp_maxima[kMergeThreads / 32];
 
+  // Launched as a programmatic dependent of the kernel that wrote the partials: wait for it.
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const int row = blockIdx.x;
   const int head = blockIdx.y;
   const int num_heads = params.num_heads;
@@ -166,8 +170,20 @@ absl::Status MergeStates(const MergeStatesArgs& args, cudaStream_t stream) {
   MergeParams params{args.partial_o, args.partial_lse, args.indptr, args.out_rows,
                      args.num_heads,  args.head_dim,    args.o.data, args.o.dtype,
                      args.lse};
-  MergeStatesKernel<<<dim3(args.num_rows, args.num_heads), kMergeThreads, 0, stream>>>(params);
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // Programmatic stream serialization: the merge may be scheduled while the kernel before it
+  // finishes (it waits for that kernel's results in griddepcontrol.wait); without a preceding
+  // kernel that allows it, this is an ordinary launch.
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(args.num_rows, args.num_heads);
+  config.blockDim = dim3(kMergeThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, MergeStatesKernel, params));
   return absl::OkStatus();
 }
 

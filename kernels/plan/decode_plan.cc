@@ -11,6 +11,7 @@ namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+
 // Keys a decode query of a request with `length` keys may see: the last window_left + 1, or all.
 int64_t WindowBegin(int64_t length, int32_t window_left) {
   return window_left >= 0 ? std::max<int64_t>(0, length - 1 - window_left) : 0;
@@ -24,28 +25,44 @@ int64_t CountCtas(std::span<const int64_t> active_lengths, int64_t chunk_tokens,
   return items * num_kv_heads;
 }
 
-// The smallest chunk (a multiple of kChunkGranularityTokens, at least the floor) whose CTAs fit
-// in one wave; the longest request when even that does not fit (the batch fills the GPU alone).
-int64_t ChooseChunkTokens(std::span<const int64_t> active_lengths, const DecodePlanOptions& options) {
-  int64_t max_length = 1;
-  for (int64_t length : active_lengths) max_length = std::max(max_length, length);
+// The smallest chunk (a multiple of kChunkGranularityTokens in [low, high] granules) whose CTAs
+// fit in `max_ctas`; 0 when even the largest does not.
+int64_t SmallestChunkWithin(std::span<const int64_t> active_lengths, int64_t low, int64_t high,
+                            int64_t max_ctas, int32_t num_kv_heads) {
   const int64_t granularity = kChunkGranularityTokens;
-  int64_t low = CeilDiv(std::max(options.min_chunk_tokens, 1), granularity);
-  int64_t high = CeilDiv(max_length, granularity);
-  if (low >= high) return max_length;
-  if (CountCtas(active_lengths, high * granularity, options.num_kv_heads) > options.ctas_per_wave) {
-    return max_length;
-  }
+  if (CountCtas(active_lengths, high * granularity, num_kv_heads) > max_ctas) return 0;
   // CountCtas is non-increasing in the chunk size: binary search for the first that fits.
   while (low < high) {
     const int64_t mid = low + (high - low) / 2;
-    if (CountCtas(active_lengths, mid * granularity, options.num_kv_heads) <= options.ctas_per_wave) {
+    if (CountCtas(active_lengths, mid * granularity, num_kv_heads) <= max_ctas) {
       high = mid;
     } else {
       low = mid + 1;
     }
   }
-  return std::min(low * granularity, max_length);
+  return low * granularity;
+}
+
+// DESIGN 4.2's rule: the smallest chunk (at least the floor) whose CTAs fit in the grid the
+// device runs at once; no split when the batch fills it alone. Then capped at
+// max_chunk_tokens, measured on an H100 (docs/benchmarks.md): with whole requests as items a
+// mixed-length batch waits on its longest requests (64 requests of 1..8192 keys: 65% of the
+// copy bandwidth uncapped, 93% at 1024-token chunks), and long requests stream 5-9% faster cut
+// into 1024-token chunks even when the batch fills a wave (64 x 8192 and 64 x 32768 keys).
+int64_t ChooseChunkTokens(std::span<const int64_t> active_lengths, const DecodePlanOptions& options) {
+  int64_t max_length = 1;
+  for (int64_t length : active_lengths) max_length = std::max(max_length, length);
+  const int64_t granularity = kChunkGranularityTokens;
+  const int64_t low = CeilDiv(std::max(options.min_chunk_tokens, 1), granularity);
+  const int64_t high = CeilDiv(max_length, granularity);
+  if (low >= high) return max_length;
+  int64_t chunk = SmallestChunkWithin(active_lengths, low, high, options.ctas_per_wave,
+                                      options.num_kv_heads);
+  if (chunk == 0) chunk = max_length;
+  if (options.max_chunk_tokens > 0) {
+    chunk = std::min<int64_t>(chunk, std::max(options.max_chunk_tokens, options.min_chunk_tokens));
+  }
+  return std::min(chunk, max_length);
 }
 
 }  // namespace
@@ -61,6 +78,9 @@ absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
   if (options.num_kv_heads <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_kv_heads: expected > 0, got ", options.num_kv_heads));
+  }
+  if (options.max_chunk_tokens < 0 || options.min_chunk_tokens < 0) {
+    return absl::InvalidArgumentError("max_chunk_tokens and min_chunk_tokens must be >= 0");
   }
   if (options.fixed_split_tokens < 0) {
     return absl::InvalidArgumentError(
@@ -109,6 +129,14 @@ absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
     chunk_tokens = ChooseChunkTokens(lengths, options);
   }
 
+  int64_t total_items = 0;
+  for (int64_t length : lengths) total_items += std::max<int64_t>(1, CeilDiv(length, chunk_tokens));
+  for (auto* array : {&plan.item_request, &plan.item_q_row, &plan.item_kv_begin, &plan.item_kv_end,
+                      &plan.item_partial}) {
+    array->reserve(total_items);
+  }
+  plan.merge_q_row.reserve(requests.size());
+  plan.merge_indptr.reserve(requests.size() + 1);
   int64_t max_length = 0;
   for (size_t i = 0; i < requests.size(); ++i) {
     const int32_t b = requests[i];

@@ -58,7 +58,7 @@ TEST(PlanBatchDecodeTest, SplitsLongSequenceWhenBatchUnderfillsGpu) {
 }
 
 TEST(PlanBatchDecodeTest, DoesNotSplitWhenBatchFillsGpu) {
-  const std::vector<int64_t> lengths(256, 4096);
+  const std::vector<int64_t> lengths(256, 1000);
   auto plan = PlanBatchDecode(DecodeRows(256), lengths, Options(8, 528));
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_FALSE(plan->split_kv);
@@ -70,14 +70,19 @@ TEST(PlanBatchDecodeTest, DoesNotSplitWhenBatchFillsGpu) {
 
 TEST(PlanBatchDecodeTest, ChunkNeverBelowFloor) {
   const std::vector<int64_t> lengths = {1024};
-  auto plan = PlanBatchDecode(DecodeRows(1), lengths, Options(8, 100000));
+  DecodePlanOptions options = Options(8, 100000);
+  options.min_chunk_tokens = 128;
+  auto plan = PlanBatchDecode(DecodeRows(1), lengths, options);
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->kv_chunk_tokens, 128);
   EXPECT_EQ(plan->num_items(), 8);
+  auto default_floor = PlanBatchDecode(DecodeRows(1), lengths, Options(8, 100000));
+  ASSERT_TRUE(default_floor.ok());
+  EXPECT_EQ(default_floor->kv_chunk_tokens, DecodePlanOptions{}.min_chunk_tokens);
 }
 
-TEST(PlanBatchDecodeTest, ShortSequenceIsOneChunk) {
-  const std::vector<int64_t> lengths = {100, 1};
+TEST(PlanBatchDecodeTest, SequenceShorterThanFloorIsOneChunk) {
+  const std::vector<int64_t> lengths = {60, 1};
   auto plan = PlanBatchDecode(DecodeRows(2), lengths, Options(8, 100000));
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->split_kv);
@@ -155,13 +160,16 @@ TEST(PlanBatchDecodeTest, SlidingWindowReadsOnlyTheWindow) {
   EXPECT_EQ(plan->window_left, 255);
 }
 
-TEST(PlanBatchDecodeTest, MixedLengthsStayWithinOneWave) {
+TEST(PlanBatchDecodeTest, BalancesMixedLengthsOverSeveralWaves) {
+  // 64 requests of 1..8192 keys: one CTA per request already nearly fills a wave, but the
+  // longest requests would then set the time. Chunks near the mean length balance the waves.
   std::vector<int64_t> lengths;
-  for (int i = 0; i < 16; ++i) lengths.push_back(1 + (i * 7919) % 8192);
-  auto plan = PlanBatchDecode(DecodeRows(16), lengths, Options(8, 528));
+  for (int i = 0; i < 64; ++i) lengths.push_back(1 + (int64_t{i} * 7919) % 8192);
+  auto plan = PlanBatchDecode(DecodeRows(64), lengths, Options(8, 660));
   ASSERT_TRUE(plan.ok());
-  EXPECT_LE(Ctas(*plan, 8), 528);
-  std::vector<int64_t> zeros(16, 0);
+  EXPECT_EQ(plan->kv_chunk_tokens, 1024) << plan->DebugString();
+  EXPECT_GT(Ctas(*plan, 8), 660);
+  std::vector<int64_t> zeros(64, 0);
   ExpectCovers(*plan, zeros, lengths);
   // Partial slots are numbered in item order and merge rows list each split request once.
   int32_t next_slot = 0;
@@ -172,6 +180,28 @@ TEST(PlanBatchDecodeTest, MixedLengthsStayWithinOneWave) {
   }
   EXPECT_EQ(next_slot, plan->num_partials);
   EXPECT_EQ(plan->merge_indptr.back(), plan->num_partials);
+}
+
+TEST(PlanBatchDecodeTest, CapsChunkForLongRequestsInFullBatches) {
+  const std::vector<int64_t> lengths(256, 8192);
+  auto plan = PlanBatchDecode(DecodeRows(256), lengths, Options(8, 528));
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->kv_chunk_tokens, 1024);
+  EXPECT_EQ(plan->num_items(), 256 * 8);
+  DecodePlanOptions uncapped = Options(8, 528);
+  uncapped.max_chunk_tokens = 0;
+  auto whole = PlanBatchDecode(DecodeRows(256), lengths, uncapped);
+  ASSERT_TRUE(whole.ok());
+  EXPECT_FALSE(whole->split_kv);
+}
+
+TEST(PlanBatchDecodeTest, SmallBatchStaysInOneWave) {
+  const std::vector<int64_t> lengths(16, 4096);
+  auto plan = PlanBatchDecode(DecodeRows(16), lengths, Options(8, 660));
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(plan->split_kv);
+  EXPECT_LE(Ctas(*plan, 8), 660);
+  EXPECT_GT(Ctas(*plan, 8), 330);
 }
 
 TEST(PlanBatchDecodeTest, RejectsPrefillRowsAndBadOptions) {

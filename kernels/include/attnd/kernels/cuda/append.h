@@ -15,7 +15,8 @@
 
 namespace attnd::cuda {
 
-// All pointers are device memory. Tensors are 16-byte aligned; head dims multiples of 16.
+// All pointers are device memory. Tensors are 16-byte aligned; head dims are 8 times a power of
+// two, at least 16 (64, 128, 256, 512, ...).
 struct AppendKvArgs {
   AppendIndexView tokens;  // [T] batch index (-1 = padding) and position of each row
   PageTableView pages;     // indptr, k_indices, v_indices read (SEPARATE_KV: distinct arrays)
