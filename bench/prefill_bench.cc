@@ -183,8 +183,19 @@ Result RunCase(const Case& shape, cudaStream_t stream) {
   const int32_t* d_page_ids = upload(page_ids);
   const int32_t* d_last = upload(last_page_len);
 
-  auto plan = plan::PlanPrefill({qo_indptr, kv_lengths, kQoHeads, kKvHeads, kHeadDim, shape.causal});
+  auto waves = cuda::BatchPrefillCtasPerWave(kHeadDim, DType::kBFloat16, DType::kBFloat16);
+  CHECK_OK(waves.status());
+  plan::PrefillPlanInput input;
+  input.qo_indptr = qo_indptr;
+  input.kv_lengths = kv_lengths;
+  input.num_qo_heads = kQoHeads;
+  input.num_kv_heads = kKvHeads;
+  input.head_dim = kHeadDim;
+  input.causal = shape.causal;
+  input.ctas_per_wave = *waves;
+  auto plan = plan::PlanPrefill(input);
   CHECK_OK(plan.status());
+  std::printf("  plan: %s", plan->DebugString().c_str());
   const int64_t workspace_bytes = cuda::BatchPrefillWorkspaceBytes(*plan);
   void* workspace;
   CHECK_CUDA(cudaMalloc(&workspace, std::max<int64_t>(workspace_bytes, 16)));

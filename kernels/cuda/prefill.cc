@@ -6,8 +6,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <vector>
 
+#include "attnd/kernels/cuda/merge.h"
 #include "attnd/status_macros.h"
 #include "cuda_check.h"
 #include "prefill_params.h"
@@ -17,8 +20,39 @@ namespace {
 
 constexpr int64_t kWorkspaceAlignment = 256;
 
+int64_t AlignUp(int64_t bytes) { return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment; }
+
+// Workspace sections, each 256-byte aligned: what UploadBatchPrefillPlan copies (items, merge
+// indptr, merge rows), then the partials the kernels write.
+struct WorkspaceLayout {
+  int64_t items = 0;
+  int64_t merge_indptr = 0;
+  int64_t merge_out_rows = 0;
+  int64_t uploaded_bytes = 0;
+  int64_t partial_o = 0;
+  int64_t partial_lse = 0;
+  int64_t total_bytes = 0;
+
+  explicit WorkspaceLayout(const plan::PrefillPlan& plan) {
+    int64_t offset = 0;
+    items = offset;
+    offset += AlignUp(static_cast<int64_t>(plan.items.size() * sizeof(plan::PrefillWorkItem)));
+    merge_indptr = offset;
+    offset += plan.split_kv() ? AlignUp(static_cast<int64_t>(plan.merge_indptr.size() * sizeof(int32_t))) : 0;
+    merge_out_rows = offset;
+    offset += plan.split_kv() ? AlignUp(static_cast<int64_t>(plan.merge_out_rows.size() * sizeof(int32_t))) : 0;
+    uploaded_bytes = offset;
+    partial_o = offset;
+    offset += AlignUp(int64_t{plan.num_partials} * plan.num_qo_heads * plan.head_dim * 4);
+    partial_lse = offset;
+    offset += AlignUp(int64_t{plan.num_partials} * plan.num_qo_heads * 4);
+    total_bytes = offset;
+  }
+};
+
 static_assert(sizeof(plan::PrefillWorkItem) == sizeof(prefill::WorkItem) &&
-                  offsetof(plan::PrefillWorkItem, kv_chunk_end) == offsetof(prefill::WorkItem, kv_chunk_end),
+                  offsetof(plan::PrefillWorkItem, kv_chunk_end) == offsetof(prefill::WorkItem, kv_chunk_end) &&
+                  offsetof(plan::PrefillWorkItem, partial_stride) == offsetof(prefill::WorkItem, partial_stride),
               "the plan's items are copied bytewise into the kernel's");
 
 bool Aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
@@ -85,21 +119,49 @@ absl::Status Validate(const plan::PrefillPlan& plan, const BatchPrefillArgs& arg
 
 }  // namespace
 
-int64_t BatchPrefillWorkspaceBytes(const plan::PrefillPlan& plan) {
-  const int64_t item_bytes = static_cast<int64_t>(plan.items.size() * sizeof(plan::PrefillWorkItem));
-  return (item_bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
+absl::StatusOr<plan::PrefillWaveSizes> BatchPrefillCtasPerWave(int32_t head_dim, DType q_dtype, DType kv_dtype) {
+  int device = 0;
+  int num_sms = 0;
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  plan::PrefillWaveSizes waves;
+  waves.num_sms = num_sms;
+  for (int32_t tile_rows : {16, 64, 128}) {
+    const int32_t planned = plan::PrefillQueryTileRows(tile_rows, head_dim);  // 128 -> 64 at D256
+    int ctas_per_sm = 0;
+    const prefill::KernelParams unused{};
+    cudaError_t error = cudaErrorInvalidValue;
+    switch (head_dim) {
+      case 64: error = prefill::LaunchPrefillD64(unused, planned, q_dtype, kv_dtype, 0, nullptr, &ctas_per_sm); break;
+      case 128: error = prefill::LaunchPrefillD128(unused, planned, q_dtype, kv_dtype, 0, nullptr, &ctas_per_sm); break;
+      case 256: error = prefill::LaunchPrefillD256(unused, planned, q_dtype, kv_dtype, 0, nullptr, &ctas_per_sm); break;
+      default: return Invalid("head_dim " + std::to_string(head_dim));
+    }
+    CUDA_RETURN_IF_ERROR(error);
+    (tile_rows == 16 ? waves.tile16 : tile_rows == 64 ? waves.tile64 : waves.tile128) = ctas_per_sm * num_sms;
+  }
+  return waves;
 }
+
+int64_t BatchPrefillWorkspaceBytes(const plan::PrefillPlan& plan) { return WorkspaceLayout(plan).total_bytes; }
 
 absl::Status UploadBatchPrefillPlan(const plan::PrefillPlan& plan, void* workspace, int64_t workspace_bytes,
                                     cudaStream_t stream) {
-  const int64_t needed = BatchPrefillWorkspaceBytes(plan);
-  if (workspace_bytes < needed || (needed > 0 && workspace == nullptr)) {
-    return Invalid("workspace: need " + std::to_string(needed) + " bytes, got " + std::to_string(workspace_bytes));
+  const WorkspaceLayout layout(plan);
+  if (workspace_bytes < layout.total_bytes || (layout.total_bytes > 0 && workspace == nullptr)) {
+    return Invalid("workspace: need " + std::to_string(layout.total_bytes) + " bytes, got " +
+                   std::to_string(workspace_bytes));
   }
-  if (plan.items.empty()) return absl::OkStatus();
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(workspace, plan.items.data(),
-                                               plan.items.size() * sizeof(plan::PrefillWorkItem),
-                                               cudaMemcpyHostToDevice, stream));
+  if (layout.uploaded_bytes == 0) return absl::OkStatus();
+  // One copy: the sections are packed on the host exactly as they sit in the workspace.
+  std::vector<uint8_t> packed(layout.uploaded_bytes, 0);
+  std::memcpy(packed.data() + layout.items, plan.items.data(), plan.items.size() * sizeof(plan::PrefillWorkItem));
+  if (plan.split_kv()) {
+    std::memcpy(packed.data() + layout.merge_indptr, plan.merge_indptr.data(), plan.merge_indptr.size() * sizeof(int32_t));
+    std::memcpy(packed.data() + layout.merge_out_rows, plan.merge_out_rows.data(),
+                plan.merge_out_rows.size() * sizeof(int32_t));
+  }
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(workspace, packed.data(), packed.size(), cudaMemcpyHostToDevice, stream));
   return absl::OkStatus();
 }
 
@@ -107,10 +169,12 @@ absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs&
                           int64_t workspace_bytes, cudaStream_t stream) {
   if (plan.items.empty()) return absl::OkStatus();
   RETURN_IF_ERROR(Validate(plan, args));
-  if (workspace == nullptr || workspace_bytes < BatchPrefillWorkspaceBytes(plan)) {
-    return Invalid("workspace: need " + std::to_string(BatchPrefillWorkspaceBytes(plan)) + " bytes, got " +
+  const WorkspaceLayout layout(plan);
+  if (workspace == nullptr || workspace_bytes < layout.total_bytes) {
+    return Invalid("workspace: need " + std::to_string(layout.total_bytes) + " bytes, got " +
                    std::to_string(workspace_bytes));
   }
+  uint8_t* workspace_base = static_cast<uint8_t*>(workspace);
 
   const PagedKvView& k_cache = args.k_cache;
   prefill::KernelParams params{};
@@ -124,9 +188,12 @@ absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs&
   params.k_page_ids = args.pages.k_indices;
   params.v_page_ids = args.pages.v_indices;
   params.last_page_len = args.pages.last_page_len;
-  params.kv_page_stride = k_cache.PageElements();
-  params.kv_entry_stride = k_cache.Offset(0, 1, 0);
-  params.kv_head_stride = k_cache.Offset(0, 0, 1);
+  // Strides fit in 32 bits (a page is at most 128 x heads x 256 elements), so offsets are one
+  // 32 x 32 -> 64-bit multiply-add on the device.
+  if (k_cache.PageElements() > INT32_MAX) return Invalid("a KV page holds more than 2^31 elements");
+  params.kv_page_stride = static_cast<int32_t>(k_cache.PageElements());
+  params.kv_entry_stride = static_cast<int32_t>(k_cache.Offset(0, 1, 0));
+  params.kv_head_stride = static_cast<int32_t>(k_cache.Offset(0, 0, 1));
   params.num_qo_heads = plan.num_qo_heads;
   params.num_kv_heads = plan.num_kv_heads;
   params.group_size = plan.num_qo_heads / plan.num_kv_heads;
@@ -140,25 +207,40 @@ absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs&
   params.window_left = args.params.window_left < 0 ? -1 : args.params.window_left;
   params.causal = args.params.causal;
 
-  const auto* items = static_cast<const prefill::WorkItem*>(workspace);
+  params.partial_o = reinterpret_cast<float*>(workspace_base + layout.partial_o);
+  params.partial_lse = reinterpret_cast<float*>(workspace_base + layout.partial_lse);
+  const auto* items = reinterpret_cast<const prefill::WorkItem*>(workspace_base + layout.items);
   for (const plan::PrefillLaunch& launch : plan.launches) {
     params.items = items + launch.first_item;
     const int32_t num_ctas = launch.num_items * plan.num_kv_heads;
     cudaError_t error = cudaErrorInvalidValue;
     switch (plan.head_dim) {
       case 64:
-        error = prefill::LaunchPrefillD64(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream);
+        error = prefill::LaunchPrefillD64(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream, nullptr);
         break;
       case 128:
-        error = prefill::LaunchPrefillD128(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream);
+        error = prefill::LaunchPrefillD128(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream, nullptr);
         break;
       case 256:
-        error = prefill::LaunchPrefillD256(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream);
+        error = prefill::LaunchPrefillD256(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream, nullptr);
         break;
       default:
         return Invalid("head_dim " + std::to_string(plan.head_dim));
     }
     CUDA_RETURN_IF_ERROR(error);
+  }
+  if (plan.split_kv()) {
+    MergeStatesArgs merge;
+    merge.partial_o = params.partial_o;
+    merge.partial_lse = params.partial_lse;
+    merge.indptr = reinterpret_cast<const int32_t*>(workspace_base + layout.merge_indptr);
+    merge.out_rows = reinterpret_cast<const int32_t*>(workspace_base + layout.merge_out_rows);
+    merge.num_rows = plan.num_merge_rows();
+    merge.num_heads = plan.num_qo_heads;
+    merge.head_dim = plan.head_dim;
+    merge.o = args.o;
+    merge.lse = args.lse;
+    RETURN_IF_ERROR(MergeStates(merge, stream));
   }
   return absl::OkStatus();
 }

@@ -13,7 +13,7 @@ target_include_directories(attnd_prefill_kernels
   PRIVATE ${CMAKE_CURRENT_LIST_DIR})
 target_link_libraries(attnd_prefill_kernels
   PUBLIC attnd_kernel_types absl::status absl::statusor CUDA::cudart
-  PRIVATE absl::strings attnd_warnings)
+  PRIVATE attnd_cuda_kernels absl::strings attnd_warnings)  # MergeStates (merge.h)
 target_compile_options(attnd_prefill_kernels PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>)
 set_target_properties(attnd_prefill_kernels PROPERTIES
   CUDA_ARCHITECTURES "${ATTND_CUDA_ARCHITECTURES}"

@@ -11,8 +11,8 @@
 // rows of D/8 16-byte chunks with chunk c of row r stored at c ^ (r % 8), so that the 8 row
 // addresses of every ldmatrix phase and of every cp.async wave hit distinct banks.
 //
-// Pipeline: K of tile j+1 loads while P V of tile j runs, V of tile j+1 while Q K^T of tile j+1
-// runs, both with cp.async. Caches of another type than q (fp8, or the other 16-bit type) land
+// Pipeline, two barriers per KV tile: K of tile j+1 loads while P V of tile j runs, V of tile
+// j+1 while Q K^T and the softmax of tile j+1 run, both with cp.async. Caches of another type than q (fp8, or the other 16-bit type) land
 // raw and are converted in shared memory by the threads that loaded them (KvTileLoader).
 #pragma once
 
@@ -52,7 +52,8 @@ struct TileShape {
   static constexpr int kQElements = kTileRows * kHeadDim;
   static constexpr int kKvElements = kTileKv * kHeadDim;
   static constexpr int kRawBytes = kRawKvBytes * kKvElements;  // per raw tile (K, V)
-  static constexpr int kLoopBytes = 2 * (kQElements + 2 * kKvElements) + 2 * kRawBytes;
+  static constexpr int kTableBytes = 8 * 2 * 2 * kTileKv;  // KvOffsetTable, two tiles
+  static constexpr int kLoopBytes = 2 * (kQElements + 2 * kKvElements) + 2 * kRawBytes + kTableBytes;
   // Cross-warp merge of the 1 x 4 layout: o [4][16][D + 8] floats (padded against bank
   // conflicts), then m and d [4][16].
   static constexpr int kMergeStride = kHeadDim + 8;
@@ -89,6 +90,17 @@ __device__ __forceinline__ void StaticFor(F&& f) {
   StaticForImpl<kCount>(f, std::make_integer_sequence<int, kCount>{});
 }
 
+// Pairwise reduction of values[0..kCount) in a fixed tree order.
+template <int kCount, typename Op>
+__device__ __forceinline__ float TreeReduce(float (&values)[kCount], Op op) {
+#pragma unroll
+  for (int stride = 1; stride < kCount; stride *= 2) {
+#pragma unroll
+    for (int i = 0; i + stride < kCount; i += 2 * stride) values[i] = op(values[i], values[i + stride]);
+  }
+  return values[0];
+}
+
 __device__ __forceinline__ float FastExp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -106,6 +118,45 @@ __device__ __forceinline__ float FastLog2(float x) {
 __device__ __forceinline__ float AccurateTanh(float x) {
   return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
 }
+
+// Element offsets, from the KV head's base, of the rows of the next KV tile: page id lookups are
+// loaded into registers (LoadIds) before Q K^T and stored as offsets (StoreOffsets) after it, so
+// the cp.async issue reads shared memory instead of waiting on a dependent global load.
+// Table layout: [2 tiles][2][kTileKv] int64, K rows then V rows; -1 marks a row past the keys.
+template <typename Shape>
+struct KvOffsetTable {
+  static constexpr int kEntries = 2 * Shape::kTileKv;
+  static constexpr int kPerThread = (kEntries + kThreads - 1) / kThreads;
+
+  __device__ __forceinline__ static void LoadIds(int32_t (&ids)[kPerThread], const int32_t* k_page_ids,
+                                                 const int32_t* v_page_ids, const KernelParams& params,
+                                                 int tile_start, int kv_end) {
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int entry = threadIdx.x + i * kThreads;
+      const int token = tile_start + entry % Shape::kTileKv;
+      ids[i] = -1;
+      if (entry < kEntries && token < kv_end) {
+        ids[i] = (entry < Shape::kTileKv ? k_page_ids : v_page_ids)[token >> params.page_size_log2];
+      }
+    }
+  }
+
+  __device__ __forceinline__ static void StoreOffsets(int64_t* table, const int32_t (&ids)[kPerThread],
+                                                      const KernelParams& params, int tile_start) {
+    const int page_mask = (1 << params.page_size_log2) - 1;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int entry = threadIdx.x + i * kThreads;
+      if (entry < kEntries) {
+        const int token = tile_start + entry % Shape::kTileKv;
+        table[entry] = ids[i] < 0 ? int64_t{-1}
+                                  : static_cast<int64_t>(ids[i]) * params.kv_page_stride +
+                                        (token & page_mask) * params.kv_entry_stride;
+      }
+    }
+  }
+};
 
 // Loads KV tiles of `Stored` elements into swizzled shared tiles of the MMA type T, always with
 // cp.async. A cache of another type lands raw first (16-bit: in place, at the swizzled chunk it
@@ -128,26 +179,18 @@ struct KvTileLoader {
     return reinterpret_cast<uint8_t*>(tile + Swizzle<Shape::kHeadDim>(row, load));
   }
 
-  // `pool` is this KV head's base (pool + kv_head * head_stride), `page_ids` this request's page
-  // ids. Geometry comes from the kernel parameters (constant bank), not from registers.
+  // `pool` is this KV head's base, `row_offsets` this tile's rows in the offset table.
   __device__ __forceinline__ static void Issue(T* tile, uint8_t* raw, const Stored* pool,
-                                               const int32_t* page_ids, const KernelParams& params,
-                                               int tile_start, int kv_end) {
+                                               const int64_t* row_offsets) {
     const int load = threadIdx.x % kLoadsPerRow;
     const int first_row = threadIdx.x / kLoadsPerRow;
-    const int page_mask = (1 << params.page_size_log2) - 1;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int row = first_row + pass * kRowsPerPass;
-      const int token = tile_start + row;
+      const int64_t offset = row_offsets[row];
       // Keys past the end are zero-filled: V must be, since P = 0 times stale memory could be NaN.
-      const bool valid = token < kv_end;
-      const Stored* source = pool;
-      if (valid) {
-        const int64_t page = page_ids[token >> params.page_size_log2];
-        source += page * params.kv_page_stride + (token & page_mask) * params.kv_entry_stride +
-                  load * kStoredPerLoad;
-      }
+      const bool valid = offset >= 0;
+      const Stored* source = valid ? pool + offset + load * kStoredPerLoad : pool;
       CpAsync16(SharedAddress(RawChunk(tile, raw, row, load)), source, valid);
     }
   }
@@ -183,7 +226,10 @@ struct KvTileLoader {
   }
 };
 
-template <typename Shape, typename T, typename Stored>
+// QO: the type of q and o in memory. T: the MMA type (QO, except bf16 q over an fp16 cache,
+// which multiplies in fp16: K stays exact and bf16 q converts exactly below 65504).
+// Stored: the cache's type.
+template <typename Shape, typename QO, typename T, typename Stored>
 __global__ void __launch_bounds__(kThreads)
     BatchPrefillKernel(const __grid_constant__ KernelParams params) {
   constexpr int kHeadDim = Shape::kHeadDim;
@@ -193,6 +239,8 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kMmaD = Shape::kMmaD;
   constexpr int kMmaKv = Shape::kMmaKv;
   constexpr int kChunks = Shape::kChunks;
+  using Table = KvOffsetTable<Shape>;
+  using Loader = KvTileLoader<Shape, T, Stored>;
 
   extern __shared__ __align__(128) uint8_t shared_bytes[];
   T* q_tile = reinterpret_cast<T*>(shared_bytes);  // [kTileRows][D] swizzled
@@ -201,6 +249,7 @@ __global__ void __launch_bounds__(kThreads)
   // fp8 caches: raw [kTileKv][D] bytes of K, then of V, unswizzled.
   uint8_t* k_raw = reinterpret_cast<uint8_t*>(v_tile + Shape::kKvElements);
   uint8_t* v_raw = k_raw + Shape::kRawBytes;
+  int64_t* offset_table = reinterpret_cast<int64_t*>(v_raw + Shape::kRawBytes);  // KvOffsetTable
 
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
@@ -233,16 +282,16 @@ __global__ void __launch_bounds__(kThreads)
   const int num_kv_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kTileKv - 1) / kTileKv : 0;
 
   // --- Q tile: packed rows past the request's end are zero-filled and never stored.
+  constexpr int kQPasses = kTileRows * kChunks / kThreads;
   {
-    const T* q = static_cast<const T*>(params.q);
-    constexpr int kPasses = kTileRows * kChunks / kThreads;
+    const QO* q = static_cast<const QO*>(params.q);
     const int chunk = threadIdx.x % kChunks;
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
+    for (int pass = 0; pass < kQPasses; ++pass) {
       const int row = threadIdx.x / kChunks + pass * (kThreads / kChunks);
       const int packed = row_start + row;
       const bool valid = packed < row_end;
-      const T* source = q;
+      const QO* source = q;
       if (valid) {
         const int token = packed / group;
         const int head = kv_head * group + (packed - token * group);
@@ -252,17 +301,38 @@ __global__ void __launch_bounds__(kThreads)
       CpAsync16(SharedAddress(q_tile + Swizzle<kHeadDim>(row, chunk)), source, valid);
     }
   }
+  CpAsyncCommit();
 
   const Stored* k_pool = static_cast<const Stored*>(params.k_pool) + kv_head * params.kv_head_stride;
   const Stored* v_pool = static_cast<const Stored*>(params.v_pool) + kv_head * params.kv_head_stride;
   const int32_t* k_page_ids = params.k_page_ids + page_begin;
   const int32_t* v_page_ids = params.v_page_ids + page_begin;
-  using Loader = KvTileLoader<Shape, T, Stored>;
 
-  if (num_kv_tiles > 0) Loader::Issue(k_tile, k_raw, k_pool, k_page_ids, params, kv_begin, kv_end);
+  int32_t next_ids[Table::kPerThread];
+  if (num_kv_tiles > 0) {
+    Table::LoadIds(next_ids, k_page_ids, v_page_ids, params, kv_begin, kv_end);
+    Table::StoreOffsets(offset_table, next_ids, params, kv_begin);
+  }
+  __syncthreads();
+  if (num_kv_tiles > 0) Loader::Issue(k_tile, k_raw, k_pool, offset_table);
   CpAsyncCommit();
-  if (num_kv_tiles > 0) Loader::Issue(v_tile, v_raw, v_pool, v_page_ids, params, kv_begin, kv_end);
+  if (num_kv_tiles > 0) Loader::Issue(v_tile, v_raw, v_pool, offset_table + kTileKv);
   CpAsyncCommit();
+  CpAsyncWait<1>();  // Q and the first K tile have landed; the first V tile may be in flight
+  Loader::Convert(k_tile, k_raw);
+  if constexpr (!std::is_same_v<QO, T>) {
+    // q converts in place: each thread rewrites the chunks it loaded.
+    const int chunk = threadIdx.x % kChunks;
+#pragma unroll
+    for (int pass = 0; pass < kQPasses; ++pass) {
+      const int row = threadIdx.x / kChunks + pass * (kThreads / kChunks);
+      uint4* bits = reinterpret_cast<uint4*>(q_tile + Swizzle<kHeadDim>(row, chunk));
+      const uint4 value = *bits;
+      *bits = make_uint4(ConvertPair<T, QO>(value.x), ConvertPair<T, QO>(value.y), ConvertPair<T, QO>(value.z),
+                         ConvertPair<T, QO>(value.w));
+    }
+  }
+  __syncthreads();
 
   // Positions of this thread's rows: block mq, half h holds row 16 * mq + 8 * h + lane / 4.
   int row_position[kMmaQ][2];
@@ -311,9 +381,12 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int tile = 0; tile < num_kv_tiles; ++tile) {
     const int tile_start = kv_begin + tile * kTileKv;
-    CpAsyncWait<1>();  // Q and K of this tile have landed; V may still be in flight
-    Loader::Convert(k_tile, k_raw);
-    __syncthreads();
+    const bool has_next = tile + 1 < num_kv_tiles;
+    // The table holds two tiles' offsets: the next one is written while threads behind may
+    // still read this one for their V issue.
+    int64_t* next_table = offset_table + ((tile + 1) % 2) * Table::kEntries;
+    // The next tile's page ids load while Q K^T runs.
+    if (has_next) Table::LoadIds(next_ids, k_page_ids, v_page_ids, params, tile_start + kTileKv, kv_end);
 
     // S = Q K^T. s[mq][jb]: [0,1] row g keys 2t,2t+1; [2,3] row g+8; [4..7] the same, keys +8,
     // with g = lane / 4, t = lane % 4 (the m16n8k16 accumulator layout, two n8 blocks).
@@ -378,40 +451,41 @@ __global__ void __launch_bounds__(kThreads)
     }
 
     // Online softmax: new row max, rescale o and d, s -> p.
+    float subtract[kMmaQ][2];
+    float rescale[kMmaQ][2];
+    bool any_rescale = false;
 #pragma unroll
     for (int mq = 0; mq < kMmaQ; ++mq) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float tile_max = -INFINITY;
+        // Tree-shaped (short dependency chains: fixed-latency waits are the top stall).
+        float block_max[kMmaKv];
 #pragma unroll
         for (int jb = 0; jb < kMmaKv; ++jb) {
-          tile_max = fmaxf(tile_max, fmaxf(s[mq][jb][2 * h], s[mq][jb][2 * h + 1]));
-          tile_max = fmaxf(tile_max, fmaxf(s[mq][jb][4 + 2 * h], s[mq][jb][4 + 2 * h + 1]));
+          block_max[jb] = fmaxf(fmaxf(s[mq][jb][2 * h], s[mq][jb][2 * h + 1]),
+                                fmaxf(s[mq][jb][4 + 2 * h], s[mq][jb][4 + 2 * h + 1]));
         }
+        float tile_max = TreeReduce<kMmaKv>(block_max, [](float a, float b) { return fmaxf(a, b); });
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
         const float new_max = fmaxf(row_max[mq][h], tile_max * scale_log2);
         // A row with no visible key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
-        const float subtract = new_max == -INFINITY ? 0.0f : new_max;
-        const float rescale = FastExp2(row_max[mq][h] - subtract);
+        subtract[mq][h] = new_max == -INFINITY ? 0.0f : new_max;
+        rescale[mq][h] = FastExp2(row_max[mq][h] - subtract[mq][h]);
+        any_rescale |= new_max != row_max[mq][h];
         row_max[mq][h] = new_max;
-        row_sum[mq][h] *= rescale;
+        row_sum[mq][h] *= rescale[mq][h];
+      }
+    }
+    // Once the running maxima settle, most tiles change none of the warp's rows: skip the
+    // multiply of every accumulator by exactly 1 (bitwise the same result).
+    if (__any_sync(0xffffffffu, any_rescale)) {
+#pragma unroll
+      for (int mq = 0; mq < kMmaQ; ++mq) {
 #pragma unroll
         for (int db = 0; db < kMmaD; ++db) {
-          o[mq][db][2 * h] *= rescale;
-          o[mq][db][2 * h + 1] *= rescale;
-          o[mq][db][4 + 2 * h] *= rescale;
-          o[mq][db][4 + 2 * h + 1] *= rescale;
-        }
 #pragma unroll
-        for (int jb = 0; jb < kMmaKv; ++jb) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int e = (i / 2) * 4 + 2 * h + (i % 2);
-            const float p = FastExp2(fmaf(s[mq][jb][e], scale_log2, -subtract));
-            s[mq][jb][e] = p;
-            row_sum[mq][h] += p;
-          }
+          for (int e = 0; e < 8; ++e) o[mq][db][e] *= rescale[mq][(e / 2) % 2];
         }
       }
     }
@@ -419,21 +493,32 @@ __global__ void __launch_bounds__(kThreads)
     uint32_t p_frag[kMmaQ][kMmaKv][4];
 #pragma unroll
     for (int mq = 0; mq < kMmaQ; ++mq) {
+      float block_sum[2][kMmaKv];
 #pragma unroll
       for (int jb = 0; jb < kMmaKv; ++jb) {
+        float p[8];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) p_frag[mq][jb][i] = PackFloat2<T>(s[mq][jb][2 * i], s[mq][jb][2 * i + 1]);
+        for (int e = 0; e < 8; ++e) p[e] = FastExp2(fmaf(s[mq][jb][e], scale_log2, -subtract[mq][(e / 2) % 2]));
+        block_sum[0][jb] = (p[0] + p[1]) + (p[4] + p[5]);
+        block_sum[1][jb] = (p[2] + p[3]) + (p[6] + p[7]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p_frag[mq][jb][i] = PackFloat2<T>(p[2 * i], p[2 * i + 1]);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_sum[mq][h] += TreeReduce<kMmaKv>(block_sum[h], [](float a, float b) { return a + b; });
       }
     }
 
-    __syncthreads();  // every warp is done with this K tile
-    if (tile + 1 < num_kv_tiles) {
-      Loader::Issue(k_tile, k_raw, k_pool, k_page_ids, params, tile_start + kTileKv, kv_end);
-    }
-    CpAsyncCommit();
-    CpAsyncWait<1>();  // V of this tile has landed
+    // One barrier: every warp is done reading this K tile, this V tile and the next offsets are
+    // visible. Then the next K tile loads while P V runs. (Issuing it before the softmax instead
+    // costs registers while the fp32 scores are live: the 128-row tile then spills.)
+    if (has_next) Table::StoreOffsets(next_table, next_ids, params, tile_start + kTileKv);
+    CpAsyncWait<0>();  // this V tile (the only group in flight)
     Loader::Convert(v_tile, v_raw);
     __syncthreads();
+    if (has_next) Loader::Issue(k_tile, k_raw, k_pool, next_table);
+    CpAsyncCommit();
 
     // O += P V.
 #pragma unroll
@@ -450,10 +535,12 @@ __global__ void __launch_bounds__(kThreads)
       });
     }
 
-    __syncthreads();  // every warp is done with this V tile
-    if (tile + 1 < num_kv_tiles) {
-      Loader::Issue(v_tile, v_raw, v_pool, v_page_ids, params, tile_start + kTileKv, kv_end);
-    }
+    // One barrier: every warp is done with this V tile and the next K tile is visible. Then the
+    // next V tile loads while the next Q K^T and softmax run.
+    CpAsyncWait<0>();  // the next K tile (the only group in flight)
+    Loader::Convert(k_tile, k_raw);
+    __syncthreads();
+    if (has_next) Loader::Issue(v_tile, v_raw, v_pool, next_table + kTileKv);
     CpAsyncCommit();
   }
 
@@ -470,7 +557,46 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  T* o_out = static_cast<T*>(params.o);
+  QO* o_out = static_cast<QO*>(params.o);
+  QO* o_stage = reinterpret_cast<QO*>(q_tile);  // the Q tile, reused as [kTileRows][D] of QO
+  // A split item writes fp32 partials (normalised by its own sum, lse -inf when its chunk held
+  // no visible key) for MergeStates. Read late: no register holds it through the loop.
+  const WorkItem* my_item = params.items + blockIdx.x / params.num_kv_heads;
+  const int partial_first = __ldcg(&my_item->partial_first);
+  const int partial_stride = __ldcg(&my_item->partial_stride);
+  if (partial_first >= 0) {
+    if constexpr (Shape::kWarpsKv == 1) {
+#pragma unroll
+      for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float sum = row_sum[mq][h];
+          const float inverse = sum > 0.0f ? params.v_scale / sum : 0.0f;
+          const int packed_row = row_start + warp_q * 16 * kMmaQ + mq * 16 + h * 8 + lane / 4;
+          if (packed_row < row_end) {
+            const int token = packed_row / group;
+            const int head = kv_head * group + (packed_row - token * group);
+            const int64_t slot_row =
+                (static_cast<int64_t>(partial_first) + static_cast<int64_t>(token) * partial_stride) *
+                    params.num_qo_heads + head;
+            float* out = params.partial_o + slot_row * kHeadDim;
+#pragma unroll
+            for (int db = 0; db < kMmaD; ++db) {
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                *reinterpret_cast<float2*>(out + 16 * db + 8 * half + 2 * (lane % 4)) =
+                    make_float2(o[mq][db][4 * half + 2 * h] * inverse, o[mq][db][4 * half + 2 * h + 1] * inverse);
+              }
+            }
+            if (lane % 4 == 0) {
+              params.partial_lse[slot_row] = sum > 0.0f ? (row_max[mq][h] + FastLog2(sum)) * kLn2 : -INFINITY;
+            }
+          }
+        }
+      }
+      return;
+    }
+  }
   if constexpr (Shape::kWarpsKv == 1) {
     // Each warp owns its rows: stage them in its own rows of the Q tile, then store 16-byte
     // chunks. A row that saw no key has d = 0 and o = 0: it stores 0 and lse = -inf.
@@ -486,9 +612,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int chunk = 2 * db + half;
-            const uint32_t packed = PackFloat2<T>(o[mq][db][4 * half + 2 * h] * inverse,
-                                                  o[mq][db][4 * half + 2 * h + 1] * inverse);
-            *reinterpret_cast<uint32_t*>(q_tile + Swizzle<kHeadDim>(row, chunk) + 2 * (lane % 4)) = packed;
+            const uint32_t packed = PackFloat2<QO>(o[mq][db][4 * half + 2 * h] * inverse,
+                                                   o[mq][db][4 * half + 2 * h + 1] * inverse);
+            *reinterpret_cast<uint32_t*>(o_stage + Swizzle<kHeadDim>(row, chunk) + 2 * (lane % 4)) = packed;
           }
         }
         if (params.lse != nullptr && lane % 4 == 0 && row_start + row < row_end) {
@@ -512,7 +638,7 @@ __global__ void __launch_bounds__(kThreads)
         const int head = kv_head * group + (packed_row - token * group);
         *reinterpret_cast<uint4*>(o_out + (static_cast<int64_t>(qo_start + token) * params.num_qo_heads + head) *
                                               kHeadDim + chunk * 8) =
-            *reinterpret_cast<const uint4*>(q_tile + Swizzle<kHeadDim>(row, chunk));
+            *reinterpret_cast<const uint4*>(o_stage + Swizzle<kHeadDim>(row, chunk));
       }
     }
   } else {
@@ -556,7 +682,28 @@ __global__ void __launch_bounds__(kThreads)
     }
     const float inverse = sum > 0.0f ? params.v_scale / sum : 0.0f;
     const int packed_row = row_start + row;
-    if (packed_row < row_end) {
+    if (packed_row < row_end && partial_first >= 0) {
+      const int token = packed_row / group;
+      const int head = kv_head * group + (packed_row - token * group);
+      const int64_t slot_row =
+          (static_cast<int64_t>(partial_first) + static_cast<int64_t>(token) * partial_stride) * params.num_qo_heads +
+          head;
+      float* out = params.partial_o + slot_row * kHeadDim + dim_begin;
+#pragma unroll
+      for (int c = 0; c < kDimsPerThread / 4; ++c) {
+        float value[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int dim = dim_begin + 4 * c + j;
+          float accumulated = 0.0f;
+#pragma unroll
+          for (int w = 0; w < 4; ++w) accumulated += weight[w] * merge_o[(w * 16 + row) * kStride + dim];
+          value[j] = accumulated * inverse;
+        }
+        *reinterpret_cast<float4*>(out + 4 * c) = make_float4(value[0], value[1], value[2], value[3]);
+      }
+      if (threadIdx.x % 8 == 0) params.partial_lse[slot_row] = sum > 0.0f ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
+    } else if (packed_row < row_end) {
       const int token = packed_row / group;
       const int head = kv_head * group + (packed_row - token * group);
       const int64_t out_row = static_cast<int64_t>(qo_start + token) * params.num_qo_heads + head;
@@ -574,7 +721,7 @@ __global__ void __launch_bounds__(kThreads)
             for (int w = 0; w < 4; ++w) accumulated += weight[w] * merge_o[(w * 16 + row) * kStride + dim];
             value[j] = accumulated * inverse;
           }
-          words[i] = PackFloat2<T>(value[0], value[1]);
+          words[i] = PackFloat2<QO>(value[0], value[1]);
         }
         *reinterpret_cast<uint4*>(o_out + out_row * kHeadDim + dim_begin + 8 * c) =
             make_uint4(words[0], words[1], words[2], words[3]);
@@ -587,13 +734,17 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Launches one instantiation; opts the kernel into the dynamic shared memory it needs.
-template <int kTileRows, int kHeadDim, typename T, typename Stored>
-cudaError_t LaunchTile(const KernelParams& params, int32_t num_ctas, cudaStream_t stream) {
+template <int kTileRows, int kHeadDim, typename QO, typename Stored>
+cudaError_t LaunchTile(const KernelParams& params, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
   using Shape = TileShape<kTileRows, kHeadDim, sizeof(Stored) == 1 ? 1 : 0>;
-  auto* kernel = &BatchPrefillKernel<Shape, T, Stored>;
+  using Mma = std::conditional_t<std::is_same_v<QO, __nv_bfloat16> && std::is_same_v<Stored, __half>, __half, QO>;
+  auto* kernel = &BatchPrefillKernel<Shape, QO, Mma, Stored>;
   cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
   if (error != cudaSuccess) return error;
+  if (ctas_per_sm != nullptr) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, kThreads, Shape::kSmemBytes);
+  }
   kernel<<<num_ctas, kThreads, Shape::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
@@ -601,19 +752,19 @@ cudaError_t LaunchTile(const KernelParams& params, int32_t num_ctas, cudaStream_
 // Dispatches the dtype pair for one (tile, head_dim).
 template <int kTileRows, int kHeadDim>
 cudaError_t LaunchTileForTypes(const KernelParams& params, DType q_dtype, DType kv_dtype,
-                               int32_t num_ctas, cudaStream_t stream) {
+                               int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
   if (q_dtype == DType::kFloat16) {
     switch (kv_dtype) {
-      case DType::kFloat16: return LaunchTile<kTileRows, kHeadDim, __half, __half>(params, num_ctas, stream);
-      case DType::kBFloat16: return LaunchTile<kTileRows, kHeadDim, __half, __nv_bfloat16>(params, num_ctas, stream);
-      case DType::kFloat8E4M3: return LaunchTile<kTileRows, kHeadDim, __half, __nv_fp8_e4m3>(params, num_ctas, stream);
+      case DType::kFloat16: return LaunchTile<kTileRows, kHeadDim, __half, __half>(params, num_ctas, stream, ctas_per_sm);
+      case DType::kBFloat16: return LaunchTile<kTileRows, kHeadDim, __half, __nv_bfloat16>(params, num_ctas, stream, ctas_per_sm);
+      case DType::kFloat8E4M3: return LaunchTile<kTileRows, kHeadDim, __half, __nv_fp8_e4m3>(params, num_ctas, stream, ctas_per_sm);
       default: break;
     }
   } else if (q_dtype == DType::kBFloat16) {
     switch (kv_dtype) {
-      case DType::kFloat16: return LaunchTile<kTileRows, kHeadDim, __nv_bfloat16, __half>(params, num_ctas, stream);
-      case DType::kBFloat16: return LaunchTile<kTileRows, kHeadDim, __nv_bfloat16, __nv_bfloat16>(params, num_ctas, stream);
-      case DType::kFloat8E4M3: return LaunchTile<kTileRows, kHeadDim, __nv_bfloat16, __nv_fp8_e4m3>(params, num_ctas, stream);
+      case DType::kFloat16: return LaunchTile<kTileRows, kHeadDim, __nv_bfloat16, __half>(params, num_ctas, stream, ctas_per_sm);
+      case DType::kBFloat16: return LaunchTile<kTileRows, kHeadDim, __nv_bfloat16, __nv_bfloat16>(params, num_ctas, stream, ctas_per_sm);
+      case DType::kFloat8E4M3: return LaunchTile<kTileRows, kHeadDim, __nv_bfloat16, __nv_fp8_e4m3>(params, num_ctas, stream, ctas_per_sm);
       default: break;
     }
   }

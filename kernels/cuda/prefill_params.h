@@ -19,8 +19,11 @@ struct WorkItem {
   int32_t packed_row_start;  // first packed row of the query tile
   int32_t kv_chunk_start;    // keys [kv_chunk_start, kv_chunk_end) of the request
   int32_t kv_chunk_end;
+  int32_t partial_first;     // -1: write o and lse; else token t -> slot first + t * stride
+  int32_t partial_stride;
+  int32_t reserved[2];
 };
-static_assert(sizeof(WorkItem) == 16, "WorkItem is loaded as one int4");
+static_assert(sizeof(WorkItem) == 32, "WorkItem is two 16-byte loads");
 
 struct KernelParams {
   const void* q;         // [T_q][num_qo_heads][head_dim], q dtype
@@ -34,9 +37,11 @@ struct KernelParams {
   const int32_t* v_page_ids;     // == k_page_ids for a SHARED table
   const int32_t* last_page_len;  // [batch]
   const WorkItem* items;         // this launch's items, heavy first
-  int64_t kv_page_stride;   // elements between pages
-  int64_t kv_entry_stride;  // elements between tokens of a page
-  int64_t kv_head_stride;   // elements between heads of a token
+  float* partial_o;              // [num_partials][num_qo_heads][head_dim] fp32, split items only
+  float* partial_lse;            // [num_partials][num_qo_heads] natural log
+  int32_t kv_page_stride;   // elements between pages
+  int32_t kv_entry_stride;  // elements between tokens of a page
+  int32_t kv_head_stride;   // elements between heads of a token
   int32_t num_qo_heads;
   int32_t num_kv_heads;
   int32_t group_size;       // num_qo_heads / num_kv_heads
@@ -49,14 +54,14 @@ struct KernelParams {
   bool causal;
 };
 
-// Launches the kernel of one (head_dim, query tile, q dtype, kv dtype) on `num_ctas` CTAs.
-// Each of the three files prefill_d{64,128,256}.cu instantiates one head_dim, so the build can
-// compile them in parallel.
+// Launches the kernel of one (head_dim, query tile, q dtype, kv dtype) on `num_ctas` CTAs, or,
+// when `ctas_per_sm` is set, only reports how many of its CTAs one SM holds. Each of the three
+// files prefill_d{64,128,256}.cu instantiates one head_dim, so builds compile them in parallel.
 cudaError_t LaunchPrefillD64(const KernelParams& params, int32_t tile_rows, DType q_dtype,
-                             DType kv_dtype, int32_t num_ctas, cudaStream_t stream);
+                             DType kv_dtype, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm);
 cudaError_t LaunchPrefillD128(const KernelParams& params, int32_t tile_rows, DType q_dtype,
-                              DType kv_dtype, int32_t num_ctas, cudaStream_t stream);
+                              DType kv_dtype, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm);
 cudaError_t LaunchPrefillD256(const KernelParams& params, int32_t tile_rows, DType q_dtype,
-                              DType kv_dtype, int32_t num_ctas, cudaStream_t stream);
+                              DType kv_dtype, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm);
 
 }  // namespace attnd::cuda::prefill

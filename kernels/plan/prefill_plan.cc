@@ -11,6 +11,51 @@ namespace attnd::plan {
 namespace {
 
 constexpr std::array<int32_t, 3> kTileRows = {16, 64, 128};
+// Chunks are whole KV tiles of the 64-key kernels, so no chunk ends in a mostly empty tile.
+constexpr int32_t kChunkGranularityTokens = 64;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+struct RequestShape {
+  int32_t request;
+  int32_t q_len;
+  int32_t kv_len;
+  int64_t num_tiles;  // query tiles per KV head
+};
+
+// CTAs of `requests` when keys are cut into chunks of `chunk` tokens (0: uncut).
+int64_t CtasAtChunk(std::span<const RequestShape> requests, int32_t num_kv_heads, int64_t chunk) {
+  int64_t ctas = 0;
+  for (const RequestShape& r : requests) {
+    ctas += r.num_tiles * (chunk > 0 && r.kv_len > chunk ? CeilDiv(r.kv_len, chunk) : 1);
+  }
+  return ctas * num_kv_heads;
+}
+
+// The smallest chunk (a multiple of the granularity, at least `floor_tokens`) that keeps the
+// CTAs within one wave; 0 when the uncut requests occupy more than half the SMs, or cutting
+// cannot help.
+int32_t PickChunkTokens(std::span<const RequestShape> requests, int32_t num_kv_heads, int32_t wave,
+                        int32_t num_sms, int32_t floor_tokens) {
+  if (wave <= 0 || requests.empty()) return 0;
+  const int64_t uncut = CtasAtChunk(requests, num_kv_heads, 0);
+  if (uncut >= wave || 2 * uncut > num_sms) return 0;
+  int32_t max_kv = 0;
+  for (const RequestShape& r : requests) max_kv = std::max(max_kv, r.kv_len);
+  int64_t low = CeilDiv(floor_tokens, kChunkGranularityTokens);
+  int64_t high = CeilDiv(max_kv, kChunkGranularityTokens);  // uncut: fits, checked above
+  if (low >= high) return 0;
+  while (low < high) {
+    const int64_t mid = (low + high) / 2;
+    if (CtasAtChunk(requests, num_kv_heads, mid * kChunkGranularityTokens) <= wave) {
+      high = mid;
+    } else {
+      low = mid + 1;
+    }
+  }
+  const int64_t chunk = low * kChunkGranularityTokens;
+  return chunk >= max_kv ? 0 : static_cast<int32_t>(chunk);
+}
 
 // Key-row products of one CTA, the order in which launches hand out CTAs: the causal diagonal
 // makes late query tiles the longest, and starting them first keeps the last wave short.
@@ -41,6 +86,10 @@ std::string PrefillPlan::DebugString() const {
   std::snprintf(line, sizeof line, "prefill plan: batch %d, heads %d/%d, head_dim %d, rows %" PRId64 "\n",
                 batch_size, num_qo_heads, num_kv_heads, head_dim, num_qo_rows);
   out += line;
+  if (split_kv()) {
+    std::snprintf(line, sizeof line, "  split-KV: %d partials, %d merge rows\n", num_partials, num_merge_rows());
+    out += line;
+  }
   for (const PrefillLaunch& launch : launches) {
     std::snprintf(line, sizeof line, "  launch tile %d: items [%d, %d)\n", launch.tile_rows,
                   launch.first_item, launch.first_item + launch.num_items);
@@ -64,6 +113,9 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
   if (input.head_dim != 64 && input.head_dim != 128 && input.head_dim != 256) {
     return absl::InvalidArgumentError("head_dim: expected 64, 128 or 256, got " + std::to_string(input.head_dim));
   }
+  if (input.fixed_split_tokens < 0 || input.min_chunk_tokens < 0) {
+    return absl::InvalidArgumentError("fixed_split_tokens and min_chunk_tokens must not be negative");
+  }
   if (input.qo_indptr[0] != 0) return absl::InvalidArgumentError("qo_indptr[0] must be 0");
   const int32_t group = input.num_qo_heads / input.num_kv_heads;
 
@@ -73,9 +125,10 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
   plan.num_kv_heads = input.num_kv_heads;
   plan.head_dim = input.head_dim;
   plan.num_qo_rows = input.qo_indptr[batch_size];
+  plan.request_chunk_tokens.assign(batch_size, 0);
 
-  // Items of each tile size with their work estimate.
-  std::array<std::vector<std::pair<int64_t, PrefillWorkItem>>, kTileRows.size()> by_tile;
+  // Tile size and tile count of every request, grouped by tile size (one launch each).
+  std::array<std::vector<RequestShape>, kTileRows.size()> by_tile;
   for (int64_t b = 0; b < batch_size; ++b) {
     const int32_t q_len = input.qo_indptr[b + 1] - input.qo_indptr[b];
     const int32_t kv_len = input.kv_lengths[b];
@@ -86,18 +139,72 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
     if (packed_rows > INT32_MAX) return absl::InvalidArgumentError("q_len * group_size exceeds 2^31");
     const int32_t tile_rows = PrefillQueryTileRows(packed_rows, input.head_dim);
     const size_t slot = std::find(kTileRows.begin(), kTileRows.end(), tile_rows) - kTileRows.begin();
-    for (int64_t row = 0; row < packed_rows; row += tile_rows) {
-      PrefillWorkItem item;
-      item.request = static_cast<int32_t>(b);
-      item.packed_row_start = static_cast<int32_t>(row);
-      item.kv_chunk_start = 0;
-      item.kv_chunk_end = kv_len;
-      by_tile[slot].emplace_back(ItemWork(item, tile_rows, group, q_len, kv_len, input.causal), item);
+    by_tile[slot].push_back({static_cast<int32_t>(b), q_len, kv_len, CeilDiv(packed_rows, tile_rows)});
+  }
+
+  // Chunk sizes: pinned, per request (deterministic), or per launch.
+  const int32_t floor_tokens = std::max(input.min_chunk_tokens, kChunkGranularityTokens);
+  for (size_t slot = 0; slot < kTileRows.size(); ++slot) {
+    const int32_t wave = input.ctas_per_wave.ForTile(kTileRows[slot]);
+    std::vector<RequestShape>& requests = by_tile[slot];
+    if (input.disable_split_kv) continue;
+    if (input.fixed_split_tokens > 0) {
+      const int32_t chunk = static_cast<int32_t>(CeilDiv(input.fixed_split_tokens, kChunkGranularityTokens) *
+                                                 kChunkGranularityTokens);
+      for (const RequestShape& r : requests) plan.request_chunk_tokens[r.request] = r.kv_len > chunk ? chunk : 0;
+    } else if (input.deterministic) {
+      for (const RequestShape& r : requests) {
+        plan.request_chunk_tokens[r.request] =
+            PickChunkTokens({&r, 1}, input.num_kv_heads, wave, input.ctas_per_wave.num_sms, floor_tokens);
+      }
+    } else {
+      const int32_t chunk =
+          PickChunkTokens(requests, input.num_kv_heads, wave, input.ctas_per_wave.num_sms, floor_tokens);
+      for (const RequestShape& r : requests) plan.request_chunk_tokens[r.request] = r.kv_len > chunk ? chunk : 0;
     }
   }
+
+  // Items, partial slots and merge rows.
+  std::array<std::vector<std::pair<int64_t, PrefillWorkItem>>, kTileRows.size()> items_by_tile;
+  int64_t num_partials = 0;
+  for (size_t slot = 0; slot < kTileRows.size(); ++slot) {
+    const int32_t tile_rows = kTileRows[slot];
+    for (const RequestShape& r : by_tile[slot]) {
+      const int32_t chunk = plan.request_chunk_tokens[r.request];
+      const int32_t num_chunks = chunk > 0 ? static_cast<int32_t>(CeilDiv(r.kv_len, chunk)) : 1;
+      const int64_t partial_base = num_partials;
+      if (num_chunks > 1) {
+        num_partials += int64_t{r.q_len} * num_chunks;
+        if (num_partials > INT32_MAX) return absl::InvalidArgumentError("prefill split needs more than 2^31 partials");
+        const int32_t qo_start = input.qo_indptr[r.request];
+        for (int32_t t = 0; t < r.q_len; ++t) {
+          plan.merge_out_rows.push_back(qo_start + t);
+          plan.merge_indptr.push_back(static_cast<int32_t>(partial_base + int64_t{t + 1} * num_chunks));
+        }
+      } else {
+        plan.request_chunk_tokens[r.request] = 0;
+      }
+      for (int64_t tile = 0; tile < r.num_tiles; ++tile) {
+        for (int32_t c = 0; c < num_chunks; ++c) {
+          PrefillWorkItem item;
+          item.request = r.request;
+          item.packed_row_start = static_cast<int32_t>(tile * tile_rows);
+          item.kv_chunk_start = num_chunks > 1 ? c * chunk : 0;
+          item.kv_chunk_end = num_chunks > 1 ? std::min(r.kv_len, (c + 1) * chunk) : r.kv_len;
+          if (num_chunks > 1) {
+            item.partial_first = static_cast<int32_t>(partial_base + c);
+            item.partial_stride = num_chunks;
+          }
+          items_by_tile[slot].emplace_back(ItemWork(item, tile_rows, group, r.q_len, r.kv_len, input.causal), item);
+        }
+      }
+    }
+  }
+  plan.num_partials = static_cast<int32_t>(num_partials);
+
   // Largest tiles first: they run longest, so they should not start in the last wave.
   for (int slot = static_cast<int>(kTileRows.size()) - 1; slot >= 0; --slot) {
-    auto& items = by_tile[slot];
+    auto& items = items_by_tile[slot];
     if (items.empty()) continue;
     std::stable_sort(items.begin(), items.end(),
                      [](const auto& a, const auto& b) { return a.first > b.first; });

@@ -18,6 +18,19 @@
 
 namespace attnd::plan {
 
+// CTAs the device runs at once (resident CTAs per SM x SMs) for each query tile size, and its
+// SM count, measured by the launcher (cuda::BatchPrefillCtasPerWave). Zero never splits.
+struct PrefillWaveSizes {
+  int32_t tile16 = 0;
+  int32_t tile64 = 0;
+  int32_t tile128 = 0;
+  int32_t num_sms = 0;
+
+  int32_t ForTile(int32_t tile_rows) const {
+    return tile_rows == 16 ? tile16 : (tile_rows == 64 ? tile64 : tile128);
+  }
+};
+
 struct PrefillPlanInput {
   std::span<const int32_t> qo_indptr;   // [batch_size + 1] query rows of each request (host)
   std::span<const int32_t> kv_lengths;  // [batch_size] keys of each request, this step's included
@@ -25,14 +38,29 @@ struct PrefillPlanInput {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;  // 64, 128 or 256
   bool causal = true;
+  // Split-KV (DESIGN 4.3-4.4): when a launch's CTAs leave at least half the SMs idle (at
+  // q = kv = 512, 128 CTAs on 132 SMs, splitting measured 30% slower), each request's keys
+  // are cut into chunks of equal token count, computed by separate CTAs into fp32 partials and
+  // merged per row in chunk order. deterministic: a request's chunk size follows from that
+  // request alone (its own CTAs against the wave), so its bits never depend on the batch.
+  PrefillWaveSizes ctas_per_wave;
+  bool deterministic = false;
+  bool disable_split_kv = false;
+  int32_t fixed_split_tokens = 0;   // > 0 pins the chunk size (rounded up to 64 tokens)
+  int32_t min_chunk_tokens = 256;   // floor: shorter chunks cost more to merge than they gain
 };
 
-// One CTA's work per KV head, in the layout the kernel loads (16 bytes).
+// One CTA's work per KV head, in the layout the kernel loads (32 bytes).
 struct PrefillWorkItem {
   int32_t request = 0;
   int32_t packed_row_start = 0;
   int32_t kv_chunk_start = 0;  // keys [kv_chunk_start, kv_chunk_end)
   int32_t kv_chunk_end = 0;
+  // -1: the CTA writes o and lse. Otherwise token t's partial goes to slot
+  // partial_first + t * partial_stride ([slot][num_qo_heads][head_dim] fp32 plus lse).
+  int32_t partial_first = -1;
+  int32_t partial_stride = 0;
+  int32_t reserved[2] = {0, 0};
 };
 
 // One kernel launch: every item of one query tile size.
@@ -50,7 +78,15 @@ struct PrefillPlan {
   int64_t num_qo_rows = 0;  // qo_indptr[batch_size]
   std::vector<PrefillLaunch> launches;
   std::vector<PrefillWorkItem> items;  // launch after launch, heaviest first within a launch
+  std::vector<int32_t> request_chunk_tokens;  // [batch_size]; 0: not split
+  // Merge of split requests: output row r (a token) combines slots [merge_indptr[r],
+  // merge_indptr[r + 1]) into row merge_out_rows[r] of o.
+  int32_t num_partials = 0;
+  std::vector<int32_t> merge_indptr{0};
+  std::vector<int32_t> merge_out_rows;
 
+  bool split_kv() const { return num_partials > 0; }
+  int32_t num_merge_rows() const { return static_cast<int32_t>(merge_out_rows.size()); }
   int64_t NumCtas() const;
   std::string DebugString() const;
 };
@@ -59,7 +95,7 @@ struct PrefillPlan {
 // tile that is not mostly padding. head_dim 256 stops at 64 (registers).
 int32_t PrefillQueryTileRows(int64_t packed_rows, int32_t head_dim);
 
-// Plans one whole-KV CTA per (request, query tile, KV head). Requests with no query rows
+// Plans one CTA per (request, query tile, KV chunk, KV head). Requests with no query rows
 // (padding slots) get no CTA.
 absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input);
 

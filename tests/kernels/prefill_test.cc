@@ -12,6 +12,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,9 @@ struct Config {
   TableForm table = TableForm::kShared;
   AttentionParams params;  // sm_scale 0 here means 1/sqrt(head_dim)
   bool return_lse = true;
+  bool deterministic = false;
+  bool split_kv = true;          // false: disable_split_kv
+  int32_t fixed_split_tokens = 0;
   uint32_t seed = 1;
 
   std::string Name() const {
@@ -87,11 +91,14 @@ struct Config {
            " page" + std::to_string(page_size) + (layout == KvLayout::kNHD ? " NHD" : " HND") +
            (table == TableForm::kShared ? " shared" : " separate") + (params.causal ? " causal" : "") +
            (params.logits_soft_cap > 0 ? " cap" : "") +
-           (params.window_left >= 0 ? " window" + std::to_string(params.window_left) : "");
+           (params.window_left >= 0 ? " window" + std::to_string(params.window_left) : "") +
+           (fixed_split_tokens > 0 ? " split" + std::to_string(fixed_split_tokens) : "") +
+           (deterministic ? " deterministic" : "");
   }
 };
 
-// Normwise relative error bound against float64: P and the output round to the MMA type.
+// Normwise relative error bound against float64: P and the output round to the MMA type
+// (fp16 whenever either side is fp16 and the other is 16-bit; bf16 otherwise), o to q's type.
 double Tolerance(const Config& config) {
   if (config.kv_dtype == DType::kFloat8E4M3) return 5e-2;
   if (config.q_dtype == DType::kBFloat16 || config.kv_dtype == DType::kBFloat16) return 1e-2;
@@ -192,6 +199,8 @@ Batch MakeBatch(const Config& config, const std::vector<int32_t>& q_lens, const 
 }
 
 struct Output {
+  bool ok = false;         // the launch succeeded and the device synchronised cleanly
+  bool split_kv = false;   // the plan split some request's keys
   std::vector<uint8_t> o;  // q dtype
   std::vector<float> lse;
 };
@@ -200,11 +209,25 @@ struct Output {
 Output RunGpu(const Batch& batch) {
   const Config& config = batch.config;
   Output out;
-  auto plan_or = plan::PlanPrefill({batch.qo_indptr, batch.kv_lens, config.num_qo_heads, config.num_kv_heads,
-                                    config.head_dim, config.params.causal});
+  auto waves = cuda::BatchPrefillCtasPerWave(config.head_dim, config.q_dtype, config.kv_dtype);
+  EXPECT_TRUE(waves.ok()) << waves.status();
+  if (!waves.ok()) return out;
+  plan::PrefillPlanInput input;
+  input.qo_indptr = batch.qo_indptr;
+  input.kv_lengths = batch.kv_lens;
+  input.num_qo_heads = config.num_qo_heads;
+  input.num_kv_heads = config.num_kv_heads;
+  input.head_dim = config.head_dim;
+  input.causal = config.params.causal;
+  input.ctas_per_wave = *waves;
+  input.deterministic = config.deterministic;
+  input.disable_split_kv = !config.split_kv;
+  input.fixed_split_tokens = config.fixed_split_tokens;
+  auto plan_or = plan::PlanPrefill(input);
   EXPECT_TRUE(plan_or.ok()) << plan_or.status();
   if (!plan_or.ok()) return out;
   const plan::PrefillPlan& plan = *plan_or;
+  out.split_kv = plan.split_kv();
 
   DeviceBuffer q = Upload(batch.q), k_pool = Upload(batch.k_pool), v_pool = Upload(batch.v_pool);
   DeviceBuffer qo_indptr = Upload(batch.qo_indptr), page_indptr = Upload(batch.page_indptr);
@@ -245,6 +268,7 @@ Output RunGpu(const Batch& batch) {
   out.lse.resize(batch.num_rows * config.num_qo_heads);
   cudaMemcpy(out.o.data(), o.get(), o_bytes, cudaMemcpyDeviceToHost);
   cudaMemcpy(out.lse.data(), lse.get(), out.lse.size() * sizeof(float), cudaMemcpyDeviceToHost);
+  out.ok = status.ok() && sync == cudaSuccess;
   return out;
 }
 
@@ -318,13 +342,15 @@ void ExpectMatches(const Batch& batch, const Output& got, const Expected& expect
   std::printf("  %-60s relative error %.2e\n", config.Name().c_str(), relative);
 }
 
-void CheckAgainstReference(const Config& config, const std::vector<int32_t>& q_lens,
+// Returns whether the plan split KV.
+bool CheckAgainstReference(const Config& config, const std::vector<int32_t>& q_lens,
                            const std::vector<int32_t>& kv_lens) {
   SCOPED_TRACE(config.Name());
   const Batch batch = MakeBatch(config, q_lens, kv_lens);
   const Output got = RunGpu(batch);
-  if (::testing::Test::HasFailure()) return;
+  if (!got.ok) return false;  // RunGpu has reported why
   ExpectMatches(batch, got, RunReference(batch));
+  return got.split_kv;
 }
 
 Config WithCausal(Config config, bool causal) {
@@ -447,7 +473,10 @@ TEST(BatchPrefillTest, OutputIsBitwiseIndependentOfTheBatch) {
   Config config;
   config.num_qo_heads = 8;
   config.num_kv_heads = 2;
-  const int32_t probe_q = 150, probe_kv = 700;
+  config.deterministic = true;
+  // Alone, the probe underfills the device, so its keys are split (per request, so the same
+  // split in every batch below).
+  const int32_t probe_q = 150, probe_kv = 7000;
   struct Composition {
     std::vector<int32_t> q, kv;
     int probe;
@@ -464,6 +493,7 @@ TEST(BatchPrefillTest, OutputIsBitwiseIndependentOfTheBatch) {
   decode_heavy.probe = 31;
   compositions.push_back(decode_heavy);
   compositions.push_back({{2000, 1500, probe_q, 3000}, {2000, 4000, probe_kv, 3000}, 2});
+  compositions.push_back({{3, probe_q}, {50000, probe_kv}, 1});
 
   std::vector<uint8_t> first_o;
   std::vector<float> first_lse;
@@ -490,7 +520,7 @@ TEST(BatchPrefillTest, OutputIsBitwiseIndependentOfTheBatch) {
                   probe.v_pool.data() + probe.v_page_ids[p] * page_bytes, page_bytes);
     }
     const Output out = RunGpu(batch);
-    ASSERT_FALSE(HasFailure());
+    ASSERT_TRUE(out.ok);
     const int64_t first_row = batch.qo_indptr[composition.probe];
     std::vector<uint8_t> o(out.o.begin() + first_row * row_bytes, out.o.begin() + (first_row + probe_q) * row_bytes);
     std::vector<float> lse(out.lse.begin() + first_row * config.num_qo_heads,
@@ -498,6 +528,7 @@ TEST(BatchPrefillTest, OutputIsBitwiseIndependentOfTheBatch) {
     if (c == 0) {
       first_o = o;
       first_lse = lse;
+      EXPECT_TRUE(out.split_kv) << "the lone probe should split";
       ExpectMatches(probe, out, RunReference(probe));
     } else {
       EXPECT_TRUE(o == first_o) << "composition " << c << ": o bits differ";
@@ -505,6 +536,44 @@ TEST(BatchPrefillTest, OutputIsBitwiseIndependentOfTheBatch) {
           << "composition " << c << ": lse bits differ";
     }
   }
+}
+
+// Pinned chunks: every query tile kernel (16/64/128 rows) writes partials, MergeStates combines
+// them; chunks past a tile's causal reach hold no visible key and must merge as nothing.
+TEST(BatchPrefillTest, SplitKvMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 300;
+  const std::pair<DType, DType> dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
+                                            {DType::kFloat16, DType::kFloat8E4M3}};
+  for (const auto& [q_dtype, kv_dtype] : dtypes) {
+    for (int32_t head_dim : {64, 128, 256}) {
+      for (bool causal : {true, false}) {
+        Config config;
+        config.q_dtype = q_dtype;
+        config.kv_dtype = kv_dtype;
+        config.head_dim = head_dim;
+        config.params.causal = causal;
+        config.params.window_left = seed % 3 == 0 ? 100 : -1;
+        config.fixed_split_tokens = 128;
+        config.seed = seed++;
+        EXPECT_TRUE(CheckAgainstReference(config, kMixedQ, kMixedKv)) << config.Name() << ": expected a split";
+      }
+    }
+  }
+}
+
+// No pinned chunk: a lone short query over a long history underfills the device and is split
+// by the planner; in deterministic mode the same request splits the same way in any batch.
+TEST(BatchPrefillTest, SplitsKvWhenTheBatchUnderfillsTheDevice) {
+  SKIP_WITHOUT_GPU();
+  Config config;
+  EXPECT_TRUE(CheckAgainstReference(config, {4}, {30000}));
+  EXPECT_TRUE(CheckAgainstReference(config, {40, 100}, {8000, 3000}));
+  config.deterministic = true;
+  config.seed = 2;
+  EXPECT_TRUE(CheckAgainstReference(config, {64, 1, 3}, {9000, 100, 20000}));
+  config.split_kv = false;
+  EXPECT_FALSE(CheckAgainstReference(config, {4}, {30000}));
 }
 
 // Small and quick: the sweep run under compute-sanitizer memcheck.
@@ -521,6 +590,7 @@ TEST(BatchPrefillTest, SanitizerSweep) {
         config.table = seed % 2 ? TableForm::kSeparateKv : TableForm::kShared;
         config.page_size = seed % 3 == 0 ? 1 : 16;
         config.params.window_left = seed % 4 == 0 ? 9 : -1;
+        config.fixed_split_tokens = seed % 2 ? 64 : 0;
         config.seed = seed++;
         CheckAgainstReference(config, {1, 20, 70, 0, 3}, {1, 20, 150, 5, 0});
       }
@@ -529,6 +599,17 @@ TEST(BatchPrefillTest, SanitizerSweep) {
 }
 
 // --- Tests without a GPU ----------------------------------------------------------------------
+
+plan::PrefillPlanInput Input(std::span<const int32_t> qo_indptr, std::span<const int32_t> kv_lengths,
+                             int32_t num_qo_heads, int32_t num_kv_heads, int32_t head_dim) {
+  plan::PrefillPlanInput input;
+  input.qo_indptr = qo_indptr;
+  input.kv_lengths = kv_lengths;
+  input.num_qo_heads = num_qo_heads;
+  input.num_kv_heads = num_kv_heads;
+  input.head_dim = head_dim;
+  return input;
+}
 
 TEST(PrefillPlanTest, PicksTheQueryTilePerRequestFromItsOwnLength) {
   EXPECT_EQ(plan::PrefillQueryTileRows(1, 128), 16);
@@ -541,7 +622,7 @@ TEST(PrefillPlanTest, PicksTheQueryTilePerRequestFromItsOwnLength) {
   // Group 4: 2 tokens -> 8 packed rows (tile 16); 100 tokens -> 400 rows (tile 128).
   const std::vector<int32_t> qo_indptr = {0, 2, 102, 102};
   const std::vector<int32_t> kv_lengths = {50, 100, 7};
-  auto plan = plan::PlanPrefill({qo_indptr, kv_lengths, 8, 2, 128, true});
+  auto plan = plan::PlanPrefill(Input(qo_indptr, kv_lengths, 8, 2, 128));
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_EQ(plan->launches.size(), 2u);
   EXPECT_EQ(plan->launches[0].tile_rows, 128);
@@ -554,20 +635,77 @@ TEST(PrefillPlanTest, PicksTheQueryTilePerRequestFromItsOwnLength) {
   for (const plan::PrefillWorkItem& item : plan->items) EXPECT_NE(item.request, 2) << "padding slot got a CTA";
 }
 
+TEST(PrefillPlanTest, SplitsKvWhenTheBatchUnderfillsTheWave) {
+  // One request, 8 packed rows -> one tile-16 CTA per KV head: 2 CTAs for a wave of 264.
+  const std::vector<int32_t> qo_indptr = {0, 2};
+  const std::vector<int32_t> kv_lengths = {10000};
+  plan::PrefillPlanInput input = Input(qo_indptr, kv_lengths, 8, 2, 128);
+  input.ctas_per_wave = {264, 264, 264, 132};
+  auto plan = plan::PlanPrefill(input);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(plan->split_kv());
+  const int32_t chunk = plan->request_chunk_tokens[0];
+  EXPECT_GE(chunk, 256);
+  EXPECT_EQ(chunk % 64, 0);
+  EXPECT_LE(plan->NumCtas(), 264);
+  const int32_t chunks = (10000 + chunk - 1) / chunk;
+  EXPECT_EQ(plan->num_partials, 2 * chunks);
+  EXPECT_EQ(plan->num_merge_rows(), 2);
+  EXPECT_EQ(plan->merge_indptr, (std::vector<int32_t>{0, chunks, 2 * chunks}));
+  // Chunks cover the keys in order, without overlap.
+  std::vector<plan::PrefillWorkItem> items = plan->items;
+  std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.kv_chunk_start < b.kv_chunk_start; });
+  int32_t next = 0;
+  for (const auto& item : items) {
+    EXPECT_EQ(item.kv_chunk_start, next);
+    next = item.kv_chunk_end;
+  }
+  EXPECT_EQ(next, 10000);
+
+  input.disable_split_kv = true;
+  EXPECT_FALSE(plan::PlanPrefill(input)->split_kv());
+  input.disable_split_kv = false;
+  input.ctas_per_wave = {};
+  EXPECT_FALSE(plan::PlanPrefill(input)->split_kv());
+}
+
+TEST(PrefillPlanTest, DeterministicChunkDependsOnTheRequestAlone) {
+  plan::PrefillPlanInput input;
+  input.num_qo_heads = 8;
+  input.num_kv_heads = 2;
+  input.head_dim = 128;
+  input.ctas_per_wave = {264, 264, 264, 132};
+  input.deterministic = true;
+  const std::vector<int32_t> alone_qo = {0, 100};
+  const std::vector<int32_t> alone_kv = {5000};
+  input.qo_indptr = alone_qo;
+  input.kv_lengths = alone_kv;
+  const int32_t alone_chunk = plan::PlanPrefill(input)->request_chunk_tokens[0];
+  EXPECT_GT(alone_chunk, 0);
+  // In a batch that fills the device on its own, the request keeps its chunk.
+  std::vector<int32_t> batch_qo = {0, 4000, 4100};
+  const std::vector<int32_t> batch_kv = {4000, 5000};
+  input.qo_indptr = batch_qo;
+  input.kv_lengths = batch_kv;
+  EXPECT_EQ(plan::PlanPrefill(input)->request_chunk_tokens[1], alone_chunk);
+  input.deterministic = false;
+  EXPECT_EQ(plan::PlanPrefill(input)->request_chunk_tokens[1], 0) << "a full batch needs no split";
+}
+
 TEST(PrefillPlanTest, RejectsInconsistentInputs) {
   const std::vector<int32_t> qo_indptr = {0, 4};
   const std::vector<int32_t> kv_lengths = {4, 4};
-  EXPECT_FALSE(plan::PlanPrefill({qo_indptr, kv_lengths, 8, 2, 128, true}).ok());
+  EXPECT_FALSE(plan::PlanPrefill(Input(qo_indptr, kv_lengths, 8, 2, 128)).ok());
   const std::vector<int32_t> one_kv = {4};
-  EXPECT_FALSE(plan::PlanPrefill({qo_indptr, one_kv, 8, 3, 128, true}).ok());
-  EXPECT_FALSE(plan::PlanPrefill({qo_indptr, one_kv, 8, 2, 96, true}).ok());
-  EXPECT_TRUE(plan::PlanPrefill({qo_indptr, one_kv, 8, 2, 64, true}).ok());
+  EXPECT_FALSE(plan::PlanPrefill(Input(qo_indptr, one_kv, 8, 3, 128)).ok());
+  EXPECT_FALSE(plan::PlanPrefill(Input(qo_indptr, one_kv, 8, 2, 96)).ok());
+  EXPECT_TRUE(plan::PlanPrefill(Input(qo_indptr, one_kv, 8, 2, 64)).ok());
 }
 
 TEST(BatchPrefillArgsTest, RejectsMismatchedViewsBeforeTouchingTheDevice) {
   const std::vector<int32_t> qo_indptr = {0, 4};
   const std::vector<int32_t> kv_lengths = {4};
-  auto plan = plan::PlanPrefill({qo_indptr, kv_lengths, 8, 2, 128, true});
+  auto plan = plan::PlanPrefill(Input(qo_indptr, kv_lengths, 8, 2, 128));
   ASSERT_TRUE(plan.ok());
   alignas(16) static uint8_t fake[64];
   cuda::BatchPrefillArgs args;

@@ -2,10 +2,13 @@
 // on tensor cores. Chunked prefill (new tokens of a sequence that already has KV) is the same
 // call: a request's q rows are its last q_len positions.
 //
-// Use, once per step:  plan = plan::PlanPrefill(...) on the host;
+// Use, once per cache: waves = BatchPrefillCtasPerWave(head_dim, q_dtype, kv_dtype);
+//      once per step:  plan = plan::PlanPrefill({..., .ctas_per_wave = waves}) on the host;
 //                      bytes = BatchPrefillWorkspaceBytes(plan); (a reused device buffer)
 //                      UploadBatchPrefillPlan(plan, workspace, bytes, stream);
-// then once per layer: BatchPrefill(plan, args, workspace, bytes, stream).
+//      once per layer: BatchPrefill(plan, args, workspace, bytes, stream).
+// A plan that splits KV (plan.split_kv()) runs the prefill kernels into fp32 partials in the
+// workspace, then MergeStates (merge.h) writes the split requests' rows of o and lse.
 // Every pointer in BatchPrefillArgs is device memory; the caller keeps it alive until the stream
 // has passed the launch. Nothing here allocates or synchronises.
 #pragma once
@@ -15,6 +18,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "attnd/kernels/attention_params.h"
 #include "attnd/kernels/views.h"
 #include "plan/prefill_plan.h"
@@ -34,11 +38,16 @@ struct BatchPrefillArgs {
                                        // masked; optional
 };
 
-// Device workspace bytes the plan needs (its work list), 256-byte aligned.
+// CTAs of each query tile's kernel the current device runs at once (resident CTAs per SM x
+// SMs), for plan::PrefillPlanInput::ctas_per_wave. Fixed per device and dtypes: query it once.
+absl::StatusOr<plan::PrefillWaveSizes> BatchPrefillCtasPerWave(int32_t head_dim, DType q_dtype, DType kv_dtype);
+
+// Device workspace bytes the plan needs: its work list, merge rows and, when it splits KV, the
+// fp32 partials ([num_partials][num_qo_heads][head_dim] plus lse). 256-byte aligned sections.
 int64_t BatchPrefillWorkspaceBytes(const plan::PrefillPlan& plan);
 
-// Copies the plan's work list into `workspace` on `stream`. The copy is from pageable memory,
-// which CUDA stages before returning, so the plan may change or die once this returns.
+// Copies the plan's work list and merge rows into `workspace` on `stream`. The copy is from
+// pageable memory, which CUDA stages before returning, so the plan may change or die after.
 absl::Status UploadBatchPrefillPlan(const plan::PrefillPlan& plan, void* workspace,
                                     int64_t workspace_bytes, cudaStream_t stream);
 
