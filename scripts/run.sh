@@ -16,8 +16,7 @@ attnd: starting. From another shell:
   curl -s localhost:9400/metrics | grep ^attnd_
   grpcurl -plaintext localhost:50051 list
   grpcurl -plaintext localhost:50051 describe attnd.v1.AttentionService
-  $buf curl --protocol grpc --http2-prior-knowledge --reflect-protocol grpc-v1alpha \
-    http://localhost:50051/attnd.v1.AttentionService/GetServerInfo
+  $buf curl --protocol grpc --http2-prior-knowledge --reflect-protocol grpc-v1alpha http://localhost:50051/attnd.v1.AttentionService/GetServerInfo
 README.md ("Calling attnd") has CreateCache / Plan / Forward examples with JSON values.
 TXT
 exec "$build_dir/server/attnd" "$@"
