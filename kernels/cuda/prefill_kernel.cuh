@@ -20,12 +20,12 @@
 #include <type_traits>
 #include <utility>
 
+#include "prefill_kv_loader.cuh"
 #include "prefill_params.h"
 #include "prefill_ptx.cuh"
 
 namespace attnd::cuda::prefill {
 
-inline constexpr int kThreads = 128;
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
@@ -63,12 +63,6 @@ struct TileShape {
   static_assert(kMmaQ >= 1 && kMmaQ * 16 * kWarpsQ == kTileRows, "query tile");
   static_assert(kHeadDim >= 64, "the swizzle needs at least 8 chunks per row");
 };
-
-// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] tile.
-template <int kHeadDim>
-__device__ __forceinline__ int Swizzle(int row, int chunk) {
-  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
-}
 
 // Byte offset, within a swizzled tile, of chunk 2 * step + (lane bit) of a row whose low three
 // bits are the lane's: with z = lane bit ^ (row & 7), the chunk lands at
@@ -118,113 +112,6 @@ __device__ __forceinline__ float FastLog2(float x) {
 __device__ __forceinline__ float AccurateTanh(float x) {
   return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
 }
-
-// Element offsets, from the KV head's base, of the rows of the next KV tile: page id lookups are
-// loaded into registers (LoadIds) before Q K^T and stored as offsets (StoreOffsets) after it, so
-// the cp.async issue reads shared memory instead of waiting on a dependent global load.
-// Table layout: [2 tiles][2][kTileKv] int64, K rows then V rows; -1 marks a row past the keys.
-template <typename Shape>
-struct KvOffsetTable {
-  static constexpr int kEntries = 2 * Shape::kTileKv;
-  static constexpr int kPerThread = (kEntries + kThreads - 1) / kThreads;
-
-  __device__ __forceinline__ static void LoadIds(int32_t (&ids)[kPerThread], const int32_t* k_page_ids,
-                                                 const int32_t* v_page_ids, const KernelParams& params,
-                                                 int tile_start, int kv_end) {
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int entry = threadIdx.x + i * kThreads;
-      const int token = tile_start + entry % Shape::kTileKv;
-      ids[i] = -1;
-      if (entry < kEntries && token < kv_end) {
-        ids[i] = (entry < Shape::kTileKv ? k_page_ids : v_page_ids)[token >> params.page_size_log2];
-      }
-    }
-  }
-
-  __device__ __forceinline__ static void StoreOffsets(int64_t* table, const int32_t (&ids)[kPerThread],
-                                                      const KernelParams& params, int tile_start) {
-    const int page_mask = (1 << params.page_size_log2) - 1;
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int entry = threadIdx.x + i * kThreads;
-      if (entry < kEntries) {
-        const int token = tile_start + entry % Shape::kTileKv;
-        table[entry] = ids[i] < 0 ? int64_t{-1}
-                                  : static_cast<int64_t>(ids[i]) * params.kv_page_stride +
-                                        (token & page_mask) * params.kv_entry_stride;
-      }
-    }
-  }
-};
-
-// Loads KV tiles of `Stored` elements into swizzled shared tiles of the MMA type T, always with
-// cp.async. A cache of another type lands raw first (16-bit: in place, at the swizzled chunk it
-// will occupy; fp8: in a separate raw tile of D bytes per row) and Convert() then rewrites, in
-// each thread, exactly the chunks that thread loaded, so its own wait_group is all the
-// ordering the conversion needs.
-template <typename Shape, typename T, typename Stored>
-struct KvTileLoader {
-  static constexpr bool kDirect = std::is_same_v<Stored, T>;
-  static constexpr bool kNarrow = sizeof(Stored) == 1;
-  static constexpr int kStoredPerLoad = 16 / sizeof(Stored);
-  static constexpr int kLoadsPerRow = Shape::kHeadDim / kStoredPerLoad;
-  static constexpr int kRowsPerPass = kThreads / kLoadsPerRow;
-  static constexpr int kPasses = Shape::kTileKv / kRowsPerPass;
-  static_assert(kThreads % kLoadsPerRow == 0 && Shape::kTileKv % kRowsPerPass == 0, "loader");
-
-  // Where this thread's 16 raw bytes of `row` land.
-  __device__ __forceinline__ static uint8_t* RawChunk(T* tile, uint8_t* raw, int row, int load) {
-    if constexpr (kNarrow) return raw + row * Shape::kHeadDim + load * 16;
-    return reinterpret_cast<uint8_t*>(tile + Swizzle<Shape::kHeadDim>(row, load));
-  }
-
-  // `pool` is this KV head's base, `row_offsets` this tile's rows in the offset table.
-  __device__ __forceinline__ static void Issue(T* tile, uint8_t* raw, const Stored* pool,
-                                               const int64_t* row_offsets) {
-    const int load = threadIdx.x % kLoadsPerRow;
-    const int first_row = threadIdx.x / kLoadsPerRow;
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int row = first_row + pass * kRowsPerPass;
-      const int64_t offset = row_offsets[row];
-      // Keys past the end are zero-filled: V must be, since P = 0 times stale memory could be NaN.
-      const bool valid = offset >= 0;
-      const Stored* source = valid ? pool + offset + load * kStoredPerLoad : pool;
-      CpAsync16(SharedAddress(RawChunk(tile, raw, row, load)), source, valid);
-    }
-  }
-
-  __device__ __forceinline__ static void Convert(T* tile, uint8_t* raw) {
-    if constexpr (!kDirect) {
-      const int load = threadIdx.x % kLoadsPerRow;
-      const int first_row = threadIdx.x / kLoadsPerRow;
-#pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const int row = first_row + pass * kRowsPerPass;
-        const uint4 bits = *reinterpret_cast<const uint4*>(RawChunk(tile, raw, row, load));
-        const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
-        if constexpr (kNarrow) {
-          // 16 fp8 values -> chunks 2 * load and 2 * load + 1.
-          uint32_t out[8];
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            out[2 * w] = ConvertPair<T, Stored>(words[w] & 0xffffu);
-            out[2 * w + 1] = ConvertPair<T, Stored>(words[w] >> 16);
-          }
-          *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, 2 * load)) =
-              make_uint4(out[0], out[1], out[2], out[3]);
-          *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, 2 * load + 1)) =
-              make_uint4(out[4], out[5], out[6], out[7]);
-        } else {
-          *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, load)) =
-              make_uint4(ConvertPair<T, Stored>(words[0]), ConvertPair<T, Stored>(words[1]),
-                         ConvertPair<T, Stored>(words[2]), ConvertPair<T, Stored>(words[3]));
-        }
-      }
-    }
-  }
-};
 
 // QO: the type of q and o in memory. T: the MMA type (QO, except bf16 q over an fp16 cache,
 // which multiplies in fp16: K stays exact and bf16 q converts exactly below 65504).
