@@ -382,13 +382,15 @@ struct AppendSpec {
   int64_t tokens;
   DType in_dtype;
   DType cache_dtype;
+  bool rope = true;  // variants: false measures the same copy without rotation
 };
 
 Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
   Result result;
   result.kind = "append";
   result.name = std::string(spec.in_dtype == DType::kFloat16 ? "f16" : "bf16") + "->" +
-                (spec.cache_dtype == DType::kFloat8E4M3 ? "fp8" : "bf16") + "_t" + std::to_string(spec.tokens);
+                (spec.cache_dtype == DType::kFloat8E4M3 ? "fp8" : "bf16") + (spec.rope ? "" : "_norope") +
+                "_t" + std::to_string(spec.tokens);
   result.tokens = spec.tokens;
   const int64_t tokens = spec.tokens;
   const int32_t batch = static_cast<int32_t>(std::min<int64_t>(tokens, 64));
@@ -439,7 +441,7 @@ Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
     CopyToDevice(pages_device.get<int32_t>() + s * pages_per_set, page_ids[s]);
   }
   RopeConfig rope;
-  rope.style = RopeStyle::kNeox;
+  rope.style = spec.rope ? RopeStyle::kNeox : RopeStyle::kNone;
   rope.rotary_dim = kHeadDim;
   rope.theta = 500000.0;
   const std::vector<float> inv_freq = RopeInverseFrequencies(rope);
@@ -454,9 +456,9 @@ Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
     a.tokens = AppendIndexView{tokens, batch_device.get<int32_t>(), positions_device.get<int32_t>()};
     const int32_t* ids = pages_device.get<int32_t>() + s * pages_per_set;
     a.pages = PageTableView{batch, kPageSize, indptr_device.get<int32_t>(), ids, ids, nullptr};
-    a.rope_style = RopeStyle::kNeox;
+    a.rope_style = rope.style;
     a.rope_inv_freq = inv_freq_device.get<float>();
-    a.rotary_dim = kHeadDim;
+    a.rotary_dim = spec.rope ? kHeadDim : 0;
     a.q_in = TokenHeadsView{q_in.get<uint8_t>() + s * q_bytes, spec.in_dtype, tokens, kQoHeads, kHeadDim};
     a.q_out = TokenHeadsView{q_out.get<uint8_t>() + s * q_bytes, spec.in_dtype, tokens, kQoHeads, kHeadDim};
     a.k_in = TokenHeadsView{k_in.get<uint8_t>() + s * kv_in_bytes, spec.in_dtype, tokens, kKvHeads, kHeadDim};
@@ -485,7 +487,7 @@ Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
   reference::AppendArgs ref;
   ref.tokens = AppendIndexView{tokens, batch_indices.data(), positions.data()};
   ref.pages = PageTableView{batch, kPageSize, indptr.data(), page_ids[0].data(), page_ids[0].data(), nullptr};
-  ref.rope_style = RopeStyle::kNeox;
+  ref.rope_style = rope.style;
   ref.rope_inv_freq = inv_freq;
   ref.q_in = TokenHeadsView{host_q.data(), spec.in_dtype, tokens, kQoHeads, kHeadDim};
   ref.q_out = TokenHeadsView{ref_q.data(), spec.in_dtype, tokens, kQoHeads, kHeadDim};
@@ -616,6 +618,11 @@ int Main(int argc, char** argv) {
     for (const auto& [in_dtype, cache_dtype] : {std::pair{DType::kFloat16, DType::kFloat8E4M3},
                                                 std::pair{DType::kBFloat16, DType::kBFloat16}}) {
       for (int64_t tokens : token_counts) report(RunAppend({tokens, in_dtype, cache_dtype}, stream));
+    }
+    if (variants) {
+      for (int64_t tokens : {int64_t{4096}, int64_t{16384}}) {
+        report(RunAppend({tokens, DType::kBFloat16, DType::kBFloat16, /*rope=*/false}, stream));
+      }
     }
   }
   if (!csv_path.empty()) {

@@ -1,12 +1,13 @@
-// Fused RoPE + quantise + paged append (DESIGN 4.1). A CTA takes kTokensPerCta tokens and walks
-// their rows as one flat list of 8-element units (one 16-byte input vector each; the jobs of a
-// launch one after another: MHA q (dense, rotated), k (paged, rotated), v (paged); MLA q_pe
-// (dense, rotated), ckv (paged), kpe (paged, rotated)). Consecutive lanes take consecutive units,
-// so every warp load and store is 512 contiguous bytes; each thread loads kUnitsInFlight units
-// before transforming any, to keep enough bytes in flight. The CTA looks up each token's page
-// slot and computes its rotary cos/sin once (shared by every head) while the first loads are
-// out. FP8 units give 8 bytes: lane pairs (always halves of one row) join them into one 16-byte
-// store.
+// Fused RoPE + quantise + paged append (DESIGN 4.1). A CTA takes kTokensPerCta tokens. A launch
+// runs up to three "jobs" over them, one after another: MHA q (dense, rotated), k (paged,
+// rotated), v (paged); MLA q_pe (dense, rotated), ckv (paged), kpe (paged, rotated). A job's
+// rows are walked as 8-element units (one 16-byte input vector each); consecutive lanes take
+// consecutive units, so every warp load and store is 512 contiguous bytes, and each thread loads
+// kUnitsInFlight units before transforming any, to keep enough bytes in flight (a neox partner
+// vector is read when rotating, from the L1: the same warp loaded that row). The CTA looks up
+// each token's slot and computes its rotary cos/sin once (shared by every head) while the first
+// loads are out. FP8 units give 8 bytes: lane pairs (always halves of one row) join them into
+// one 16-byte store.
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
@@ -68,44 +69,34 @@ __device__ __forceinline__ float DivideByScale(float value, float scale, float i
   return fmaf(residual, inverse_scale, quotient);
 }
 
-// Where unit `index` of a CTA's flat list lies: job, token in the CTA, head, first dim.
+// Where unit `index` of a job's units in a CTA lies: token in the CTA, head, first dim.
 struct Unit {
-  int job;
   int token;
   int head;
   int first_dim;
 };
 
-__device__ __forceinline__ Unit Locate(const AppendParams& params, int index) {
+__device__ __forceinline__ Unit Locate(const AppendJob& job, int index) {
+  // index < kTokensPerCta * units_per_token: the token by comparisons, not a division.
+  static_assert(kTokensPerCta == 4, "the token lookup below assumes 4 tokens per CTA");
+  const int per_token = job.units_per_token;
   Unit unit;
-  unit.job = 0;
-#pragma unroll
-  for (int j = 0; j < kMaxJobs - 1; ++j) {
-    const int job_units = kTokensPerCta * params.jobs[unit.job].units_per_token;
-    if (index >= job_units) {
-      index -= job_units;
-      ++unit.job;
-    }
-  }
-  const AppendJob& job = params.jobs[unit.job];
-  unit.token = index / job.units_per_token;
-  const int in_token = index - unit.token * job.units_per_token;
+  unit.token = (index >= per_token) + (index >= 2 * per_token) + (index >= 3 * per_token);
+  const int in_token = index - unit.token * per_token;
   unit.head = in_token >> job.log2_units_per_row;
   unit.first_dim = (in_token - (unit.head << job.log2_units_per_row)) * kUnit;
   return unit;
 }
 
 template <typename InT>
-__device__ __forceinline__ const InT* InputRow(const AppendParams& params, const Unit& unit,
-                                               int64_t first_token) {
-  const AppendJob& job = params.jobs[unit.job];
+__device__ __forceinline__ const InT* InputRow(const AppendJob& job, const Unit& unit, int64_t first_token) {
   return static_cast<const InT*>(job.in) +
          ((first_token + unit.token) * job.num_heads + unit.head) * static_cast<int64_t>(job.width);
 }
 
 // The neox partner of a unit is one aligned vector when the half rotary width is a multiple of 8.
 __device__ __forceinline__ bool HasVectorPartner(const AppendParams& params, const Unit& unit) {
-  return params.jobs[unit.job].rotate && !params.interleaved && params.rope_pairs % kUnit == 0 &&
+  return !params.interleaved && params.rope_pairs % kUnit == 0 &&
          unit.first_dim + kUnit <= 2 * params.rope_pairs;
 }
 
@@ -114,11 +105,29 @@ __device__ __forceinline__ bool HasVectorPartner(const AppendParams& params, con
 // arithmetic does, so both store the same bits for the same cos/sin.
 template <typename InT>
 __device__ __forceinline__ void Rotate8(float* x, const AppendParams& params, const Unit& unit,
-                                        const uint4& partner_raw, const InT* row, const float2* angles) {
+                                        const InT* row, const float2* angles) {
   const int pairs = params.rope_pairs;
   const int rotary_dim = 2 * pairs;
   const int first_dim = unit.first_dim;
   if (params.interleaved) {
+    if (first_dim + kUnit <= rotary_dim) {
+      // The whole unit rotates: its 4 pairs' angles are two 16-byte loads.
+      const float4* pair_angles = reinterpret_cast<const float4*>(angles + first_dim / 2);
+#pragma unroll
+      for (int k = 0; k < kUnit; k += 4) {
+        const float4 two = pair_angles[k / 4];
+        const float cosines[2] = {two.x, two.z};
+        const float sines[2] = {two.y, two.w};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float first = x[k + 2 * h];
+          const float second = x[k + 2 * h + 1];
+          x[k + 2 * h] = __fsub_rn(__fmul_rn(first, cosines[h]), __fmul_rn(second, sines[h]));
+          x[k + 2 * h + 1] = __fadd_rn(__fmul_rn(first, sines[h]), __fmul_rn(second, cosines[h]));
+        }
+      }
+      return;
+    }
 #pragma unroll
     for (int k = 0; k < kUnit; k += 2) {
       const int dim = first_dim + k;
@@ -135,13 +144,34 @@ __device__ __forceinline__ void Rotate8(float* x, const AppendParams& params, co
   // Neox: dim pairs (i, i + pairs).
   float partner[kUnit];
   if (HasVectorPartner(params, unit)) {
-    Raw8ToFloat<InT>(partner_raw, partner);
-  } else {
+    // The unit lies wholly in one half: its 8 angles are four 16-byte loads, no per-dim tests.
+    // The partner vector is part of a row this warp has just loaded: an L1 hit, not a register
+    // held since the load phase.
+    const int partner_dim = first_dim < pairs ? first_dim + pairs : first_dim - pairs;
+    Raw8ToFloat<InT>(*reinterpret_cast<const uint4*>(row + partner_dim), partner);
+    const bool first_half = first_dim < pairs;
+    const float4* unit_angles =
+        reinterpret_cast<const float4*>(angles + (first_half ? first_dim : first_dim - pairs));
 #pragma unroll
-    for (int k = 0; k < kUnit; ++k) {
-      const int dim = first_dim + k;
-      partner[k] = dim < rotary_dim ? LoadOne(row + (dim < pairs ? dim + pairs : dim - pairs)) : 0.0f;
+    for (int k = 0; k < kUnit; k += 2) {
+      const float4 two = unit_angles[k / 2];
+      const float cosines[2] = {two.x, two.z};
+      const float sines[2] = {two.y, two.w};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float product_cos = __fmul_rn(x[k + h], cosines[h]);
+        const float product_sin = __fmul_rn(partner[k + h], sines[h]);
+        x[k + h] = first_half ? __fsub_rn(product_cos, product_sin) : __fadd_rn(product_sin, product_cos);
+      }
     }
+    return;
+  }
+  // General case (the half width not a multiple of 8, or a unit across the rotary end):
+  // partners one by one.
+#pragma unroll
+  for (int k = 0; k < kUnit; ++k) {
+    const int dim = first_dim + k;
+    partner[k] = dim < rotary_dim ? LoadOne(row + (dim < pairs ? dim + pairs : dim - pairs)) : 0.0f;
   }
 #pragma unroll
   for (int k = 0; k < kUnit; ++k) {
@@ -156,41 +186,101 @@ __device__ __forceinline__ void Rotate8(float* x, const AppendParams& params, co
   }
 }
 
+// Per-CTA state shared by the jobs.
+struct AppendShared {
+  float2 angles[kTokensPerCta][kMaxRopePairs];  // (cos, sin) per token and pair
+  // Per job and token: paged jobs, the element offset of the token's slot in the pool (page *
+  // page_stride + entry * entry_stride); -1: padding, nothing to write.
+  int64_t slot_offset[kMaxJobs][kTokensPerCta];
+};
+
+template <int kJob, typename InT>
+__device__ __forceinline__ void LoadUnits(const AppendParams& params, int base, int64_t first_token,
+                                          int tokens_here, uint4 (&value)[kUnitsInFlight]) {
+  const AppendJob& job = params.jobs[kJob];
+  const int units = kTokensPerCta * job.units_per_token;
+#pragma unroll
+  for (int r = 0; r < kUnitsInFlight; ++r) {
+    const int index = base + r * kAppendThreads + threadIdx.x;
+    if (index >= units) continue;
+    const Unit unit = Locate(job, index);
+    if (unit.token >= tokens_here) continue;
+    value[r] = *reinterpret_cast<const uint4*>(InputRow<InT>(job, unit, first_token) + unit.first_dim);
+  }
+}
+
+// Transforms and stores job kJob's units of the CTA's tokens; the job index is a template
+// parameter so every job field is a constant-bank operand, not a computed load.
+template <int kJob, typename InT, typename CacheT>
+__device__ __forceinline__ void RunJob(const AppendParams& params, const AppendShared& shared,
+                                       int64_t first_token, int tokens_here, bool first_loaded,
+                                       uint4 (&value)[kUnitsInFlight]) {
+  constexpr bool kFp8Cache = sizeof(CacheT) == 1;
+  const AppendJob& job = params.jobs[kJob];
+  const int units = kTokensPerCta * job.units_per_token;
+  const bool paged = job.page_ids != nullptr;
+  for (int base = 0; base < units; base += kUnitsInFlight * kAppendThreads) {
+    if (base > 0 || !first_loaded) LoadUnits<kJob, InT>(params, base, first_token, tokens_here, value);
+#pragma unroll
+    for (int r = 0; r < kUnitsInFlight; ++r) {
+      // Uniform across the CTA, so the shuffle below has every lane.
+      if (base + r * kAppendThreads >= units) break;
+      const int index = base + r * kAppendThreads + threadIdx.x;
+      const Unit unit = Locate(job, index < units ? index : 0);
+      const int64_t slot_offset = shared.slot_offset[kJob][unit.token];
+      const bool active = index < units && unit.token < tokens_here && slot_offset >= 0;
+      uint2 fp8_bytes = make_uint2(0, 0);
+      if (active) {
+        float x[kUnit];
+        Raw8ToFloat<InT>(value[r], x);
+        if (job.rotate && unit.first_dim < 2 * params.rope_pairs) {
+          Rotate8<InT>(x, params, unit, InputRow<InT>(job, unit, first_token), shared.angles[unit.token]);
+        }
+        if (!paged) {
+          *reinterpret_cast<uint4*>(static_cast<InT*>(job.out) +
+                                    ((first_token + unit.token) * job.num_heads + unit.head) *
+                                        static_cast<int64_t>(job.width) +
+                                    unit.first_dim) = FloatToRaw8<InT>(x);
+        } else {
+          if (job.scale != 1.0f) {
+#pragma unroll
+            for (int k = 0; k < kUnit; ++k) x[k] = DivideByScale(x[k], job.scale, job.inverse_scale);
+          }
+          if constexpr (kFp8Cache) {
+            fp8_bytes = FloatToRaw8<CacheT>(x);
+          } else {
+            *reinterpret_cast<uint4*>(static_cast<CacheT*>(job.out) + slot_offset +
+                                      unit.head * job.head_stride + unit.first_dim) = FloatToRaw8<CacheT>(x);
+          }
+        }
+      }
+      if constexpr (kFp8Cache) {
+        // Units 2k and 2k + 1 are the two halves of 16 dims of one row (rows have an even unit
+        // count and start at even indices), so the even lane stores both: 16 bytes.
+        const uint32_t odd_x = __shfl_xor_sync(0xffffffffu, fp8_bytes.x, 1);
+        const uint32_t odd_y = __shfl_xor_sync(0xffffffffu, fp8_bytes.y, 1);
+        if (active && paged && (threadIdx.x & 1) == 0) {
+          *reinterpret_cast<uint4*>(static_cast<CacheT*>(job.out) + slot_offset + unit.head * job.head_stride +
+                                    unit.first_dim) = make_uint4(fp8_bytes.x, fp8_bytes.y, odd_x, odd_y);
+        }
+      }
+    }
+  }
+}
+
 template <typename InT, typename CacheT>
 __global__ void __launch_bounds__(kAppendThreads, 4) AppendKvKernel(const AppendParams params) {
-  constexpr bool kFp8Cache = sizeof(CacheT) == 1;
-  __shared__ float2 angles[kTokensPerCta][kMaxRopePairs];  // (cos, sin) per token and pair
-  __shared__ int32_t token_slot[kTokensPerCta];  // index into the page-id arrays; -1: skip
-  __shared__ int32_t token_entry[kTokensPerCta];
+  __shared__ __align__(16) AppendShared shared;
 
   const int64_t first_token = static_cast<int64_t>(blockIdx.x) * kTokensPerCta;
   const int tokens_here =
       static_cast<int>(min(static_cast<int64_t>(kTokensPerCta), params.num_tokens - first_token));
-  int total = 0;
-#pragma unroll
-  for (int j = 0; j < kMaxJobs; ++j) total += kTokensPerCta * params.jobs[j].units_per_token;
-
-  uint4 value[kUnitsInFlight];
-  uint4 partner[kUnitsInFlight];
-  auto load_units = [&](int base) {
-#pragma unroll
-    for (int r = 0; r < kUnitsInFlight; ++r) {
-      const int index = base + r * kAppendThreads + threadIdx.x;
-      if (index >= total) continue;
-      const Unit unit = Locate(params, index);
-      if (unit.token >= tokens_here) continue;
-      const InT* row = InputRow<InT>(params, unit, first_token);
-      value[r] = *reinterpret_cast<const uint4*>(row + unit.first_dim);
-      if (HasVectorPartner(params, unit)) {
-        const int pairs = params.rope_pairs;
-        partner[r] = *reinterpret_cast<const uint4*>(
-            row + (unit.first_dim < pairs ? unit.first_dim + pairs : unit.first_dim - pairs));
-      }
-    }
-  };
 
   // The first units' loads go out before the CTA waits for its tokens' slots and angles.
-  load_units(0);
+  uint4 value[kUnitsInFlight];
+  const bool first_job_present = params.jobs[0].units_per_token > 0;
+  if (first_job_present) LoadUnits<0, InT>(params, 0, first_token, tokens_here, value);
+
   if (threadIdx.x < kTokensPerCta) {
     int32_t slot = -1;
     int32_t entry = 0;
@@ -202,8 +292,15 @@ __global__ void __launch_bounds__(kAppendThreads, 4) AppendKvKernel(const Append
         entry = position & ((1 << params.log2_page_size) - 1);
       }
     }
-    token_slot[threadIdx.x] = slot;
-    token_entry[threadIdx.x] = entry;
+#pragma unroll
+    for (int j = 0; j < kMaxJobs; ++j) {
+      const AppendJob& job = params.jobs[j];
+      int64_t offset = slot < 0 ? -1 : 0;
+      if (slot >= 0 && job.page_ids != nullptr) {
+        offset = int64_t{job.page_ids[slot]} * job.page_stride + entry * job.entry_stride;
+      }
+      shared.slot_offset[j][threadIdx.x] = offset;
+    }
   }
   for (int i = threadIdx.x; i < kTokensPerCta * params.rope_pairs; i += kAppendThreads) {
     const int t = i / params.rope_pairs;
@@ -215,69 +312,14 @@ __global__ void __launch_bounds__(kAppendThreads, 4) AppendKvKernel(const Append
       const float angle = static_cast<float>(params.positions[first_token + t]) * params.inv_freq[pair];
       double sine, cosine;
       sincos(static_cast<double>(angle), &sine, &cosine);
-      angles[t][pair] = make_float2(static_cast<float>(cosine), static_cast<float>(sine));
+      shared.angles[t][pair] = make_float2(static_cast<float>(cosine), static_cast<float>(sine));
     }
   }
   __syncthreads();
 
-  for (int base = 0; base < total; base += kUnitsInFlight * kAppendThreads) {
-    if (base > 0) load_units(base);
-#pragma unroll
-    for (int r = 0; r < kUnitsInFlight; ++r) {
-      const int index = base + r * kAppendThreads + threadIdx.x;
-      // Uniform across the CTA (total is), so the shuffle below has every lane.
-      if (base + r * kAppendThreads >= total) break;
-      bool active = index < total;
-      Unit unit{};
-      if (active) {
-        unit = Locate(params, index);
-        active = unit.token < tokens_here && token_slot[unit.token] >= 0;
-      }
-      const AppendJob& job = params.jobs[unit.job];
-      float x[kUnit];
-      uint2 fp8_bytes = make_uint2(0, 0);
-      if (active) {
-        const int64_t token = first_token + unit.token;
-        Raw8ToFloat<InT>(value[r], x);
-        if (job.rotate && unit.first_dim < 2 * params.rope_pairs) {
-          Rotate8<InT>(x, params, unit, partner[r], InputRow<InT>(params, unit, first_token),
-                       angles[unit.token]);
-        }
-        if (job.page_ids == nullptr) {
-          *reinterpret_cast<uint4*>(static_cast<InT*>(job.out) +
-                                    (token * job.num_heads + unit.head) * static_cast<int64_t>(job.width) +
-                                    unit.first_dim) = FloatToRaw8<InT>(x);
-        } else {
-          if (job.scale != 1.0f) {
-#pragma unroll
-            for (int k = 0; k < kUnit; ++k) x[k] = DivideByScale(x[k], job.scale, job.inverse_scale);
-          }
-          if constexpr (kFp8Cache) {
-            fp8_bytes = FloatToRaw8<CacheT>(x);
-          } else {
-            const int64_t page = job.page_ids[token_slot[unit.token]];
-            *reinterpret_cast<uint4*>(static_cast<CacheT*>(job.out) + page * job.page_stride +
-                                      token_entry[unit.token] * job.entry_stride +
-                                      unit.head * job.head_stride + unit.first_dim) =
-                FloatToRaw8<CacheT>(x);
-          }
-        }
-      }
-      if constexpr (kFp8Cache) {
-        // Units 2k and 2k + 1 are the two halves of 16 dims of one row (rows have an even unit
-        // count and start at even indices), so the even lane stores both: 16 bytes.
-        const uint32_t odd_x = __shfl_xor_sync(0xffffffffu, fp8_bytes.x, 1);
-        const uint32_t odd_y = __shfl_xor_sync(0xffffffffu, fp8_bytes.y, 1);
-        if (active && job.page_ids != nullptr && (threadIdx.x & 1) == 0) {
-          const int64_t page = job.page_ids[token_slot[unit.token]];
-          *reinterpret_cast<uint4*>(static_cast<CacheT*>(job.out) + page * job.page_stride +
-                                    token_entry[unit.token] * job.entry_stride +
-                                    unit.head * job.head_stride + unit.first_dim) =
-              make_uint4(fp8_bytes.x, fp8_bytes.y, odd_x, odd_y);
-        }
-      }
-    }
-  }
+  RunJob<0, InT, CacheT>(params, shared, first_token, tokens_here, first_job_present, value);
+  RunJob<1, InT, CacheT>(params, shared, first_token, tokens_here, false, value);
+  RunJob<2, InT, CacheT>(params, shared, first_token, tokens_here, false, value);
 }
 
 using AppendKernelFn = void (*)(AppendParams);
