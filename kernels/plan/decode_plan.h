@@ -28,7 +28,7 @@ struct DecodePlanOptions {
   // (attnd::cuda::DecodeCtasPerWave), not assumed. Unused when the chunk is pinned.
   int32_t ctas_per_wave = 0;
   // Floor of the chunk. DESIGN 4.2 suggests ~128; 64 measured 21% faster for one request of
-  // 1024 keys on an H100 and never slower elsewhere (docs/benchmarks.md).
+  // 1024 keys on an H100 (docs/benchmarks.md).
   int32_t min_chunk_tokens = 64;
   // Cap of the planner's chunk (0: none), so mixed lengths balance and long requests stream in
   // several waves; measured on an H100 (docs/benchmarks.md).
