@@ -24,8 +24,38 @@ ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "Largest gRPC message receive
 ABSL_FLAG(int32_t, max_plan_entries, 4096, "Most entries in one Plan");
 ABSL_FLAG(int64_t, max_step_tokens, 65536, "Most new tokens in one step");
 ABSL_FLAG(int32_t, max_open_steps, 1024, "Most steps open at once, across caches");
+ABSL_FLAG(int32_t, max_open_steps_per_tenant, 256,
+          "Most steps one tenant may have open at once (with --token_file)");
+ABSL_FLAG(int32_t, max_stream_in_flight, 64,
+          "Messages one ForwardStream may have in flight before the server stops reading it");
+ABSL_FLAG(int32_t, max_streams_per_connection, 256,
+          "Concurrent calls (HTTP/2 streams) per client connection; further calls wait");
 ABSL_FLAG(absl::Duration, step_ttl, absl::Seconds(60),
           "Open steps idle this long are aborted and rolled back");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of the gRPC port; with --tls_key "
+          "enables TLS (default: plaintext)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: mutual TLS, every client must present a certificate it signed");
+ABSL_FLAG(std::string, token_file, "",
+          "Bearer tokens, one 'TENANT TOKEN [PAGE_QUOTA]' per line (# comments); every "
+          "AttentionService call then needs 'authorization: Bearer <token>' and sees only its "
+          "tenant's caches. Reloaded on SIGHUP. Empty: no authentication");
+ABSL_FLAG(int64_t, tenant_page_quota, 0,
+          "Pages (sum of num_pages over its caches) a tenant may hold when its token-file line "
+          "names no quota; 0 = unlimited");
+ABSL_FLAG(std::string, metrics_cache_labels, "auto",
+          "true: attnd_kv_* gauges per cache name; false: one cache=\"\" series summed over "
+          "all caches; auto: true without --token_file, false with it");
+ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(60),
+          "The server pings a connection idle this long");
+ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(20),
+          "and closes it when the ping is not answered within this");
+ABSL_FLAG(absl::Duration, keepalive_min_ping_interval, absl::Seconds(10),
+          "Clients may ping this often without data (closer pings get GOAWAY too_many_pings); "
+          "the client library pings every 30s");
+ABSL_FLAG(bool, keepalive_permit_without_calls, true,
+          "Clients may ping while no call is in flight");
 ABSL_FLAG(absl::Duration, drain_grace, absl::Seconds(30),
           "On SIGTERM, how long open steps get to finish before they are aborted");
 ABSL_FLAG(absl::Duration, exit_grace, absl::Seconds(5),
@@ -81,7 +111,29 @@ int main(int argc, char** argv) {
   options.limits.max_plan_entries = absl::GetFlag(FLAGS_max_plan_entries);
   options.limits.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
   options.limits.max_open_steps = absl::GetFlag(FLAGS_max_open_steps);
+  options.limits.max_open_steps_per_tenant = absl::GetFlag(FLAGS_max_open_steps_per_tenant);
+  options.limits.max_stream_in_flight = absl::GetFlag(FLAGS_max_stream_in_flight);
+  options.limits.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
   options.step_ttl = absl::GetFlag(FLAGS_step_ttl);
+  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls.key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  options.token_file = absl::GetFlag(FLAGS_token_file);
+  options.tenant_page_quota = absl::GetFlag(FLAGS_tenant_page_quota);
+  const std::string cache_labels = absl::GetFlag(FLAGS_metrics_cache_labels);
+  if (cache_labels == "true") {
+    options.metrics_cache_labels = true;
+  } else if (cache_labels == "false") {
+    options.metrics_cache_labels = false;
+  } else if (cache_labels != "auto") {
+    std::fprintf(stderr, "attnd: --metrics_cache_labels: expected auto, true or false, got '%s'\n",
+                 cache_labels.c_str());
+    return 2;
+  }
+  options.keepalive.time = absl::GetFlag(FLAGS_keepalive_time);
+  options.keepalive.timeout = absl::GetFlag(FLAGS_keepalive_timeout);
+  options.keepalive.min_ping_interval = absl::GetFlag(FLAGS_keepalive_min_ping_interval);
+  options.keepalive.permit_without_calls = absl::GetFlag(FLAGS_keepalive_permit_without_calls);
   options.drain_grace = absl::GetFlag(FLAGS_drain_grace);
   options.exit_grace = absl::GetFlag(FLAGS_exit_grace);
 
@@ -90,15 +142,25 @@ int main(int argc, char** argv) {
       " max_plan_entries=", options.limits.max_plan_entries,
       " max_step_tokens=", options.limits.max_step_tokens,
       " max_open_steps=", options.limits.max_open_steps,
+      " max_open_steps_per_tenant=", options.limits.max_open_steps_per_tenant,
+      " max_stream_in_flight=", options.limits.max_stream_in_flight,
+      " max_streams_per_connection=", options.limits.max_streams_per_connection,
+      " tenant_page_quota=", options.tenant_page_quota,
       " step_ttl=", absl::FormatDuration(options.step_ttl),
       " drain_grace=", absl::FormatDuration(options.drain_grace),
-      " exit_grace=", absl::FormatDuration(options.exit_grace)));
+      " exit_grace=", absl::FormatDuration(options.exit_grace),
+      " keepalive_time=", absl::FormatDuration(options.keepalive.time),
+      " keepalive_timeout=", absl::FormatDuration(options.keepalive.timeout),
+      " keepalive_min_ping_interval=", absl::FormatDuration(options.keepalive.min_ping_interval),
+      " keepalive_permit_without_calls=",
+      options.keepalive.permit_without_calls ? "true" : "false"));
 
   // Signals are taken synchronously by this thread; every other thread inherits the mask.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   auto server = attnd::Server::Start(options);
@@ -107,7 +169,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  for (;;) {
+    sigwait(&signals, &signal_number);
+    if (signal_number != SIGHUP) break;
+    if (const absl::Status reloaded = (*server)->ReloadTokens(); !reloaded.ok()) {
+      attnd::LogError(absl::StrCat("SIGHUP: ", reloaded.message()));
+    }
+  }
   attnd::LogInfo(absl::StrCat("received ", strsignal(signal_number), ": draining"));
   (*server)->Shutdown();
   return 0;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -18,6 +19,30 @@ struct ServerLimitsOptions {
   int32_t max_plan_entries = 4096;
   int64_t max_step_tokens = 65536;
   int32_t max_open_steps = 1024;  // across all caches
+  // Per tenant (only with a token file): one tenant cannot take every step slot.
+  int32_t max_open_steps_per_tenant = 256;
+  // Messages one ForwardStream has in flight before the server stops reading from it.
+  int32_t max_stream_in_flight = 64;
+  // Concurrent HTTP/2 streams (calls) per client connection; a client's further calls wait.
+  int32_t max_streams_per_connection = 256;
+};
+
+// TLS of the gRPC port. Empty cert_file and key_file: plaintext.
+struct TlsServerOptions {
+  std::string cert_file;       // PEM certificate chain
+  std::string key_file;        // PEM private key
+  std::string client_ca_file;  // PEM CA bundle: mutual TLS, every client presents a cert it signed
+};
+
+// HTTP/2 keepalive. The client library's defaults (client_options.h: pings every 30 s,
+// permitted without calls) stay within min_ping_interval, so the server never answers them
+// with GOAWAY too_many_pings.
+struct KeepaliveServerOptions {
+  absl::Duration time = absl::Seconds(60);     // the server pings an idle client this often
+  absl::Duration timeout = absl::Seconds(20);  // and drops it when a ping is unanswered this long
+  // Client pings closer together than this (without data in between) count as abuse.
+  absl::Duration min_ping_interval = absl::Seconds(10);
+  bool permit_without_calls = true;  // clients may ping with no call in flight
 };
 
 struct ServerOptions {
@@ -30,6 +55,15 @@ struct ServerOptions {
   int64_t kv_memory_bytes = 0;
   double kv_memory_fraction = 0.9;
   ServerLimitsOptions limits;
+  TlsServerOptions tls;
+  KeepaliveServerOptions keepalive;
+  // Bearer tokens, one tenant each (util/token_file.h); "" leaves the service open.
+  std::string token_file;
+  // Page quota of tenants whose token-file line names none; 0 = unlimited.
+  int64_t tenant_page_quota = 0;
+  // Per-cache labels on the attnd_kv_* gauges. Unset: on without a token file, off with one
+  // (the gauges then carry cache="" summed over all caches).
+  std::optional<bool> metrics_cache_labels;
   // Open steps with no call for this long are aborted and rolled back.
   absl::Duration step_ttl = absl::Seconds(60);
   // On drain (SIGTERM): readiness goes NOT_SERVING, new steps are refused, and open steps get
@@ -48,6 +82,10 @@ class Server {
   virtual int port() const = 0;          // bound gRPC port
   virtual int metrics_port() const = 0;  // bound metrics port, 0 when disabled
   virtual std::string backend_name() const = 0;
+
+  // Re-reads the token file (SIGHUP). On error the previous tokens stay in force and the
+  // error says why. Thread-safe.
+  virtual absl::Status ReloadTokens() = 0;
 
   // Readiness NOT_SERVING, refuse new steps, wait up to drain_grace for open steps, then stop
   // accepting RPCs and wait up to exit_grace for in-flight ones. Idempotent; thread-safe.

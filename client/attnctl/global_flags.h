@@ -1,4 +1,5 @@
-// attnctl's global flags (--server, --timeout, --json) and the client they describe.
+// attnctl's global flags (--server, --timeout, --json, TLS and token) and the client they
+// describe.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +20,8 @@ ABSL_DECLARE_FLAG(uint64_t, seed);
 
 namespace attnd::attnctl {
 
-// A client for --server with --timeout as each call's deadline.
+// A client for --server with --timeout as each call's deadline, over TLS when a --tls* flag
+// says so, sending the bearer token of --token, --token_file or $ATTND_TOKEN.
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags();
 
 }  // namespace attnd::attnctl

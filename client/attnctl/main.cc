@@ -30,6 +30,8 @@ constexpr char kUsage[] =
     "  bench                      load generator: decode steps over unary calls or --stream\n"
     "\n"
     "global flags: --server=HOST:PORT (localhost:50051) --timeout=30s --json\n"
+    "  TLS: --tls (system roots) | --tls_ca=CA.pem, [--tls_cert=C.pem --tls_key=K.pem] (mutual),\n"
+    "       [--tls_server_name=NAME]; bearer token: --token_file=FILE | $ATTND_TOKEN | --token\n"
     "Flag names accept dashes or underscores (--qo-heads = --qo_heads).\n"
     "Run attnctl --help for every flag.";
 

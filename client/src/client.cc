@@ -30,6 +30,12 @@ grpc::ChannelArguments ChannelArgs(const ClientOptions& options) {
               ClampToInt(absl::ToInt64Milliseconds(options.keepalive.timeout)));
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
               options.keepalive.permit_without_calls ? 1 : 0);
+  // Keep pinging an idle connection (gRPC otherwise stops after two pings without data);
+  // attnd permits it at this rate.
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  if (options.tls.enabled && !options.tls.server_name_override.empty()) {
+    args.SetSslTargetNameOverride(options.tls.server_name_override);
+  }
   return args;
 }
 

@@ -114,7 +114,13 @@ void Engine::State::EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcom
   step->ending = true;
   step->outcome = outcome;
   open_steps.erase(step->id);
-  finished[step->id] = EndStepResult{outcome, step->layers_done};
+  if (!step->tenant.empty()) {
+    auto count = open_steps_by_tenant.find(step->tenant);
+    if (count != open_steps_by_tenant.end() && --count->second <= 0) {
+      open_steps_by_tenant.erase(count);
+    }
+  }
+  finished[step->id] = FinishedStep{EndStepResult{outcome, step->layers_done}, step->tenant};
   finished_order.push_back(step->id);
   while (finished_order.size() > kFinishedStepsKept) {
     finished.erase(finished_order.front());
@@ -265,13 +271,20 @@ absl::StatusOr<int64_t> Engine::FreeSequences(const std::string& cache_name,
 }
 
 void Engine::EndStep(uint64_t step_id, bool abort,
-                     std::function<void(absl::StatusOr<EndStepResult>)> done) {
+                     std::function<void(absl::StatusOr<EndStepResult>)> done,
+                     const std::string& tenant) {
   State::Deferred deferred;
   {
     absl::MutexLock lock(&state_->mu);
     auto it = state_->open_steps.find(step_id);
+    if (it != state_->open_steps.end() && it->second->tenant != tenant) {
+      it = state_->open_steps.end();  // another tenant's step does not exist for this caller
+    }
     if (it == state_->open_steps.end()) {
       auto finished = state_->finished.find(step_id);
+      if (finished != state_->finished.end() && finished->second.tenant != tenant) {
+        finished = state_->finished.end();
+      }
       if (finished == state_->finished.end()) {
         deferred.push_back([done, step_id] {
           done(absl::NotFoundError(absl::StrCat("step_id: no open step ", step_id)));
@@ -279,7 +292,7 @@ void Engine::EndStep(uint64_t step_id, bool abort,
       } else {
         // A repeated EndStep reports what happened; asking to abort a committed step cannot
         // undo it, and says so.
-        const EndStepResult result = finished->second;
+        const EndStepResult result = finished->second.result;
         if (abort && result.outcome == StepOutcome::kCommitted) {
           deferred.push_back([done, step_id] {
             done(absl::FailedPreconditionError(

@@ -50,9 +50,11 @@ class Engine {
   // Runs one layer; `done` runs exactly once, possibly before Forward returns (bad input).
   void Forward(const ForwardArgs& args, ForwardOutputs* outputs,
                std::function<void(absl::Status)> done);
-  // Commits or aborts; `done` runs once no layer of the step is in flight.
+  // Commits or aborts; `done` runs once no layer of the step is in flight. A step planned by
+  // another tenant (PlanSpec::tenant) is NOT_FOUND, as for Forward.
   void EndStep(uint64_t step_id, bool abort,
-               std::function<void(absl::StatusOr<EndStepResult>)> done);
+               std::function<void(absl::StatusOr<EndStepResult>)> done,
+               const std::string& tenant = "");
   // Aborts every open step planned with this owner (a stream that ended).
   void AbortOwnedSteps(uint64_t owner);
 

@@ -48,6 +48,7 @@ enum class LayerState : uint8_t { kPending, kRunning, kDone };
 struct StepEntry {
   uint64_t id = 0;
   uint64_t owner = 0;
+  std::string tenant;
   std::shared_ptr<CacheEntry> cache;
   std::shared_ptr<const StepBatch> batch;
   std::unique_ptr<BackendStep> backend_step;
@@ -73,8 +74,15 @@ struct Engine::State {
   mutable absl::Mutex mu;
   absl::flat_hash_map<std::string, std::shared_ptr<CacheEntry>> caches ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<uint64_t, std::shared_ptr<StepEntry>> open_steps ABSL_GUARDED_BY(mu);
-  // Outcomes of recently ended steps, so a late EndStep or Forward gets a precise answer.
-  absl::flat_hash_map<uint64_t, EndStepResult> finished ABSL_GUARDED_BY(mu);
+  // Outcomes of recently ended steps, so a late EndStep or Forward (of the step's tenant) gets a
+  // precise answer.
+  struct FinishedStep {
+    EndStepResult result;
+    std::string tenant;
+  };
+  absl::flat_hash_map<uint64_t, FinishedStep> finished ABSL_GUARDED_BY(mu);
+  // Open steps per non-empty tenant (entries at zero are erased).
+  absl::flat_hash_map<std::string, int32_t> open_steps_by_tenant ABSL_GUARDED_BY(mu);
   std::deque<uint64_t> finished_order ABSL_GUARDED_BY(mu);
   uint64_t next_step_id ABSL_GUARDED_BY(mu) = 1;
   bool draining ABSL_GUARDED_BY(mu) = false;

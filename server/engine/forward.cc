@@ -95,12 +95,16 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
   {
     absl::MutexLock lock(&state_->mu);
     auto it = state_->open_steps.find(args.step_id);
+    if (it != state_->open_steps.end() && it->second->tenant != args.tenant) {
+      it = state_->open_steps.end();  // another tenant's step does not exist for this caller
+    }
     if (it == state_->open_steps.end()) {
       auto finished = state_->finished.find(args.step_id);
-      if (finished != state_->finished.end()) {
+      if (finished != state_->finished.end() && finished->second.tenant == args.tenant) {
         rejected = absl::FailedPreconditionError(absl::StrCat(
             "step_id: step ", args.step_id, " already ",
-            finished->second.outcome == StepOutcome::kCommitted ? "committed" : "aborted"));
+            finished->second.result.outcome == StepOutcome::kCommitted ? "committed"
+                                                                       : "aborted"));
       } else {
         rejected = absl::NotFoundError(absl::StrCat("step_id: no open step ", args.step_id));
       }

@@ -146,6 +146,15 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "steps: ", state_->open_steps.size(), " steps are open, the limit (--max_open_steps)"));
   }
+  if (!spec.tenant.empty()) {
+    auto count = state_->open_steps_by_tenant.find(spec.tenant);
+    const int32_t open = count == state_->open_steps_by_tenant.end() ? 0 : count->second;
+    if (open >= limits.max_open_steps_per_tenant) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("steps: this tenant has ", open,
+                       " steps open, the limit (--max_open_steps_per_tenant)"));
+    }
+  }
   StepOptions options;
   RETURN_IF_ERROR(ResolveOptions(spec.options, cache->spec, options));
 
@@ -215,6 +224,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   auto step = std::make_shared<StepEntry>();
   step->id = state_->next_step_id++;
   step->owner = owner;
+  step->tenant = spec.tenant;
   step->cache = cache;
   auto batch = std::make_shared<StepBatch>();
   batch->batch_size = static_cast<int32_t>(spec.entries.size());
@@ -292,6 +302,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   step->last_activity = absl::Now();
   ++cache->open_steps;
   state_->open_steps[step->id] = step;
+  if (!spec.tenant.empty()) ++state_->open_steps_by_tenant[spec.tenant];
   state_->PublishPagesLocked(*cache);
 
   result.step_id = step->id;

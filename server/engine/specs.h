@@ -44,6 +44,10 @@ struct PlanSpec {
   std::string cache;
   std::vector<PlanEntrySpec> entries;
   AttentionOptionsSpec options;
+  // An opaque owner label the engine keeps on the step: only calls naming the same tenant
+  // find the step, and open steps are limited per tenant ("" when tenants are off: unlimited
+  // beyond --max_open_steps).
+  std::string tenant;
 };
 
 struct PlanEntryResult {
@@ -71,6 +75,7 @@ struct ForwardArgs {
   int32_t layer = 0;
   TensorArg q, k, v;           // MHA (q is q_nope for MLA)
   TensorArg q_pe, ckv, kpe;    // MLA
+  std::string tenant;          // must match the step's PlanSpec::tenant
 };
 
 // Where Forward writes its outputs. The strings belong to the caller's response message and

@@ -53,8 +53,8 @@ std::string_view StatusCodeLabel(absl::StatusCode code) {
   }
 }
 
-Metrics::Metrics(const BuildInfo& build_info)
-    : registry_(std::make_shared<prometheus::Registry>()) {
+Metrics::Metrics(const BuildInfo& build_info, bool cache_labels)
+    : cache_labels_(cache_labels), registry_(std::make_shared<prometheus::Registry>()) {
   kernel_duration_ = &prometheus::BuildHistogram()
                           .Name("attnd_kernel_duration_seconds")
                           .Help("Device time of each kernel launch, from CUDA events (CPU: wall time)")
@@ -167,15 +167,42 @@ void Metrics::StepEnded(bool committed, int64_t decode_tokens, int64_t prefill_t
   }
 }
 
-void Metrics::SetCachePages(const std::string& cache, int64_t used_pages, int64_t free_pages) {
-  kv_pages_->Add({{"cache", cache}, {"state", "used"}}).Set(static_cast<double>(used_pages));
-  kv_pages_->Add({{"cache", cache}, {"state", "free"}}).Set(static_cast<double>(free_pages));
+void Metrics::PublishCachePages(const std::string& label, int64_t used_pages,
+                                int64_t free_pages) {
+  kv_pages_->Add({{"cache", label}, {"state", "used"}}).Set(static_cast<double>(used_pages));
+  kv_pages_->Add({{"cache", label}, {"state", "free"}}).Set(static_cast<double>(free_pages));
   const int64_t total = used_pages + free_pages;
-  kv_usage_->Add({{"cache", cache}})
+  kv_usage_->Add({{"cache", label}})
       .Set(total > 0 ? static_cast<double>(used_pages) / static_cast<double>(total) : 0.0);
 }
 
+void Metrics::PublishAggregateLocked() {
+  int64_t used = 0;
+  int64_t free = 0;
+  for (const auto& [cache, pages] : cache_pages_) {
+    used += pages.first;
+    free += pages.second;
+  }
+  PublishCachePages("", used, free);
+}
+
+void Metrics::SetCachePages(const std::string& cache, int64_t used_pages, int64_t free_pages) {
+  if (!cache_labels_) {
+    absl::MutexLock lock(&mu_);
+    cache_pages_[cache] = {used_pages, free_pages};
+    PublishAggregateLocked();
+    return;
+  }
+  PublishCachePages(cache, used_pages, free_pages);
+}
+
 void Metrics::RemoveCache(const std::string& cache) {
+  if (!cache_labels_) {
+    absl::MutexLock lock(&mu_);
+    cache_pages_.erase(cache);
+    PublishAggregateLocked();
+    return;
+  }
   for (const char* state : {"used", "free"}) {
     kv_pages_->Remove(&kv_pages_->Add({{"cache", cache}, {"state", state}}));
   }

@@ -47,7 +47,9 @@ class Metrics : public BackendObserver {
     std::string backend;
     std::string device;
   };
-  explicit Metrics(const BuildInfo& build_info);
+  // With `cache_labels` false (tenants configured, see --metrics_cache_labels) the per-cache
+  // gauges carry cache="" and sum over every cache, so /metrics names no cache.
+  explicit Metrics(const BuildInfo& build_info, bool cache_labels = true);
   ~Metrics() override;
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
@@ -67,6 +69,10 @@ class Metrics : public BackendObserver {
 
  private:
   prometheus::Histogram& KernelHistogram(std::string_view kernel);
+  void PublishCachePages(const std::string& label, int64_t used_pages, int64_t free_pages);
+  void PublishAggregateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const bool cache_labels_;
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Histogram>* kernel_duration_;
@@ -87,6 +93,8 @@ class Metrics : public BackendObserver {
   int64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t tokens_prefill_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t tokens_decode_ ABSL_GUARDED_BY(mu_) = 0;
+  // Without cache labels: (used, free) pages per cache, summed into the cache="" series.
+  std::map<std::string, std::pair<int64_t, int64_t>> cache_pages_ ABSL_GUARDED_BY(mu_);
 };
 
 // Lower-case snake name of a status code ("invalid_argument"), the error_type label.

@@ -4,8 +4,9 @@
 #include <memory>
 #include <vector>
 
-#include "service/convert.h"
+#include "absl/strings/str_cat.h"
 #include "attnd/status_macros.h"
+#include "service/convert.h"
 
 namespace attnd {
 namespace {
@@ -16,13 +17,19 @@ double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Runs a synchronous handler body and finishes the call with its status.
+// Authenticates the call, runs a synchronous handler body on behalf of its tenant and
+// finishes the call with the body's status, in the tenant's names.
 template <typename Body>
 grpc::ServerUnaryReactor* FinishNow(const ServiceContext& context,
                                     grpc::CallbackServerContext* ctx, std::string_view method,
                                     Body&& body) {
   const auto start = Clock::now();
-  const absl::Status status = body();
+  absl::Status status;
+  if (absl::StatusOr<Tenant> tenant = context.auth->Authenticate(*ctx); !tenant.ok()) {
+    status = tenant.status();
+  } else {
+    status = tenant->Scrub(body(*tenant));
+  }
   if (context.metrics) context.metrics->ObserveRpc(method, status.code(), SecondsSince(start));
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
@@ -39,18 +46,43 @@ std::function<void(absl::Status)> FinishLater(const ServiceContext& context,
   };
 }
 
+// A cache as its tenant sees it.
+CacheStatus ForClient(const Tenant& tenant, CacheStatus status) {
+  status.spec.name = tenant.ClientName(status.spec.name);
+  if (!status.failure.empty()) {
+    status.failure = std::string(tenant.Scrub(absl::InternalError(status.failure)).message());
+  }
+  return status;
+}
+
+// Scrubs the tenant's namespace out of an asynchronous call's error.
+std::function<void(absl::Status)> InTenantNames(const Tenant& tenant,
+                                                std::function<void(absl::Status)> done) {
+  if (tenant.name.empty()) return done;
+  return [tenant, done = std::move(done)](absl::Status status) {
+    done(tenant.Scrub(status));
+  };
+}
+
 }  // namespace
 
-absl::Status HandlePlan(const ServiceContext& context, const v1::PlanRequest& request,
-                        uint64_t owner, v1::PlanResponse* response) {
-  ASSIGN_OR_RETURN(const PlanSpec spec, PlanSpecFromProto(request));
-  ASSIGN_OR_RETURN(const PlanResult result, context.engine->Plan(spec, owner));
-  PlanResultToProto(result, response);
+absl::Status HandlePlan(const ServiceContext& context, const Tenant& tenant,
+                        const v1::PlanRequest& request, uint64_t owner,
+                        v1::PlanResponse* response) {
+  absl::StatusOr<PlanSpec> spec = PlanSpecFromProto(request);
+  if (!spec.ok()) return spec.status();
+  spec->cache = tenant.CacheKey(spec->cache);
+  spec->tenant = tenant.name;
+  absl::StatusOr<PlanResult> result = context.engine->Plan(*spec, owner);
+  if (!result.ok()) return tenant.Scrub(result.status());
+  PlanResultToProto(*result, response);
   return absl::OkStatus();
 }
 
-void HandleForward(const ServiceContext& context, const v1::ForwardRequest& request,
-                   v1::ForwardResponse* response, std::function<void(absl::Status)> done) {
+void HandleForward(const ServiceContext& context, const Tenant& tenant,
+                   const v1::ForwardRequest& request, v1::ForwardResponse* response,
+                   std::function<void(absl::Status)> done) {
+  done = InTenantNames(tenant, std::move(done));
   // Lives until the engine's callback: converted inputs, output buffers.
   struct Call {
     ForwardArgs args;
@@ -64,6 +96,7 @@ void HandleForward(const ServiceContext& context, const v1::ForwardRequest& requ
     done(decoded);
     return;
   }
+  call->args.tenant = tenant.name;
   call->outputs.o = response->mutable_o()->mutable_data();
   call->outputs.lse = &call->lse;
   Engine* engine = context.engine;
@@ -78,19 +111,23 @@ void HandleForward(const ServiceContext& context, const v1::ForwardRequest& requ
                   });
 }
 
-void HandleEndStep(const ServiceContext& context, const v1::EndStepRequest& request,
-                   v1::EndStepResponse* response, std::function<void(absl::Status)> done) {
-  context.engine->EndStep(request.step_id(), request.abort(),
-                          [response, done = std::move(done)](absl::StatusOr<EndStepResult> result) {
-                            if (result.ok()) EndStepResultToProto(*result, response);
-                            done(result.status());
-                          });
+void HandleEndStep(const ServiceContext& context, const Tenant& tenant,
+                   const v1::EndStepRequest& request, v1::EndStepResponse* response,
+                   std::function<void(absl::Status)> done) {
+  context.engine->EndStep(
+      request.step_id(), request.abort(),
+      [response, done = InTenantNames(tenant, std::move(done))](
+          absl::StatusOr<EndStepResult> result) {
+        if (result.ok()) EndStepResultToProto(*result, response);
+        done(result.status());
+      },
+      tenant.name);
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* ctx,
                                                           const v1::GetServerInfoRequest*,
                                                           v1::GetServerInfoResponse* response) {
-  return FinishNow(context_, ctx, "GetServerInfo", [&] {
+  return FinishNow(context_, ctx, "GetServerInfo", [&](const Tenant&) {
     const BackendInfo info = context_.backend->Info();
     response->set_version(context_.version);
     response->set_backend(info.name);
@@ -112,10 +149,28 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* AttentionService::CreateCache(grpc::CallbackServerContext* ctx,
                                                         const v1::CreateCacheRequest* request,
                                                         v1::CreateCacheResponse* response) {
-  return FinishNow(context_, ctx, "CreateCache", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(const CacheSpec spec, CacheSpecFromProto(*request));
-    ASSIGN_OR_RETURN(const CacheStatus status, context_.engine->CreateCache(spec));
-    CacheStatusToProto(status, response->mutable_cache());
+  return FinishNow(context_, ctx, "CreateCache", [&](const Tenant& tenant) -> absl::Status {
+    ASSIGN_OR_RETURN(CacheSpec spec, CacheSpecFromProto(*request));
+    spec.name = tenant.CacheKey(spec.name);
+    absl::StatusOr<CacheStatus> created;
+    if (tenant.page_quota == kUnlimitedPages) {
+      created = context_.engine->CreateCache(spec);
+    } else {
+      absl::MutexLock lock(&quota_mu_);
+      int64_t held_pages = 0;
+      for (const CacheStatus& cache : context_.engine->ListCaches()) {
+        if (tenant.Owns(cache.spec.name)) held_pages += cache.spec.geometry.num_pages;
+      }
+      if (held_pages + spec.geometry.num_pages > tenant.page_quota) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "config.num_pages: the tenant's page quota is ", tenant.page_quota,
+            " pages (token file or --tenant_page_quota); its caches hold ", held_pages,
+            " and this cache needs ", spec.geometry.num_pages));
+      }
+      created = context_.engine->CreateCache(spec);
+    }
+    if (!created.ok()) return created.status();
+    CacheStatusToProto(ForClient(tenant, *created), response->mutable_cache());
     return absl::OkStatus();
   });
 }
@@ -123,9 +178,10 @@ grpc::ServerUnaryReactor* AttentionService::CreateCache(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* AttentionService::GetCache(grpc::CallbackServerContext* ctx,
                                                      const v1::GetCacheRequest* request,
                                                      v1::GetCacheResponse* response) {
-  return FinishNow(context_, ctx, "GetCache", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(const CacheStatus status, context_.engine->GetCache(request->name()));
-    CacheStatusToProto(status, response->mutable_cache());
+  return FinishNow(context_, ctx, "GetCache", [&](const Tenant& tenant) -> absl::Status {
+    ASSIGN_OR_RETURN(const CacheStatus status,
+                     context_.engine->GetCache(tenant.CacheKey(request->name())));
+    CacheStatusToProto(ForClient(tenant, status), response->mutable_cache());
     return absl::OkStatus();
   });
 }
@@ -133,9 +189,11 @@ grpc::ServerUnaryReactor* AttentionService::GetCache(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* AttentionService::ListCaches(grpc::CallbackServerContext* ctx,
                                                        const v1::ListCachesRequest*,
                                                        v1::ListCachesResponse* response) {
-  return FinishNow(context_, ctx, "ListCaches", [&] {
+  return FinishNow(context_, ctx, "ListCaches", [&](const Tenant& tenant) {
     for (const CacheStatus& status : context_.engine->ListCaches()) {
-      CacheStatusToProto(status, response->add_caches());
+      if (tenant.Owns(status.spec.name)) {
+        CacheStatusToProto(ForClient(tenant, status), response->add_caches());
+      }
     }
     return absl::OkStatus();
   });
@@ -144,17 +202,18 @@ grpc::ServerUnaryReactor* AttentionService::ListCaches(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* AttentionService::DeleteCache(grpc::CallbackServerContext* ctx,
                                                         const v1::DeleteCacheRequest* request,
                                                         v1::DeleteCacheResponse*) {
-  return FinishNow(context_, ctx, "DeleteCache", [&] {
-    return context_.engine->DeleteCache(request->name(), request->force());
+  return FinishNow(context_, ctx, "DeleteCache", [&](const Tenant& tenant) {
+    return context_.engine->DeleteCache(tenant.CacheKey(request->name()), request->force());
   });
 }
 
 grpc::ServerUnaryReactor* AttentionService::FreeSequences(
     grpc::CallbackServerContext* ctx, const v1::FreeSequencesRequest* request,
     v1::FreeSequencesResponse* response) {
-  return FinishNow(context_, ctx, "FreeSequences", [&]() -> absl::Status {
+  return FinishNow(context_, ctx, "FreeSequences", [&](const Tenant& tenant) -> absl::Status {
     const std::vector<uint64_t> ids(request->sequence_ids().begin(), request->sequence_ids().end());
-    ASSIGN_OR_RETURN(const int64_t freed, context_.engine->FreeSequences(request->cache(), ids));
+    ASSIGN_OR_RETURN(const int64_t freed,
+                     context_.engine->FreeSequences(tenant.CacheKey(request->cache()), ids));
     response->set_freed_pages(freed);
     return absl::OkStatus();
   });
@@ -163,15 +222,22 @@ grpc::ServerUnaryReactor* AttentionService::FreeSequences(
 grpc::ServerUnaryReactor* AttentionService::Plan(grpc::CallbackServerContext* ctx,
                                                  const v1::PlanRequest* request,
                                                  v1::PlanResponse* response) {
-  return FinishNow(context_, ctx, "Plan",
-                   [&] { return HandlePlan(context_, *request, /*owner=*/0, response); });
+  return FinishNow(context_, ctx, "Plan", [&](const Tenant& tenant) {
+    return HandlePlan(context_, tenant, *request, /*owner=*/0, response);
+  });
 }
 
 grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext* ctx,
                                                     const v1::ForwardRequest* request,
                                                     v1::ForwardResponse* response) {
   auto* reactor = ctx->DefaultReactor();
-  HandleForward(context_, *request, response, FinishLater(context_, reactor, "Forward"));
+  auto done = FinishLater(context_, reactor, "Forward");
+  absl::StatusOr<Tenant> tenant = context_.auth->Authenticate(*ctx);
+  if (!tenant.ok()) {
+    done(tenant.status());
+    return reactor;
+  }
+  HandleForward(context_, *tenant, *request, response, std::move(done));
   return reactor;
 }
 
@@ -179,19 +245,31 @@ grpc::ServerUnaryReactor* AttentionService::EndStep(grpc::CallbackServerContext*
                                                     const v1::EndStepRequest* request,
                                                     v1::EndStepResponse* response) {
   auto* reactor = ctx->DefaultReactor();
-  HandleEndStep(context_, *request, response, FinishLater(context_, reactor, "EndStep"));
+  auto done = FinishLater(context_, reactor, "EndStep");
+  absl::StatusOr<Tenant> tenant = context_.auth->Authenticate(*ctx);
+  if (!tenant.ok()) {
+    done(tenant.status());
+    return reactor;
+  }
+  HandleEndStep(context_, *tenant, *request, response, std::move(done));
   return reactor;
 }
 
 grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* AttentionService::ForwardStream(
-    grpc::CallbackServerContext*) {
-  return NewForwardStreamReactor(context_, next_stream_id_.fetch_add(1));
+    grpc::CallbackServerContext* ctx) {
+  absl::StatusOr<Tenant> tenant = context_.auth->Authenticate(*ctx);
+  if (!tenant.ok()) {
+    if (context_.metrics) context_.metrics->ObserveRpc("ForwardStream", tenant.status().code(), 0);
+    return NewRejectedStreamReactor(ToGrpcStatus(tenant.status()));
+  }
+  return NewForwardStreamReactor(context_, next_stream_id_.fetch_add(1), *std::move(tenant),
+                                 Authenticator::PresentedToken(*ctx));
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetStats(grpc::CallbackServerContext* ctx,
                                                      const v1::GetStatsRequest*,
                                                      v1::GetStatsResponse* response) {
-  return FinishNow(context_, ctx, "GetStats", [&] {
+  return FinishNow(context_, ctx, "GetStats", [&](const Tenant&) {
     if (context_.metrics == nullptr) return absl::OkStatus();
     const StatsSnapshot snapshot = context_.metrics->Snapshot();
     for (const KernelTotals& totals : snapshot.kernels) {

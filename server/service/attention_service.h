@@ -1,6 +1,7 @@
 // attnd.v1.AttentionService on the gRPC callback API. Control RPCs run inline (no device
 // work); Forward and EndStep finish from the engine's completion callbacks, so no handler
-// thread ever waits on the device.
+// thread ever waits on the device. Every call first authenticates (service/auth.h) and then
+// speaks in its tenant's cache names only.
 #pragma once
 
 #include <atomic>
@@ -10,8 +11,10 @@
 #include "attnd/v1/attnd.grpc.pb.h"
 #include "backend/backend.h"
 #include "engine/engine.h"
+#include "absl/synchronization/mutex.h"
 #include "metrics/metrics.h"
 #include "server.h"
+#include "service/auth.h"
 
 namespace attnd {
 
@@ -19,11 +22,11 @@ struct ServiceContext {
   Engine* engine = nullptr;
   Backend* backend = nullptr;
   Metrics* metrics = nullptr;
+  // Never null; accepts every call as tenant "" when no token file is set.
+  const Authenticator* auth = nullptr;
   std::string version;
-  ServerLimitsOptions limits;
+  ServerLimitsOptions limits;  // limits.max_stream_in_flight bounds each ForwardStream
   absl::Duration step_ttl;
-  // In-flight messages per ForwardStream before the server stops reading from it.
-  int32_t max_stream_in_flight = 64;
 };
 
 class AttentionService final : public v1::AttentionService::CallbackService {
@@ -66,18 +69,30 @@ class AttentionService final : public v1::AttentionService::CallbackService {
  private:
   ServiceContext context_;
   std::atomic<uint64_t> next_stream_id_{1};
+  // Serialises quota checks with the creation they admit, so concurrent creates of one
+  // tenant cannot both fit in the quota's last pages.
+  absl::Mutex quota_mu_;
 };
 
-// Shared by the unary handlers and ForwardStream: one request in, its response out through
-// `done` (called exactly once, possibly before the function returns).
-absl::Status HandlePlan(const ServiceContext& context, const v1::PlanRequest& request,
-                        uint64_t owner, v1::PlanResponse* response);
-void HandleForward(const ServiceContext& context, const v1::ForwardRequest& request,
-                   v1::ForwardResponse* response, std::function<void(absl::Status)> done);
-void HandleEndStep(const ServiceContext& context, const v1::EndStepRequest& request,
-                   v1::EndStepResponse* response, std::function<void(absl::Status)> done);
+// Shared by the unary handlers and ForwardStream, on behalf of an authenticated tenant: one
+// request in, its response out through `done` (called exactly once, possibly before the
+// function returns). Errors speak the tenant's cache names.
+absl::Status HandlePlan(const ServiceContext& context, const Tenant& tenant,
+                        const v1::PlanRequest& request, uint64_t owner,
+                        v1::PlanResponse* response);
+void HandleForward(const ServiceContext& context, const Tenant& tenant,
+                   const v1::ForwardRequest& request, v1::ForwardResponse* response,
+                   std::function<void(absl::Status)> done);
+void HandleEndStep(const ServiceContext& context, const Tenant& tenant,
+                   const v1::EndStepRequest& request, v1::EndStepResponse* response,
+                   std::function<void(absl::Status)> done);
 
+// A stream of `tenant`, which presented `token`: each message re-checks the token, so a
+// token revoked by a reload stops working on open streams too.
 grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* NewForwardStreamReactor(
-    const ServiceContext& context, uint64_t owner);
+    const ServiceContext& context, uint64_t owner, Tenant tenant, std::string token);
+// A stream refused before it starts (authentication failed): finishes with `status`.
+grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* NewRejectedStreamReactor(
+    const grpc::Status& status);
 
 }  // namespace attnd

@@ -4,6 +4,8 @@
 // client can pipeline layers; responses go out in completion order, one write at a time.
 // A bad message gets a per-message error and the stream lives on. When the stream ends
 // (client done, cancelled, or gone) every step it planned and did not end is aborted.
+// The stream was authenticated when it opened; each message re-checks the token, so one
+// revoked by a token-file reload gets UNAUTHENTICATED per message from then on.
 //
 // gRPC may run a reaction inline inside StartRead/StartWrite/Finish, so those are only
 // called with no lock held; decisions are made under the lock and acted on after it.
@@ -23,8 +25,9 @@ using Clock = std::chrono::steady_clock;
 class ForwardStreamReactor final
     : public grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse> {
  public:
-  ForwardStreamReactor(const ServiceContext& context, uint64_t owner)
-      : context_(context), owner_(owner) {
+  ForwardStreamReactor(const ServiceContext& context, uint64_t owner, Tenant tenant,
+                       std::string token)
+      : context_(context), owner_(owner), tenant_(std::move(tenant)), token_(std::move(token)) {
     StartRead(&incoming_);
   }
 
@@ -42,7 +45,7 @@ class ForwardStreamReactor final
     }
     Handle(std::move(request));
     Act(Decide([&] {
-      if (pending_ < context_.max_stream_in_flight) {
+      if (pending_ < context_.limits.max_stream_in_flight) {
         read_due_ = true;
       } else {
         read_paused_ = true;
@@ -127,7 +130,7 @@ class ForwardStreamReactor final
         last = pending_ == 0;
       } else {
         if (!finished_ && !broken_) queue_.push_back(std::move(response));
-        if (read_paused_ && pending_ < context_.max_stream_in_flight) {
+        if (read_paused_ && pending_ < context_.limits.max_stream_in_flight) {
           read_paused_ = false;
           read_due_ = true;
         }
@@ -158,17 +161,28 @@ class ForwardStreamReactor final
       }
       Respond(std::move(response));
     };
+    if (context_.auth->enabled()) {
+      const absl::StatusOr<Tenant> current = context_.auth->AuthenticateToken(token_);
+      if (!current.ok() || current->name != tenant_.name) {
+        respond("ForwardStream",
+                current.ok() ? absl::UnauthenticatedError(
+                                   "authorization: the token now names another tenant")
+                             : current.status(),
+                v1::StreamResponse());
+        return;
+      }
+    }
     switch (request->request_case()) {
       case v1::StreamRequest::kPlan: {
         v1::StreamResponse response;
         const absl::Status status =
-            HandlePlan(context_, request->plan(), owner_, response.mutable_plan());
+            HandlePlan(context_, tenant_, request->plan(), owner_, response.mutable_plan());
         respond("ForwardStream.Plan", status, std::move(response));
         return;
       }
       case v1::StreamRequest::kForward: {
         auto response = std::make_shared<v1::StreamResponse>();
-        HandleForward(context_, request->forward(), response->mutable_forward(),
+        HandleForward(context_, tenant_, request->forward(), response->mutable_forward(),
                       [request, response, respond](absl::Status status) {
                         respond("ForwardStream.Forward", status, std::move(*response));
                       });
@@ -176,7 +190,7 @@ class ForwardStreamReactor final
       }
       case v1::StreamRequest::kEndStep: {
         auto response = std::make_shared<v1::StreamResponse>();
-        HandleEndStep(context_, request->end_step(), response->mutable_end_step(),
+        HandleEndStep(context_, tenant_, request->end_step(), response->mutable_end_step(),
                       [response, respond](absl::Status status) {
                         respond("ForwardStream.EndStep", status, std::move(*response));
                       });
@@ -192,6 +206,8 @@ class ForwardStreamReactor final
 
   const ServiceContext& context_;
   const uint64_t owner_;
+  const Tenant tenant_;
+  const std::string token_;  // as presented; re-checked per message
   v1::StreamRequest incoming_;  // only touched by the single outstanding read
 
   absl::Mutex mu_;
@@ -206,11 +222,24 @@ class ForwardStreamReactor final
   bool done_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// Finishes at once; no read or write ever starts.
+class RejectedStreamReactor final
+    : public grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse> {
+ public:
+  explicit RejectedStreamReactor(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
 }  // namespace
 
 grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* NewForwardStreamReactor(
-    const ServiceContext& context, uint64_t owner) {
-  return new ForwardStreamReactor(context, owner);
+    const ServiceContext& context, uint64_t owner, Tenant tenant, std::string token) {
+  return new ForwardStreamReactor(context, owner, std::move(tenant), std::move(token));
+}
+
+grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* NewRejectedStreamReactor(
+    const grpc::Status& status) {
+  return new RejectedStreamReactor(status);
 }
 
 }  // namespace attnd
