@@ -48,6 +48,9 @@ absl::Status CudaCache::Init(int device) {
   if (decode_supported_) {
     ASSIGN_OR_RETURN(decode_ctas_per_wave_, cuda::DecodeCtasPerWave(config));
   }
+  ASSIGN_OR_RETURN(prefill_ctas_per_wave_,
+                   cuda::BatchPrefillCtasPerWave(geometry_.k_head_dim, geometry_.q_dtype,
+                                                 geometry_.kv_dtype));
   // A fault here belongs to this cache's creation, not to its first step.
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_stream()));
   completions_ = std::make_unique<CompletionQueue>([device] { cudaSetDevice(device); });
@@ -119,6 +122,7 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
   context.geometry = &geometry_;
   context.decode_supported = decode_supported_;
   context.decode_ctas_per_wave = decode_ctas_per_wave_;
+  context.prefill_ctas_per_wave = prefill_ctas_per_wave_;
   ASSIGN_OR_RETURN(StepPlan plan, PlanStep(*batch, context));
 
   const LayerSizes sizes = LayerSizes::Of(geometry_, batch->num_tokens, batch->options.return_lse);

@@ -29,6 +29,7 @@
 #include "backend/cuda_completion_queue.h"
 #include "backend/cuda_memory.h"
 #include "backend/cuda_step_resources.h"
+#include "plan/prefill_plan.h"
 
 namespace attnd::cuda_backend {
 
@@ -83,6 +84,7 @@ class CudaCache final : public BackendCache {
   DeviceBuffer rope_inv_freq_;  // [rotary_dim / 2] float
   bool decode_supported_ = false;
   int32_t decode_ctas_per_wave_ = 0;
+  plan::PrefillWaveSizes prefill_ctas_per_wave_;
 
   std::mutex submit_mu_;
   DeviceBuffer q_rotated_;         // [T][Hq][D] q_dtype

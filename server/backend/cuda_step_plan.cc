@@ -42,16 +42,17 @@ absl::StatusOr<plan::DecodePlan> PlanDecodeRows(const StepBatch& batch,
   return decode;
 }
 
-// Prefill plan of the whole step; with `skip_decode_rows`, the CTAs of 1-row entries are
-// dropped (BatchDecode serves them). Items are self-contained, so a launch keeps the items it
-// had minus the dropped ones.
+// Prefill plan of the step; with `skip_decode_rows`, 1-row entries are left to BatchDecode:
+// they are planned with no keys (so they are never split and own no partial or merge row) and
+// their CTAs are dropped. Items are self-contained, so a launch keeps the rest of its items.
 absl::StatusOr<plan::PrefillPlan> PlanPrefillRows(const StepBatch& batch,
                                                   const StepPlanContext& context,
                                                   bool skip_decode_rows) {
   const CacheGeometry& g = *context.geometry;
   std::vector<int32_t> kv_lengths(batch.batch_size);
   for (int32_t b = 0; b < batch.batch_size; ++b) {
-    kv_lengths[b] = static_cast<int32_t>(batch.KvLength(b, g.page_size));
+    const bool skipped = skip_decode_rows && Rows(batch, b) == 1;
+    kv_lengths[b] = skipped ? 0 : static_cast<int32_t>(batch.KvLength(b, g.page_size));
   }
   plan::PrefillPlanInput input;
   input.qo_indptr = batch.qo_indptr;
@@ -60,6 +61,10 @@ absl::StatusOr<plan::PrefillPlan> PlanPrefillRows(const StepBatch& batch,
   input.num_kv_heads = g.num_kv_heads;
   input.head_dim = g.k_head_dim;
   input.causal = batch.options.params.causal;
+  input.ctas_per_wave = context.prefill_ctas_per_wave;
+  input.deterministic = batch.options.deterministic;
+  input.disable_split_kv = batch.options.disable_split_kv;
+  input.fixed_split_tokens = batch.options.fixed_split_tokens;
   ASSIGN_OR_RETURN(plan::PrefillPlan prefill, plan::PlanPrefill(input));
   if (!skip_decode_rows) return prefill;
 
@@ -69,7 +74,12 @@ absl::StatusOr<plan::PrefillPlan> PlanPrefillRows(const StepBatch& batch,
     plan::PrefillLaunch kept = launch;
     kept.first_item = static_cast<int32_t>(items.size());
     for (int32_t i = launch.first_item; i < launch.first_item + launch.num_items; ++i) {
-      if (Rows(batch, prefill.items[i].request) > 1) items.push_back(prefill.items[i]);
+      const plan::PrefillWorkItem& item = prefill.items[i];
+      if (Rows(batch, item.request) > 1) {
+        items.push_back(item);
+      } else if (item.partial_first >= 0) {
+        return absl::InternalError("prefill plan split a request planned with no keys");
+      }
     }
     kept.num_items = static_cast<int32_t>(items.size()) - kept.first_item;
     if (kept.num_items > 0) launches.push_back(kept);

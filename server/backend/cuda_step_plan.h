@@ -6,8 +6,8 @@
 // - decode-only steps (every entry 1 row or padding): BatchDecode, when a decode kernel exists
 //   for the cache's dtypes, head_dim and GQA group; otherwise BatchPrefill.
 // - steps with prefill rows: BatchPrefill for the entries of more than one row, and, when a
-//   decode kernel exists, BatchDecode for the 1-row entries of the same step (two launches on
-//   one stream, each writing its own rows of o). Until POD exists this is the simplest split
+//   decode kernel exists, BatchDecode for the 1-row entries of the same step (launches on one
+//   stream, each writing its own rows of o and lse). Until POD exists this is the simplest split
 //   that keeps a decode request's kernel, and so its bits under deterministic=true, the same
 //   whether or not prefill rows share its step. Without a decode kernel BatchPrefill runs
 //   every row (it takes 1-row requests).
@@ -28,6 +28,7 @@ struct StepPlanContext {
   const CacheGeometry* geometry = nullptr;
   bool decode_supported = false;  // attnd::cuda::DecodeSupports for the cache
   int32_t decode_ctas_per_wave = 0;
+  plan::PrefillWaveSizes prefill_ctas_per_wave;  // attnd::cuda::BatchPrefillCtasPerWave
 };
 
 // Byte offsets of the arrays inside the uploaded buffer; each kBufferAlignment-aligned.

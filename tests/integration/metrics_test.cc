@@ -57,7 +57,7 @@ double Sample(const std::string& exposition, const std::string& name,
 TEST_F(MetricsTest, AttndFamiliesAreExposedAndMove) {
   ASSERT_GT(server().metrics_port(), 0);
   ASSERT_OK_AND_ASSIGN(const std::string before, HttpGet(server().metrics_port(), "/metrics"));
-  EXPECT_EQ(Sample(before, "attnd_build_info", {"backend=\"cpu\""}), 1.0);
+  EXPECT_EQ(Sample(before, "attnd_build_info", {"backend=\"" + TestBackendName() + "\""}), 1.0);
 
   ASSERT_OK_AND_ASSIGN(auto cache, client().CreateCache("m", SmallConfig()));
   ASSERT_OK_AND_ASSIGN(auto reference, client::ReferenceCache::Create(cache.config()));
