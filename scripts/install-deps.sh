@@ -4,8 +4,9 @@
 # installed here: the CUDA backend is built when /usr/local/cuda/bin/nvcc exists.
 set -euo pipefail
 
+# openssl: the trust tests make throwaway certificates with its CLI at test time.
 packages=(
-  build-essential cmake ninja-build ccache pkg-config curl ca-certificates
+  build-essential cmake ninja-build ccache pkg-config curl ca-certificates openssl
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
 )
