@@ -186,6 +186,16 @@ void PrintJson(const google::protobuf::Message& message) {
 
 void PrintError(const std::string& what, const absl::Status& status) {
   std::fprintf(stderr, "attnctl: %s: %s\n", what.c_str(), status.ToString().c_str());
+  // The two failures a first call to a secured daemon meets, and what fixes them.
+  if (status.code() == absl::StatusCode::kUnavailable) {
+    std::fprintf(stderr,
+                 "attnctl: hint: is attnd running at --server? A TLS port needs --tls_ca=CA.pem "
+                 "(or --tls), mutual TLS also --tls_cert and --tls_key\n");
+  } else if (status.code() == absl::StatusCode::kUnauthenticated) {
+    std::fprintf(stderr,
+                 "attnctl: hint: attnd has --token_file: pass a token with --token_file=FILE or "
+                 "$ATTND_TOKEN\n");
+  }
 }
 
 }  // namespace attnd::attnctl
