@@ -21,8 +21,9 @@ struct AppendArgs {
   TokenHeadsView v_in;   // [T][num_kv_heads][head_dim]
   PagedKvView k_cache;   // the layer's K pool
   PagedKvView v_cache;   // the layer's V pool
-  float k_scale = 1.0f;  // FP8 caches store value / scale, saturated to +-448
-  float v_scale = 1.0f;
+  float k_scale = 1.0f;  // FP8 caches store value / scale, saturated to +-448. The division
+  float v_scale = 1.0f;  // happens whatever the dtype, as attention's multiply does: pass 1
+                         // for fp16/bf16 caches.
 };
 
 // Rotates the first rotary_dim dims of q and k by angle float(position) * inv_freq[i]

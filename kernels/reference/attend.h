@@ -146,13 +146,8 @@ void AttendChunk(AttendWorkspace<T>& ws, int64_t num_rows, int32_t qk_dim, int32
       for (int r = 0; r < block_rows; ++r) {
         if (local[r].empty()) continue;
         T* scores = score_rows[r];
-        T tile_max = kNegInf;
-        for (int64_t j = local[r].begin; j < local[r].end; ++j) {
-          T score = scores[j] * sm_scale;
-          if (soft_cap > 0) score = soft_cap * std::tanh(score / soft_cap);
-          scores[j] = score;
-          tile_max = std::max(tile_max, score);
-        }
+        const T tile_max =
+            kernels.scale_scores(scores, local[r].begin, local[r].end, sm_scale, soft_cap);
         T& running_max = ws.max_score[block + r];
         if (!(tile_max > kNegInf)) {
           local[r] = {};  // every score -inf (infinite inputs): nothing to add
@@ -167,12 +162,8 @@ void AttendChunk(AttendWorkspace<T>& ws, int64_t num_rows, int32_t qk_dim, int32
           }
           running_max = tile_max;
         }
-        T sum = 0;
-        T* probs = prob_rows[r];
-        for (int64_t j = local[r].begin; j < local[r].end; ++j) {
-          probs[j] = std::exp(scores[j] - running_max);
-          sum += probs[j];
-        }
+        const T sum = kernels.exponentiate(scores, local[r].begin, local[r].end, running_max,
+                                           prob_rows[r]);
         ws.denominator[block + r] += sum;
       }
 

@@ -1,6 +1,10 @@
 // Picks the tile kernels for this CPU once.
 #include "reference/tile_kernels.h"
 
+#if ATTND_REFERENCE_AVX2
+#include <cpuid.h>
+#endif
+
 namespace attnd::reference {
 
 // Defined per ISA in tile_kernels_<isa>.cc.
@@ -19,6 +23,17 @@ namespace attnd::reference {
                                                  const float*);                                \
   extern template void ConvertRow##suffix<double>(DType, const void*, int64_t, double, double*, \
                                                   const float*);                               \
+  template <typename T>                                                                        \
+  T ScaleScores##suffix(T* scores, int64_t begin, int64_t end, T sm_scale, T soft_cap);        \
+  extern template float ScaleScores##suffix<float>(float*, int64_t, int64_t, float, float);    \
+  extern template double ScaleScores##suffix<double>(double*, int64_t, int64_t, double,        \
+                                                     double);                                  \
+  template <typename T>                                                                        \
+  T Exponentiate##suffix(const T* scores, int64_t begin, int64_t end, T max_score, T* probs);   \
+  extern template float Exponentiate##suffix<float>(const float*, int64_t, int64_t, float,     \
+                                                    float*);                                   \
+  extern template double Exponentiate##suffix<double>(const double*, int64_t, int64_t, double, \
+                                                      double*);                                \
   template <typename T>                                                                        \
   void TransposeKeys##suffix(const T* rows, int64_t row_stride, int64_t num_keys, int32_t dim,  \
                              T* kt, int64_t kt_stride);                                        \
@@ -47,18 +62,27 @@ namespace {
 
 template <typename T>
 TileKernels<T> Generic() {
-  return {&ScoreBlockGeneric<T>, &AccumulateBlockGeneric<T>, &TransposeKeysGeneric<T>,
-          &ConvertRowGeneric<T>, "generic"};
+  return {&ScoreBlockGeneric<T>,  &AccumulateBlockGeneric<T>, &TransposeKeysGeneric<T>,
+          &ConvertRowGeneric<T>,  &ScaleScoresGeneric<T>,     &ExponentiateGeneric<T>,
+          "generic"};
 }
+
+#if ATTND_REFERENCE_AVX2
+// F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports does not know "f16c".
+bool CpuHasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+#endif
 
 template <typename T>
 TileKernels<T> ChooseKernels() {
 #if ATTND_REFERENCE_AVX2
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
-    return {&ScoreBlockAvx2<T>, &AccumulateBlockAvx2<T>, &TransposeKeysAvx2<T>,
-            &ConvertRowAvx2<T>, "avx2"};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c()) {
+    return {&ScoreBlockAvx2<T>,  &AccumulateBlockAvx2<T>, &TransposeKeysAvx2<T>,
+            &ConvertRowAvx2<T>,  &ScaleScoresAvx2<T>,     &ExponentiateAvx2<T>,
+            "avx2"};
   }
 #endif
   return Generic<T>();

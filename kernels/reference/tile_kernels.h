@@ -1,5 +1,6 @@
 // The inner loops of CPU attention, in float or double: converting cache rows, transposing a
-// tile of keys, and the two products on one tile of keys and a block of query rows. They are written with explicit SIMD lanes (no reassociation of any single
+// tile of keys, the two products on one tile of keys and a block of query rows, and the
+// softmax's scaling and exponentiation. They are written with explicit SIMD lanes (no reassociation of any single
 // sum), so each score and each output element is accumulated in a fixed order whatever the
 // block size: a row's result does not depend on the rows batched with it. On x86-64 an
 // AVX2+FMA variant is chosen at run time when the CPU has it (its fused multiply-adds round
@@ -36,6 +37,12 @@ struct TileKernels {
   // fp8_table: the 256 E4M3 values (convert.h's Fp8E4M3Table).
   void (*convert_row)(DType dtype, const void* src, int64_t count, T scale, T* dst,
                       const float* fp8_table);
+  // scores[j] = sm_scale * scores[j], then cap * tanh(score / cap) when soft_cap > 0, in place
+  // for j in [begin, end); returns the maximum (-inf when empty).
+  T (*scale_scores)(T* scores, int64_t begin, int64_t end, T sm_scale, T soft_cap);
+  // probs[j] = exp(scores[j] - max_score) for j in [begin, end); returns their sum. The AVX2
+  // float variant uses its own vector exp (within 2 ulp); double always uses libm.
+  T (*exponentiate)(const T* scores, int64_t begin, int64_t end, T max_score, T* probs);
   const char* isa;  // "avx2" or "generic"
 };
 

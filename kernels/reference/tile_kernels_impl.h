@@ -4,6 +4,8 @@
 // of a helper to the other's callers.
 #pragma once
 
+#include <math.h>  // C functions only: no inline std:: overloads in a per-ISA file
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -273,6 +275,103 @@ ATTND_ALWAYS_INLINE void ConvertRowImpl(DType dtype, const void* src, int64_t co
   }
 }
 
+
+// ---- Softmax pieces ---------------------------------------------------------------------------
+
+ATTND_ALWAYS_INLINE float CTanh(float x) { return tanhf(x); }
+ATTND_ALWAYS_INLINE double CTanh(double x) { return tanh(x); }
+ATTND_ALWAYS_INLINE float CExp(float x) { return expf(x); }
+ATTND_ALWAYS_INLINE double CExp(double x) { return exp(x); }
+
+// scores[j] = cap * tanh(scores[j] * sm_scale / cap) (cap > 0) or scores[j] * sm_scale, in
+// place over [begin, end); returns the largest (-inf for an empty range). The maximum does not
+// depend on the order it is taken in, so the vector path changes no result.
+template <typename T>
+ATTND_ALWAYS_INLINE T ScaleScoresImpl(T* scores, int64_t begin, int64_t end, T sm_scale,
+                                      T soft_cap) {
+  T max_score = -static_cast<T>(INFINITY);
+  int64_t j = begin;
+  if (soft_cap > 0) {
+    for (; j < end; ++j) {
+      scores[j] = soft_cap * CTanh(scores[j] * sm_scale / soft_cap);
+      max_score = scores[j] > max_score ? scores[j] : max_score;
+    }
+    return max_score;
+  }
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 factor = _mm256_set1_ps(sm_scale);
+    __m256 running = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= end; j += 8) {
+      const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(scores + j), factor);
+      _mm256_storeu_ps(scores + j, scaled);
+      running = _mm256_max_ps(running, scaled);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, running);
+    for (float lane : lanes) max_score = lane > max_score ? lane : max_score;
+  }
+#endif
+  for (; j < end; ++j) {
+    scores[j] *= sm_scale;
+    max_score = scores[j] > max_score ? scores[j] : max_score;
+  }
+  return max_score;
+}
+
+#if defined(__AVX2__)
+// e^x for x <= 0, eight at a time (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6
+// polynomial; within 2 ulp of expf). Below -87.3 the result would be subnormal: it is 0, which
+// changes a softmax sum of at least 1 by less than 1e-37.
+ATTND_ALWAYS_INLINE __m256 ExpNonPositive(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 poly = _mm256_set1_ps(1.9875691500e-4f);
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.3981999507e-3f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(8.3334519073e-3f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(4.1665795894e-2f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.6666665459e-1f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(5.0000001201e-1f));
+  poly = _mm256_fmadd_ps(poly, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_mul_ps(poly, _mm256_castsi256_ps(exponent));
+  return _mm256_andnot_ps(underflow, result);
+}
+#endif
+
+// probs[j] = exp(scores[j] - max_score) over [begin, end); returns their sum. Lanes are
+// assigned from `begin`, so the summation order depends only on the row's own key range.
+template <typename T>
+ATTND_ALWAYS_INLINE T ExponentiateImpl(const T* scores, int64_t begin, int64_t end, T max_score,
+                                       T* probs) {
+  T sum = 0;
+  int64_t j = begin;
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 shift = _mm256_set1_ps(max_score);
+    __m256 partial = _mm256_setzero_ps();
+    for (; j + 8 <= end; j += 8) {
+      const __m256 p = ExpNonPositive(_mm256_sub_ps(_mm256_loadu_ps(scores + j), shift));
+      _mm256_storeu_ps(probs + j, p);
+      partial = _mm256_add_ps(partial, p);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, partial);
+    for (float lane : lanes) sum += lane;
+  }
+#endif
+  for (; j < end; ++j) {
+    probs[j] = CExp(scores[j] - max_score);
+    sum += probs[j];
+  }
+  return sum;
+}
+
 }  // namespace
 
 #define ATTND_TILE_CONCAT_INNER(a, b) a##b
@@ -306,6 +405,27 @@ void ATTND_TILE_CONCAT(ConvertRow, ATTND_TILE_ISA)(DType dtype, const void* src,
   ConvertRowImpl<T>(dtype, src, count, scale, dst, fp8_table);
 }
 
+template <typename T>
+T ATTND_TILE_CONCAT(ScaleScores, ATTND_TILE_ISA)(T* scores, int64_t begin, int64_t end,
+                                                 T sm_scale, T soft_cap) {
+  return ScaleScoresImpl<T>(scores, begin, end, sm_scale, soft_cap);
+}
+
+template <typename T>
+T ATTND_TILE_CONCAT(Exponentiate, ATTND_TILE_ISA)(const T* scores, int64_t begin, int64_t end,
+                                                 T max_score, T* probs) {
+  return ExponentiateImpl<T>(scores, begin, end, max_score, probs);
+}
+
+template float ATTND_TILE_CONCAT(ScaleScores, ATTND_TILE_ISA)<float>(float*, int64_t, int64_t,
+                                                                      float, float);
+template double ATTND_TILE_CONCAT(ScaleScores, ATTND_TILE_ISA)<double>(double*, int64_t, int64_t,
+                                                                        double, double);
+template float ATTND_TILE_CONCAT(Exponentiate, ATTND_TILE_ISA)<float>(const float*, int64_t,
+                                                                       int64_t, float, float*);
+template double ATTND_TILE_CONCAT(Exponentiate, ATTND_TILE_ISA)<double>(const double*, int64_t,
+                                                                         int64_t, double,
+                                                                         double*);
 template void ATTND_TILE_CONCAT(ConvertRow, ATTND_TILE_ISA)<float>(DType, const void*, int64_t,
                                                                     float, float*, const float*);
 template void ATTND_TILE_CONCAT(ConvertRow, ATTND_TILE_ISA)<double>(DType, const void*, int64_t,

@@ -5,7 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -127,6 +129,60 @@ TYPED_TEST(TileKernelsTest, AccumulateBlockAddsWeightedValueRowsInOrder) {
         EXPECT_EQ(single[r * v_dim + d], block[r * v_dim + d]) << "block-independent";
       }
     }
+  }
+}
+
+TYPED_TEST(TileKernelsTest, ScaleScoresScalesCapsAndReturnsTheMaximumOfTheRangeOnly) {
+  using T = TypeParam;
+  std::mt19937 rng(4);
+  const std::vector<T> raw = RandomValues<T>(40, rng);
+  for (const auto* kernels : Variants<T>()) {
+    for (const T cap : {T{0}, T{0.3}}) {
+      std::vector<T> scores = raw;
+      const T max_score = kernels->scale_scores(scores.data(), 3, 37, T{2.5}, cap);
+      T want_max = -INFINITY;
+      for (int j = 0; j < 40; ++j) {
+        if (j < 3 || j >= 37) {
+          EXPECT_EQ(scores[j], raw[j]) << "outside the range";
+          continue;
+        }
+        const double scaled = 2.5 * double{raw[j]};
+        const double want = cap > 0 ? double{cap} * std::tanh(scaled / double{cap}) : scaled;
+        EXPECT_NEAR(scores[j], want, (std::is_same_v<T, float> ? 1e-6 : 1e-15)) << kernels->isa;
+        want_max = std::max(want_max, scores[j]);
+      }
+      EXPECT_EQ(max_score, want_max) << kernels->isa;
+    }
+    T empty = 5;
+    EXPECT_EQ(kernels->scale_scores(&empty, 0, 0, T{1}, T{0}), -INFINITY);
+  }
+}
+
+TYPED_TEST(TileKernelsTest, ExponentiateMatchesExpAndReturnsTheSum) {
+  using T = TypeParam;
+  std::vector<T> scores;
+  for (int i = 0; i <= 400; ++i) scores.push_back(static_cast<T>(-0.25 * i));  // 0 .. -100
+  scores.push_back(-INFINITY);
+  scores.push_back(static_cast<T>(-1e-30));
+  const T max_score = 0.5;
+  for (const auto* kernels : Variants<T>()) {
+    std::vector<T> probs(scores.size(), T{-1});
+    const T sum = kernels->exponentiate(scores.data(), 1, static_cast<int64_t>(scores.size()),
+                                        max_score, probs.data());
+    EXPECT_EQ(probs[0], T{-1}) << "outside the range";
+    double want_sum = 0;
+    for (size_t j = 1; j < scores.size(); ++j) {
+      const double want = std::exp(double{scores[j]} - double{max_score});
+      want_sum += want;
+      if (want < std::numeric_limits<float>::min()) {
+        // Below float's normal range the vector exp gives 0.
+        EXPECT_LE(probs[j], std::numeric_limits<float>::min()) << kernels->isa << " " << scores[j];
+      } else {
+        EXPECT_NEAR(probs[j], want, (want * (std::is_same_v<T, float> ? 3e-7 : 1e-15)))
+            << kernels->isa << " " << scores[j];
+      }
+    }
+    EXPECT_NEAR(sum, want_sum, (want_sum * (std::is_same_v<T, float> ? 1e-6 : 1e-14)));
   }
 }
 
