@@ -117,6 +117,25 @@ absl::Status Validate(const plan::PrefillPlan& plan, const BatchPrefillArgs& arg
   return absl::OkStatus();
 }
 
+// Whether this build and device can run the Hopper kernel for these shapes: built with sm_90a
+// code, a compute capability 9.0 device (sm_90a code runs on no other), supported dtypes.
+bool HopperAvailable(int device, int32_t head_dim, DType q_dtype, DType kv_dtype) {
+#ifdef ATTND_PREFILL_HOPPER
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return false;
+  }
+  return major == 9 && minor == 0 && prefill::HopperPrefillSupports(head_dim, q_dtype, kv_dtype);
+#else
+  (void)device;
+  (void)head_dim;
+  (void)q_dtype;
+  (void)kv_dtype;
+  return false;
+#endif
+}
+
 }  // namespace
 
 absl::StatusOr<plan::PrefillWaveSizes> BatchPrefillCtasPerWave(int32_t head_dim, DType q_dtype, DType kv_dtype) {
@@ -139,6 +158,13 @@ absl::StatusOr<plan::PrefillWaveSizes> BatchPrefillCtasPerWave(int32_t head_dim,
     }
     CUDA_RETURN_IF_ERROR(error);
     (tile_rows == 16 ? waves.tile16 : tile_rows == 64 ? waves.tile64 : waves.tile128) = ctas_per_sm * num_sms;
+  }
+  if (HopperAvailable(device, head_dim, q_dtype, kv_dtype)) {
+#ifdef ATTND_PREFILL_HOPPER
+    int ctas_per_sm = 0;
+    CUDA_RETURN_IF_ERROR(prefill::LaunchPrefillHopper(prefill::KernelParams{}, head_dim, q_dtype, 0, nullptr, &ctas_per_sm));
+    waves.hopper_tile128 = ctas_per_sm * num_sms;
+#endif
   }
   return waves;
 }
@@ -214,6 +240,20 @@ absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs&
     params.items = items + launch.first_item;
     const int32_t num_ctas = launch.num_items * plan.num_kv_heads;
     cudaError_t error = cudaErrorInvalidValue;
+    if (launch.kernel == plan::PrefillKernel::kHopper) {
+      if (!prefill::HopperPrefillSupports(plan.head_dim, args.q.dtype, k_cache.dtype) ||
+          launch.tile_rows != prefill::kHopperTileRows) {
+        return Invalid("the plan chose the Hopper kernel, which needs q and KV of one 16-bit type, head_dim 64 or "
+                       "128 and 128-row tiles");
+      }
+#ifdef ATTND_PREFILL_HOPPER
+      CUDA_RETURN_IF_ERROR(
+          prefill::LaunchPrefillHopper(params, plan.head_dim, args.q.dtype, num_ctas, stream, nullptr));
+      continue;
+#else
+      return absl::UnimplementedError("BatchPrefill: this build has no sm_90a code for the Hopper kernel");
+#endif
+    }
     switch (plan.head_dim) {
       case 64:
         error = prefill::LaunchPrefillD64(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream, nullptr);

@@ -78,6 +78,15 @@ int32_t PrefillQueryTileRows(int64_t packed_rows, int32_t head_dim) {
   return 16;
 }
 
+const char* PrefillKernelName(PrefillKernel kernel) {
+  switch (kernel) {
+    case PrefillKernel::kAuto: return "auto";
+    case PrefillKernel::kMmaSync: return "mma.sync";
+    case PrefillKernel::kHopper: return "hopper";
+  }
+  return "?";
+}
+
 int64_t PrefillPlan::NumCtas() const { return static_cast<int64_t>(items.size()) * num_kv_heads; }
 
 std::string PrefillPlan::DebugString() const {
@@ -91,8 +100,8 @@ std::string PrefillPlan::DebugString() const {
     out += line;
   }
   for (const PrefillLaunch& launch : launches) {
-    std::snprintf(line, sizeof line, "  launch tile %d: items [%d, %d)\n", launch.tile_rows,
-                  launch.first_item, launch.first_item + launch.num_items);
+    std::snprintf(line, sizeof line, "  launch %s tile %d: items [%d, %d)\n", PrefillKernelName(launch.kernel),
+                  launch.tile_rows, launch.first_item, launch.first_item + launch.num_items);
     out += line;
   }
   return out;
@@ -118,6 +127,19 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
   }
   if (input.qo_indptr[0] != 0) return absl::InvalidArgumentError("qo_indptr[0] must be 0");
   const int32_t group = input.num_qo_heads / input.num_kv_heads;
+  // The Hopper kernel takes the 128-row tiles (every tile when forced); the split below then
+  // sizes chunks against its wave.
+  const bool force_hopper = input.kernel == PrefillKernel::kHopper;
+  if (force_hopper && (input.ctas_per_wave.hopper_tile128 <= 0 || input.head_dim == 256)) {
+    return absl::FailedPreconditionError(
+        "kernel: the Hopper prefill kernel needs an sm_90 device, q and KV of one 16-bit type and head_dim 64 or "
+        "128 (ctas_per_wave.hopper_tile128 is " + std::to_string(input.ctas_per_wave.hopper_tile128) +
+        ", head_dim " + std::to_string(input.head_dim) + ")");
+  }
+  const bool hopper = force_hopper || (input.kernel == PrefillKernel::kAuto && input.ctas_per_wave.hopper_tile128 > 0);
+  const PrefillKernel tile128_kernel = hopper ? PrefillKernel::kHopper : PrefillKernel::kMmaSync;
+  PrefillWaveSizes waves = input.ctas_per_wave;
+  if (hopper) waves.tile128 = waves.hopper_tile128;
 
   PrefillPlan plan;
   plan.batch_size = static_cast<int32_t>(batch_size);
@@ -137,7 +159,7 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
     if (q_len == 0) continue;
     const int64_t packed_rows = int64_t{q_len} * group;
     if (packed_rows > INT32_MAX) return absl::InvalidArgumentError("q_len * group_size exceeds 2^31");
-    const int32_t tile_rows = PrefillQueryTileRows(packed_rows, input.head_dim);
+    const int32_t tile_rows = force_hopper ? 128 : PrefillQueryTileRows(packed_rows, input.head_dim);
     const size_t slot = std::find(kTileRows.begin(), kTileRows.end(), tile_rows) - kTileRows.begin();
     by_tile[slot].push_back({static_cast<int32_t>(b), q_len, kv_len, CeilDiv(packed_rows, tile_rows)});
   }
@@ -145,7 +167,7 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
   // Chunk sizes: pinned, per request (deterministic), or per launch.
   const int32_t floor_tokens = std::max(input.min_chunk_tokens, kChunkGranularityTokens);
   for (size_t slot = 0; slot < kTileRows.size(); ++slot) {
-    const int32_t wave = input.ctas_per_wave.ForTile(kTileRows[slot]);
+    const int32_t wave = waves.ForTile(kTileRows[slot]);
     std::vector<RequestShape>& requests = by_tile[slot];
     if (input.disable_split_kv) continue;
     if (input.fixed_split_tokens > 0) {
@@ -155,11 +177,11 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
     } else if (input.deterministic) {
       for (const RequestShape& r : requests) {
         plan.request_chunk_tokens[r.request] =
-            PickChunkTokens({&r, 1}, input.num_kv_heads, wave, input.ctas_per_wave.num_sms, floor_tokens);
+            PickChunkTokens({&r, 1}, input.num_kv_heads, wave, waves.num_sms, floor_tokens);
       }
     } else {
       const int32_t chunk =
-          PickChunkTokens(requests, input.num_kv_heads, wave, input.ctas_per_wave.num_sms, floor_tokens);
+          PickChunkTokens(requests, input.num_kv_heads, wave, waves.num_sms, floor_tokens);
       for (const RequestShape& r : requests) plan.request_chunk_tokens[r.request] = r.kv_len > chunk ? chunk : 0;
     }
   }
@@ -209,6 +231,7 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
     std::stable_sort(items.begin(), items.end(),
                      [](const auto& a, const auto& b) { return a.first > b.first; });
     PrefillLaunch launch;
+    launch.kernel = kTileRows[slot] == 128 ? tile128_kernel : PrefillKernel::kMmaSync;
     launch.tile_rows = kTileRows[slot];
     launch.first_item = static_cast<int32_t>(plan.items.size());
     launch.num_items = static_cast<int32_t>(items.size());

@@ -18,13 +18,23 @@
 
 namespace attnd::plan {
 
+// Which kernel runs a launch. kMmaSync: the mma.sync kernel (every config, tiles 16/64/128).
+// kHopper: the sm_90a wgmma kernel (128-row tiles; q and KV of one 16-bit type, head_dim 64 or
+// 128). kAuto (input only): Hopper for the requests whose own tile is 128 rows when the device
+// and dtypes have it (PrefillWaveSizes::hopper_tile128 > 0), mma.sync otherwise.
+enum class PrefillKernel : int32_t { kAuto = 0, kMmaSync = 1, kHopper = 2 };
+
+const char* PrefillKernelName(PrefillKernel kernel);
+
 // CTAs the device runs at once (resident CTAs per SM x SMs) for each query tile size, and its
 // SM count, measured by the launcher (cuda::BatchPrefillCtasPerWave). Zero never splits.
+// hopper_tile128: the same for the Hopper kernel; 0 when the device or dtypes lack it.
 struct PrefillWaveSizes {
   int32_t tile16 = 0;
   int32_t tile64 = 0;
   int32_t tile128 = 0;
   int32_t num_sms = 0;
+  int32_t hopper_tile128 = 0;
 
   int32_t ForTile(int32_t tile_rows) const {
     return tile_rows == 16 ? tile16 : (tile_rows == 64 ? tile64 : tile128);
@@ -48,6 +58,10 @@ struct PrefillPlanInput {
   bool disable_split_kv = false;
   int32_t fixed_split_tokens = 0;   // > 0 pins the chunk size (rounded up to 64 tokens)
   int32_t min_chunk_tokens = 256;   // floor: shorter chunks cost more to merge than they gain
+  // kAuto in production. kMmaSync / kHopper force every request onto one kernel (tests,
+  // benchmarks); kHopper then runs even short requests in 128-row tiles, and needs
+  // ctas_per_wave.hopper_tile128 > 0 and a head_dim of 64 or 128.
+  PrefillKernel kernel = PrefillKernel::kAuto;
 };
 
 // One CTA's work per KV head, in the layout the kernel loads (32 bytes).
@@ -63,8 +77,9 @@ struct PrefillWorkItem {
   int32_t reserved[2] = {0, 0};
 };
 
-// One kernel launch: every item of one query tile size.
+// One kernel launch: every item of one query tile size and kernel.
 struct PrefillLaunch {
+  PrefillKernel kernel = PrefillKernel::kMmaSync;  // never kAuto
   int32_t tile_rows = 0;   // packed query rows per CTA
   int32_t first_item = 0;  // into PrefillPlan::items
   int32_t num_items = 0;   // CTAs = num_items * num_kv_heads
@@ -96,7 +111,8 @@ struct PrefillPlan {
 int32_t PrefillQueryTileRows(int64_t packed_rows, int32_t head_dim);
 
 // Plans one CTA per (request, query tile, KV chunk, KV head). Requests with no query rows
-// (padding slots) get no CTA.
+// (padding slots) get no CTA. A request's kernel, tile and chunk follow from the request alone
+// (and the device), never from the rest of the batch.
 absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input);
 
 }  // namespace attnd::plan

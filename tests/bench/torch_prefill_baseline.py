@@ -4,8 +4,8 @@
 Times torch.nn.functional.scaled_dot_product_attention on dense tensors at the same shapes
 (Hq 32, Hkv 8 via enable_gqa, D 128, bf16): one request of q = kv = 512, 2048, 8192 and a batch
 of 8 x 2048, causal, plus non-causal 2048 and 8192. Median of CUDA-event timings after warm-up,
-rotating input copies past L2. With --ours=CSV (written by prefill_bench --csv) it prints our
-time over torch's for every case.
+rotating input copies past L2. With --ours=CSV (written by prefill_bench --csv; repeat the flag
+for several kernels, e.g. mma.sync and Hopper) it prints our time over torch's for every case.
 """
 import argparse
 import csv
@@ -65,23 +65,26 @@ def time_case(batch, length, causal):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ours", help="CSV from prefill_bench --csv")
+    parser.add_argument("--ours", action="append", default=[], help="CSV from prefill_bench --csv (repeatable)")
     args = parser.parse_args()
-    ours = {}
-    if args.ours:
-        with open(args.ours) as f:
-            for row in csv.DictReader(f):
-                ours[row["case"]] = row
+    ours = []
+    for path in args.ours:
+        with open(path) as f:
+            ours.append((path, {row["case"]: row for row in csv.DictReader(f)}))
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print(f"{'case':18} {'torch ms':>10} {'TFLOP/s':>9} {'ours ms':>10} {'TFLOP/s':>9} {'%peak':>7} {'ours/torch':>10}")
+    header = f"{'case':18} {'torch ms':>10} {'TFLOP/s':>9}"
+    for path, _ in ours:
+        header += f" | {path:>10} {'TFLOP/s':>9} {'%peak':>7} {'ours/torch':>10}"
+    print(header)
     for name, batch, length, causal in CASES:
         ms, tflops = time_case(batch, length, causal)
         line = f"{name:18} {ms:10.4f} {tflops:9.1f}"
-        if name in ours:
-            row = ours[name]
-            our_ms = float(row["ms"])
-            line += (f" {our_ms:10.4f} {float(row['tflops']):9.1f}"
-                     f" {100 * float(row['tflops']) / float(row['peak_tflops']):6.1f}% {our_ms / ms:10.2f}")
+        for _, rows in ours:
+            if name in rows:
+                row = rows[name]
+                our_ms = float(row["ms"])
+                line += (f" | {our_ms:10.4f} {float(row['tflops']):9.1f}"
+                         f" {100 * float(row['tflops']) / float(row['peak_tflops']):6.1f}% {our_ms / ms:10.2f}")
         print(line, flush=True)
 
 

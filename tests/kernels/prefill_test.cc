@@ -34,6 +34,16 @@ bool HaveGpu() {
 
 #define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
+// The sm_90a kernel exists in this build and runs on this device (compute capability 9.0).
+bool HaveHopperKernel() {
+  if (!HaveGpu()) return false;
+  auto waves = cuda::BatchPrefillCtasPerWave(128, DType::kBFloat16, DType::kBFloat16);
+  return waves.ok() && waves->hopper_tile128 > 0;
+}
+
+#define SKIP_WITHOUT_HOPPER() \
+  if (!HaveHopperKernel()) GTEST_SKIP() << "no sm_90 device or no sm_90a code in this build"
+
 // Device memory freed on scope exit.
 class DeviceBuffer {
  public:
@@ -83,6 +93,7 @@ struct Config {
   bool deterministic = false;
   bool split_kv = true;          // false: disable_split_kv
   int32_t fixed_split_tokens = 0;
+  plan::PrefillKernel kernel = plan::PrefillKernel::kAuto;
   uint32_t seed = 1;
 
   std::string Name() const {
@@ -93,7 +104,8 @@ struct Config {
            (params.logits_soft_cap > 0 ? " cap" : "") +
            (params.window_left >= 0 ? " window" + std::to_string(params.window_left) : "") +
            (fixed_split_tokens > 0 ? " split" + std::to_string(fixed_split_tokens) : "") +
-           (deterministic ? " deterministic" : "");
+           (deterministic ? " deterministic" : "") +
+           (kernel != plan::PrefillKernel::kAuto ? std::string(" ") + plan::PrefillKernelName(kernel) : "");
   }
 };
 
@@ -201,6 +213,7 @@ Batch MakeBatch(const Config& config, const std::vector<int32_t>& q_lens, const 
 struct Output {
   bool ok = false;         // the launch succeeded and the device synchronised cleanly
   bool split_kv = false;   // the plan split some request's keys
+  bool hopper = false;     // some launch ran the Hopper kernel
   std::vector<uint8_t> o;  // q dtype
   std::vector<float> lse;
 };
@@ -223,11 +236,16 @@ Output RunGpu(const Batch& batch) {
   input.deterministic = config.deterministic;
   input.disable_split_kv = !config.split_kv;
   input.fixed_split_tokens = config.fixed_split_tokens;
+  input.kernel = config.kernel;
   auto plan_or = plan::PlanPrefill(input);
   EXPECT_TRUE(plan_or.ok()) << plan_or.status();
   if (!plan_or.ok()) return out;
   const plan::PrefillPlan& plan = *plan_or;
   out.split_kv = plan.split_kv();
+  for (const plan::PrefillLaunch& launch : plan.launches) out.hopper |= launch.kernel == plan::PrefillKernel::kHopper;
+  if (config.kernel != plan::PrefillKernel::kAuto) {
+    for (const plan::PrefillLaunch& launch : plan.launches) EXPECT_EQ(launch.kernel, config.kernel) << config.Name();
+  }
 
   DeviceBuffer q = Upload(batch.q), k_pool = Upload(batch.k_pool), v_pool = Upload(batch.v_pool);
   DeviceBuffer qo_indptr = Upload(batch.qo_indptr), page_indptr = Upload(batch.page_indptr);
@@ -468,12 +486,13 @@ TEST(BatchPrefillTest, MatchesReferenceOnMixedBatchOf128Requests) {
 
 // A request's bits do not depend on its neighbours: alone, among many decode rows (mean query
 // length ~1), among long prefills, and at another batch position.
-TEST(BatchPrefillTest, OutputIsBitwiseIndependentOfTheBatch) {
-  SKIP_WITHOUT_GPU();
+void CheckBitwiseIndependentOfTheBatch(plan::PrefillKernel kernel) {
   Config config;
   config.num_qo_heads = 8;
   config.num_kv_heads = 2;
   config.deterministic = true;
+  config.kernel = kernel;
+  SCOPED_TRACE(config.Name());
   // Alone, the probe underfills the device, so its keys are split (per request, so the same
   // split in every batch below).
   const int32_t probe_q = 150, probe_kv = 7000;
@@ -534,6 +553,150 @@ TEST(BatchPrefillTest, OutputIsBitwiseIndependentOfTheBatch) {
       EXPECT_TRUE(o == first_o) << "composition " << c << ": o bits differ";
       EXPECT_EQ(std::memcmp(lse.data(), first_lse.data(), lse.size() * sizeof(float)), 0)
           << "composition " << c << ": lse bits differ";
+    }
+  }
+}
+
+// kAuto runs the probe (600 packed rows, tile 128) on the Hopper kernel on sm_90 devices.
+TEST(BatchPrefillTest, OutputIsBitwiseIndependentOfTheBatch) {
+  SKIP_WITHOUT_GPU();
+  CheckBitwiseIndependentOfTheBatch(plan::PrefillKernel::kAuto);
+  CheckBitwiseIndependentOfTheBatch(plan::PrefillKernel::kMmaSync);
+}
+
+// --- The Hopper kernel, forced for every request (short ones too, in 128-row tiles) ----------
+
+TEST(BatchPrefillHopperTest, AutoPicksHopperForLongRequestsOnSm90) {
+  SKIP_WITHOUT_HOPPER();
+  Config config;
+  const Batch batch = MakeBatch(config, {300, 3}, {300, 50});
+  const Output out = RunGpu(batch);
+  ASSERT_TRUE(out.ok);
+  EXPECT_TRUE(out.hopper);
+  ExpectMatches(batch, out, RunReference(batch));
+}
+
+TEST(BatchPrefillHopperTest, MatchesReferenceAcrossDtypesHeadDimsPagesAndLayouts) {
+  SKIP_WITHOUT_HOPPER();
+  uint32_t seed = 700;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (int32_t head_dim : {64, 128}) {
+      for (int32_t page_size : {1, 16, 128}) {
+        for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
+          Config config;
+          config.kernel = plan::PrefillKernel::kHopper;
+          config.q_dtype = config.kv_dtype = dtype;
+          config.head_dim = head_dim;
+          config.page_size = page_size;
+          config.layout = layout;
+          config.table = seed % 2 ? TableForm::kSeparateKv : TableForm::kShared;
+          config.seed = seed++;
+          // Group sizes 1, 4 and 6 in turn (6: packed tiles straddle tokens unevenly).
+          config.num_qo_heads = seed % 3 == 0 ? 4 : (seed % 3 == 1 ? 8 : 12);
+          config.num_kv_heads = seed % 3 == 0 ? 4 : 2;
+          config.params.causal = seed % 2 == 0;
+          CheckAgainstReference(config, kMixedQ, kMixedKv);
+        }
+      }
+    }
+  }
+}
+
+TEST(BatchPrefillHopperTest, MatchesReferenceWithSoftCapWindowAndNonCausal) {
+  SKIP_WITHOUT_HOPPER();
+  for (bool causal : {true, false}) {
+    for (int32_t window : {-1, 0, 5, 200}) {
+      for (float cap : {0.0f, 30.0f}) {
+        Config config;
+        config.kernel = plan::PrefillKernel::kHopper;
+        config.params.causal = causal;
+        config.params.window_left = window;
+        config.params.logits_soft_cap = cap;
+        config.params.sm_scale = cap > 0 ? 1.0f : 0.0f;
+        config.seed = 800 + window + (causal ? 7 : 0);
+        CheckAgainstReference(config, kMixedQ, kMixedKv);
+      }
+    }
+  }
+}
+
+TEST(BatchPrefillHopperTest, FullyMaskedRowsGetZeroAndNegativeInfinity) {
+  SKIP_WITHOUT_HOPPER();
+  Config config;
+  config.kernel = plan::PrefillKernel::kHopper;
+  CheckAgainstReference(config, {50, 20, 8, 200}, {10, 0, 8, 130});
+  config.params.causal = false;
+  CheckAgainstReference(config, {20, 3}, {0, 40});
+}
+
+TEST(BatchPrefillHopperTest, MatchesReferenceOnLongAndMixedBatches) {
+  SKIP_WITHOUT_HOPPER();
+  Config config;
+  config.kernel = plan::PrefillKernel::kHopper;
+  config.num_qo_heads = 4;
+  config.num_kv_heads = 1;
+  config.params.causal = false;
+  CheckAgainstReference(config, {2048, 1}, {2048, 4097});
+  config.seed = 3;
+  config.params.causal = true;
+  config.page_size = 128;
+  CheckAgainstReference(config, {300, 16}, {32768, 32767});
+  std::mt19937 rng(9);
+  std::vector<int32_t> q_lens, kv_lens;
+  for (int i = 0; i < 128; ++i) {
+    const int32_t q = i % 16 == 0 ? 0 : (i % 3 == 0 ? 1 : std::uniform_int_distribution<int32_t>(1, 200)(rng));
+    q_lens.push_back(q);
+    kv_lens.push_back(q + std::uniform_int_distribution<int32_t>(0, 700)(rng));
+  }
+  config = Config();
+  config.kernel = plan::PrefillKernel::kHopper;
+  config.num_qo_heads = 16;
+  config.num_kv_heads = 4;
+  config.seed = 4;
+  CheckAgainstReference(config, q_lens, kv_lens);
+}
+
+TEST(BatchPrefillHopperTest, SplitKvMatchesReference) {
+  SKIP_WITHOUT_HOPPER();
+  uint32_t seed = 900;
+  for (int32_t head_dim : {64, 128}) {
+    for (bool causal : {true, false}) {
+      Config config;
+      config.kernel = plan::PrefillKernel::kHopper;
+      config.head_dim = head_dim;
+      config.params.causal = causal;
+      config.params.window_left = seed % 3 == 0 ? 100 : -1;
+      config.fixed_split_tokens = 128;
+      config.seed = seed++;
+      EXPECT_TRUE(CheckAgainstReference(config, kMixedQ, kMixedKv)) << config.Name() << ": expected a split";
+    }
+  }
+  Config config;
+  config.kernel = plan::PrefillKernel::kHopper;
+  EXPECT_TRUE(CheckAgainstReference(config, {40, 100}, {8000, 3000}));
+}
+
+TEST(BatchPrefillHopperTest, OutputIsBitwiseIndependentOfTheBatch) {
+  SKIP_WITHOUT_HOPPER();
+  CheckBitwiseIndependentOfTheBatch(plan::PrefillKernel::kHopper);
+}
+
+// Small and quick: the Hopper sweep run under compute-sanitizer memcheck.
+TEST(BatchPrefillHopperTest, SanitizerSweep) {
+  SKIP_WITHOUT_HOPPER();
+  uint32_t seed = 950;
+  for (int32_t head_dim : {64, 128}) {
+    for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
+      Config config;
+      config.kernel = plan::PrefillKernel::kHopper;
+      config.head_dim = head_dim;
+      config.layout = layout;
+      config.table = seed % 2 ? TableForm::kSeparateKv : TableForm::kShared;
+      config.page_size = seed % 3 == 0 ? 1 : 16;
+      config.params.window_left = seed % 4 == 0 ? 9 : -1;
+      config.fixed_split_tokens = seed % 2 ? 64 : 0;
+      config.seed = seed++;
+      CheckAgainstReference(config, {1, 20, 170, 0, 3}, {1, 20, 300, 5, 0});
     }
   }
 }
@@ -690,6 +853,42 @@ TEST(PrefillPlanTest, DeterministicChunkDependsOnTheRequestAlone) {
   EXPECT_EQ(plan::PlanPrefill(input)->request_chunk_tokens[1], alone_chunk);
   input.deterministic = false;
   EXPECT_EQ(plan::PlanPrefill(input)->request_chunk_tokens[1], 0) << "a full batch needs no split";
+}
+
+TEST(PrefillPlanTest, HopperTakesTheLongRequestsWhenAvailable) {
+  // Group 4: 2 tokens -> 8 packed rows (tile 16, mma.sync); 100 tokens -> 400 rows (Hopper).
+  const std::vector<int32_t> qo_indptr = {0, 2, 102};
+  const std::vector<int32_t> kv_lengths = {50, 100};
+  plan::PrefillPlanInput input = Input(qo_indptr, kv_lengths, 8, 2, 128);
+  input.ctas_per_wave = {264, 264, 264, 132, 132};
+  auto plan = plan::PlanPrefill(input);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->launches.size(), 2u);
+  EXPECT_EQ(plan->launches[0].kernel, plan::PrefillKernel::kHopper);
+  EXPECT_EQ(plan->launches[0].tile_rows, 128);
+  EXPECT_EQ(plan->launches[1].kernel, plan::PrefillKernel::kMmaSync);
+  EXPECT_EQ(plan->launches[1].tile_rows, 16);
+
+  input.kernel = plan::PrefillKernel::kMmaSync;
+  plan = plan::PlanPrefill(input);
+  ASSERT_TRUE(plan.ok());
+  for (const auto& launch : plan->launches) EXPECT_EQ(launch.kernel, plan::PrefillKernel::kMmaSync);
+
+  // Forced: every request in 128-row tiles on the Hopper kernel.
+  input.kernel = plan::PrefillKernel::kHopper;
+  plan = plan::PlanPrefill(input);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->launches.size(), 1u);
+  EXPECT_EQ(plan->launches[0].kernel, plan::PrefillKernel::kHopper);
+  EXPECT_EQ(plan->launches[0].num_items, 5);  // 1 + ceil(400 / 128)
+
+  // Without the Hopper kernel, auto stays on mma.sync and forcing it is an error.
+  input.ctas_per_wave.hopper_tile128 = 0;
+  EXPECT_EQ(plan::PlanPrefill(input).status().code(), absl::StatusCode::kFailedPrecondition);
+  input.kernel = plan::PrefillKernel::kAuto;
+  plan = plan::PlanPrefill(input);
+  ASSERT_TRUE(plan.ok());
+  for (const auto& launch : plan->launches) EXPECT_EQ(launch.kernel, plan::PrefillKernel::kMmaSync);
 }
 
 TEST(PrefillPlanTest, RejectsInconsistentInputs) {

@@ -9,6 +9,9 @@
 //      once per layer: BatchPrefill(plan, args, workspace, bytes, stream).
 // A plan that splits KV (plan.split_kv()) runs the prefill kernels into fp32 partials in the
 // workspace, then MergeStates (merge.h) writes the split requests' rows of o and lse.
+// Two kernels: mma.sync (every config) and, on compute capability 9.0 with a build that includes
+// sm_90a, a warp-specialised wgmma kernel for 128-row tiles of 16-bit q and KV of one type,
+// head_dim 64/128; the plan names the kernel of each launch (plan::PrefillKernel).
 // Every pointer in BatchPrefillArgs is device memory; the caller keeps it alive until the stream
 // has passed the launch. Nothing here allocates or synchronises.
 #pragma once
@@ -39,7 +42,8 @@ struct BatchPrefillArgs {
 };
 
 // CTAs of each query tile's kernel the current device runs at once (resident CTAs per SM x
-// SMs), for plan::PrefillPlanInput::ctas_per_wave. Fixed per device and dtypes: query it once.
+// SMs), for plan::PrefillPlanInput::ctas_per_wave; hopper_tile128 > 0 when the Hopper kernel
+// runs here for these dtypes. Fixed per device and dtypes: query it once.
 absl::StatusOr<plan::PrefillWaveSizes> BatchPrefillCtasPerWave(int32_t head_dim, DType q_dtype, DType kv_dtype);
 
 // Device workspace bytes the plan needs: its work list, merge rows and, when it splits KV, the

@@ -1,0 +1,39 @@
+// Batch prefill on Hopper (sm_90a): instantiations and the launcher of the warp-specialised wgmma
+// kernel (prefill_hopper_kernel.cuh). Built only for compute_90a/sm_90a (prefill.cmake), when 90
+// is among ATTND_CUDA_ARCHITECTURES; four kernels: head_dim 64 and 128 x bf16 and fp16.
+#include "prefill_hopper_kernel.cuh"
+
+namespace attnd::cuda::prefill {
+namespace {
+
+// Two stages each of K and V: with Q, 160 KB of shared memory at head_dim 128, one CTA per SM.
+constexpr int kStages = 2;
+
+template <int kHeadDim, typename T>
+cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
+  using Shape = hopper::HopperShape<kHeadDim, kStages>;
+  auto* kernel = &hopper::HopperPrefillKernel<Shape, T>;
+  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
+  if (error != cudaSuccess) return error;
+  if (ctas_per_sm != nullptr) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, hopper::kThreads, Shape::kSmemBytes);
+  }
+  kernel<<<num_ctas, hopper::kThreads, Shape::kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchPrefillHopper(const KernelParams& params, int32_t head_dim, DType dtype, int32_t num_ctas,
+                                cudaStream_t stream, int* ctas_per_sm) {
+  if (!HopperPrefillSupports(head_dim, dtype, dtype)) return cudaErrorInvalidValue;
+  const bool bf16 = dtype == DType::kBFloat16;
+  if (head_dim == 128) {
+    return bf16 ? LaunchHopperTile<128, __nv_bfloat16>(params, num_ctas, stream, ctas_per_sm)
+                : LaunchHopperTile<128, __half>(params, num_ctas, stream, ctas_per_sm);
+  }
+  return bf16 ? LaunchHopperTile<64, __nv_bfloat16>(params, num_ctas, stream, ctas_per_sm)
+              : LaunchHopperTile<64, __half>(params, num_ctas, stream, ctas_per_sm);
+}
+
+}  // namespace attnd::cuda::prefill

@@ -1,0 +1,557 @@
+// Batch prefill attention over the paged KV cache on Hopper (sm_90a), DESIGN 4.3: the kernel
+// template. Same work items, masks, outputs and partials as the mma.sync kernel
+// (prefill_kernel.cuh); a CTA computes 128 packed query rows (token, head-in-group) of one
+// request against one KV head, streaming the keys in tiles of 128.
+//
+// Warp specialisation, three warpgroups:
+//   producer (warpgroup 0, 56 registers after setmaxnreg; at 40 its address math spilled):
+//     loads K and V tiles with cp.async, row by row through the page table (any page size
+//     1..128, NHD or HND, rows past the keys zero-filled; TMA boxes cannot follow a page table
+//     of 1-row pages), into a ring of kStages stages each for K and V; a stage is full when every
+//     producer thread's copies landed (cp.async.mbarrier.arrive.noinc) and empty when every
+//     consumer warp released it (mbarrier.arrive after its wgmma reads completed).
+//   consumers (warpgroups 1 and 2, 224 registers): 64 query rows each. Per KV tile j:
+//     S = Q K_j^T (wgmma m64n128k16, Q and K from shared memory), online softmax in registers
+//     (log2 domain), O += P_{j-1} V_{j-1} (wgmma m64nDk16, P from registers, V transposed from
+//     shared memory).
+// Overlap: inside a warpgroup, Q K_j^T is issued together with P_{j-1} V_{j-1}, so the softmax of
+// tile j runs while P_{j-1} V_{j-1} is still on the tensor cores; across the two warpgroups, a
+// pair of named barriers makes them take turns issuing (ping-pong), so one's softmax overlaps the
+// other's matrix products.
+//
+// Shared memory (1024-byte aligned blocks, 128-byte swizzle, see prefill_hopper_ptx.cuh):
+//   Q  [2 consumers][D/64 blocks][64 rows][128 B]  (reused to stage O in the epilogue)
+//   K  [kStages][D/64 blocks][128 rows][128 B]
+//   V  [kStages][D/64 blocks][128 rows][128 B]
+//   mbarriers: K full, K empty, V full, V empty, one per stage each.
+#pragma once
+
+#include <cstdint>
+
+#include "prefill_hopper_ptx.cuh"
+#include "prefill_params.h"
+#include "prefill_ptx.cuh"
+
+namespace attnd::cuda::prefill::hopper {
+
+inline constexpr int kConsumers = 2;
+inline constexpr int kThreads = 128 * (1 + kConsumers);
+inline constexpr int kTileRows = 64 * kConsumers;
+inline constexpr int kTileKv = 128;
+inline constexpr int kProducerRegisters = 56;
+inline constexpr int kConsumerRegisters = 224;
+static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= 512, "65536 registers per SM");
+
+// Named barrier ids (0 is __syncthreads): the consumers' turn-taking pair, then one per consumer.
+inline constexpr uint32_t kTurnBarrier = 1;       // + consumer index
+inline constexpr uint32_t kConsumerBarrier = 3;   // + consumer index
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+template <int kHeadDimArg, int kStagesArg>
+struct HopperShape {
+  static constexpr int kHeadDim = kHeadDimArg;
+  static constexpr int kStages = kStagesArg;
+  static constexpr int kBlocks = kHeadDim / 64;      // 128-byte column blocks per row
+  static constexpr int kChunks = kHeadDim / 8;       // 16-byte chunks per row
+  static constexpr int kQBlockBytes = 64 * 128;      // one column block of one consumer's Q
+  static constexpr int kQBytes = kBlocks * kQBlockBytes;
+  static constexpr int kKvBlockBytes = kTileKv * 128;
+  static constexpr int kKvBytes = kBlocks * kKvBlockBytes;
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQOffset + kConsumers * kQBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kKvBytes;
+  static constexpr int kBarrierOffset = kVOffset + kStages * kKvBytes;
+  static constexpr int kSmemBytes = kBarrierOffset + 4 * kStages * 8 + 1024;  // + alignment slack
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim");
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of `kRows` rows.
+template <int kRows>
+__device__ __forceinline__ uint32_t SwizzledChunk(int row, int chunk) {
+  return (chunk / 8) * (kRows * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
+}
+
+// The work of one CTA, decoded from its item the same way in every thread.
+struct CtaWork {
+  int kv_head;
+  int qo_start;
+  int row_start;  // first packed row of the tile
+  int row_end;    // one past the request's last packed row
+  int page_begin;
+  int position_offset;  // kv_len - q_len: query token i sits at key position offset + i
+  int first_position;
+  int last_position;
+  int kv_begin;
+  int kv_end;
+  int num_kv_tiles;
+};
+
+__device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params) {
+  CtaWork work;
+  work.kv_head = blockIdx.x % params.num_kv_heads;
+  const WorkItem item = params.items[blockIdx.x / params.num_kv_heads];
+  const int request = item.request;
+  work.qo_start = params.qo_indptr[request];
+  const int q_len = params.qo_indptr[request + 1] - work.qo_start;
+  work.page_begin = params.page_indptr[request];
+  const int num_pages = params.page_indptr[request + 1] - work.page_begin;
+  const int kv_len = num_pages == 0 ? 0 : ((num_pages - 1) << params.page_size_log2) + params.last_page_len[request];
+  const int group = params.group_size;
+  work.row_start = item.packed_row_start;
+  work.row_end = min(work.row_start + kTileRows, q_len * group);
+  work.position_offset = kv_len - q_len;
+  work.first_position = work.position_offset + work.row_start / group;
+  work.last_position = work.position_offset + (work.row_end - 1) / group;
+  // Keys the CTA visits: the chunk, cut by the causal limit of its last row and the window of
+  // its first row; rows that see fewer keys are masked per element.
+  work.kv_begin = item.kv_chunk_start;
+  work.kv_end = min(item.kv_chunk_end, kv_len);
+  if (params.causal) work.kv_end = min(work.kv_end, work.last_position + 1);
+  if (params.window_left >= 0) work.kv_begin = max(work.kv_begin, work.first_position - params.window_left);
+  work.num_kv_tiles = work.kv_end > work.kv_begin ? (work.kv_end - work.kv_begin + kTileKv - 1) / kTileKv : 0;
+  return work;
+}
+
+// --- Producer ---------------------------------------------------------------------------------
+
+// Copies KV tiles into the stages. Warp w copies rows [32w, 32w + 32) of each tile: lane l looks
+// up the page of row 32w + l once, then the warp copies kRowsPerPass whole rows per instruction
+// (16-byte chunks, rows contiguous in the pool), taking each row's page id from its lane.
+template <typename Shape, typename T>
+__device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaWork& work, uint32_t smem) {
+  constexpr int kChunks = Shape::kChunks;
+  constexpr int kRowsPerPass = 32 / kChunks;
+  constexpr int kPasses = 32 / kRowsPerPass;
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int page_mask = (1 << params.page_size_log2) - 1;
+  const int chunk = lane % kChunks;
+  const int64_t head_offset = static_cast<int64_t>(work.kv_head) * params.kv_head_stride + chunk * 8;
+  const T* k_pool = static_cast<const T*>(params.k_pool) + head_offset;
+  const T* v_pool = static_cast<const T*>(params.v_pool) + head_offset;
+  const int32_t* k_ids = params.k_page_ids + work.page_begin;
+  const int32_t* v_ids = params.v_page_ids + work.page_begin;
+  const uint32_t barriers = smem + Shape::kBarrierOffset;
+
+  auto load = [&](const T* pool, const int32_t* ids, int tile, uint32_t tile_smem, uint32_t empty, uint32_t full,
+                  uint32_t empty_parity) {
+    const int tile_start = work.kv_begin + tile * kTileKv;
+    const int token = tile_start + 32 * warp + lane;
+    // Looked up before the wait, so the page id's latency hides behind it.
+    const int page = token < work.kv_end ? __ldg(ids + (token >> params.page_size_log2)) : -1;
+    MbarrierWait(empty, empty_parity);
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int local = pass * kRowsPerPass + lane / kChunks;
+      const int row = 32 * warp + local;
+      const int row_page = __shfl_sync(0xffffffffu, page, local);
+      // Rows past the keys are zero-filled: V must be, since P = 0 times stale memory could be NaN.
+      const bool valid = row_page >= 0;
+      const T* source = valid ? pool + static_cast<int64_t>(row_page) * params.kv_page_stride +
+                                    ((tile_start + row) & page_mask) * params.kv_entry_stride
+                              : pool;
+      CpAsync16(tile_smem + SwizzledChunk<kTileKv>(row, chunk), source, valid);
+    }
+    CpAsyncArriveNoinc(full);
+  };
+
+  const int n = work.num_kv_tiles;
+  constexpr int kStages = Shape::kStages;
+  // Fill u of a stage waits for the consumers' release of fill u - 1: parity (u & 1) ^ 1.
+  auto load_k = [&](int tile) {
+    const int stage = tile % kStages;
+    load(k_pool, k_ids, tile, smem + Shape::kKOffset + stage * Shape::kKvBytes, barriers + 8 * (kStages + stage),
+         barriers + 8 * stage, ((tile / kStages) & 1) ^ 1);
+  };
+  auto load_v = [&](int tile) {
+    const int stage = tile % kStages;
+    load(v_pool, v_ids, tile, smem + Shape::kVOffset + stage * Shape::kKvBytes,
+         barriers + 8 * (3 * kStages + stage), barriers + 8 * (2 * kStages + stage), ((tile / kStages) & 1) ^ 1);
+  };
+  // The consumers need K_j before V_{j-1}: that is the order of issue.
+  if (n > 0) load_k(0);
+  for (int tile = 1; tile < n; ++tile) {
+    load_k(tile);
+    load_v(tile - 1);
+  }
+  if (n > 0) load_v(n - 1);
+  CpAsyncWaitAll();
+}
+
+// --- Consumers --------------------------------------------------------------------------------
+
+// Online softmax over one S tile (64 fp32 per thread: rows g and g + 8 of the warp's 16, keys
+// 8j + 2t + e). Masks, updates the running max and sum (log2 domain), turns S into P in place
+// and returns the factor the accumulated O must be scaled by.
+struct SoftmaxParams {
+  float scale_log2;       // applied to raw scores (1 when soft-capped: the cap applies it)
+  float cap_input_scale;  // soft cap: s -> cap_log2 * tanh(s * cap_input_scale)
+  float cap_log2;
+  bool soft_cap;
+};
+
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float FastLog2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// tanh(x) = 1 - 2 / (e^{2x} + 1): relative error ~1e-6 (tanh.approx's ~5e-4 would show in
+// capped logits).
+__device__ __forceinline__ float AccurateTanh(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
+
+__device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
+                                        const SoftmaxParams& sp) {
+  if (sp.soft_cap) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) s[i] = sp.cap_log2 * AccurateTanh(s[i] * sp.cap_input_scale);
+  }
+  float subtract[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    // Tree-shaped maximum: short dependency chains.
+    float block_max[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) block_max[j] = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+#pragma unroll
+    for (int stride = 1; stride < 16; stride *= 2) {
+#pragma unroll
+      for (int j = 0; j + stride < 16; j += 2 * stride) block_max[j] = fmaxf(block_max[j], block_max[j + stride]);
+    }
+    float tile_max = block_max[0];
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    const float new_max = fmaxf(row_max[h], tile_max * sp.scale_log2);
+    // A row with no visible key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+    subtract[h] = new_max == -INFINITY ? 0.0f : new_max;
+    rescale[h] = FastExp2(row_max[h] - subtract[h]);
+    row_max[h] = new_max;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float block_sum[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float p0 = FastExp2(fmaf(s[4 * j + 2 * h], sp.scale_log2, -subtract[h]));
+      const float p1 = FastExp2(fmaf(s[4 * j + 2 * h + 1], sp.scale_log2, -subtract[h]));
+      s[4 * j + 2 * h] = p0;
+      s[4 * j + 2 * h + 1] = p1;
+      block_sum[j] = p0 + p1;
+    }
+#pragma unroll
+    for (int stride = 1; stride < 16; stride *= 2) {
+#pragma unroll
+      for (int j = 0; j + stride < 16; j += 2 * stride) block_sum[j] += block_sum[j + stride];
+    }
+    row_sum[h] = row_sum[h] * rescale[h] + block_sum[0];
+  }
+}
+
+template <typename Shape, typename T>
+__device__ __forceinline__ void Consume(const KernelParams& params, const CtaWork& work, uint32_t smem,
+                                        uint8_t* smem_generic) {
+  constexpr int kHeadDim = Shape::kHeadDim;
+  constexpr int kStages = Shape::kStages;
+  constexpr int kChunks = Shape::kChunks;
+  constexpr int kOut = kHeadDim / 2;  // O accumulators per thread
+  const int consumer = threadIdx.x / 128 - 1;
+  const int thread = threadIdx.x % 128;
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  const int group = params.group_size;
+  const uint32_t q_smem = smem + Shape::kQOffset + consumer * Shape::kQBytes;
+  const uint32_t barriers = smem + Shape::kBarrierOffset;
+  const int consumer_row_start = work.row_start + 64 * consumer;
+
+  // --- Q: this consumer's 64 rows; rows past the request are zero-filled and never stored.
+  {
+    const T* q = static_cast<const T*>(params.q);
+    const int chunk = thread % kChunks;
+#pragma unroll
+    for (int pass = 0; pass < 64 * kChunks / 128; ++pass) {
+      const int row = thread / kChunks + pass * (128 / kChunks);
+      const int packed = consumer_row_start + row;
+      const bool valid = packed < work.row_end;
+      const T* source = q;
+      if (valid) {
+        const int token = packed / group;
+        const int head = work.kv_head * group + (packed - token * group);
+        source += (static_cast<int64_t>(work.qo_start + token) * params.num_qo_heads + head) * kHeadDim + chunk * 8;
+      }
+      CpAsync16(q_smem + SwizzledChunk<64>(row, chunk), source, valid);
+    }
+    CpAsyncWaitAll();
+    FenceProxyAsync();  // the copies were generic-proxy writes; wgmma reads through the async proxy
+    NamedBarrierSync(kConsumerBarrier + consumer, 128);
+  }
+
+  // Rows of this thread: g and g + 8 of its warp's 16 (the wgmma accumulator layout).
+  int row_position[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int packed = consumer_row_start + 16 * warp + 8 * h + lane / 4;
+    row_position[h] = work.position_offset + packed / group;
+  }
+
+  const bool soft_cap = params.soft_cap > 0.0f;
+  SoftmaxParams sp;
+  sp.soft_cap = soft_cap;
+  // Without a cap, scores stay raw and exp2(s * scale_log2 - m) folds the scale into one FFMA.
+  sp.scale_log2 = soft_cap ? 1.0f : params.score_scale * kLog2e;
+  sp.cap_input_scale = soft_cap ? params.score_scale / params.soft_cap : 0.0f;
+  sp.cap_log2 = params.soft_cap * kLog2e;
+
+  float o[kOut];
+#pragma unroll
+  for (int i = 0; i < kOut; ++i) o[i] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.0f, 0.0f};
+  float rescale[2] = {1.0f, 1.0f};
+  float s[64];  // the first k-step of every Q K^T overwrites it; zeroed so it is never undefined
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s[i] = 0.0f;
+  uint32_t p[8][4];  // P of the previous tile as the A operand of m64nDk16, 16 keys per step
+
+  const uint64_t q_descriptor = MatrixDescriptor(q_smem, 16, 1024);
+  auto issue_qk = [&](int stage) {
+    const uint64_t k_descriptor = MatrixDescriptor(smem + Shape::kKOffset + stage * Shape::kKvBytes, 16, 1024);
+    WgmmaFence();
+#pragma unroll
+    for (int step = 0; step < kHeadDim / 16; ++step) {
+      const uint32_t q_bytes = (step / 4) * Shape::kQBlockBytes + (step % 4) * 32;
+      const uint32_t k_bytes = (step / 4) * Shape::kKvBlockBytes + (step % 4) * 32;
+      WgmmaSS<128, T>(s, AdvanceDescriptor(q_descriptor, q_bytes), AdvanceDescriptor(k_descriptor, k_bytes),
+                      step > 0 ? 1 : 0);
+    }
+    WgmmaCommit();
+  };
+  auto issue_pv = [&](int stage) {
+    const uint64_t v_descriptor =
+        MatrixDescriptor(smem + Shape::kVOffset + stage * Shape::kKvBytes, Shape::kKvBlockBytes, 1024);
+    WgmmaFence();
+#pragma unroll
+    for (int step = 0; step < kTileKv / 16; ++step) {
+      WgmmaRS<kHeadDim, T>(o, p[step], AdvanceDescriptor(v_descriptor, step * 16 * 128));
+    }
+    WgmmaCommit();
+  };
+  auto mask = [&](int tile) {
+    const int tile_start = work.kv_begin + tile * kTileKv;
+    const int tile_end = tile_start + kTileKv;
+    // Per-element masking only where some row of the tile can see a masked key.
+    const bool needs_mask = tile_end > work.kv_end || (params.causal && tile_end - 1 > work.first_position) ||
+                            (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
+    if (!needs_mask) return;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = tile_start + 8 * j + 2 * (lane % 4) + (e % 2);
+        const int position = row_position[e / 2];
+        const bool masked = key >= work.kv_end || (params.causal && key > position) ||
+                            (params.window_left >= 0 && key < position - params.window_left);
+        if (masked) s[4 * j + e] = -INFINITY;
+      }
+    }
+  };
+  auto convert_p = [&] {
+#pragma unroll
+    for (int step = 0; step < 8; ++step) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) p[step][i] = PackFloat2<T>(s[8 * step + 2 * i], s[8 * step + 2 * i + 1]);
+    }
+  };
+  auto fence_p = [&] {
+#pragma unroll
+    for (int step = 0; step < 8; ++step) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) FenceRegister(p[step][i]);
+    }
+  };
+  auto rescale_o = [&] {
+#pragma unroll
+    for (int i = 0; i < kOut; ++i) o[i] *= rescale[(i / 2) % 2];
+  };
+  // Releases a stage once this warp's wgmma reads of it have completed (8 arrivals empty it).
+  auto release = [&](uint32_t empty) {
+    __syncwarp();
+    if (lane == 0) MbarrierArrive(empty);
+  };
+  auto k_full = [&](int tile) { return barriers + 8 * (tile % kStages); };
+  auto k_empty = [&](int tile) { return barriers + 8 * (kStages + tile % kStages); };
+  auto v_full = [&](int tile) { return barriers + 8 * (2 * kStages + tile % kStages); };
+  auto v_empty = [&](int tile) { return barriers + 8 * (3 * kStages + tile % kStages); };
+  auto parity = [](int tile) { return static_cast<uint32_t>((tile / kStages) & 1); };
+  // Turn-taking: each consumer waits on its own barrier before issuing and then opens the
+  // other's. Consumer 0 opens its own first; consumer 1 skips its last opening, so every phase
+  // of both barriers completes and none is left half-arrived.
+  const uint32_t my_turn = kTurnBarrier + consumer;
+  const uint32_t other_turn = kTurnBarrier + (1 - consumer);
+
+  const int n = work.num_kv_tiles;
+  if (n > 0) {
+    if (consumer == 0) NamedBarrierArrive(my_turn, 256);
+    MbarrierWait(k_full(0), parity(0));
+    FenceProxyAsync();
+    NamedBarrierSync(my_turn, 256);
+    issue_qk(0);
+    if (!(consumer == 1 && n == 1)) NamedBarrierArrive(other_turn, 256);
+    WgmmaWait<0>();
+    FenceRegisters(s);
+    release(k_empty(0));
+    mask(0);
+    Softmax(s, row_max, row_sum, rescale, sp);
+    convert_p();
+
+    for (int tile = 1; tile < n; ++tile) {
+      MbarrierWait(k_full(tile), parity(tile));
+      FenceProxyAsync();
+      NamedBarrierSync(my_turn, 256);
+      issue_qk(tile);
+      rescale_o();  // by the previous tile's factor, before P_{j-1} V_{j-1} adds to O
+      MbarrierWait(v_full(tile - 1), parity(tile - 1));
+      FenceProxyAsync();
+      issue_pv((tile - 1) % kStages);
+      if (!(consumer == 1 && tile == n - 1)) NamedBarrierArrive(other_turn, 256);
+      WgmmaWait<1>();  // Q K_j^T has completed; P_{j-1} V_{j-1} may still run
+      FenceRegisters(s);
+      release(k_empty(tile));
+      mask(tile);
+      Softmax(s, row_max, row_sum, rescale, sp);
+      WgmmaWait<0>();
+      FenceRegisters(o);
+      fence_p();
+      release(v_empty(tile - 1));
+      convert_p();
+    }
+
+    MbarrierWait(v_full(n - 1), parity(n - 1));
+    FenceProxyAsync();
+    rescale_o();
+    issue_pv((n - 1) % kStages);
+    WgmmaWait<0>();
+    FenceRegisters(o);
+    fence_p();
+    release(v_empty(n - 1));
+  }
+
+  // --- Epilogue. Row sums over the quad, in a fixed order.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+  }
+  // A row that saw no key has d = 0 and o = 0: it stores 0 and lse = -inf.
+  float inverse[2];
+  float lse[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    inverse[h] = row_sum[h] > 0.0f ? params.v_scale / row_sum[h] : 0.0f;
+    lse[h] = row_sum[h] > 0.0f ? (row_max[h] + FastLog2(row_sum[h])) * kLn2 : -INFINITY;
+  }
+  const int thread_row0 = 16 * warp + lane / 4;  // consumer-local rows thread_row0 and + 8
+
+  // A split item writes fp32 partials (normalised by its own sum) for MergeStates. Read late:
+  // no register holds it through the loop.
+  const WorkItem* my_item = params.items + blockIdx.x / params.num_kv_heads;
+  const int partial_first = __ldcg(&my_item->partial_first);
+  const int partial_stride = __ldcg(&my_item->partial_stride);
+  if (partial_first >= 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int packed = consumer_row_start + thread_row0 + 8 * h;
+      if (packed < work.row_end) {
+        const int token = packed / group;
+        const int head = work.kv_head * group + (packed - token * group);
+        const int64_t slot_row =
+            (static_cast<int64_t>(partial_first) + static_cast<int64_t>(token) * partial_stride) * params.num_qo_heads +
+            head;
+        float* out = params.partial_o + slot_row * kHeadDim + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+          *reinterpret_cast<float2*>(out + 8 * j) =
+              make_float2(o[4 * j + 2 * h] * inverse[h], o[4 * j + 2 * h + 1] * inverse[h]);
+        }
+        if (lane % 4 == 0) params.partial_lse[slot_row] = lse[h];
+      }
+    }
+    return;
+  }
+
+  // Stage O in this consumer's Q rows (free: its last Q K^T completed in every warp, which the
+  // barrier below guarantees before anyone overwrites them), then store 16-byte chunks.
+  NamedBarrierSync(kConsumerBarrier + consumer, 128);
+  uint8_t* stage = smem_generic + Shape::kQOffset + consumer * Shape::kQBytes;  // [64][D] of T, swizzled
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = thread_row0 + 8 * h;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      const uint32_t packed = PackFloat2<T>(o[4 * j + 2 * h] * inverse[h], o[4 * j + 2 * h + 1] * inverse[h]);
+      *reinterpret_cast<uint32_t*>(stage + row * (2 * kHeadDim) + ((j ^ (row % 8)) << 4) + 4 * (lane % 4)) = packed;
+    }
+    const int packed_row = consumer_row_start + row;
+    if (params.lse != nullptr && lane % 4 == 0 && packed_row < work.row_end) {
+      const int token = packed_row / group;
+      const int head = work.kv_head * group + (packed_row - token * group);
+      params.lse[static_cast<int64_t>(work.qo_start + token) * params.num_qo_heads + head] = lse[h];
+    }
+  }
+  NamedBarrierSync(kConsumerBarrier + consumer, 128);
+  T* o_out = static_cast<T*>(params.o);
+#pragma unroll
+  for (int pass = 0; pass < 64 * kChunks / 128; ++pass) {
+    const int index = thread + 128 * pass;
+    const int row = index / kChunks;
+    const int chunk = index % kChunks;
+    const int packed_row = consumer_row_start + row;
+    if (packed_row < work.row_end) {
+      const int token = packed_row / group;
+      const int head = work.kv_head * group + (packed_row - token * group);
+      *reinterpret_cast<uint4*>(o_out + (static_cast<int64_t>(work.qo_start + token) * params.num_qo_heads + head) *
+                                            kHeadDim + chunk * 8) =
+          *reinterpret_cast<const uint4*>(stage + row * (2 * kHeadDim) + ((chunk ^ (row % 8)) << 4));
+    }
+  }
+}
+
+// T: the type of q, o and the cache (one 16-bit type).
+template <typename Shape, typename T>
+__global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_constant__ KernelParams params) {
+  extern __shared__ __align__(1024) uint8_t shared_bytes[];
+  // The swizzle phase follows address bits 7-9, so every block must sit on a 1024-byte boundary.
+  const uint32_t raw = SharedAddress(shared_bytes);
+  const uint32_t smem = (raw + 1023) & ~1023u;
+  uint8_t* smem_generic = shared_bytes + (smem - raw);
+  const CtaWork work = DecodeWork(params);
+
+  if (threadIdx.x == 0) {
+    const uint32_t barriers = smem + Shape::kBarrierOffset;
+    for (int stage = 0; stage < Shape::kStages; ++stage) {
+      MbarrierInit(barriers + 8 * stage, 128);                          // K full: producer threads
+      MbarrierInit(barriers + 8 * (Shape::kStages + stage), 4 * kConsumers);      // K empty: consumer warps
+      MbarrierInit(barriers + 8 * (2 * Shape::kStages + stage), 128);             // V full
+      MbarrierInit(barriers + 8 * (3 * Shape::kStages + stage), 4 * kConsumers);  // V empty
+    }
+    FenceMbarrierInit();
+  }
+  __syncthreads();
+
+  // The role is uniform per warpgroup; the shuffle lets the compiler see that.
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+  if (warpgroup == 0) {
+    ReleaseRegisters<kProducerRegisters>();
+    ProduceKv<Shape, T>(params, work, smem);
+  } else {
+    ClaimRegisters<kConsumerRegisters>();
+    Consume<Shape, T>(params, work, smem, smem_generic);
+  }
+}
+
+}  // namespace attnd::cuda::prefill::hopper

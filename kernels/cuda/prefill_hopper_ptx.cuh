@@ -1,0 +1,186 @@
+// Thin wrappers over the sm_90a instructions the Hopper prefill kernel is built from: wgmma
+// (m64nNk16, fp32 accumulators, A from shared memory or registers, B from shared memory),
+// mbarrier phases, named barriers, register reallocation and the cross-proxy fence. Included only
+// from files compiled for sm_90a (-gencode=arch=compute_90a,code=sm_90a). Device-only; no state.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace attnd::cuda::prefill::hopper {
+
+// --- Shared memory matrix descriptors ---------------------------------------------------------
+// Tiles live in 128-byte swizzled blocks: rows of 64 16-bit elements (128 bytes), 16-byte chunk c
+// of row r stored at chunk c ^ (r % 8), 8-row atoms of 1024 bytes, every block 1024-byte aligned
+// so the hardware's swizzle phase (address bits 7-9) equals the row's.
+//
+// K-major operand (rows along M or N, 64 contiguous elements along K): stride_bytes is the step
+// between 8-row atoms (1024 for densely packed rows); the leading offset is unused (1).
+// MN-major operand (V as B of P V: 64 contiguous elements along N per key row): leading_bytes is
+// the step between 64-column blocks along N, stride_bytes the step between 8-key atoms along K.
+__device__ __forceinline__ uint64_t MatrixDescriptor(uint32_t shared_address, uint32_t leading_bytes,
+                                                     uint32_t stride_bytes) {
+  uint64_t descriptor = (shared_address & 0x3ffff) >> 4;
+  descriptor |= static_cast<uint64_t>((leading_bytes & 0x3ffff) >> 4) << 16;
+  descriptor |= static_cast<uint64_t>((stride_bytes & 0x3ffff) >> 4) << 32;
+  descriptor |= uint64_t{1} << 62;  // 128-byte swizzle
+  return descriptor;
+}
+
+// Moves a descriptor's start address by `bytes` (a multiple of 16, staying inside the 256 KB
+// window): the address field is the low 14 bits, in 16-byte units, and never carries here.
+__device__ __forceinline__ uint64_t AdvanceDescriptor(uint64_t descriptor, uint32_t bytes) {
+  return descriptor + (bytes >> 4);
+}
+
+// --- wgmma ------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Ties a register to this point of the instruction stream: accumulators written by an
+// asynchronous wgmma must not be read (or their registers reused) before its wait_group, which
+// the compiler cannot see on its own.
+__device__ __forceinline__ void FenceRegister(float& value) { asm volatile("" : "+f"(value)::"memory"); }
+__device__ __forceinline__ void FenceRegister(uint32_t& value) { asm volatile("" : "+r"(value)::"memory"); }
+template <int kCount>
+__device__ __forceinline__ void FenceRegisters(float (&values)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) FenceRegister(values[i]);
+}
+
+#define ATTND_ACC8(i)                                                                                   \
+  "+f"(d[(i) + 0]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), \
+      "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+#define ATTND_ACC32 ATTND_ACC8(0), ATTND_ACC8(8), ATTND_ACC8(16), ATTND_ACC8(24)
+#define ATTND_ACC64 ATTND_ACC32, ATTND_ACC8(32), ATTND_ACC8(40), ATTND_ACC8(48), ATTND_ACC8(56)
+#define ATTND_REGS32                                                                                     \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define ATTND_REGS64                                                                                     \
+  ATTND_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, " \
+               "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
+// d[N/2] (+)= A[64x16] * B[16xN]: A and B K-major in shared memory. accumulate = 0 overwrites d.
+template <int kN, typename T>
+__device__ __forceinline__ void WgmmaSS(float (&d)[kN / 2], uint64_t a, uint64_t b, int accumulate);
+// d[N/2] += A[64x16] * B[16xN]: A in registers (the m16n8k16 A fragment of the warp's 16 rows),
+// B MN-major in shared memory (transposed: N contiguous).
+template <int kN, typename T>
+__device__ __forceinline__ void WgmmaRS(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t b);
+
+#define ATTND_DEFINE_WGMMA_SS128(TYPE, PTX_TYPE)                                                          \
+  template <>                                                                                          \
+  __device__ __forceinline__ void WgmmaSS<128, TYPE>(float(&d)[64], uint64_t a, uint64_t b, int accumulate) { \
+    asm volatile(                                                                                      \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                   \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE " {" ATTND_REGS64          \
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                                             \
+        : ATTND_ACC64                                                                                  \
+        : "l"(a), "l"(b), "r"(accumulate)                                                              \
+        : "memory");                                                                                   \
+  }
+
+#define ATTND_DEFINE_WGMMA_RS128(TYPE, PTX_TYPE)                                                          \
+  template <>                                                                                          \
+  __device__ __forceinline__ void WgmmaRS<128, TYPE>(float(&d)[64], const uint32_t(&a)[4], uint64_t b) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                        \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE " {" ATTND_REGS64    \
+                 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                     \
+                 : ATTND_ACC64                                                                         \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)                          \
+                 : "memory");                                                                          \
+  }
+
+#define ATTND_DEFINE_WGMMA_RS64(TYPE, PTX_TYPE)                                                           \
+  template <>                                                                                          \
+  __device__ __forceinline__ void WgmmaRS<64, TYPE>(float(&d)[32], const uint32_t(&a)[4], uint64_t b) {  \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                        \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE " {" ATTND_REGS32     \
+                 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                     \
+                 : ATTND_ACC32                                                                         \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)                          \
+                 : "memory");                                                                          \
+  }
+
+ATTND_DEFINE_WGMMA_SS128(__nv_bfloat16, "bf16")
+ATTND_DEFINE_WGMMA_SS128(__half, "f16")
+ATTND_DEFINE_WGMMA_RS128(__nv_bfloat16, "bf16")
+ATTND_DEFINE_WGMMA_RS128(__half, "f16")
+ATTND_DEFINE_WGMMA_RS64(__nv_bfloat16, "bf16")
+ATTND_DEFINE_WGMMA_RS64(__half, "f16")
+
+#undef ATTND_DEFINE_WGMMA_SS128
+#undef ATTND_DEFINE_WGMMA_RS128
+#undef ATTND_DEFINE_WGMMA_RS64
+#undef ATTND_REGS64
+#undef ATTND_REGS32
+#undef ATTND_ACC64
+#undef ATTND_ACC32
+#undef ATTND_ACC8
+
+// --- mbarrier ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ void MbarrierInit(uint32_t barrier, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(count) : "memory");
+}
+
+// Makes the initialised barriers visible to the async proxy (cp.async arrivals) before use.
+__device__ __forceinline__ void FenceMbarrierInit() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void MbarrierArrive(uint32_t barrier) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(barrier) : "memory");
+}
+
+// Waits until the phase of parity `parity` has completed. A fresh barrier is in phase 0, so a
+// wait on parity 1 returns at once (the "previous" phase counts as complete).
+__device__ __forceinline__ void MbarrierWait(uint32_t barrier, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(barrier), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+
+// One arrival on `barrier` once every cp.async this thread issued so far has landed. noinc: the
+// arrival counts against the barrier's expected count (one per producer thread).
+__device__ __forceinline__ void CpAsyncArriveNoinc(uint32_t barrier) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Shared memory written through the generic proxy (stores, cp.async) and read next by wgmma
+// (the async proxy) needs this fence in between, in the thread that observed the writes.
+__device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// --- Named barriers and registers -------------------------------------------------------------
+
+__device__ __forceinline__ void NamedBarrierSync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int kRegisters>
+__device__ __forceinline__ void ReleaseRegisters() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void ClaimRegisters() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+}  // namespace attnd::cuda::prefill::hopper
