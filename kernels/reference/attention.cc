@@ -56,13 +56,13 @@ void RunTask(const BatchAttentionArgs& args, const Task& task) {
   for (int64_t row = 0; row < num_rows; ++row)
     ws.ranges[row] = VisibleKeys(args.params, q_len, kv_len, task.first_token + row / group);
 
-  const auto q_element = [&](int64_t row) {
-    const int64_t token = q_begin + task.first_token + row / group;
-    return args.q.Offset(token, first_head + static_cast<int32_t>(row % group));
+  const auto token_of = [&](int64_t row) { return q_begin + task.first_token + row / group; };
+  const auto head_of = [&](int64_t row) {
+    return first_head + static_cast<int32_t>(row % group);
   };
   const auto load_q = [&](int64_t row, T* out) {
     const auto* base = static_cast<const uint8_t*>(args.q.data) +
-                       q_element(row) * DTypeBytes(args.q.dtype);
+                       args.q.Offset(token_of(row), head_of(row)) * DTypeBytes(args.q.dtype);
     ConvertRow<T>(args.q.dtype, base, head_dim, T{1}, out);
   };
   const T k_scale = static_cast<T>(args.params.k_scale);
@@ -87,10 +87,12 @@ void RunTask(const BatchAttentionArgs& args, const Task& task) {
     }
   };
   const auto write_row = [&](int64_t row, const T* o, T lse) {
-    const int64_t element = q_element(row);
+    const int64_t element = args.o.Offset(token_of(row), head_of(row));
     for (int32_t d = 0; d < head_dim; ++d)
       StoreFromFloat(args.o.dtype, args.o.data, element + d, static_cast<float>(o[d]));
-    if (args.lse != nullptr) args.lse[element / head_dim] = static_cast<float>(lse);
+    if (args.lse != nullptr) {
+      args.lse[token_of(row) * num_qo_heads + head_of(row)] = static_cast<float>(lse);
+    }
   };
   AttendChunk<T>(ws, num_rows, head_dim, head_dim, args.params, load_q, load_kv, write_row);
 }

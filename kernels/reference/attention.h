@@ -28,7 +28,9 @@ struct BatchAttentionArgs {
 };
 
 // Query head h reads kv head h / (num_qo_heads / num_kv_heads). Work is spread over the
-// machine's cores.
+// machine's cores (parallel.h); calls may come from several threads at once. A request's o and
+// lse depend only on its own rows and keys, never on the rest of the batch (bitwise, for a
+// given accumulation and CPU).
 void BatchAttention(const BatchAttentionArgs& args);
 
 // MLA, absorbed form: score = sm_scale * (q_nope . ckv * ckv_scale + q_pe . kpe * kpe_scale),

@@ -164,7 +164,6 @@ TEST(MlaAttention, SoftCapAndWindowApplyAsForMha) {
 
 TEST(MlaAttention, ManyHeadsSplitAcrossTasksMatchFormula) {
   // 128 heads x 3 rows is several row chunks of one request.
-  PagedCacheSpec spec;
   AttentionParams params;
   params.causal = true;
   MlaProblem problem = MakeMla(64, DType::kBFloat16, {130}, {3}, params, 21);
