@@ -4,8 +4,8 @@
 # baseline in the same run. Expects the binaries bundled by
 #   /work/shared/tools/gpu-bundle .gpu-hopper build-hopper/tests/kernels/prefill_tests build-hopper/bench/prefill_bench
 # (cuBLAS is left out of the bundle: too large to carry; the device image has it). Writes logs
-# under $OUT. Usage: tests/bench/prefill_device_run.sh [STAGES...] (default: all of
-# sass tests sanitizer bench).
+# under $OUT. Usage: tests/bench/prefill_device_run.sh [STAGES...] (default, most needed first:
+# sass hopper bench sanitizer rest; racecheck on request).
 set -o pipefail
 cd "$(dirname "$0")/../.."
 B=.gpu-hopper
@@ -13,7 +13,7 @@ OUT=${OUT:-/tmp/prefill-out}
 mkdir -p "$OUT"
 cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.13*' 2>/dev/null | head -1)
 export LD_LIBRARY_PATH="$PWD/$B/lib${cublas:+:$(dirname "$cublas")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-stages=${*:-sass tests sanitizer bench}
+stages=${*:-sass hopper bench sanitizer rest}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 for stage in $stages; do
   case $stage in
@@ -22,28 +22,35 @@ for stage in $stages; do
       cuobjdump --dump-sass $B/bin/prefill_tests > "$OUT/sass.txt" 2>&1
       awk '/Function : /{name=$3} /HGMMA/{h[name]++} /HMMA/{m[name]++} END{for(n in h) if (n ~ /Hopper/) print "HGMMA", h[n], n; c=0; for(n in m) c++; print "functions with HMMA:", c}' "$OUT/sass.txt"
       ;;
-    tests)
-      echo "== prefill_tests (Hopper first)"
-      timeout 300 $B/bin/prefill_tests --gtest_filter='*Hopper*:PrefillPlan*' > "$OUT/tests_hopper.log" 2>&1; echo "rc=$?"
+    hopper)
+      echo "== prefill_tests: a small Hopper case first (a hang shows in 60 s), then every Hopper test"
+      timeout 60 $B/bin/prefill_tests --gtest_filter='BatchPrefillHopperTest.FullyMasked*' > "$OUT/tests_smoke.log" 2>&1
+      rc=$?; echo "rc=$rc"; tail -5 "$OUT/tests_smoke.log"
+      if [[ $rc == 124 ]]; then echo "HANG: skipping the Hopper kernel from here"; export HOPPER_HANG=1; fi
+      [[ -n $HOPPER_HANG ]] || timeout 200 $B/bin/prefill_tests --gtest_filter='*Hopper*:PrefillPlan*' > "$OUT/tests_hopper.log" 2>&1; echo "rc=$?"
       grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran|Failure|Expected|Which is|Value of|error" "$OUT/tests_hopper.log" | head -40
-      timeout 400 $B/bin/prefill_tests --gtest_filter='-*Hopper*:PrefillPlan*' > "$OUT/tests_rest.log" 2>&1; echo "rc=$?"
+      ;;
+    rest)
+      echo "== prefill_tests: the rest (kAuto runs 128-row tiles on the Hopper kernel on sm_90)"
+      timeout 200 $B/bin/prefill_tests --gtest_filter='-*Hopper*:PrefillPlan*' > "$OUT/tests_rest.log" 2>&1; echo "rc=$?"
       grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran|Failure|Expected|Which is|Value of|error" "$OUT/tests_rest.log" | head -30
       ;;
     sanitizer)
       echo "== compute-sanitizer memcheck, sanitizer sweeps"
-      timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 $B/bin/prefill_tests --gtest_filter='*SanitizerSweep*' > "$OUT/memcheck.log" 2>&1; echo "rc=$?"
+      filter='*SanitizerSweep*'; [[ -z $HOPPER_HANG ]] || filter='BatchPrefillTest.SanitizerSweep'
+      timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 $B/bin/prefill_tests --gtest_filter="$filter" > "$OUT/memcheck.log" 2>&1; echo "rc=$?"
       grep -E "ERROR SUMMARY|^\[  (PASSED|FAILED) |Invalid|out of bounds" "$OUT/memcheck.log" | head -20
       ;;
     racecheck)
       echo "== compute-sanitizer racecheck, one small Hopper case"
-      timeout 300 compute-sanitizer --tool racecheck --error-exitcode 3 $B/bin/prefill_tests --gtest_filter='BatchPrefillHopperTest.FullyMasked*' > "$OUT/racecheck.log" 2>&1; echo "rc=$?"
+      timeout 120 compute-sanitizer --tool racecheck --error-exitcode 3 $B/bin/prefill_tests --gtest_filter='BatchPrefillHopperTest.FullyMasked*' > "$OUT/racecheck.log" 2>&1; echo "rc=$?"
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|^\[  (PASSED|FAILED) " "$OUT/racecheck.log" | head -20
       ;;
     bench)
       echo "== prefill_bench (mma.sync, then auto = Hopper on sm_90) and torch"
       timeout 200 $B/bin/prefill_bench --kernel=mma --csv="$OUT/mma.csv" 2>&1 | grep -v "plan\|launch\|split" | tee "$OUT/bench_mma.log"
-      timeout 200 $B/bin/prefill_bench --csv="$OUT/hopper.csv" 2>&1 | grep -v "plan\|launch \|split" | tee "$OUT/bench_hopper.log"
-      (cd "$OUT" && timeout 200 python3 "$OLDPWD/tests/bench/torch_prefill_baseline.py" --ours mma.csv --ours hopper.csv) 2>&1 | tee "$OUT/torch.log"
+      [[ -n $HOPPER_HANG ]] || timeout 200 $B/bin/prefill_bench --csv="$OUT/hopper.csv" 2>&1 | grep -v "plan\|launch \|split" | tee "$OUT/bench_hopper.log"
+      (cd "$OUT" && timeout 200 python3 "$OLDPWD/tests/bench/torch_prefill_baseline.py" --ours mma.csv $([[ -f hopper.csv ]] && echo --ours hopper.csv)) 2>&1 | tee "$OUT/torch.log"
       ;;
   esac
 done
