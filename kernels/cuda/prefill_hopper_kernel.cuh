@@ -183,8 +183,8 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
 // --- Consumers --------------------------------------------------------------------------------
 
 // Online softmax over one S tile (64 fp32 per thread: rows g and g + 8 of the warp's 16, keys
-// 8j + 2t + e). Masks, updates the running max and sum (log2 domain), turns S into P in place
-// and returns the factor the accumulated O must be scaled by.
+// 8j + 2t + e), already capped and masked: updates the running max and sum (log2 domain), turns
+// S into P in place and returns the factor the accumulated O must be scaled by.
 struct SoftmaxParams {
   float scale_log2;       // applied to raw scores (1 when soft-capped: the cap applies it)
   float cap_input_scale;  // soft cap: s -> cap_log2 * tanh(s * cap_input_scale)
@@ -206,12 +206,16 @@ __device__ __forceinline__ float FastLog2(float x) {
 // capped logits).
 __device__ __forceinline__ float AccurateTanh(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
 
-__device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
-                                        const SoftmaxParams& sp) {
+// Soft cap, before the mask: capping after it would turn a masked -inf into -cap.
+__device__ __forceinline__ void SoftCap(float (&s)[64], const SoftmaxParams& sp) {
   if (sp.soft_cap) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) s[i] = sp.cap_log2 * AccurateTanh(s[i] * sp.cap_input_scale);
   }
+}
+
+__device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
+                                        const SoftmaxParams& sp) {
   float subtract[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -405,6 +409,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     WgmmaWait<0>();
     FenceRegisters(s);
     release(k_empty(0));
+    SoftCap(s, sp);
     mask(0);
     Softmax(s, row_max, row_sum, rescale, sp);
     convert_p();
@@ -413,7 +418,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
       MbarrierWait(k_full(tile), parity(tile));
       FenceProxyAsync();
       NamedBarrierSync(my_turn, 256);
-      issue_qk(tile);
+      issue_qk(tile % kStages);
       rescale_o();  // by the previous tile's factor, before P_{j-1} V_{j-1} adds to O
       MbarrierWait(v_full(tile - 1), parity(tile - 1));
       FenceProxyAsync();
@@ -422,6 +427,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
       WgmmaWait<1>();  // Q K_j^T has completed; P_{j-1} V_{j-1} may still run
       FenceRegisters(s);
       release(k_empty(tile));
+      SoftCap(s, sp);
       mask(tile);
       Softmax(s, row_max, row_sum, rescale, sp);
       WgmmaWait<0>();

@@ -595,6 +595,8 @@ TEST(BatchPrefillHopperTest, MatchesReferenceAcrossDtypesHeadDimsPagesAndLayouts
           config.num_qo_heads = seed % 3 == 0 ? 4 : (seed % 3 == 1 ? 8 : 12);
           config.num_kv_heads = seed % 3 == 0 ? 4 : 2;
           config.params.causal = seed % 2 == 0;
+          // Mostly unsplit, so CTAs walk up to 5 KV tiles and reuse every pipeline stage.
+          config.split_kv = seed % 4 == 0;
           CheckAgainstReference(config, kMixedQ, kMixedKv);
         }
       }
@@ -613,6 +615,7 @@ TEST(BatchPrefillHopperTest, MatchesReferenceWithSoftCapWindowAndNonCausal) {
         config.params.window_left = window;
         config.params.logits_soft_cap = cap;
         config.params.sm_scale = cap > 0 ? 1.0f : 0.0f;
+        config.split_kv = false;
         config.seed = 800 + window + (causal ? 7 : 0);
         CheckAgainstReference(config, kMixedQ, kMixedKv);
       }
@@ -695,6 +698,7 @@ TEST(BatchPrefillHopperTest, SanitizerSweep) {
       config.page_size = seed % 3 == 0 ? 1 : 16;
       config.params.window_left = seed % 4 == 0 ? 9 : -1;
       config.fixed_split_tokens = seed % 2 ? 64 : 0;
+      config.split_kv = seed % 2 == 1;  // unsplit: 3 KV tiles, a stage reused
       config.seed = seed++;
       CheckAgainstReference(config, {1, 20, 170, 0, 3}, {1, 20, 300, 5, 0});
     }
