@@ -2,10 +2,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <random>
 #include <thread>
 
 #include "absl/time/clock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
 #include "status_matchers.h"
 #include "test_server.h"
 #include "test_steps.h"
@@ -50,6 +53,57 @@ TEST_F(DrainTest, OpenStepsFinishWhileReadinessIsDown) {
   shutdown.join();
   EXPECT_LT(absl::Now() - shutdown_start, absl::Seconds(10))
       << "shutdown should not wait out the grace once the last step committed";
+}
+
+using grpc::health::v1::Health;
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+
+// A Watch stream on its own channel.
+struct HealthWatch {
+  HealthWatch(const std::string& address, const std::string& service)
+      : stub(Health::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {
+    HealthCheckRequest request;
+    request.set_service(service);
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    reader = stub->Watch(&context, request);
+  }
+  // The next status sent, or nullopt once the stream has ended.
+  std::optional<HealthCheckResponse::ServingStatus> Next() {
+    HealthCheckResponse response;
+    if (!reader->Read(&response)) return std::nullopt;
+    return response.status();
+  }
+  std::unique_ptr<Health::Stub> stub;
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<HealthCheckResponse>> reader;
+};
+
+TEST_F(DrainTest, WatchSeesReadinessDropThenTheStreamEndsAtShutdown) {
+  HealthWatch readiness(address(), "attnd.v1.AttentionService");
+  HealthWatch liveness(address(), "");
+  EXPECT_EQ(readiness.Next(), HealthCheckResponse::SERVING);
+  EXPECT_EQ(liveness.Next(), HealthCheckResponse::SERVING);
+
+  std::thread shutdown([this] { server().Shutdown(); });
+  EXPECT_EQ(readiness.Next(), HealthCheckResponse::NOT_SERVING);
+  // Liveness only drops as the server stops; then both streams end cleanly.
+  EXPECT_EQ(liveness.Next(), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(readiness.Next(), std::nullopt);
+  EXPECT_EQ(liveness.Next(), std::nullopt);
+  EXPECT_TRUE(readiness.reader->Finish().ok());
+  EXPECT_TRUE(liveness.reader->Finish().ok());
+  shutdown.join();
+}
+
+TEST_F(DrainTest, WatchOfAnUnknownServiceSaysSoAndStaysOpen) {
+  HealthWatch unknown(address(), "no.such.Service");
+  EXPECT_EQ(unknown.Next(), HealthCheckResponse::SERVICE_UNKNOWN);
+  unknown.context.TryCancel();
+  EXPECT_EQ(unknown.Next(), std::nullopt);
+  EXPECT_EQ(unknown.reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  // Check, unlike Watch, answers NOT_FOUND for an unknown name.
+  EXPECT_EQ(client().CheckHealth("no.such.Service").status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace
