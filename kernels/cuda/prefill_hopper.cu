@@ -1,6 +1,8 @@
 // Batch prefill on Hopper (sm_90a): instantiations and the launcher of the warp-specialised wgmma
 // kernel (prefill_hopper_kernel.cuh). Built only for compute_90a/sm_90a (prefill.cmake), when 90
 // is among ATTND_CUDA_ARCHITECTURES; four kernels: head_dim 64 and 128 x bf16 and fp16.
+#include <cstdlib>
+
 #include "prefill_hopper_kernel.cuh"
 
 namespace attnd::cuda::prefill {
@@ -9,9 +11,9 @@ namespace {
 // Two stages each of K and V: with Q, 160 KB of shared memory at head_dim 128, one CTA per SM.
 constexpr int kStages = 2;
 
-template <int kHeadDim, typename T>
+template <int kHeadDim, typename T, int kStagesArg = kStages, bool kPingPong = true>
 cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
-  using Shape = hopper::HopperShape<kHeadDim, kStages>;
+  using Shape = hopper::HopperShape<kHeadDim, kStagesArg, kPingPong>;
   auto* kernel = &hopper::HopperPrefillKernel<Shape, T>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
   if (error != cudaSuccess) return error;
@@ -28,6 +30,12 @@ cudaError_t LaunchPrefillHopper(const KernelParams& params, int32_t head_dim, DT
                                 cudaStream_t stream, int* ctas_per_sm) {
   if (!HopperPrefillSupports(head_dim, dtype, dtype)) return cudaErrorInvalidValue;
   const bool bf16 = dtype == DType::kBFloat16;
+  // TEMPORARY measurement knob (removed once measured): ATTND_HOPPER_VARIANT=s3 | nopp.
+  static const char* variant = std::getenv("ATTND_HOPPER_VARIANT");
+  if (variant != nullptr && head_dim == 128 && bf16) {
+    if (variant[0] == 's') return LaunchHopperTile<128, __nv_bfloat16, 3>(params, num_ctas, stream, ctas_per_sm);
+    if (variant[0] == 'n') return LaunchHopperTile<128, __nv_bfloat16, 2, false>(params, num_ctas, stream, ctas_per_sm);
+  }
   if (head_dim == 128) {
     return bf16 ? LaunchHopperTile<128, __nv_bfloat16>(params, num_ctas, stream, ctas_per_sm)
                 : LaunchHopperTile<128, __half>(params, num_ctas, stream, ctas_per_sm);

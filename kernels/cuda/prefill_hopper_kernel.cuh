@@ -49,10 +49,11 @@ inline constexpr uint32_t kConsumerBarrier = 3;   // + consumer index
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
-template <int kHeadDimArg, int kStagesArg>
+template <int kHeadDimArg, int kStagesArg, bool kPingPongArg = true>
 struct HopperShape {
   static constexpr int kHeadDim = kHeadDimArg;
   static constexpr int kStages = kStagesArg;
+  static constexpr bool kPingPong = kPingPongArg;
   static constexpr int kBlocks = kHeadDim / 64;      // 128-byte column blocks per row
   static constexpr int kChunks = kHeadDim / 8;       // 16-byte chunks per row
   static constexpr int kQBlockBytes = 64 * 128;      // one column block of one consumer's Q
@@ -116,19 +117,23 @@ __device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params) {
 
 // --- Producer ---------------------------------------------------------------------------------
 
-// Copies KV tiles into the stages. Warp w copies rows [32w, 32w + 32) of each tile: lane l looks
-// up the page of row 32w + l once, then the warp copies kRowsPerPass whole rows per instruction
-// (16-byte chunks, rows contiguous in the pool), taking each row's page id from its lane.
+// Copies KV tiles into the stages. Warp w copies rows [32w, 32w + 32) of each tile as two sets
+// of 16 rows; a lane pair shares a row, the lanes taking its even and odd 16-byte chunks, so one
+// warp instruction moves 32 contiguous bytes (a whole L2 sector) of each of 16 rows. Each lane
+// looks up its two rows' pages itself, and every copy after that costs one XOR: the swizzled
+// chunk (2k + b) ^ (row % 8) is the compile-time 2k XOR the lane's (b ^ row % 8), and the source
+// offset 32k is an immediate. (The first version shuffled each row's page id across the warp and
+// redid the 64-bit address math per copy: ~22 instructions per cp.async, which starved the
+// consumers: ncu showed them waiting on full stages with the tensor pipe 28% busy.)
 template <typename Shape, typename T>
 __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaWork& work, uint32_t smem) {
   constexpr int kChunks = Shape::kChunks;
-  constexpr int kRowsPerPass = 32 / kChunks;
-  constexpr int kPasses = 32 / kRowsPerPass;
+  constexpr int kSets = 2;  // row sets of 16 per warp
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
+  const int odd = lane % 2;
   const int page_mask = (1 << params.page_size_log2) - 1;
-  const int chunk = lane % kChunks;
-  const int64_t head_offset = static_cast<int64_t>(work.kv_head) * params.kv_head_stride + chunk * 8;
+  const int64_t head_offset = static_cast<int64_t>(work.kv_head) * params.kv_head_stride + odd * 8;
   const T* k_pool = static_cast<const T*>(params.k_pool) + head_offset;
   const T* v_pool = static_cast<const T*>(params.v_pool) + head_offset;
   const int32_t* k_ids = params.k_page_ids + work.page_begin;
@@ -138,21 +143,30 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
   auto load = [&](const T* pool, const int32_t* ids, int tile, uint32_t tile_smem, uint32_t empty, uint32_t full,
                   uint32_t empty_parity) {
     const int tile_start = work.kv_begin + tile * kTileKv;
-    const int token = tile_start + 32 * warp + lane;
-    // Looked up before the wait, so the page id's latency hides behind it.
-    const int page = token < work.kv_end ? __ldg(ids + (token >> params.page_size_log2)) : -1;
+    const T* source[kSets];
+    bool valid[kSets];
+    uint32_t row_smem[kSets];  // the row's address XOR the lane's chunk swizzle
+#pragma unroll
+    for (int set = 0; set < kSets; ++set) {
+      const int row = 32 * warp + 16 * set + lane / 2;
+      const int token = tile_start + row;
+      valid[set] = token < work.kv_end;
+      // Looked up before the wait, so the page id's latency hides behind it.
+      const int page = valid[set] ? __ldg(ids + (token >> params.page_size_log2)) : 0;
+      source[set] = pool + static_cast<int64_t>(page) * params.kv_page_stride + (token & page_mask) * params.kv_entry_stride;
+      row_smem[set] = (tile_smem + row * 128) ^ ((odd ^ (row % 8)) << 4);
+    }
     MbarrierWait(empty, empty_parity);
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int local = pass * kRowsPerPass + lane / kChunks;
-      const int row = 32 * warp + local;
-      const int row_page = __shfl_sync(0xffffffffu, page, local);
-      // Rows past the keys are zero-filled: V must be, since P = 0 times stale memory could be NaN.
-      const bool valid = row_page >= 0;
-      const T* source = valid ? pool + static_cast<int64_t>(row_page) * params.kv_page_stride +
-                                    ((tile_start + row) & page_mask) * params.kv_entry_stride
-                              : pool;
-      CpAsync16(tile_smem + SwizzledChunk<kTileKv>(row, chunk), source, valid);
+    for (int set = 0; set < kSets; ++set) {
+#pragma unroll
+      for (int k = 0; k < kChunks / 2; ++k) {
+        // Chunk 2k + odd: column block k / 4, position (2k % 8) ^ odd ^ (row % 8) in the row.
+        // Rows past the keys are zero-filled: V must be, since P = 0 times stale memory could
+        // be NaN.
+        const uint32_t destination = (row_smem[set] ^ (((2 * k) % 8) << 4)) + (k / 4) * Shape::kKvBlockBytes;
+        CpAsync16(destination, valid[set] ? source[set] + 16 * k : pool, valid[set]);
+      }
     }
     CpAsyncArriveNoinc(full);
   };
@@ -400,12 +414,12 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
 
   const int n = work.num_kv_tiles;
   if (n > 0) {
-    if (consumer == 0) NamedBarrierArrive(my_turn, 256);
+    if (Shape::kPingPong && consumer == 0) NamedBarrierArrive(my_turn, 256);
     MbarrierWait(k_full(0), parity(0));
     FenceProxyAsync();
-    NamedBarrierSync(my_turn, 256);
+    if (Shape::kPingPong) NamedBarrierSync(my_turn, 256);
     issue_qk(0);
-    if (!(consumer == 1 && n == 1)) NamedBarrierArrive(other_turn, 256);
+    if (Shape::kPingPong && !(consumer == 1 && n == 1)) NamedBarrierArrive(other_turn, 256);
     WgmmaWait<0>();
     FenceRegisters(s);
     release(k_empty(0));
@@ -417,13 +431,13 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     for (int tile = 1; tile < n; ++tile) {
       MbarrierWait(k_full(tile), parity(tile));
       FenceProxyAsync();
-      NamedBarrierSync(my_turn, 256);
+      if (Shape::kPingPong) NamedBarrierSync(my_turn, 256);
       issue_qk(tile % kStages);
       rescale_o();  // by the previous tile's factor, before P_{j-1} V_{j-1} adds to O
       MbarrierWait(v_full(tile - 1), parity(tile - 1));
       FenceProxyAsync();
       issue_pv((tile - 1) % kStages);
-      if (!(consumer == 1 && tile == n - 1)) NamedBarrierArrive(other_turn, 256);
+      if (Shape::kPingPong && !(consumer == 1 && tile == n - 1)) NamedBarrierArrive(other_turn, 256);
       WgmmaWait<1>();  // Q K_j^T has completed; P_{j-1} V_{j-1} may still run
       FenceRegisters(s);
       release(k_empty(tile));

@@ -46,6 +46,32 @@ for stage in $stages; do
       timeout 120 compute-sanitizer --tool racecheck --error-exitcode 3 $B/bin/prefill_tests --gtest_filter='BatchPrefillHopperTest.FullyMasked*' > "$OUT/racecheck.log" 2>&1; echo "rc=$?"
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|^\[  (PASSED|FAILED) " "$OUT/racecheck.log" | head -20
       ;;
+    variants)
+      echo "== Hopper variants (ATTND_HOPPER_VARIANT, a temporary knob) at 8192"
+      for v in base s3 nopp base; do
+        echo "-- $v"
+        ATTND_HOPPER_VARIANT=$([[ $v == base ]] || echo $v) timeout 100 $B/bin/prefill_bench --only=1x8192 2>&1 | grep -E "^(causal|noncausal)"
+      done
+      ;;
+    ncu)
+      echo "== ncu, Hopper kernel, noncausal 1x2048"
+      timeout 200 ncu --kernel-name regex:HopperPrefill --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        --section LaunchStats --section SchedulerStats \
+        $B/bin/prefill_bench --only="noncausal 1x2048" > "$OUT/ncu.txt" 2>&1; echo "rc=$?"
+      grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Eligible|Issued Warp|Registers|Achieved Occupancy|Hit Rate|Bank|Tensor|ERROR|error" "$OUT/ncu.txt" | head -50
+      ;;
+    ncufull)
+      echo "== ncu --set full, Hopper kernel, noncausal 1x2048: details and per-instruction SASS with stall samples"
+      timeout 300 ncu --set full --import-source no --kernel-name regex:HopperPrefill --launch-skip 2 --launch-count 1 \
+        -o "$OUT/prof" $B/bin/prefill_bench --only="noncausal 1x2048" > "$OUT/ncu_run.txt" 2>&1; echo "rc=$?"
+      tail -3 "$OUT/ncu_run.txt"
+      ncu -i "$OUT/prof.ncu-rep" --page details > "$OUT/details.txt" 2>&1
+      ncu -i "$OUT/prof.ncu-rep" --page source --csv --print-source sass > "$OUT/source.csv" 2>&1
+      ncu -i "$OUT/prof.ncu-rep" --page raw --csv > "$OUT/raw.csv" 2>&1
+      rm -f "$OUT/prof.ncu-rep"
+      ls -la "$OUT"; grep -iE "stall|Warp Cycles" "$OUT/details.txt" | head -20
+      ;;
     bench)
       echo "== prefill_bench (mma.sync, then auto = Hopper on sm_90) and torch"
       timeout 200 $B/bin/prefill_bench --kernel=mma --csv="$OUT/mma.csv" 2>&1 | grep -v "plan\|launch\|split" | tee "$OUT/bench_mma.log"
