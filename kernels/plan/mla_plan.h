@@ -46,9 +46,9 @@ struct MlaPlanOptions {
   MlaSplitMode split_mode = MlaSplitMode::kAuto;
   // Oversubscription: the smallest chunk it cuts, the most chunks of one request, and the most
   // waves of CTAs it launches (the chunk grows until the CTAs fit).
-  int32_t min_tokens_per_cta = 1024;
+  int32_t min_tokens_per_cta = 2048;
   int32_t max_splits = 128;
-  int32_t max_waves = 4;
+  int32_t max_waves = 8;
   // One wave: the smallest chunk it cuts.
   int32_t min_chunk_tokens = 256;
   // Cost model (EstimatedCost): a CTA's fixed cost (q tile load, output or partial store) in

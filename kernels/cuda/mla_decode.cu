@@ -1,0 +1,196 @@
+// MLA decode launcher (DESIGN 4.6): validates the views, resolves the scales, launches the
+// kernel of the (rank, dtypes) on one CTA per plan unit, then MergeStates for split requests.
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/merge.h"
+#include "attnd/kernels/cuda/mla_decode.h"
+#include "attnd/status_macros.h"
+#include "cuda_check.h"
+#include "mla_decode_kernel.cuh"
+
+namespace attnd::cuda {
+namespace {
+
+constexpr int64_t kWorkspaceAlignment = 256;
+
+bool Is16Bit(DType dtype) { return dtype == DType::kFloat16 || dtype == DType::kBFloat16; }
+
+bool Aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+
+int64_t PartialLseOffsetBytes(int32_t num_partials, int32_t num_heads, int32_t kv_lora_rank) {
+  const int64_t o_bytes = int64_t{num_partials} * num_heads * kv_lora_rank * 4;
+  return (o_bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
+}
+
+cudaError_t Launch(const mla::MlaParams& params, const MlaDecodeConfig& config, int32_t num_ctas,
+                   cudaStream_t stream, int* ctas_per_sm) {
+  return config.kv_lora_rank == 512
+             ? mla::LaunchMlaR512(params, config.q_dtype, config.kv_dtype, num_ctas, stream, ctas_per_sm)
+             : mla::LaunchMlaR256(params, config.q_dtype, config.kv_dtype, num_ctas, stream, ctas_per_sm);
+}
+
+absl::Status Validate(const MlaDecodeArgs& args, int* page_size_log2) {
+  const TokenHeadsView& q_nope = args.q_nope;
+  const TokenHeadsView& q_pe = args.q_pe;
+  const PagedKvView& ckv = args.ckv_cache;
+  const PagedKvView& kpe = args.kpe_cache;
+  const MlaDecodeConfig config{q_nope.dtype, ckv.dtype, ckv.head_dim, kpe.head_dim};
+  if (!MlaDecodeSupports(config)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MLA decode: no kernel for q ", DTypeName(q_nope.dtype), ", cache ", DTypeName(ckv.dtype),
+        ", kv_lora_rank ", ckv.head_dim, ", rope_dim ", kpe.head_dim,
+        " (q fp16/bf16; cache fp16/bf16/fp8_e4m3; rank 512 or 256; rope_dim 64)"));
+  }
+  if (q_pe.dtype != q_nope.dtype) {
+    return absl::InvalidArgumentError("q_pe.dtype: expected q_nope's dtype");
+  }
+  if (!Is16Bit(args.o.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("o.dtype: expected float16 or bfloat16, got ",
+                                                   DTypeName(args.o.dtype)));
+  }
+  const int32_t num_heads = q_nope.num_heads;
+  if (num_heads <= 0 || num_heads > 1024 || q_pe.num_heads != num_heads || args.o.num_heads != num_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("num_heads: q_nope ", num_heads, ", q_pe ",
+                                                   q_pe.num_heads, ", o ", args.o.num_heads,
+                                                   " must agree, 1..1024"));
+  }
+  if (q_nope.head_dim != ckv.head_dim || args.o.head_dim != ckv.head_dim || q_pe.head_dim != kpe.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head dims: q_nope ", q_nope.head_dim, ", o ", args.o.head_dim, " and ckv ", ckv.head_dim,
+        " must agree; q_pe ", q_pe.head_dim, " and kpe ", kpe.head_dim, " must agree"));
+  }
+  if (ckv.num_heads != 1 || kpe.num_heads != 1 || kpe.dtype != ckv.dtype ||
+      kpe.page_size != ckv.page_size) {
+    return absl::InvalidArgumentError(
+        "ckv/kpe caches: expected one latent head each, one dtype and one page size");
+  }
+  const int32_t page_size = ckv.page_size;
+  if (page_size <= 0 || (page_size & (page_size - 1)) != 0 || args.pages.page_size != page_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page_size: expected a power of two shared by table and pools, got ", page_size,
+        " (table ", args.pages.page_size, ")"));
+  }
+  *page_size_log2 = 0;
+  while ((1 << *page_size_log2) < page_size) ++*page_size_log2;
+  if (args.work.num_units > 0 &&
+      (q_nope.data == nullptr || q_pe.data == nullptr || args.o.data == nullptr ||
+       ckv.data == nullptr || kpe.data == nullptr || args.pages.indptr == nullptr ||
+       args.pages.k_indices == nullptr || args.pages.v_indices == nullptr ||
+       args.work.units == nullptr)) {
+    return absl::InvalidArgumentError("MlaDecode: null tensor, page table or plan pointer");
+  }
+  if (!Aligned16(q_nope.data) || !Aligned16(q_pe.data) || !Aligned16(args.o.data) ||
+      !Aligned16(ckv.data) || !Aligned16(kpe.data) || !Aligned16(args.work.units)) {
+    return absl::InvalidArgumentError("MlaDecode: q, o, the pools and the plan must be 16-byte aligned");
+  }
+  const int64_t needed = MlaDecodeWorkspaceBytes(args.work.num_partials, num_heads, ckv.head_dim);
+  if (args.workspace_bytes < needed || (needed > 0 && args.workspace == nullptr) ||
+      reinterpret_cast<uintptr_t>(args.workspace) % kWorkspaceAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("workspace: need ", needed,
+                                                   " bytes, 256-byte aligned; got ",
+                                                   args.workspace_bytes));
+  }
+  if (!(args.params.k_scale > 0.0f) || !(args.params.v_scale > 0.0f) || !std::isfinite(args.params.k_scale) ||
+      !std::isfinite(args.params.v_scale)) {
+    return absl::InvalidArgumentError("k_scale (ckv) and v_scale (kpe) must be finite and > 0");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool MlaDecodeSupports(const MlaDecodeConfig& config) {
+  return Is16Bit(config.q_dtype) &&
+         (Is16Bit(config.kv_dtype) || config.kv_dtype == DType::kFloat8E4M3) &&
+         (config.kv_lora_rank == 512 || config.kv_lora_rank == 256) && config.rope_dim == mla::kRopeDim;
+}
+
+absl::StatusOr<int32_t> MlaDecodeCtasPerWave(const MlaDecodeConfig& config) {
+  if (!MlaDecodeSupports(config)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MLA decode: no kernel for q ", DTypeName(config.q_dtype), ", cache ",
+        DTypeName(config.kv_dtype), ", kv_lora_rank ", config.kv_lora_rank, ", rope_dim ",
+        config.rope_dim));
+  }
+  int device = 0;
+  int num_sms = 0;
+  int ctas_per_sm = 0;
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  CUDA_RETURN_IF_ERROR(Launch(mla::MlaParams{}, config, 0, nullptr, &ctas_per_sm));
+  if (ctas_per_sm <= 0) {
+    return absl::InternalError("MLA decode: the kernel does not fit on an SM of this device");
+  }
+  return ctas_per_sm * num_sms;
+}
+
+int64_t MlaDecodeWorkspaceBytes(int32_t num_partials, int32_t num_heads, int32_t kv_lora_rank) {
+  if (num_partials <= 0) return 0;
+  return PartialLseOffsetBytes(num_partials, num_heads, kv_lora_rank) +
+         int64_t{num_partials} * num_heads * 4;
+}
+
+absl::Status MlaDecode(const MlaDecodeArgs& args, cudaStream_t stream) {
+  int page_size_log2 = 0;
+  RETURN_IF_ERROR(Validate(args, &page_size_log2));
+  if (args.work.num_units == 0) return absl::OkStatus();
+
+  const PagedKvView& ckv = args.ckv_cache;
+  const int32_t rank = ckv.head_dim;
+  const int stored_bytes = DTypeBytes(ckv.dtype);
+  const AttentionParams& attention = args.params;
+  mla::MlaParams params{};
+  params.q_nope = args.q_nope.data;
+  params.q_pe = args.q_pe.data;
+  params.o = args.o.data;
+  params.lse = args.lse;
+  params.ckv_pool = static_cast<const uint8_t*>(ckv.data);
+  params.kpe_pool = static_cast<const uint8_t*>(args.kpe_cache.data);
+  params.ckv_page_bytes = int64_t{ckv.page_size} * rank * stored_bytes;
+  params.kpe_page_bytes = int64_t{ckv.page_size} * mla::kRopeDim * stored_bytes;
+  params.page_indptr = args.pages.indptr;
+  params.ckv_page_ids = args.pages.k_indices;
+  params.kpe_page_ids = args.pages.v_indices;
+  params.units = args.work.units;
+  params.num_heads = args.q_nope.num_heads;
+  params.page_size_log2 = page_size_log2;
+  params.window_left = attention.window_left;
+  const float score_scale = attention.sm_scale * attention.k_scale;
+  params.score_scale_log2 = score_scale * mla::kLog2e;
+  const bool soft_cap = attention.logits_soft_cap > 0.0f;
+  params.cap_input_scale = soft_cap ? score_scale / attention.logits_soft_cap : 0.0f;
+  params.cap_log2 = soft_cap ? attention.logits_soft_cap * mla::kLog2e : 0.0f;
+  params.pe_ratio = attention.v_scale / attention.k_scale;
+  params.o_scale = attention.k_scale;
+  params.q_bf16 = args.q_nope.dtype == DType::kBFloat16;
+  params.o_bf16 = args.o.dtype == DType::kBFloat16;
+  params.causal = attention.causal;
+  const int32_t num_partials = args.work.num_partials;
+  uint8_t* workspace = static_cast<uint8_t*>(args.workspace);
+  params.partial_o = num_partials > 0 ? reinterpret_cast<float*>(workspace) : nullptr;
+  params.partial_lse =
+      num_partials > 0
+          ? reinterpret_cast<float*>(workspace + PartialLseOffsetBytes(num_partials, params.num_heads, rank))
+          : nullptr;
+
+  const MlaDecodeConfig config{args.q_nope.dtype, ckv.dtype, rank, args.kpe_cache.head_dim};
+  CUDA_RETURN_IF_ERROR(Launch(params, config, args.work.num_units, stream, nullptr));
+  if (args.work.num_merge_rows == 0) return absl::OkStatus();
+
+  MergeStatesArgs merge;
+  merge.partial_o = params.partial_o;
+  merge.partial_lse = params.partial_lse;
+  merge.indptr = args.work.merge_indptr;
+  merge.out_rows = args.work.merge_q_row;
+  merge.num_rows = args.work.num_merge_rows;
+  merge.num_heads = params.num_heads;
+  merge.head_dim = rank;
+  merge.o = args.o;
+  merge.lse = args.lse;
+  return MergeStates(merge, stream);
+}
+
+}  // namespace attnd::cuda
