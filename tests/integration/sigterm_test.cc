@@ -1,0 +1,237 @@
+// SIGTERM to the attnd binary (--backend=cpu) while clients drive steps over unary calls and
+// ForwardStreams: the daemon drains (open steps finish, new plans get UNAVAILABLE) and exits 0.
+// Every call either completed, and then a completed step's outputs match the host reference,
+// or failed with UNAVAILABLE or CANCELLED; nothing else.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "attnd/client/client.h"
+#include "attnd/client/reference_cache.h"
+#include "status_matchers.h"
+#include "test_steps.h"
+
+#ifndef ATTND_BINARY
+#error "ATTND_BINARY: the path of the attnd executable"
+#endif
+
+namespace attnd::integration {
+namespace {
+
+using Code = absl::StatusCode;
+
+// attnd as a child process, its stderr read through a pipe.
+class Daemon {
+ public:
+  explicit Daemon(const std::vector<std::string>& flags) {
+    // Built before fork: the child of a threaded process may only make async-signal-safe calls.
+    std::vector<std::string> args = {ATTND_BINARY};
+    args.insert(args.end(), flags.begin(), flags.end());
+    std::vector<char*> argv;
+    for (std::string& arg : args) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(fds[1], STDERR_FILENO);
+      close(fds[0]);
+      close(fds[1]);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(fds[1]);
+    stderr_fd_ = fds[0];
+  }
+
+  ~Daemon() {
+    if (pid_ > 0 && !reaped_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (stderr_fd_ >= 0) close(stderr_fd_);
+  }
+
+  // Reads the log until a line contains `text`; returns that line ("" on timeout or exit).
+  std::string AwaitLog(const std::string& text, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      for (size_t end; (end = log_.find('\n', scanned_)) != std::string::npos;) {
+        std::string line = log_.substr(scanned_, end - scanned_);
+        scanned_ = end + 1;
+        if (line.find(text) != std::string::npos) return line;
+      }
+      pollfd fd{stderr_fd_, POLLIN, 0};
+      if (poll(&fd, 1, 100) > 0) {
+        char buffer[4096];
+        const ssize_t n = read(stderr_fd_, buffer, sizeof(buffer));
+        if (n <= 0) return "";
+        log_.append(buffer, static_cast<size_t>(n));
+      }
+    }
+    return "";
+  }
+
+  void Signal(int signal_number) { kill(pid_, signal_number); }
+
+  // Waits for the exit; returns the exit status, or -1 (timeout or killed by a signal).
+  int Wait(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        reaped_ = true;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      AwaitLog("\x01", absl::Milliseconds(50));  // keep draining the pipe
+    }
+    return -1;
+  }
+
+  pid_t pid() const { return pid_; }
+  const std::string& log() const { return log_; }
+
+ private:
+  pid_t pid_ = -1;
+  int stderr_fd_ = -1;
+  bool reaped_ = false;
+  std::string log_;
+  size_t scanned_ = 0;
+};
+
+bool DrainCode(const absl::Status& status) {
+  return status.code() == Code::kUnavailable || status.code() == Code::kCancelled;
+}
+
+// What one load client saw.
+struct ClientReport {
+  int steps_committed = 0;
+  int steps_committed_after_signal = 0;
+  int steps_interrupted = 0;  // planned, then a layer failed with a drain code
+  std::vector<absl::Status> errors;
+  bool stopped_by_drain = false;
+};
+
+// Sequences of 5 prefill tokens and 7 decode steps each, freed at the end, on its own cache;
+// odd clients step over a ForwardStream. Runs until a call fails.
+void DriveSteps(int port, int index, const std::atomic<bool>& signalled,
+                std::atomic<int>& committed, ClientReport& report) {
+  client::ClientOptions options;
+  options.address = absl::StrCat("127.0.0.1:", port);
+  options.timeout = absl::Seconds(30);
+  auto made = client::Client::Connect(options);
+  ASSERT_TRUE(made.ok()) << made.status();
+  client::Client& client = **made;
+  const std::string cache = absl::StrCat("load-", index);
+  ASSERT_OK_AND_ASSIGN(auto info, client.CreateCache(cache, SmallConfig(64)));
+  ASSERT_OK_AND_ASSIGN(auto reference, client::ReferenceCache::Create(info.config()));
+  std::unique_ptr<client::StreamSession> session;
+  if (index % 2 == 1) {
+    ASSERT_OK_AND_ASSIGN(session, client.OpenStream());
+  }
+  std::mt19937_64 rng(1000 + index);
+  auto failed = [&](const absl::Status& status, const std::string& what) {
+    report.errors.push_back(status);
+    EXPECT_TRUE(DrainCode(status)) << "client " << index << ": " << what << ": " << status;
+    report.stopped_by_drain = DrainCode(status);
+  };
+  for (uint64_t sequence = 1;; ++sequence) {
+    for (int step_index = 0; step_index < 8; ++step_index) {
+      const attnd::v1::PlanRequest plan =
+          MakePlan(cache, {{sequence, step_index == 0 ? 5 : 1}, {0, 0}});
+      auto step = session != nullptr ? session->BeginStep(plan) : client.BeginStep(plan);
+      if (!step.ok()) return failed(step.status(), "Plan");
+      ASSERT_OK(reference->BeginStep(plan));
+      for (int32_t layer = 0; layer < info.config().num_layers(); ++layer) {
+        const attnd::v1::ForwardRequest request =
+            RandomLayer(rng, info.config(), (*step)->num_tokens(), layer);
+        auto out = (*step)->Forward(request);
+        if (!out.ok()) {
+          ++report.steps_interrupted;
+          reference->EndStep(/*abort=*/true);
+          return failed(out.status(), "Forward");
+        }
+        ASSERT_OK_AND_ASSIGN(auto expected, reference->Forward(request));
+        ExpectMatchesReference(*out, expected, reference->q_dtype(),
+                               absl::StrCat("client ", index, " layer ", layer));
+      }
+      EXPECT_FALSE((*step)->open());
+      reference->EndStep(/*abort=*/false);
+      ++report.steps_committed;
+      if (signalled.load()) ++report.steps_committed_after_signal;
+      committed.fetch_add(1);
+    }
+    const std::vector<uint64_t> ids = {sequence};
+    const absl::Status freed = client.FreeSequences(cache, ids).status();
+    if (!freed.ok()) return failed(freed, "FreeSequences");
+    reference->FreeSequences(ids);
+  }
+}
+
+TEST(SigtermTest, DrainsUnderLoadAndExitsZero) {
+  Daemon daemon({"--backend=cpu", "--kv-memory-bytes=67108864", "--listen-address=127.0.0.1:0",
+                 "--metrics-address=", "--drain-grace=20s", "--exit-grace=2s"});
+  ASSERT_GT(daemon.pid(), 0);
+  const std::string serving =
+      daemon.AwaitLog("serving attnd.v1.AttentionService on port ", absl::Seconds(30));
+  ASSERT_FALSE(serving.empty()) << daemon.log();
+  int port = 0;
+  const size_t at = serving.find("on port ") + 8;
+  ASSERT_TRUE(absl::SimpleAtoi(serving.substr(at, serving.find(' ', at) - at), &port)) << serving;
+
+  constexpr int kClients = 4;
+  std::atomic<bool> signalled{false};
+  std::atomic<int> committed{0};
+  std::vector<ClientReport> reports(kClients);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kClients; ++i) {
+    clients.emplace_back([&, i] { DriveSteps(port, i, signalled, committed, reports[i]); });
+  }
+  // Signal once every client is well into its loop.
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (committed.load() < 10 * kClients && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  const int committed_at_signal = committed.load();
+  EXPECT_GE(committed_at_signal, 10 * kClients) << "the load never got going";
+  signalled = true;
+  const absl::Time signal_time = absl::Now();
+  daemon.Signal(SIGTERM);
+  const int exit_code = daemon.Wait(absl::Seconds(60));
+  const absl::Duration exit_after = absl::Now() - signal_time;
+  for (std::thread& thread : clients) thread.join();
+
+  EXPECT_EQ(exit_code, 0) << daemon.log();
+  EXPECT_LT(exit_after, absl::Seconds(20)) << "the drain waited out its grace: a step leaked";
+  EXPECT_NE(daemon.log().find("draining"), std::string::npos) << daemon.log();
+  EXPECT_NE(daemon.log().find("stopped"), std::string::npos) << daemon.log();
+  int after_signal = 0;
+  int interrupted = 0;
+  for (int i = 0; i < kClients; ++i) {
+    EXPECT_TRUE(reports[i].stopped_by_drain) << "client " << i << " did not stop on the drain";
+    after_signal += reports[i].steps_committed_after_signal;
+    interrupted += reports[i].steps_interrupted;
+  }
+  std::printf("sigterm under load: %d steps committed before the signal, %d after it (open "
+              "steps finishing during the drain), %d interrupted; exit %d after %s\n",
+              committed_at_signal, after_signal, interrupted, exit_code,
+              absl::FormatDuration(exit_after).c_str());
+}
+
+}  // namespace
+}  // namespace attnd::integration
