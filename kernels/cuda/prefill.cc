@@ -162,7 +162,7 @@ absl::StatusOr<plan::PrefillWaveSizes> BatchPrefillCtasPerWave(int32_t head_dim,
   if (HopperAvailable(device, head_dim, q_dtype, kv_dtype)) {
 #ifdef ATTND_PREFILL_HOPPER
     int ctas_per_sm = 0;
-    CUDA_RETURN_IF_ERROR(prefill::LaunchPrefillHopper(prefill::KernelParams{}, head_dim, q_dtype, 0, nullptr, &ctas_per_sm));
+    CUDA_RETURN_IF_ERROR(prefill::LaunchPrefillHopper(prefill::KernelParams{}, head_dim, q_dtype, 0, 0, nullptr, &ctas_per_sm));
     waves.hopper_tile128 = ctas_per_sm * num_sms;
 #endif
   }
@@ -248,7 +248,7 @@ absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs&
       }
 #ifdef ATTND_PREFILL_HOPPER
       CUDA_RETURN_IF_ERROR(
-          prefill::LaunchPrefillHopper(params, plan.head_dim, args.q.dtype, num_ctas, stream, nullptr));
+          prefill::LaunchPrefillHopper(params, plan.head_dim, args.q.dtype, num_ctas, launch.grid_ctas, stream, nullptr));
       continue;
 #else
       return absl::UnimplementedError("BatchPrefill: this build has no sm_90a code for the Hopper kernel");

@@ -1,6 +1,7 @@
 // Batch prefill on Hopper (sm_90a): instantiations and the launcher of the warp-specialised wgmma
 // kernel (prefill_hopper_kernel.cuh). Built only for compute_90a/sm_90a (prefill.cmake), when 90
 // is among ATTND_CUDA_ARCHITECTURES; four kernels: head_dim 64 and 128 x bf16 and fp16.
+#include <algorithm>
 #include <cstdlib>
 
 #include "prefill_hopper_kernel.cuh"
@@ -12,7 +13,8 @@ namespace {
 constexpr int kStages = 2;
 
 template <int kHeadDim, typename T, int kStagesArg = kStages, bool kPingPong = true>
-cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
+cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, int32_t grid_ctas, cudaStream_t stream,
+                             int* ctas_per_sm) {
   using Shape = hopper::HopperShape<kHeadDim, kStagesArg, kPingPong>;
   auto* kernel = &hopper::HopperPrefillKernel<Shape, T>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
@@ -20,28 +22,32 @@ cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, cudaS
   if (ctas_per_sm != nullptr) {
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, hopper::kThreads, Shape::kSmemBytes);
   }
-  kernel<<<num_ctas, hopper::kThreads, Shape::kSmemBytes, stream>>>(params);
+  // Persistent: `grid_ctas` CTAs (the plan's one wave) walk the work with a grid stride.
+  KernelParams persistent = params;
+  persistent.num_work = num_ctas;
+  const int32_t grid = grid_ctas > 0 ? std::min(num_ctas, grid_ctas) : num_ctas;
+  kernel<<<grid, hopper::kThreads, Shape::kSmemBytes, stream>>>(persistent);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t LaunchPrefillHopper(const KernelParams& params, int32_t head_dim, DType dtype, int32_t num_ctas,
-                                cudaStream_t stream, int* ctas_per_sm) {
+                                int32_t grid_ctas, cudaStream_t stream, int* ctas_per_sm) {
   if (!HopperPrefillSupports(head_dim, dtype, dtype)) return cudaErrorInvalidValue;
   const bool bf16 = dtype == DType::kBFloat16;
   // TEMPORARY measurement knob (removed once measured): ATTND_HOPPER_VARIANT=s3 | nopp.
   static const char* variant = std::getenv("ATTND_HOPPER_VARIANT");
   if (variant != nullptr && head_dim == 128 && bf16) {
-    if (variant[0] == 's') return LaunchHopperTile<128, __nv_bfloat16, 3>(params, num_ctas, stream, ctas_per_sm);
-    if (variant[0] == 'n') return LaunchHopperTile<128, __nv_bfloat16, 2, false>(params, num_ctas, stream, ctas_per_sm);
+    if (variant[0] == 's') return LaunchHopperTile<128, __nv_bfloat16, 3>(params, num_ctas, grid_ctas, stream, ctas_per_sm);
+    if (variant[0] == 'n') return LaunchHopperTile<128, __nv_bfloat16, 2, false>(params, num_ctas, grid_ctas, stream, ctas_per_sm);
   }
   if (head_dim == 128) {
-    return bf16 ? LaunchHopperTile<128, __nv_bfloat16>(params, num_ctas, stream, ctas_per_sm)
-                : LaunchHopperTile<128, __half>(params, num_ctas, stream, ctas_per_sm);
+    return bf16 ? LaunchHopperTile<128, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm)
+                : LaunchHopperTile<128, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm);
   }
-  return bf16 ? LaunchHopperTile<64, __nv_bfloat16>(params, num_ctas, stream, ctas_per_sm)
-              : LaunchHopperTile<64, __half>(params, num_ctas, stream, ctas_per_sm);
+  return bf16 ? LaunchHopperTile<64, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm)
+              : LaunchHopperTile<64, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm);
 }
 
 }  // namespace attnd::cuda::prefill

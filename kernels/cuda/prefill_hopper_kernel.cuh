@@ -76,6 +76,7 @@ __device__ __forceinline__ uint32_t SwizzledChunk(int row, int chunk) {
 
 // The work of one CTA, decoded from its item the same way in every thread.
 struct CtaWork {
+  int index;  // into the launch's work: item index / num_kv_heads, kv head index % num_kv_heads
   int kv_head;
   int qo_start;
   int row_start;  // first packed row of the tile
@@ -89,10 +90,11 @@ struct CtaWork {
   int num_kv_tiles;
 };
 
-__device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params) {
+__device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params, int index) {
   CtaWork work;
-  work.kv_head = blockIdx.x % params.num_kv_heads;
-  const WorkItem item = params.items[blockIdx.x / params.num_kv_heads];
+  work.index = index;
+  work.kv_head = index % params.num_kv_heads;
+  const WorkItem item = params.items[index / params.num_kv_heads];
   const int request = item.request;
   work.qo_start = params.qo_indptr[request];
   const int q_len = params.qo_indptr[request + 1] - work.qo_start;
@@ -125,8 +127,10 @@ __device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params) {
 // offset 32k is an immediate. (The first version shuffled each row's page id across the warp and
 // redid the 64-bit address math per copy: ~22 instructions per cp.async, which starved the
 // consumers: ncu showed them waiting on full stages with the tensor pipe 28% busy.)
+// `first` counts the tiles this CTA loaded for earlier work: tile t of this work is the CTA's
+// (first + t)-th, which fixes its stage and phase.
 template <typename Shape, typename T>
-__device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaWork& work, uint32_t smem) {
+__device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaWork& work, uint32_t smem, int first) {
   constexpr int kChunks = Shape::kChunks;
   constexpr int kSets = 2;  // row sets of 16 per warp
   const int warp = (threadIdx.x / 32) % 4;
@@ -175,14 +179,15 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
   constexpr int kStages = Shape::kStages;
   // Fill u of a stage waits for the consumers' release of fill u - 1: parity (u & 1) ^ 1.
   auto load_k = [&](int tile) {
-    const int stage = tile % kStages;
+    const int stage = (first + tile) % kStages;
     load(k_pool, k_ids, tile, smem + Shape::kKOffset + stage * Shape::kKvBytes, barriers + 8 * (kStages + stage),
-         barriers + 8 * stage, ((tile / kStages) & 1) ^ 1);
+         barriers + 8 * stage, (((first + tile) / kStages) & 1) ^ 1);
   };
   auto load_v = [&](int tile) {
-    const int stage = tile % kStages;
+    const int stage = (first + tile) % kStages;
     load(v_pool, v_ids, tile, smem + Shape::kVOffset + stage * Shape::kKvBytes,
-         barriers + 8 * (3 * kStages + stage), barriers + 8 * (2 * kStages + stage), ((tile / kStages) & 1) ^ 1);
+         barriers + 8 * (3 * kStages + stage), barriers + 8 * (2 * kStages + stage),
+         (((first + tile) / kStages) & 1) ^ 1);
   };
   // The consumers need K_j before V_{j-1}: that is the order of issue.
   if (n > 0) load_k(0);
@@ -191,7 +196,6 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
     load_v(tile - 1);
   }
   if (n > 0) load_v(n - 1);
-  CpAsyncWaitAll();
 }
 
 // --- Consumers --------------------------------------------------------------------------------
@@ -271,9 +275,10 @@ __device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], flo
   }
 }
 
+// `first`: as for ProduceKv.
 template <typename Shape, typename T>
 __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWork& work, uint32_t smem,
-                                        uint8_t* smem_generic) {
+                                        uint8_t* smem_generic, int first) {
   constexpr int kHeadDim = Shape::kHeadDim;
   constexpr int kStages = Shape::kStages;
   constexpr int kChunks = Shape::kChunks;
@@ -287,7 +292,9 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   const uint32_t barriers = smem + Shape::kBarrierOffset;
   const int consumer_row_start = work.row_start + 64 * consumer;
 
-  // --- Q: this consumer's 64 rows; rows past the request are zero-filled and never stored.
+  // --- Q: this consumer's 64 rows; rows past the request are zero-filled and never stored. The
+  // barrier first: the previous work's O staging in these rows has been copied out.
+  NamedBarrierSync(kConsumerBarrier + consumer, 128);
   {
     const T* q = static_cast<const T*>(params.q);
     const int chunk = thread % kChunks;
@@ -392,20 +399,25 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
       for (int i = 0; i < 4; ++i) FenceRegister(p[step][i]);
     }
   };
+  // Once the running maxima settle, most tiles move none of the warp's rows: skip multiplying
+  // every accumulator by exactly 1 (bitwise the same result, 64 instructions fewer per tile).
   auto rescale_o = [&] {
+    if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
 #pragma unroll
-    for (int i = 0; i < kOut; ++i) o[i] *= rescale[(i / 2) % 2];
+      for (int i = 0; i < kOut; ++i) o[i] *= rescale[(i / 2) % 2];
+    }
   };
   // Releases a stage once this warp's wgmma reads of it have completed (8 arrivals empty it).
   auto release = [&](uint32_t empty) {
     __syncwarp();
     if (lane == 0) MbarrierArrive(empty);
   };
-  auto k_full = [&](int tile) { return barriers + 8 * (tile % kStages); };
-  auto k_empty = [&](int tile) { return barriers + 8 * (kStages + tile % kStages); };
-  auto v_full = [&](int tile) { return barriers + 8 * (2 * kStages + tile % kStages); };
-  auto v_empty = [&](int tile) { return barriers + 8 * (3 * kStages + tile % kStages); };
-  auto parity = [](int tile) { return static_cast<uint32_t>((tile / kStages) & 1); };
+  auto k_full = [&](int tile) { return barriers + 8 * ((first + tile) % kStages); };
+  auto k_empty = [&](int tile) { return barriers + 8 * (kStages + (first + tile) % kStages); };
+  auto v_full = [&](int tile) { return barriers + 8 * (2 * kStages + (first + tile) % kStages); };
+  auto v_empty = [&](int tile) { return barriers + 8 * (3 * kStages + (first + tile) % kStages); };
+  auto parity = [&](int tile) { return static_cast<uint32_t>(((first + tile) / kStages) & 1); };
+  auto stage_of = [&](int tile) { return (first + tile) % kStages; };
   // Turn-taking: each consumer waits on its own barrier before issuing and then opens the
   // other's. Consumer 0 opens its own first; consumer 1 skips its last opening, so every phase
   // of both barriers completes and none is left half-arrived.
@@ -418,7 +430,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     MbarrierWait(k_full(0), parity(0));
     FenceProxyAsync();
     if (Shape::kPingPong) NamedBarrierSync(my_turn, 256);
-    issue_qk(0);
+    issue_qk(stage_of(0));
     if (Shape::kPingPong && !(consumer == 1 && n == 1)) NamedBarrierArrive(other_turn, 256);
     WgmmaWait<0>();
     FenceRegisters(s);
@@ -432,11 +444,11 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
       MbarrierWait(k_full(tile), parity(tile));
       FenceProxyAsync();
       if (Shape::kPingPong) NamedBarrierSync(my_turn, 256);
-      issue_qk(tile % kStages);
+      issue_qk(stage_of(tile));
       rescale_o();  // by the previous tile's factor, before P_{j-1} V_{j-1} adds to O
       MbarrierWait(v_full(tile - 1), parity(tile - 1));
       FenceProxyAsync();
-      issue_pv((tile - 1) % kStages);
+      issue_pv(stage_of(tile - 1));
       if (Shape::kPingPong && !(consumer == 1 && tile == n - 1)) NamedBarrierArrive(other_turn, 256);
       WgmmaWait<1>();  // Q K_j^T has completed; P_{j-1} V_{j-1} may still run
       FenceRegisters(s);
@@ -454,7 +466,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     MbarrierWait(v_full(n - 1), parity(n - 1));
     FenceProxyAsync();
     rescale_o();
-    issue_pv((n - 1) % kStages);
+    issue_pv(stage_of(n - 1));
     WgmmaWait<0>();
     FenceRegisters(o);
     fence_p();
@@ -479,7 +491,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
 
   // A split item writes fp32 partials (normalised by its own sum) for MergeStates. Read late:
   // no register holds it through the loop.
-  const WorkItem* my_item = params.items + blockIdx.x / params.num_kv_heads;
+  const WorkItem* my_item = params.items + work.index / params.num_kv_heads;
   const int partial_first = __ldcg(&my_item->partial_first);
   const int partial_stride = __ldcg(&my_item->partial_stride);
   if (partial_first >= 0) {
@@ -549,8 +561,6 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
   const uint32_t raw = SharedAddress(shared_bytes);
   const uint32_t smem = (raw + 1023) & ~1023u;
   uint8_t* smem_generic = shared_bytes + (smem - raw);
-  const CtaWork work = DecodeWork(params);
-
   if (threadIdx.x == 0) {
     const uint32_t barriers = smem + Shape::kBarrierOffset;
     for (int stage = 0; stage < Shape::kStages; ++stage) {
@@ -565,12 +575,26 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
 
   // The role is uniform per warpgroup; the shuffle lets the compiler see that.
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+  // Persistent: the CTA walks the launch's work (heaviest first) with a stride of the grid, so
+  // the producer loads the next work's keys while the consumers finish the current one, and no
+  // SM idles between CTAs. Every work item runs the same code wherever it lands.
   if (warpgroup == 0) {
     ReleaseRegisters<kProducerRegisters>();
-    ProduceKv<Shape, T>(params, work, smem);
+    int first = 0;
+    for (int index = blockIdx.x; index < params.num_work; index += gridDim.x) {
+      const CtaWork work = DecodeWork(params, index);
+      ProduceKv<Shape, T>(params, work, smem, first);
+      first += work.num_kv_tiles;
+    }
+    CpAsyncWaitAll();
   } else {
     ClaimRegisters<kConsumerRegisters>();
-    Consume<Shape, T>(params, work, smem, smem_generic);
+    int first = 0;
+    for (int index = blockIdx.x; index < params.num_work; index += gridDim.x) {
+      const CtaWork work = DecodeWork(params, index);
+      Consume<Shape, T>(params, work, smem, smem_generic, first);
+      first += work.num_kv_tiles;
+    }
   }
 }
 

@@ -52,6 +52,7 @@ struct KernelParams {
   float v_scale;
   int32_t window_left;      // -1: none
   bool causal;
+  int32_t num_work;         // Hopper kernel (persistent): CTAs' worth of work, items x KV heads
 };
 
 // Launches the kernel of one (head_dim, query tile, q dtype, kv dtype) on `num_ctas` CTAs, or,
@@ -72,10 +73,11 @@ constexpr bool HopperPrefillSupports(int32_t head_dim, DType q_dtype, DType kv_d
 }
 inline constexpr int32_t kHopperTileRows = 128;
 
-// Launches the Hopper kernel, or reports its resident CTAs per SM (as LaunchPrefillD*). Defined
-// only when the build includes sm_90a code (ATTND_PREFILL_HOPPER); runs only on compute
-// capability 9.0.
+// Launches the Hopper kernel over `num_ctas` CTAs' worth of work (items x KV heads) on
+// min(num_ctas, grid_ctas) persistent CTAs (grid_ctas 0: one CTA each), or reports its resident
+// CTAs per SM (as LaunchPrefillD*). Defined only when the build includes sm_90a code
+// (ATTND_PREFILL_HOPPER); runs only on compute capability 9.0.
 cudaError_t LaunchPrefillHopper(const KernelParams& params, int32_t head_dim, DType dtype, int32_t num_ctas,
-                                cudaStream_t stream, int* ctas_per_sm);
+                                int32_t grid_ctas, cudaStream_t stream, int* ctas_per_sm);
 
 }  // namespace attnd::cuda::prefill

@@ -232,6 +232,7 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
                      [](const auto& a, const auto& b) { return a.first > b.first; });
     PrefillLaunch launch;
     launch.kernel = kTileRows[slot] == 128 ? tile128_kernel : PrefillKernel::kMmaSync;
+    if (launch.kernel == PrefillKernel::kHopper) launch.grid_ctas = input.ctas_per_wave.hopper_tile128;
     launch.tile_rows = kTileRows[slot];
     launch.first_item = static_cast<int32_t>(plan.items.size());
     launch.num_items = static_cast<int32_t>(items.size());

@@ -83,6 +83,9 @@ struct PrefillLaunch {
   int32_t tile_rows = 0;   // packed query rows per CTA
   int32_t first_item = 0;  // into PrefillPlan::items
   int32_t num_items = 0;   // CTAs = num_items * num_kv_heads
+  // Hopper: persistent CTAs that walk those CTAs' work, one wave (ctas_per_wave.hopper_tile128);
+  // 0: one CTA per item and head.
+  int32_t grid_ctas = 0;
 };
 
 struct PrefillPlan {

@@ -870,7 +870,9 @@ TEST(PrefillPlanTest, HopperTakesTheLongRequestsWhenAvailable) {
   ASSERT_EQ(plan->launches.size(), 2u);
   EXPECT_EQ(plan->launches[0].kernel, plan::PrefillKernel::kHopper);
   EXPECT_EQ(plan->launches[0].tile_rows, 128);
+  EXPECT_EQ(plan->launches[0].grid_ctas, 132);  // persistent: one wave
   EXPECT_EQ(plan->launches[1].kernel, plan::PrefillKernel::kMmaSync);
+  EXPECT_EQ(plan->launches[1].grid_ctas, 0);
   EXPECT_EQ(plan->launches[1].tile_rows, 16);
 
   input.kernel = plan::PrefillKernel::kMmaSync;
