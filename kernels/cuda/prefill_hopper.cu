@@ -12,10 +12,10 @@ namespace {
 // Two stages each of K and V: with Q, 160 KB of shared memory at head_dim 128, one CTA per SM.
 constexpr int kStages = 2;
 
-template <int kHeadDim, typename T, int kStagesArg = kStages, bool kPingPong = true>
+template <int kHeadDim, typename T>
 cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, int32_t grid_ctas, cudaStream_t stream,
                              int* ctas_per_sm) {
-  using Shape = hopper::HopperShape<kHeadDim, kStagesArg, kPingPong>;
+  using Shape = hopper::HopperShape<kHeadDim, kStages>;
   auto* kernel = &hopper::HopperPrefillKernel<Shape, T>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
   if (error != cudaSuccess) return error;
@@ -36,12 +36,10 @@ cudaError_t LaunchPrefillHopper(const KernelParams& params, int32_t head_dim, DT
                                 int32_t grid_ctas, cudaStream_t stream, int* ctas_per_sm) {
   if (!HopperPrefillSupports(head_dim, dtype, dtype)) return cudaErrorInvalidValue;
   const bool bf16 = dtype == DType::kBFloat16;
-  // TEMPORARY measurement knob (removed once measured): ATTND_HOPPER_VARIANT=s3 | nopp.
+  // TEMPORARY measurement knob (removed once measured): ATTND_HOPPER_VARIANT=one: one CTA per
+  // work item instead of the persistent grid.
   static const char* variant = std::getenv("ATTND_HOPPER_VARIANT");
-  if (variant != nullptr && head_dim == 128 && bf16) {
-    if (variant[0] == 's') return LaunchHopperTile<128, __nv_bfloat16, 3>(params, num_ctas, grid_ctas, stream, ctas_per_sm);
-    if (variant[0] == 'n') return LaunchHopperTile<128, __nv_bfloat16, 2, false>(params, num_ctas, grid_ctas, stream, ctas_per_sm);
-  }
+  if (variant != nullptr && variant[0] == 'o') grid_ctas = 0;
   if (head_dim == 128) {
     return bf16 ? LaunchHopperTile<128, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm)
                 : LaunchHopperTile<128, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm);

@@ -47,9 +47,10 @@ for stage in $stages; do
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|^\[  (PASSED|FAILED) " "$OUT/racecheck.log" | head -20
       ;;
     variants)
-      echo "== Hopper variants (ATTND_HOPPER_VARIANT, a temporary knob) at 8192"
-      for v in base s3 nopp base; do
+      echo "== Hopper variants (ATTND_HOPPER_VARIANT, a temporary knob): persistent (base) vs one CTA per item"
+      for v in base one base one; do
         echo "-- $v"
+        ATTND_HOPPER_VARIANT=$([[ $v == base ]] || echo $v) timeout 100 $B/bin/prefill_bench --only=x2048 2>&1 | grep -E "^(causal|noncausal)"
         ATTND_HOPPER_VARIANT=$([[ $v == base ]] || echo $v) timeout 100 $B/bin/prefill_bench --only=1x8192 2>&1 | grep -E "^(causal|noncausal)"
       done
       ;;
