@@ -2,7 +2,6 @@
 // kernel (prefill_hopper_kernel.cuh). Built only for compute_90a/sm_90a (prefill.cmake), when 90
 // is among ATTND_CUDA_ARCHITECTURES; four kernels: head_dim 64 and 128 x bf16 and fp16.
 #include <algorithm>
-#include <cstdlib>
 
 #include "prefill_hopper_kernel.cuh"
 
@@ -22,7 +21,7 @@ cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, int32
   if (ctas_per_sm != nullptr) {
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, hopper::kThreads, Shape::kSmemBytes);
   }
-  // Persistent: `grid_ctas` CTAs (the plan's one wave) walk the work with a grid stride.
+  // Persistent: `grid_ctas` CTAs (the plan's one wave) snake through the work (see the kernel).
   KernelParams persistent = params;
   persistent.num_work = num_ctas;
   const int32_t grid = grid_ctas > 0 ? std::min(num_ctas, grid_ctas) : num_ctas;
@@ -36,10 +35,6 @@ cudaError_t LaunchPrefillHopper(const KernelParams& params, int32_t head_dim, DT
                                 int32_t grid_ctas, cudaStream_t stream, int* ctas_per_sm) {
   if (!HopperPrefillSupports(head_dim, dtype, dtype)) return cudaErrorInvalidValue;
   const bool bf16 = dtype == DType::kBFloat16;
-  // TEMPORARY measurement knob (removed once measured): ATTND_HOPPER_VARIANT=one: one CTA per
-  // work item instead of the persistent grid.
-  static const char* variant = std::getenv("ATTND_HOPPER_VARIANT");
-  if (variant != nullptr && variant[0] == 'o') grid_ctas = 0;
   if (head_dim == 128) {
     return bf16 ? LaunchHopperTile<128, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm)
                 : LaunchHopperTile<128, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm);

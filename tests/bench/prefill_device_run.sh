@@ -5,7 +5,7 @@
 #   /work/shared/tools/gpu-bundle .gpu-hopper build-hopper/tests/kernels/prefill_tests build-hopper/bench/prefill_bench
 # (cuBLAS is left out of the bundle: too large to carry; the device image has it). Writes logs
 # under $OUT. Usage: tests/bench/prefill_device_run.sh [STAGES...] (default, most needed first:
-# sass hopper bench sanitizer rest; racecheck on request).
+# sass hopper bench sanitizer rest; racecheck (with synccheck), ncu and ncufull on request).
 set -o pipefail
 cd "$(dirname "$0")/../.."
 B=.gpu-hopper
@@ -30,11 +30,6 @@ for stage in $stages; do
       [[ -n $HOPPER_HANG ]] || timeout 200 $B/bin/prefill_tests --gtest_filter='*Hopper*:PrefillPlan*' > "$OUT/tests_hopper.log" 2>&1; echo "rc=$?"
       grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran|Failure|Expected|Which is|Value of|error" "$OUT/tests_hopper.log" | head -40
       ;;
-    hopper_one)
-      echo "== Hopper tests again with one CTA per work item (ATTND_HOPPER_VARIANT=one)"
-      ATTND_HOPPER_VARIANT=one timeout 200 $B/bin/prefill_tests --gtest_filter='*Hopper*' > "$OUT/tests_hopper_one.log" 2>&1; echo "rc=$?"
-      grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure" "$OUT/tests_hopper_one.log" | head -20
-      ;;
     rest)
       echo "== prefill_tests: the rest (kAuto runs 128-row tiles on the Hopper kernel on sm_90)"
       timeout 200 $B/bin/prefill_tests --gtest_filter='-*Hopper*:PrefillPlan*' > "$OUT/tests_rest.log" 2>&1; echo "rc=$?"
@@ -53,14 +48,6 @@ for stage in $stages; do
       echo "== compute-sanitizer synccheck, same case"
       timeout 120 compute-sanitizer --tool synccheck --error-exitcode 3 $B/bin/prefill_tests --gtest_filter='BatchPrefillHopperTest.FullyMasked*' > "$OUT/synccheck.log" 2>&1; echo "rc=$?"
       grep -E "ERROR SUMMARY|^\[  (PASSED|FAILED) " "$OUT/synccheck.log" | head -10
-      ;;
-    variants)
-      echo "== Hopper variants (ATTND_HOPPER_VARIANT, a temporary knob): persistent (base) vs one CTA per item"
-      for v in base one base; do
-        echo "-- $v"
-        ATTND_HOPPER_VARIANT=$([[ $v == base ]] || echo $v) timeout 100 $B/bin/prefill_bench --only=x2048 2>&1 | grep -E "^(causal|noncausal)"
-        ATTND_HOPPER_VARIANT=$([[ $v == base ]] || echo $v) timeout 100 $B/bin/prefill_bench --only=1x8192 2>&1 | grep -E "^(causal|noncausal)"
-      done
       ;;
     ncu)
       echo "== ncu, Hopper kernel, noncausal 1x2048"
