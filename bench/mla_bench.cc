@@ -6,9 +6,11 @@
 //   onewave   the smallest chunk whose CTAs fit one wave (the batch-decode rule)
 //   oversub   oversubscription with the planner's defaults (longest chunks launched first)
 //   auto      what the planner picks by its cost estimate
-// and with --variants: oversubscription with other min_tokens_per_cta / max_waves, in request
-// order, and as a padded grid (batch x max splits CTAs in request order, the extra CTAs of
-// short requests exiting at once, as a kernel without a planner launches them).
+// (all with the kernel MlaDecode picks: the Hopper one on an H100) and with --variants: one wave
+// and oversubscription on the mma.sync kernel; oversubscription by the plain rule (no search
+// over min_tokens_per_cta doublings), with other min_tokens_per_cta / max_waves, in request
+// order, and as a padded grid (batch x max splits CTAs in request order, the extra CTAs of short
+// requests exiting at once, as a kernel without a planner launches them).
 //
 // Each variant is checked first (o poisoned with NaN) against the float64 CPU reference on two
 // requests of the batch (the first and the longest: a full float64 reference of 256 requests
@@ -17,7 +19,7 @@
 // q read once, o written once; % copy is against the larger of two copy bandwidths measured at
 // the start of the same run (1 GiB device-to-device: cudaMemcpy and a 16-byte copy kernel).
 //
-//   mla_bench [--variants] [--batches=16,32] [--csv=PATH]
+//   mla_bench [--variants] [--batches=16,32] [--only=VARIANT] [--csv=PATH]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -186,6 +188,8 @@ struct VariantSpec {
   Variant kind;
   int32_t min_tokens_per_cta = 0;  // 0: planner default
   int32_t max_waves = 0;
+  cuda::MlaKernel kernel = cuda::MlaKernel::kAuto;
+  int32_t candidates = 0;  // 0: planner default
 };
 
 struct Row {
@@ -270,6 +274,7 @@ class MlaBatch {
     }
     if (spec.min_tokens_per_cta > 0) options.min_tokens_per_cta = spec.min_tokens_per_cta;
     if (spec.max_waves > 0) options.max_waves = spec.max_waves;
+    if (spec.candidates > 0) options.oversubscribe_candidates = spec.candidates;
     if (spec.kind == Variant::kOversubPadded) options.longest_first = false;
     auto planned = plan::PlanMlaDecode(qo_indptr_, lengths_, options);
     CHECK_OK(planned.status());
@@ -315,6 +320,7 @@ class MlaBatch {
     args.lse = lse_->get<float>();
     args.workspace = workspace.get();
     args.workspace_bytes = workspace_bytes;
+    args.kernel = spec.kernel;
 
     CHECK_CUDA(cudaMemsetAsync(o_->get(), 0xff, o_->bytes(), stream_));
     CHECK_CUDA(cudaMemsetAsync(lse_->get(), 0xff, lse_->bytes(), stream_));
@@ -438,11 +444,14 @@ void PrintDevice() {
 int Main(int argc, char** argv) {
   bool variants = false;
   std::string csv_path;
+  std::string only;
   std::vector<int32_t> batches = {16, 32, 64, 128, 256};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--variants") {
       variants = true;
+    } else if (arg.rfind("--only=", 0) == 0) {
+      only = arg.substr(7);
     } else if (arg.rfind("--csv=", 0) == 0) {
       csv_path = arg.substr(6);
     } else if (arg.rfind("--batches=", 0) == 0) {
@@ -453,7 +462,7 @@ int Main(int argc, char** argv) {
         p = *end == ',' ? end + 1 : end;
       }
     } else {
-      std::fprintf(stderr, "usage: mla_bench [--variants] [--batches=16,32,...] [--csv=PATH]\n");
+      std::fprintf(stderr, "usage: mla_bench [--variants] [--batches=16,32,...] [--only=VARIANT] [--csv=PATH]\n");
       return 2;
     }
   }
@@ -481,12 +490,22 @@ int Main(int argc, char** argv) {
                                     {"oversub", Variant::kOversub},
                                     {"auto", Variant::kAuto}};
   if (variants) {
-    for (int32_t min_tokens : {1024, 4096, 8192}) {
-      specs.push_back({"oversub_min" + std::to_string(min_tokens), Variant::kOversubParams, min_tokens, 0});
+    specs.push_back({"onewave_mma", Variant::kOneWave, 0, 0, cuda::MlaKernel::kMmaSync});
+    specs.push_back({"oversub_mma", Variant::kOversub, 0, 0, cuda::MlaKernel::kMmaSync});
+    specs.push_back({"oversub_rule", Variant::kOversubParams, 0, 0, cuda::MlaKernel::kAuto, 1});
+    for (int32_t min_tokens : {1024, 4096}) {
+      specs.push_back({"oversub_min" + std::to_string(min_tokens), Variant::kOversubParams, min_tokens, 0,
+                       cuda::MlaKernel::kAuto, 1});
     }
-    for (int32_t waves : {4, 16}) specs.push_back({"oversub_waves" + std::to_string(waves), Variant::kOversubParams, 0, waves});
+    for (int32_t waves : {4, 16}) {
+      specs.push_back({"oversub_waves" + std::to_string(waves), Variant::kOversubParams, 0, waves,
+                       cuda::MlaKernel::kAuto, 1});
+    }
     specs.push_back({"oversub_reqorder", Variant::kOversubRequestOrder});
     specs.push_back({"oversub_padded", Variant::kOversubPadded});
+  }
+  if (!only.empty()) {
+    std::erase_if(specs, [&](const VariantSpec& spec) { return spec.name != only; });
   }
 
   std::vector<Row> rows;
@@ -502,7 +521,7 @@ int Main(int argc, char** argv) {
     double onewave = 0;
     for (const VariantSpec& spec : specs) {
       Row row = data.Run(spec);
-      if (spec.kind == Variant::kOneWave) onewave = row.seconds;
+      if (spec.name == "onewave") onewave = row.seconds;
       row.onewave_seconds = onewave;
       const bool ok = row.error <= kTolerance;
       failed |= !ok;

@@ -25,8 +25,55 @@ int64_t PartialLseOffsetBytes(int32_t num_partials, int32_t num_heads, int32_t k
   return (o_bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
 }
 
-cudaError_t Launch(const mla::MlaParams& params, const MlaDecodeConfig& config, int32_t num_ctas,
-                   cudaStream_t stream, int* ctas_per_sm) {
+// Whether the Hopper kernel applies to `config` on the current device (scales checked apart).
+bool HopperApplies(const MlaDecodeConfig& config) {
+#if ATTND_MLA_HOPPER
+  if (!Is16Bit(config.q_dtype) || config.kv_dtype != config.q_dtype || config.rope_dim != mla::kRopeDim ||
+      (config.kv_lora_rank != 512 && config.kv_lora_rank != 256)) {
+    return false;
+  }
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return false;
+  }
+  return major == 9 && minor == 0;
+#else
+  (void)config;
+  return false;
+#endif
+}
+
+// The kernel that runs for `config` (scales_equal: kpe_scale == ckv_scale); error when a forced
+// Hopper kernel does not apply.
+absl::StatusOr<MlaKernel> ResolveKernel(const MlaDecodeConfig& config, bool scales_equal) {
+  const bool hopper = HopperApplies(config) && scales_equal;
+  switch (config.kernel) {
+    case MlaKernel::kMmaSync:
+      return MlaKernel::kMmaSync;
+    case MlaKernel::kHopper:
+      if (!hopper) {
+        return absl::InvalidArgumentError(
+            "MLA decode: the Hopper kernel needs compute capability 9.0, an sm_90a build, q and cache of "
+            "one 16-bit type and kpe_scale == ckv_scale");
+      }
+      return MlaKernel::kHopper;
+    case MlaKernel::kAuto:
+      break;
+  }
+  return hopper ? MlaKernel::kHopper : MlaKernel::kMmaSync;
+}
+
+cudaError_t Launch(const mla::MlaParams& params, const MlaDecodeConfig& config, MlaKernel kernel,
+                   int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
+#if ATTND_MLA_HOPPER
+  if (kernel == MlaKernel::kHopper) {
+    return mla::LaunchMlaHopper(params, config.kv_lora_rank, config.q_dtype, num_ctas, stream, ctas_per_sm);
+  }
+#else
+  (void)kernel;
+#endif
   return config.kv_lora_rank == 512
              ? mla::LaunchMlaR512(params, config.q_dtype, config.kv_dtype, num_ctas, stream, ctas_per_sm)
              : mla::LaunchMlaR256(params, config.q_dtype, config.kv_dtype, num_ctas, stream, ctas_per_sm);
@@ -120,7 +167,8 @@ absl::StatusOr<int32_t> MlaDecodeCtasPerWave(const MlaDecodeConfig& config) {
   int ctas_per_sm = 0;
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  CUDA_RETURN_IF_ERROR(Launch(mla::MlaParams{}, config, 0, nullptr, &ctas_per_sm));
+  ASSIGN_OR_RETURN(const MlaKernel kernel, ResolveKernel(config, /*scales_equal=*/true));
+  CUDA_RETURN_IF_ERROR(Launch(mla::MlaParams{}, config, kernel, 0, nullptr, &ctas_per_sm));
   if (ctas_per_sm <= 0) {
     return absl::InternalError("MLA decode: the kernel does not fit on an SM of this device");
   }
@@ -176,8 +224,9 @@ absl::Status MlaDecode(const MlaDecodeArgs& args, cudaStream_t stream) {
           ? reinterpret_cast<float*>(workspace + PartialLseOffsetBytes(num_partials, params.num_heads, rank))
           : nullptr;
 
-  const MlaDecodeConfig config{args.q_nope.dtype, ckv.dtype, rank, args.kpe_cache.head_dim};
-  CUDA_RETURN_IF_ERROR(Launch(params, config, args.work.num_units, stream, nullptr));
+  const MlaDecodeConfig config{args.q_nope.dtype, ckv.dtype, rank, args.kpe_cache.head_dim, args.kernel};
+  ASSIGN_OR_RETURN(const MlaKernel kernel, ResolveKernel(config, attention.k_scale == attention.v_scale));
+  CUDA_RETURN_IF_ERROR(Launch(params, config, kernel, args.work.num_units, stream, nullptr));
   if (args.work.num_merge_rows == 0) return absl::OkStatus();
 
   MergeStatesArgs merge;

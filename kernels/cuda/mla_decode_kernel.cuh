@@ -666,6 +666,12 @@ cudaError_t LaunchMlaR512(const MlaParams& params, DType q_dtype, DType kv_dtype
 cudaError_t LaunchMlaR256(const MlaParams& params, DType q_dtype, DType kv_dtype, int32_t num_ctas,
                           cudaStream_t stream, int* ctas_per_sm);
 
+// The Hopper kernel (mla_decode_hopper.cu, sm_90a only): q and cache of one 16-bit type, rank
+// 512 or 256, kpe_scale == ckv_scale. Defined only when the build includes sm_90a code
+// (ATTND_MLA_HOPPER); runs only on compute capability 9.0.
+cudaError_t LaunchMlaHopper(const MlaParams& params, int32_t rank, DType dtype, int32_t num_ctas,
+                            cudaStream_t stream, int* ctas_per_sm);
+
 template <int kRank>
 cudaError_t LaunchMlaForTypes(const MlaParams& params, DType q_dtype, DType kv_dtype, int32_t num_ctas,
                               cudaStream_t stream, int* ctas_per_sm) {

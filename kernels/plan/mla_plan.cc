@@ -1,6 +1,7 @@
 #include "plan/mla_plan.h"
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 
 #include "absl/status/status.h"
@@ -82,19 +83,66 @@ int64_t OversubscribeChunk(const Active& active, const MlaPlanOptions& options) 
   return SmallestChunkWithin(active, chunk, longest, max_ctas);
 }
 
+// Makespan of the units over ctas_per_wave slots when each unit starts on the slot that frees
+// first, longest units first (the kernel launches them in that order): full chunks (all of
+// cost C + overhead) fill the slots round-robin, then each request's shorter last chunk goes to
+// the least loaded slot. Plus the merge.
 int64_t Cost(const Active& active, int64_t chunk_tokens, const MlaPlanOptions& options) {
-  int64_t total = 0, largest = 0, partial_rows = 0;
+  const int64_t overhead = options.cta_overhead_tokens;
+  const int64_t slots = std::max(options.ctas_per_wave, 1);
+  int64_t full_units = 0, partial_rows = 0;
+  std::vector<int64_t> tails;
   for (size_t i = 0; i < active.length.size(); ++i) {
     const int64_t length = active.length[i];
     const int64_t chunks = Chunks(length, chunk_tokens);
-    const int64_t first = std::min(length, chunk_tokens);
-    largest = std::max(largest, first + options.cta_overhead_tokens);
-    total += (length + chunks * options.cta_overhead_tokens) * active.row_tiles[i];
+    const int64_t tail = length - (chunks - 1) * chunk_tokens;  // the last chunk's keys
+    if (tail == chunk_tokens) {
+      full_units += chunks * active.row_tiles[i];
+    } else {
+      full_units += (chunks - 1) * active.row_tiles[i];
+      tails.insert(tails.end(), active.row_tiles[i], tail + overhead);
+    }
     if (chunks > 1) partial_rows += chunks * int64_t{active.q_len[i]} * options.num_heads;
   }
-  const int64_t slots = std::max(options.ctas_per_wave, 1);
-  return std::max(CeilDiv(total, slots), largest) +
-         CeilDiv(partial_rows * options.merge_tokens_per_partial_row, slots);
+  const int64_t unit = chunk_tokens + overhead;
+  const int64_t rounds = full_units / slots;
+  const int64_t loaded = full_units % slots;  // slots with one more full unit
+  int64_t makespan = (rounds + (loaded > 0 ? 1 : 0)) * unit;
+  if (!tails.empty()) {
+    std::sort(tails.begin(), tails.end(), std::greater<>());
+    // Min-heap of slot loads.
+    std::vector<int64_t> heap(slots, rounds * unit);
+    std::fill(heap.begin() + (slots - loaded), heap.end(), (rounds + 1) * unit);
+    std::make_heap(heap.begin(), heap.end(), std::greater<>());
+    for (int64_t tail : tails) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<>());
+      heap.back() += tail;
+      makespan = std::max(makespan, heap.back());
+      std::push_heap(heap.begin(), heap.end(), std::greater<>());
+    }
+  }
+  return makespan + CeilDiv(partial_rows * options.merge_tokens_per_partial_row, slots);
+}
+
+// Oversubscription's chunk: the rule's (OversubscribeChunk) for min_tokens_per_cta times
+// 1, 2, 4, ... (oversubscribe_candidates of them); the cheapest by Cost.
+int64_t BestOversubscribeChunk(const Active& active, const MlaPlanOptions& options, int64_t* cost) {
+  int64_t best_chunk = 0;
+  *cost = std::numeric_limits<int64_t>::max();
+  MlaPlanOptions candidate = options;
+  for (int32_t k = 0; k < std::max(options.oversubscribe_candidates, 1); ++k) {
+    candidate.min_tokens_per_cta = static_cast<int32_t>(
+        std::min<int64_t>(int64_t{std::max(options.min_tokens_per_cta, 1)} << k,
+                          std::numeric_limits<int32_t>::max()));
+    const int64_t chunk = OversubscribeChunk(active, candidate);
+    if (chunk == best_chunk) continue;
+    const int64_t chunk_cost = Cost(active, chunk, options);
+    if (chunk_cost < *cost) {
+      *cost = chunk_cost;
+      best_chunk = chunk;
+    }
+  }
+  return best_chunk;
 }
 
 absl::Status Validate(std::span<const int32_t> qo_indptr, std::span<const int64_t> kv_lengths,
@@ -110,7 +158,8 @@ absl::Status Validate(std::span<const int32_t> qo_indptr, std::span<const int64_
   }
   if (options.min_tokens_per_cta < 0 || options.max_splits < 0 || options.max_waves < 0 ||
       options.min_chunk_tokens < 0 || options.cta_overhead_tokens < 0 ||
-      options.merge_tokens_per_partial_row < 0 || options.fixed_split_tokens < 0) {
+      options.merge_tokens_per_partial_row < 0 || options.fixed_split_tokens < 0 ||
+      options.oversubscribe_candidates < 0) {
     return absl::InvalidArgumentError("MLA plan options must be >= 0");
   }
   const bool pinned = options.fixed_split_tokens > 0 || options.deterministic ||
@@ -190,14 +239,13 @@ absl::StatusOr<MlaPlan> PlanMlaDecode(std::span<const int32_t> qo_indptr,
         break;
       case MlaSplitMode::kOversubscribe:
         plan.mode = MlaSplitMode::kOversubscribe;
-        chunk = OversubscribeChunk(active, options);
+        chunk = BestOversubscribeChunk(active, options, &plan.oversubscribe_cost);
         break;
       case MlaSplitMode::kAuto:
       case MlaSplitMode::kFixed: {
         const int64_t one_wave = OneWaveChunk(active, options);
-        const int64_t oversubscribe = OversubscribeChunk(active, options);
+        const int64_t oversubscribe = BestOversubscribeChunk(active, options, &plan.oversubscribe_cost);
         plan.one_wave_cost = Cost(active, one_wave, options);
-        plan.oversubscribe_cost = Cost(active, oversubscribe, options);
         // Ties go to one wave: fewer CTAs and partials for the same estimate.
         const bool over = plan.oversubscribe_cost < plan.one_wave_cost;
         plan.mode = over ? MlaSplitMode::kOversubscribe : MlaSplitMode::kOneWave;

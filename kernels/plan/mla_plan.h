@@ -11,7 +11,10 @@
 //    max_waves waves. Short requests simply get fewer chunks: their CTAs are never launched.
 //    Longest chunks launch first, so the waves drain evenly.
 //  - none: one chunk per request.
-// kAuto picks the cheaper of the first two by a cost estimate (EstimatedCost below).
+// kAuto picks the cheaper of the first two by a cost estimate (EstimatedCost below); within
+// oversubscription the planner also tries min_tokens_per_cta x 2, x 4, ... (as many as
+// oversubscribe_candidates) and keeps the cheapest chunk, since whole waves of equal CTAs
+// finish together and a slightly larger chunk can save a round.
 #pragma once
 
 #include <cstdint>
@@ -44,17 +47,21 @@ struct MlaPlanOptions {
   // by attnd::cuda::MlaDecodeCtasPerWave. Unused when the chunk is pinned.
   int32_t ctas_per_wave = 0;
   MlaSplitMode split_mode = MlaSplitMode::kAuto;
-  // Oversubscription: the smallest chunk it cuts, the most chunks of one request, and the most
-  // waves of CTAs it launches (the chunk grows until the CTAs fit).
+  // Oversubscription: the smallest chunk it cuts, the most chunks of one request, the most
+  // waves of CTAs it launches (the chunk grows until the CTAs fit), and how many doublings of
+  // min_tokens_per_cta it compares (1: the plain rule).
   int32_t min_tokens_per_cta = 2048;
   int32_t max_splits = 128;
   int32_t max_waves = 8;
+  int32_t oversubscribe_candidates = 4;
   // One wave: the smallest chunk it cuts.
   int32_t min_chunk_tokens = 256;
   // Cost model (EstimatedCost): a CTA's fixed cost (q tile load, output or partial store) in
-  // key tokens, and the merge's cost per partial (token, head) row in key tokens of one CTA.
-  int32_t cta_overhead_tokens = 128;
-  int32_t merge_tokens_per_partial_row = 4;
+  // key tokens, and the merge's cost per partial (token, head) row in key tokens of one CTA
+  // slot. Fitted on an H100 (docs/benchmarks.md, MLA): a CTA streams a key in ~88 ns and
+  // costs ~16 us besides; the merge of 486 x 128 partial rows took ~50 us.
+  int32_t cta_overhead_tokens = 192;
+  int32_t merge_tokens_per_partial_row = 1;
   int32_t fixed_split_tokens = 0;  // > 0 pins the chunk (tokens)
   bool deterministic = false;      // chunk fixed in tokens (fixed_split_tokens or the default)
   bool longest_first = true;       // launch order: longest chunks first (else request order)
@@ -91,10 +98,10 @@ absl::StatusOr<MlaPlan> PlanMlaDecode(std::span<const int32_t> qo_indptr,
                                       std::span<const int64_t> kv_lengths,
                                       const MlaPlanOptions& options);
 
-// The cost model behind kAuto, in key tokens of one CTA: with C the chunk and every CTA
-// costing its tokens plus cta_overhead_tokens, max(total / ctas_per_wave, largest CTA) (the
-// kernel time is at least the average load of a CTA slot and at least its longest CTA), plus
-// merge_tokens_per_partial_row * partial rows / ctas_per_wave.
+// The cost model behind kAuto, in key tokens of one CTA: every CTA costs its keys plus
+// cta_overhead_tokens; the CTAs, longest first, each start on the CTA slot (of ctas_per_wave)
+// that frees first, and the estimate is the last slot's finish (so a wave that is only partly
+// filled costs a whole chunk), plus merge_tokens_per_partial_row * partial rows / ctas_per_wave.
 int64_t EstimatedCost(std::span<const int32_t> qo_indptr, std::span<const int64_t> kv_lengths,
                       int64_t chunk_tokens, const MlaPlanOptions& options);
 

@@ -135,6 +135,7 @@ TEST(PlanMlaDecodeTest, OversubscriptionChunkFollowsTheLongestSequence) {
   options.min_tokens_per_cta = 2048;
   options.max_splits = 1000;
   options.max_waves = 100;
+  options.oversubscribe_candidates = 1;  // the plain rule
   auto plan = PlanMlaDecode(DecodeRows(4), lengths, options);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->mode, MlaSplitMode::kOversubscribe);
@@ -155,6 +156,7 @@ TEST(PlanMlaDecodeTest, OversubscriptionIsCappedByMaxSplitsAndMaxWaves) {
   options.min_tokens_per_cta = 256;
   options.max_splits = 16;
   options.max_waves = 100;
+  options.oversubscribe_candidates = 1;
   auto split_capped = PlanMlaDecode(DecodeRows(3), lengths, options);
   ASSERT_TRUE(split_capped.ok());
   EXPECT_EQ(split_capped->max_chunks, 16);
@@ -263,6 +265,33 @@ TEST(PlanMlaDecodeTest, CostModelChargesTheLongestCtaAndTheAverageSlot) {
   EXPECT_EQ(EstimatedCost(DecodeRows(2), lengths, 1000, options), 1000);
   // Chunks of 10: 110 CTAs of 10 keys on 10 slots: 110.
   EXPECT_EQ(EstimatedCost(DecodeRows(2), lengths, 10, options), 110);
+}
+
+TEST(PlanMlaDecodeTest, CostModelChargesPartlyFilledWaves) {
+  MlaPlanOptions options = Options(64, 10, MlaSplitMode::kAuto);
+  options.cta_overhead_tokens = 0;
+  options.merge_tokens_per_partial_row = 0;
+  // 11 CTAs of 100 keys on 10 slots: two rounds. 10 of 100 and one of 50: 150.
+  EXPECT_EQ(EstimatedCost(DecodeRows(11), std::vector<int64_t>(11, 100), 100, options), 200);
+  std::vector<int64_t> lengths(10, 100);
+  lengths.push_back(50);
+  EXPECT_EQ(EstimatedCost(DecodeRows(11), lengths, 100, options), 150);
+}
+
+TEST(PlanMlaDecodeTest, OversubscriptionPrefersAChunkThatFillsWholeWaves) {
+  // 5 x 4000 keys on 10 slots: chunks of 1000 need two rounds of 10 CTAs, chunks of 2000 one.
+  const std::vector<int64_t> lengths(5, 4000);
+  MlaPlanOptions options = Options(64, 10, MlaSplitMode::kOversubscribe);
+  options.min_tokens_per_cta = 1000;
+  options.oversubscribe_candidates = 1;
+  auto plain = PlanMlaDecode(DecodeRows(5), lengths, options);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->kv_chunk_tokens, 1024);
+  options.oversubscribe_candidates = 4;
+  auto searched = PlanMlaDecode(DecodeRows(5), lengths, options);
+  ASSERT_TRUE(searched.ok());
+  EXPECT_EQ(searched->kv_chunk_tokens, 2016);
+  EXPECT_LT(searched->estimated_cost, plain->estimated_cost);
 }
 
 TEST(PlanMlaDecodeTest, RejectsBadInput) {

@@ -29,12 +29,21 @@ namespace attnd::cuda {
 // What selects an MLA decode kernel. Supported: q fp16/bf16; latent cache fp16, bf16 or
 // fp8_e4m3 (ckv and kpe pools of one dtype); kv_lora_rank 512 or 256; rope_dim 64. The MMA runs
 // in the cache's type (16-bit caches; q converts once per CTA) or in q's type (fp8 caches,
-// dequantised exactly in shared memory). Page size (any power of two) is a runtime value.
+// dequantised exactly in shared memory). fp16 q over a bf16 cache is therefore rounded to bf16
+// (3 mantissa bits; lse moves by ~1e-3). kpe_scale / ckv_scale is folded into q_pe (exact when
+// a power of two). Page size (any power of two) is a runtime value.
+// Which kernel runs. kAuto: the Hopper kernel (wgmma, warp-specialised; 2-3x the mma.sync
+// kernel's rate) where it applies (compute capability 9.0, a build with sm_90a code, q and cache
+// of one 16-bit type, kpe_scale == ckv_scale), the mma.sync kernel elsewhere. Each is
+// deterministic on its own; kAuto's choice depends on the cache and device alone.
+enum class MlaKernel : int32_t { kAuto = 0, kMmaSync = 1, kHopper = 2 };
+
 struct MlaDecodeConfig {
   DType q_dtype = DType::kBFloat16;
   DType kv_dtype = DType::kBFloat16;
   int32_t kv_lora_rank = 512;
   int32_t rope_dim = 64;
+  MlaKernel kernel = MlaKernel::kAuto;
 };
 
 bool MlaDecodeSupports(const MlaDecodeConfig& config);
@@ -63,6 +72,7 @@ struct MlaDecodeArgs {
   float* lse = nullptr;     // [T_q][num_heads] natural log, or null
   void* workspace = nullptr;  // 256-byte aligned, MlaDecodeWorkspaceBytes(work.num_partials..)
   int64_t workspace_bytes = 0;
+  MlaKernel kernel = MlaKernel::kAuto;  // kHopper where it does not apply: INVALID_ARGUMENT
 };
 
 // Launches the decode, then MergeStates when the plan splits, on `stream`. Allocates nothing,
