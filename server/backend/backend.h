@@ -17,6 +17,7 @@
 #include "attnd/kernels/attention_params.h"
 #include "attnd/kernels/rope.h"
 #include "attnd/kernels/views.h"
+#include "backend/layer_trace.h"
 
 namespace attnd {
 
@@ -83,8 +84,38 @@ struct StepBatch {
   int64_t KvLength(int32_t b, int32_t page_size) const { return PageTable(page_size).KvLength(b); }
 };
 
+// Bytes of one input tensor: contiguous at `data`, or, when `pieces` is not empty, the
+// concatenation of the pieces (the slices of a received gRPC message, which a backend copies
+// straight into its staging memory).
+struct InputBytes {
+  const void* data = nullptr;
+  std::span<const std::string_view> pieces = {};
+
+  bool empty() const { return data == nullptr && pieces.empty(); }
+  // Copies `bytes` bytes to `destination` (which holds them).
+  void CopyTo(void* destination, int64_t bytes) const;
+  // The bytes contiguous: `data` itself, or the pieces gathered into `scratch`.
+  const void* Contiguous(int64_t bytes, std::vector<uint8_t>& scratch) const;
+};
+
+// Outputs a backend lends instead of copying them into the caller's buffers: valid until
+// `release(release_arg)` runs, which the borrower calls exactly once, from any thread, at any
+// time (the step and even the cache may be gone by then).
+struct OutputLease {
+  const uint8_t* o = nullptr;   // [T][Hq][D] q_dtype
+  const float* lse = nullptr;   // [T][Hq] when the step returns lse
+  void (*release)(void*) = nullptr;
+  void* release_arg = nullptr;
+
+  void Release() {
+    if (release != nullptr) release(release_arg);
+    release = nullptr;
+  }
+};
+
 // One layer's inputs and outputs, in host memory owned by the caller until `done` runs.
-// Row-major, q_dtype unless noted.
+// Row-major, q_dtype unless noted. Inputs are given either as pointers (q, k, ...) or as
+// InputBytes (q_bytes, k_bytes, ...); a non-empty InputBytes wins.
 struct LayerIo {
   int32_t layer = 0;
   const void* q = nullptr;     // MHA [T][Hq][D]; MLA q_nope [T][H][kv_lora_rank]
@@ -93,8 +124,21 @@ struct LayerIo {
   const void* q_pe = nullptr;  // MLA [T][H][rope_dim]
   const void* ckv = nullptr;   // MLA [T][kv_lora_rank]
   const void* kpe = nullptr;   // MLA [T][rope_dim]
+  InputBytes q_bytes, k_bytes, v_bytes, q_pe_bytes, ckv_bytes, kpe_bytes;
+  // Outputs: copied to o (and lse) when o is set; otherwise lent through *lease, which the
+  // backend fills before `done` runs with OK.
   void* o = nullptr;           // [T][Hq][D] (MLA: [T][H][kv_lora_rank])
   float* lse = nullptr;        // [T][Hq] when the step returns lse, else null
+  OutputLease* lease = nullptr;
+  LayerTrace* trace = nullptr;  // benchmarks only: stages the backend marks
+
+  // The input as InputBytes, whichever way it was given.
+  static InputBytes Input(const void* pointer, const InputBytes& bytes) {
+    if (!bytes.empty()) return bytes;
+    InputBytes in;
+    in.data = pointer;
+    return in;
+  }
 };
 
 using DoneCallback = std::function<void(absl::Status)>;

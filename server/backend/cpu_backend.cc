@@ -157,7 +157,11 @@ class CpuStep final : public BackendStep {
     // The task holds what it needs by value: the step object may be gone when it finishes.
     cache_->workers()->Post([cache = cache_, batch = batch_, io, kernel = KernelName(),
                              done = std::move(done)] {
+      MarkStage(io.trace, LayerTrace::kStaged);
+      MarkStage(io.trace, LayerTrace::kEnqueued);
       Run(*cache, *batch, io, kernel);
+      MarkStage(io.trace, LayerTrace::kDeviceDone);
+      MarkStage(io.trace, LayerTrace::kCopiedOut);
       done(absl::OkStatus());
     });
   }
@@ -170,11 +174,49 @@ class CpuStep final : public BackendStep {
   std::shared_ptr<const StepBatch> batch_;
 };
 
-void CpuStep::Run(const CpuCache& cache, const StepBatch& batch, const LayerIo& io,
+// Outputs lent to the caller (LayerIo::lease): one heap block, freed on release.
+struct LentOutputs {
+  std::vector<uint8_t> o;
+  std::vector<float> lse;
+  static void Release(void* arg) { delete static_cast<LentOutputs*>(arg); }
+};
+
+void CpuStep::Run(const CpuCache& cache, const StepBatch& batch, const LayerIo& given,
                   std::string_view kernel) {
   const CacheGeometry& g = cache.geometry();
   const int64_t tokens = batch.num_tokens;
+  LayerIo io = given;
+  const int64_t element = DTypeBytes(g.q_dtype);
+  if (io.o == nullptr && io.lease != nullptr) {
+    auto* lent = new LentOutputs;
+    lent->o.resize(tokens * g.num_qo_heads * g.k_head_dim * element);
+    if (batch.options.return_lse) lent->lse.resize(tokens * g.num_qo_heads);
+    io.o = lent->o.data();
+    io.lse = batch.options.return_lse ? lent->lse.data() : nullptr;
+    io.lease->o = lent->o.data();
+    io.lease->lse = io.lse;
+    io.lease->release = &LentOutputs::Release;
+    io.lease->release_arg = lent;
+  }
   if (tokens == 0) return;
+  // Inputs given as pieces (a message's slices) are gathered: the reference reads them whole.
+  std::vector<uint8_t> gathered[6];
+  // q (MLA: q_nope) is [T][Hq][k_head_dim].
+  io.q = LayerIo::Input(io.q, io.q_bytes)
+             .Contiguous(tokens * g.num_qo_heads * g.k_head_dim * element, gathered[0]);
+  if (!g.mla) {
+    io.k = LayerIo::Input(io.k, io.k_bytes)
+               .Contiguous(tokens * g.num_kv_heads * g.k_head_dim * element, gathered[1]);
+    io.v = LayerIo::Input(io.v, io.v_bytes)
+               .Contiguous(tokens * g.num_kv_heads * g.v_head_dim * element, gathered[2]);
+  } else {
+    io.q_pe = LayerIo::Input(io.q_pe, io.q_pe_bytes)
+                  .Contiguous(tokens * g.num_qo_heads * g.v_head_dim * element, gathered[3]);
+    io.ckv = LayerIo::Input(io.ckv, io.ckv_bytes)
+                 .Contiguous(tokens * g.k_head_dim * element, gathered[4]);
+    io.kpe = LayerIo::Input(io.kpe, io.kpe_bytes)
+                 .Contiguous(tokens * g.v_head_dim * element, gathered[5]);
+  }
   const PageTableView pages = batch.PageTable(g.page_size);
   const std::string_view phase = StepPhaseName(batch.phase);
   const int32_t q_dim = g.mla ? g.v_head_dim : g.k_head_dim;  // the rotated part of q

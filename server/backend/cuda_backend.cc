@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 
@@ -116,17 +117,32 @@ class CudaBackend final : public Backend {
 
  private:
   CudaBackend(const CudaBackendOptions& options, const BackendInfo& info,
-              std::shared_ptr<KvReservation> reservation)
-      : options_(options), info_(info), reservation_(std::move(reservation)) {}
+              std::shared_ptr<KvReservation> reservation, cuda_backend::CompletionWait wait)
+      : options_(options), info_(info), reservation_(std::move(reservation)), wait_(wait) {}
 
   const CudaBackendOptions options_;
   const BackendInfo info_;
   const std::shared_ptr<KvReservation> reservation_;
+  const cuda_backend::CompletionWait wait_;
   const int device_ = 0;
 };
 
+absl::StatusOr<cuda_backend::CompletionWait> CompletionWaitOf(const CudaBackendOptions& options) {
+  std::string name = options.completion_wait;
+  if (name.empty()) {
+    const char* from_environment = std::getenv("ATTND_CUDA_COMPLETION");
+    name = from_environment != nullptr ? from_environment : "";
+  }
+  if (name.empty() || name == "spin") return cuda_backend::CompletionWait::kSpin;
+  if (name == "blocking") return cuda_backend::CompletionWait::kBlockingSync;
+  if (name == "callback") return cuda_backend::CompletionWait::kStreamCallback;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "CUDA completion wait: expected spin, blocking or callback, got '", name, "'"));
+}
+
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     const CudaBackendOptions& options) {
+  ASSIGN_OR_RETURN(const cuda_backend::CompletionWait wait, CompletionWaitOf(options));
   if (CudaDeviceCount() == 0) {
     return absl::FailedPreconditionError("the CUDA backend needs a CUDA device; none is visible");
   }
@@ -171,7 +187,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   info.extensions = {"fp8_kv", "deterministic", "separate_kv_index"};
   return std::unique_ptr<CudaBackend>(new CudaBackend(
       options, info,
-      std::make_shared<KvReservation>(static_cast<uint8_t*>(reservation), budget)));
+      std::make_shared<KvReservation>(static_cast<uint8_t*>(reservation), budget), wait));
 }
 
 absl::StatusOr<std::unique_ptr<BackendCache>> CudaBackend::CreateCache(
@@ -181,8 +197,8 @@ absl::StatusOr<std::unique_ptr<BackendCache>> CudaBackend::CreateCache(
   auto release = [reservation = reservation_, offset, bytes = geometry.PoolBytes()] {
     reservation->Free(offset, bytes);
   };
-  auto cache = CudaCache::Create(geometry, reservation_->base() + offset, device_, options_.observer,
-                                 release);
+  auto cache = CudaCache::Create(geometry, reservation_->base() + offset, device_, wait_,
+                                 options_.observer, release);
   if (!cache.ok()) {  // the failed cache gave its range back
     return absl::Status(cache.status().code(),
                         absl::StrCat("set up the cache on the GPU: ", cache.status().message()));

@@ -6,6 +6,8 @@ target_sources(attnd_server_lib PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/cuda_cache.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_completion_queue.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_memory.cc
+  ${CMAKE_CURRENT_LIST_DIR}/cuda_output_pool.cc
+  ${CMAKE_CURRENT_LIST_DIR}/cuda_plan_cache.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_range_allocator.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_step.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_step_plan.cc

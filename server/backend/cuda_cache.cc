@@ -12,34 +12,40 @@
 
 namespace attnd::cuda_backend {
 
-CudaCache::CudaCache(const CacheGeometry& geometry, uint8_t* pool, BackendObserver* observer,
-                     std::function<void()> release_pool)
+CudaCache::CudaCache(const CacheGeometry& geometry, uint8_t* pool, CompletionWait wait,
+                     BackendObserver* observer, std::function<void()> release_pool)
     : geometry_(geometry),
       pool_(pool),
+      wait_(wait),
       observer_(observer),
       release_pool_(std::move(release_pool)) {}
 
 absl::StatusOr<std::unique_ptr<CudaCache>> CudaCache::Create(const CacheGeometry& geometry,
                                                              uint8_t* pool, int device,
+                                                             CompletionWait wait,
                                                              BackendObserver* observer,
                                                              std::function<void()> release_pool) {
   std::unique_ptr<CudaCache> cache(
-      new CudaCache(geometry, pool, observer, std::move(release_pool)));
+      new CudaCache(geometry, pool, wait, observer, std::move(release_pool)));
   RETURN_IF_ERROR(cache->Init(device));
   return cache;
 }
 
 absl::Status CudaCache::Init(int device) {
-  RETURN_IF_ERROR(compute_stream_.Create());
-  RETURN_IF_ERROR(copy_stream_.Create());
+  for (Lane& lane : lanes_) {
+    RETURN_IF_ERROR(lane.h2d.Create());
+    RETURN_IF_ERROR(lane.compute.Create());
+    RETURN_IF_ERROR(lane.d2h.Create());
+  }
+  const cudaStream_t stream = lanes_[0].compute.get();
   // Zeroed so that a slot never written reads as 0 (as the CPU backend's calloc'd pools do).
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(pool_, 0, geometry_.PoolBytes(), compute_stream()));
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(pool_, 0, geometry_.PoolBytes(), stream));
   const std::vector<float> inv_freq = RopeInverseFrequencies(geometry_.rope);
   if (!inv_freq.empty()) {
     const int64_t bytes = static_cast<int64_t>(inv_freq.size() * sizeof(float));
     RETURN_IF_ERROR(rope_inv_freq_.Reserve(bytes));
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(rope_inv_freq_.data(), inv_freq.data(), bytes,
-                                         cudaMemcpyHostToDevice, compute_stream()));
+                                         cudaMemcpyHostToDevice, stream));
   }
   const cuda::DecodeKernelConfig config{geometry_.q_dtype, geometry_.kv_dtype,
                                         geometry_.k_head_dim,
@@ -52,16 +58,21 @@ absl::Status CudaCache::Init(int device) {
                    cuda::BatchPrefillCtasPerWave(geometry_.k_head_dim, geometry_.q_dtype,
                                                  geometry_.kv_dtype));
   // A fault here belongs to this cache's creation, not to its first step.
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_stream()));
-  completions_ = std::make_unique<CompletionQueue>([device] { cudaSetDevice(device); });
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  for (Lane& lane : lanes_) {
+    lane.completions = std::make_unique<CompletionQueue>([device] { cudaSetDevice(device); });
+  }
   return absl::OkStatus();
 }
 
 CudaCache::~CudaCache() {
-  // No layer is in flight (the engine's contract), so the queue is empty.
-  if (completions_) completions_->Shutdown();
-  if (compute_stream_.get() != nullptr) cudaStreamSynchronize(compute_stream_.get());
-  if (copy_stream_.get() != nullptr) cudaStreamSynchronize(copy_stream_.get());
+  // No layer is in flight (the engine's contract), so the queues are empty.
+  for (Lane& lane : lanes_) {
+    if (lane.completions) lane.completions->Shutdown();
+    for (const CudaStream* stream : {&lane.h2d, &lane.compute, &lane.d2h}) {
+      if (stream->get() != nullptr) cudaStreamSynchronize(stream->get());
+    }
+  }
   free_resources_.clear();
   if (release_pool_) release_pool_();
 }
@@ -92,7 +103,7 @@ absl::StatusOr<std::unique_ptr<StepResources>> CudaCache::TakeResources() {
     }
   }
   auto resources = std::make_unique<StepResources>();
-  RETURN_IF_ERROR(resources->Init());
+  RETURN_IF_ERROR(resources->Init(wait_ == CompletionWait::kBlockingSync));
   return resources;
 }
 
@@ -102,18 +113,27 @@ void CudaCache::ReturnResources(std::unique_ptr<StepResources> resources) {
   free_resources_.push_back(std::move(resources));
 }
 
-absl::Status CudaCache::ReserveShared(int64_t q_rotated_bytes, int64_t out_bytes,
-                                      int64_t workspace_bytes) {
-  std::lock_guard lock(submit_mu_);
-  if (q_rotated_bytes <= q_rotated_.capacity() && out_bytes <= device_out_.capacity() &&
-      workspace_bytes <= decode_workspace_.capacity()) {
+int CudaCache::PickLane() {
+  // The lane with the fewest open steps; ties go round-robin.
+  const uint32_t first = next_lane_.fetch_add(1, std::memory_order_relaxed);
+  int best = static_cast<int>(first % kLanesPerCache);
+  for (int i = 1; i < kLanesPerCache; ++i) {
+    const int candidate = static_cast<int>((first + i) % kLanesPerCache);
+    if (lanes_[candidate].open_steps.load() < lanes_[best].open_steps.load()) best = candidate;
+  }
+  return best;
+}
+
+absl::Status CudaCache::ReserveLane(Lane& lane, int64_t q_rotated_bytes, int64_t workspace_bytes) {
+  std::lock_guard lock(lane.submit_mu);
+  if (q_rotated_bytes <= lane.q_rotated.capacity() &&
+      workspace_bytes <= lane.decode_workspace.capacity()) {
     return absl::OkStatus();
   }
   // Growing frees the old buffers, which queued layers may still use.
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_stream()));
-  RETURN_IF_ERROR(q_rotated_.Reserve(q_rotated_bytes));
-  RETURN_IF_ERROR(device_out_.Reserve(out_bytes));
-  return decode_workspace_.Reserve(workspace_bytes);
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(lane.compute.get()));
+  RETURN_IF_ERROR(lane.q_rotated.Reserve(q_rotated_bytes));
+  return lane.decode_workspace.Reserve(workspace_bytes);
 }
 
 absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
@@ -123,34 +143,38 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
   context.decode_supported = decode_supported_;
   context.decode_ctas_per_wave = decode_ctas_per_wave_;
   context.prefill_ctas_per_wave = prefill_ctas_per_wave_;
-  ASSIGN_OR_RETURN(StepPlan plan, PlanStep(*batch, context));
+  ASSIGN_OR_RETURN(std::shared_ptr<const StepPlan> plan, plans_.Get(*batch, context));
 
   const LayerSizes sizes = LayerSizes::Of(geometry_, batch->num_tokens, batch->options.return_lse);
-  const int64_t prefill_work_offset = AlignUp(plan.offsets.total_bytes, kBufferAlignment);
+  const int64_t prefill_work_offset = AlignUp(plan->offsets.total_bytes, kBufferAlignment);
   const int64_t prefill_work_bytes =
-      plan.run_prefill ? cuda::BatchPrefillWorkspaceBytes(plan.prefill) : 0;
+      plan->run_prefill ? cuda::BatchPrefillWorkspaceBytes(plan->prefill) : 0;
   const int64_t workspace_bytes =
-      plan.run_decode ? cuda::BatchDecodeWorkspaceBytes(plan.decode.num_partials,
-                                                        geometry_.num_qo_heads,
-                                                        geometry_.k_head_dim)
-                      : 0;
-  RETURN_IF_ERROR(ReserveShared(sizes.q_bytes, sizes.out_bytes, workspace_bytes));
+      plan->run_decode ? cuda::BatchDecodeWorkspaceBytes(plan->decode.num_partials,
+                                                         geometry_.num_qo_heads,
+                                                         geometry_.k_head_dim)
+                       : 0;
+  const int lane_index = PickLane();
+  Lane& lane = lanes_[lane_index];
+  const cudaStream_t stream = lane.compute.get();
+  RETURN_IF_ERROR(ReserveLane(lane, sizes.q_bytes, workspace_bytes));
+  RETURN_IF_ERROR(outputs_->Reserve(kLayerSlotsPerStep, sizes.out_bytes));
 
   ASSIGN_OR_RETURN(std::unique_ptr<StepResources> resources, TakeResources());
   absl::Status status = [&]() -> absl::Status {
     // The previous owner's upload read host_arrays; usually long done.
     CUDA_RETURN_IF_ERROR(cudaEventSynchronize(resources->arrays_uploaded.get()));
     RETURN_IF_ERROR(resources->Reserve(sizes, prefill_work_offset + prefill_work_bytes));
-    plan.Fill(*batch, resources->host_arrays.data());
+    plan->Fill(*batch, resources->host_arrays.data());
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(resources->device_arrays.data(),
-                                         resources->host_arrays.data(), plan.offsets.total_bytes,
-                                         cudaMemcpyHostToDevice, compute_stream()));
-    if (plan.run_prefill) {
+                                         resources->host_arrays.data(), plan->offsets.total_bytes,
+                                         cudaMemcpyHostToDevice, stream));
+    if (plan->run_prefill) {
       RETURN_IF_ERROR(cuda::UploadBatchPrefillPlan(
-          plan.prefill, resources->device_arrays.data() + prefill_work_offset,
-          prefill_work_bytes, compute_stream()));
+          plan->prefill, resources->device_arrays.data() + prefill_work_offset,
+          prefill_work_bytes, stream));
     }
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(resources->arrays_uploaded.get(), compute_stream()));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(resources->arrays_uploaded.get(), stream));
     return absl::OkStatus();
   }();
   if (!status.ok()) {
@@ -158,9 +182,9 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
     return status;
   }
   if (observer_ != nullptr) {
-    observer_->OnTransfer("h2d", plan.offsets.total_bytes + prefill_work_bytes);
+    observer_->OnTransfer("h2d", plan->offsets.total_bytes + prefill_work_bytes);
   }
-  return std::make_unique<CudaStep>(this, std::move(batch), std::move(plan),
+  return std::make_unique<CudaStep>(this, lane_index, std::move(batch), std::move(plan),
                                     std::move(resources), prefill_work_offset);
 }
 
@@ -174,10 +198,10 @@ absl::Status CudaCache::ReadPages(int32_t layer, bool v_pool, int64_t first_page
   }
   if (bytes.empty()) return absl::OkStatus();
   const uint8_t* pool = static_cast<const uint8_t*>(Pool(layer, v_pool).data);
-  // Ordered after every layer already enqueued on the compute stream.
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(bytes.data(), pool + first_page * page_bytes, bytes.size(),
-                                       cudaMemcpyDeviceToHost, compute_stream()));
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_stream()));
+  // After every layer already enqueued on any lane.
+  for (Lane& lane : lanes_) CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(lane.compute.get()));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(bytes.data(), pool + first_page * page_bytes, bytes.size(),
+                                  cudaMemcpyDeviceToHost));
   return absl::OkStatus();
 }
 

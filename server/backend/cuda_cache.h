@@ -1,24 +1,30 @@
 // CudaCache: one cache's pools in the CUDA backend's KV reservation, and everything its steps
 // run with.
 //
-// Streams. A copy stream carries each layer's inputs host -> device; the compute stream waits
-// for them, then runs the append, the attention kernels and the copy of the outputs back, and
-// also carries the steps' array uploads and pool reads. Work of one cache is ordered on the
-// compute stream; caches overlap one another, and a layer's input copy overlaps the previous
-// layer's kernels.
+// Lanes. A cache has kLanesPerCache lanes; each step runs on one (the lane with the fewest open
+// steps, chosen at PrepareStep), so micro-batches of one cache (steps of disjoint sequences
+// that a client pipelines) run their kernels concurrently on different lanes. A lane has three
+// streams: H2D carries each layer's inputs to the device, compute waits for them and runs the
+// append and the attention kernels, D2H waits for those and copies the outputs back. So a
+// layer's input copy overlaps the previous layer's kernels, whose output copy overlaps the
+// next layer's kernels. Steps of one lane, and the layers of one step, are ordered on its
+// compute stream, which also carries the steps' array uploads.
 //
-// Buffers. The rotated q, the device outputs and the decode workspace are shared by the
-// cache's layers (they are only touched by compute-stream work, which runs in order); staging
-// and device inputs are per layer slot (cuda_step_resources.h). All grow at PrepareStep only.
+// Buffers. The rotated q and the decode workspace belong to a lane (only its compute stream
+// touches them, in order); staging, device inputs and outputs to a layer slot
+// (cuda_step_resources.h); host outputs come from the OutputPool and may be lent beyond the
+// step. All grow at PrepareStep only (the pool also when a lent buffer is still out).
 //
-// Completion. Every enqueued layer posts a task to the cache's completion thread, in enqueue
-// order; the task waits on the layer's last event, copies o/lse to the caller's buffers, reports
-// kernel times (from events recorded around each kernel) and bytes to the observer, and calls
-// `done`. The gRPC thread never waits for the GPU.
+// Completion. Every enqueued layer posts its slot to its lane's completion thread, in enqueue
+// order; the thread waits for the layer's last event (CompletionWait), then lends or copies the
+// outputs, reports kernel times (from events recorded around each kernel) and bytes to the
+// observer, and calls `done`. The gRPC thread never waits for the GPU.
 //
 // Thread safety: PrepareStep, ReadPages and steps' RunLayer may be called from any threads.
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -28,10 +34,36 @@
 #include "backend/backend.h"
 #include "backend/cuda_completion_queue.h"
 #include "backend/cuda_memory.h"
+#include "backend/cuda_output_pool.h"
+#include "backend/cuda_plan_cache.h"
 #include "backend/cuda_step_resources.h"
 #include "plan/prefill_plan.h"
 
 namespace attnd::cuda_backend {
+
+// How a completion thread learns that a layer's outputs are on the host.
+enum class CompletionWait {
+  kSpin,          // cudaEventSynchronize on a default event: the thread spins (a core per lane)
+  kBlockingSync,  // cudaEventSynchronize on a cudaEventBlockingSync event: the thread sleeps
+  // A stream callback after the output copy posts the slot to the thread (called on error too,
+  // unlike cudaLaunchHostFunc, so a faulted layer still completes).
+  kStreamCallback,
+};
+
+inline constexpr int kLanesPerCache = 2;
+
+struct Lane {
+  CudaStream h2d;
+  CudaStream compute;
+  CudaStream d2h;
+  // Held while a layer's work is enqueued (and while the lane's buffers grow), so that one
+  // layer's launches and the posting of its completion are not interleaved with another's.
+  std::mutex submit_mu;
+  DeviceBuffer q_rotated;         // [T][Hq][D] q_dtype; under submit_mu
+  DeviceBuffer decode_workspace;  // split-KV partials
+  std::atomic<int32_t> open_steps{0};
+  std::unique_ptr<CompletionQueue> completions;
+};
 
 class CudaCache final : public BackendCache {
  public:
@@ -39,6 +71,7 @@ class CudaCache final : public BackendCache {
   // it calls `release_pool`. The observer may be null and must outlive the cache.
   static absl::StatusOr<std::unique_ptr<CudaCache>> Create(const CacheGeometry& geometry,
                                                            uint8_t* pool, int device,
+                                                           CompletionWait wait,
                                                            BackendObserver* observer,
                                                            std::function<void()> release_pool);
   ~CudaCache() override;
@@ -51,50 +84,41 @@ class CudaCache final : public BackendCache {
 
   // For the cache's steps (cuda_step.cc).
   PagedKvView Pool(int32_t layer, bool v_pool) const;
-  cudaStream_t compute_stream() const { return compute_stream_.get(); }
-  cudaStream_t copy_stream() const { return copy_stream_.get(); }
   const float* rope_inv_freq() const {
     return reinterpret_cast<const float*>(rope_inv_freq_.data());
   }
   BackendObserver* observer() const { return observer_; }
-  CompletionQueue& completions() { return *completions_; }
-  // Held while a layer's work is enqueued (and while the shared buffers grow), so that one
-  // layer's launches and the posting of its completion are not interleaved with another's.
-  std::mutex& submit_mutex() { return submit_mu_; }
-  uint8_t* q_rotated() const { return q_rotated_.data(); }  // under submit_mutex()
-  uint8_t* device_out() const { return device_out_.data(); }
-  uint8_t* decode_workspace() const { return decode_workspace_.data(); }
-  int64_t decode_workspace_bytes() const { return decode_workspace_.capacity(); }
+  CompletionWait completion_wait() const { return wait_; }
+  OutputPool& outputs() { return *outputs_; }
+  Lane& lane(int index) { return lanes_[index]; }
   void ReturnResources(std::unique_ptr<StepResources> resources);
 
  private:
-  CudaCache(const CacheGeometry& geometry, uint8_t* pool, BackendObserver* observer,
-            std::function<void()> release_pool);
+  CudaCache(const CacheGeometry& geometry, uint8_t* pool, CompletionWait wait,
+            BackendObserver* observer, std::function<void()> release_pool);
   absl::Status Init(int device);
   absl::StatusOr<std::unique_ptr<StepResources>> TakeResources();
-  absl::Status ReserveShared(int64_t q_rotated_bytes, int64_t out_bytes, int64_t workspace_bytes);
+  int PickLane();
+  absl::Status ReserveLane(Lane& lane, int64_t q_rotated_bytes, int64_t workspace_bytes);
 
   const CacheGeometry geometry_;
   uint8_t* const pool_;  // [layer][K pool, V pool] regions of num_pages pages each
+  const CompletionWait wait_;
   BackendObserver* const observer_;
   std::function<void()> release_pool_;
 
-  CudaStream compute_stream_;
-  CudaStream copy_stream_;
+  std::array<Lane, kLanesPerCache> lanes_;
+  std::atomic<uint32_t> next_lane_{0};
   DeviceBuffer rope_inv_freq_;  // [rotary_dim / 2] float
   bool decode_supported_ = false;
   int32_t decode_ctas_per_wave_ = 0;
   plan::PrefillWaveSizes prefill_ctas_per_wave_;
 
-  std::mutex submit_mu_;
-  DeviceBuffer q_rotated_;         // [T][Hq][D] q_dtype
-  DeviceBuffer device_out_;        // o | lse, LayerSizes layout
-  DeviceBuffer decode_workspace_;  // split-KV partials
+  PlanCache plans_;
+  std::shared_ptr<OutputPool> outputs_ = OutputPool::Create();
 
   std::mutex resources_mu_;
   std::vector<std::unique_ptr<StepResources>> free_resources_;
-
-  std::unique_ptr<CompletionQueue> completions_;
 };
 
 }  // namespace attnd::cuda_backend

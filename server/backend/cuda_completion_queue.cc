@@ -32,18 +32,22 @@ void CompletionQueue::Shutdown() {
 
 void CompletionQueue::Loop(std::shared_ptr<Shared> shared, std::function<void()> on_start) {
   if (on_start) on_start();
+  // Tasks are taken in batches by swapping vectors, so both keep their capacity.
+  std::vector<std::function<void()>> batch;
   for (;;) {
-    std::function<void()> task;
     {
       std::unique_lock lock(shared->mu);
       shared->ready.wait(lock, [&] { return shared->stopping || !shared->tasks.empty(); });
       if (shared->tasks.empty()) return;  // stopping, and every posted task has run
-      task = std::move(shared->tasks.front());
-      shared->tasks.pop_front();
+      batch.swap(shared->tasks);
     }
-    task();
-    // Destroying the task may destroy this queue's owner (see the header): touch only `shared`.
-    task = nullptr;
+    for (std::function<void()>& task : batch) {
+      task();
+      // Destroying the task may destroy this queue's owner (see the header): touch only
+      // `shared` and `batch`.
+      task = nullptr;
+    }
+    batch.clear();
   }
 }
 

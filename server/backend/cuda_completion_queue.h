@@ -9,11 +9,11 @@
 #pragma once
 
 #include <condition_variable>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 namespace attnd::cuda_backend {
 
@@ -25,7 +25,9 @@ class CompletionQueue {
   CompletionQueue& operator=(const CompletionQueue&) = delete;
   ~CompletionQueue() { Shutdown(); }
 
-  // Thread-safe. Tasks posted before Shutdown all run.
+  // Thread-safe. Tasks posted before Shutdown all run. A task of two pointers is stored
+  // without allocating (std::function's local storage), and the queue's storage is reused, so
+  // posting allocates nothing once the queue has grown to its working size.
   void Post(std::function<void()> task);
   // Runs the remaining tasks and stops the thread; joins it unless called from it.
   void Shutdown();
@@ -34,7 +36,7 @@ class CompletionQueue {
   struct Shared {
     std::mutex mu;
     std::condition_variable ready;
-    std::deque<std::function<void()>> tasks;
+    std::vector<std::function<void()>> tasks;
     bool stopping = false;
   };
   static void Loop(std::shared_ptr<Shared> shared, std::function<void()> on_start);

@@ -66,9 +66,10 @@ CudaEvent::~CudaEvent() {
   if (event_ != nullptr) cudaEventDestroy(event_);
 }
 
-absl::Status CudaEvent::Create(bool timing) {
-  CUDA_RETURN_IF_ERROR(
-      cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
+absl::Status CudaEvent::Create(bool timing, bool blocking_sync) {
+  unsigned int flags = timing ? cudaEventDefault : cudaEventDisableTiming;
+  if (blocking_sync) flags |= cudaEventBlockingSync;
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event_, flags));
   return absl::OkStatus();
 }
 

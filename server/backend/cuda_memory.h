@@ -70,8 +70,9 @@ class CudaEvent {
   ~CudaEvent();
 
   // timing: the event can be an end of cudaEventElapsedTime; otherwise it is cheaper to
-  // record and to wait on.
-  absl::Status Create(bool timing);
+  // record and to wait on. blocking_sync: cudaEventSynchronize sleeps until the event instead
+  // of spinning a core.
+  absl::Status Create(bool timing, bool blocking_sync = false);
   cudaEvent_t get() const { return event_; }
 
  private:

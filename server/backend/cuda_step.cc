@@ -3,6 +3,8 @@
 #include <cstring>
 #include <utility>
 
+#include <cuda_runtime_api.h>
+
 #include "attnd/kernels/cuda/append.h"
 #include "attnd/kernels/cuda/decode.h"
 #include "attnd/kernels/cuda/prefill.h"
@@ -29,15 +31,17 @@ const T* At(const DeviceBuffer& buffer, int64_t offset) {
 
 }  // namespace
 
-CudaStep::CudaStep(CudaCache* cache, std::shared_ptr<const StepBatch> batch, StepPlan plan,
-                   std::unique_ptr<StepResources> resources, int64_t prefill_work_offset)
+CudaStep::CudaStep(CudaCache* cache, int lane, std::shared_ptr<const StepBatch> batch,
+                   std::shared_ptr<const StepPlan> plan, std::unique_ptr<StepResources> resources,
+                   int64_t prefill_work_offset)
     : cache_(cache),
+      lane_(cache->lane(lane)),
       batch_(std::move(batch)),
       plan_(std::move(plan)),
       resources_(std::move(resources)),
       sizes_(LayerSizes::Of(cache->geometry(), batch_->num_tokens, batch_->options.return_lse)) {
   const DeviceBuffer& arrays = resources_->device_arrays;
-  const StepArrayOffsets& offsets = plan_.offsets;
+  const StepArrayOffsets& offsets = plan_->offsets;
   qo_indptr_ = At<int32_t>(arrays, offsets.qo_indptr);
   pages_.batch_size = batch_->batch_size;
   pages_.page_size = cache->geometry().page_size;
@@ -48,20 +52,29 @@ CudaStep::CudaStep(CudaCache* cache, std::shared_ptr<const StepBatch> batch, Ste
   tokens_.num_tokens = batch_->num_tokens;
   tokens_.batch_indices = At<int32_t>(arrays, offsets.token_batch_indices);
   tokens_.positions = At<int32_t>(arrays, offsets.token_positions);
-  if (plan_.run_decode) decode_work_ = plan_.decode.View(At<int32_t>(arrays, offsets.decode_work));
-  if (plan_.run_prefill) {
-    prefill_work_ = arrays.data() + prefill_work_offset;
-    prefill_work_bytes_ = cuda::BatchPrefillWorkspaceBytes(plan_.prefill);
+  if (plan_->run_decode) {
+    decode_work_ = plan_->decode.View(At<int32_t>(arrays, offsets.decode_work));
   }
-  for (LayerSlot& slot : resources_->slots) free_slots_.push_back(&slot);
+  if (plan_->run_prefill) {
+    prefill_work_ = arrays.data() + prefill_work_offset;
+    prefill_work_bytes_ = cuda::BatchPrefillWorkspaceBytes(plan_->prefill);
+  }
+  for (LayerSlot& slot : resources_->slots) {
+    slot.owner = this;
+    free_slots_.push_back(&slot);
+  }
+  ++lane_.open_steps;
 }
 
-CudaStep::~CudaStep() { cache_->ReturnResources(std::move(resources_)); }
+CudaStep::~CudaStep() {
+  --lane_.open_steps;
+  cache_->ReturnResources(std::move(resources_));
+}
 
 void CudaStep::RunLayer(const LayerIo& io, DoneCallback done) {
   if (batch_->num_tokens == 0) {
     // Nothing to compute, but `done` still comes from a backend thread, never the caller's.
-    cache_->completions().Post([done = std::move(done)] { done(absl::OkStatus()); });
+    lane_.completions->Post([done = std::move(done)] { done(absl::OkStatus()); });
     return;
   }
   LayerSlot* slot = nullptr;
@@ -78,35 +91,69 @@ void CudaStep::RunLayer(const LayerIo& io, DoneCallback done) {
 }
 
 void CudaStep::Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done) {
+  slot->io = io;
+  slot->done = std::move(done);
+  slot->status = absl::OkStatus();
+  slot->callback_error = cudaSuccess;
   // The slot is ours: its previous layer finished, so its pinned input is free to overwrite.
+  // The caller's bytes (the received message's slices) go straight into pinned staging.
   uint8_t* staged = slot->host_in.data();
-  std::memcpy(staged, io.q, sizes_.q_bytes);
-  std::memcpy(staged + sizes_.k_offset, io.k, sizes_.k_bytes);
-  std::memcpy(staged + sizes_.v_offset, io.v, sizes_.v_bytes);
+  LayerIo::Input(io.q, io.q_bytes).CopyTo(staged, sizes_.q_bytes);
+  LayerIo::Input(io.k, io.k_bytes).CopyTo(staged + sizes_.k_offset, sizes_.k_bytes);
+  LayerIo::Input(io.v, io.v_bytes).CopyTo(staged + sizes_.v_offset, sizes_.v_bytes);
+  MarkStage(io.trace, LayerTrace::kStaged);
 
-  std::lock_guard lock(cache_->submit_mutex());
-  absl::Status status = EnqueueLocked(*slot, io.layer);
-  // Recorded even after a failed launch: the slot is reused only once the work that was
-  // enqueued before the failure has passed this point.
-  const cudaError_t recorded = cudaEventRecord(slot->finished.get(), cache_->compute_stream());
-  if (status.ok() && recorded != cudaSuccess) {
-    status = cuda::CudaErrorToStatus(recorded, "cudaEventRecord(finished)", __FILE__, __LINE__);
+  absl::StatusOr<OutputPool::Buffer*> output = cache_->outputs().Take(sizes_.out_bytes);
+  slot->output = output.ok() ? *output : nullptr;
+  {
+    std::lock_guard lock(lane_.submit_mu);
+    absl::Status status = output.status();
+    if (status.ok()) status = EnqueueLocked(*slot, io.layer, (*output)->memory.data());
+    // Recorded even after a failed launch: the slot is reused only once the work that was
+    // enqueued before the failure has passed this point.
+    const cudaError_t recorded = cudaEventRecord(slot->finished.get(), lane_.d2h.get());
+    if (status.ok() && recorded != cudaSuccess) {
+      status = cuda::CudaErrorToStatus(recorded, "cudaEventRecord(finished)", __FILE__, __LINE__);
+    }
+    slot->status = status;
+    MarkStage(io.trace, LayerTrace::kEnqueued);
+    if (cache_->completion_wait() == CompletionWait::kStreamCallback) {
+      const cudaError_t added = cudaStreamAddCallback(
+          lane_.d2h.get(),
+          [](cudaStream_t, cudaError_t error, void* arg) {
+            auto* layer_slot = static_cast<LayerSlot*>(arg);
+            layer_slot->callback_error = error;
+            OnLayerFinished(layer_slot);
+          },
+          slot, 0);
+      if (added == cudaSuccess) return;
+      if (slot->status.ok()) {
+        slot->status = cuda::CudaErrorToStatus(added, "cudaStreamAddCallback", __FILE__, __LINE__);
+      }
+    }
+    // Posted under the lane's lock, so completions are queued in enqueue order.
+    lane_.completions->Post([this, slot] { Complete(slot); });
   }
-  cache_->completions().Post([this, slot, io, status, done = std::move(done)] {
-    Complete(slot, io, status, done);
-  });
 }
 
-absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, int32_t layer) {
+void CudaStep::OnLayerFinished(void* arg) {
+  auto* slot = static_cast<LayerSlot*>(arg);
+  auto* step = static_cast<CudaStep*>(slot->owner);
+  step->lane_.completions->Post([step, slot] { step->Complete(slot); });
+}
+
+absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, int32_t layer, uint8_t* host_out) {
   const CacheGeometry& g = cache_->geometry();
-  const cudaStream_t copy = cache_->copy_stream();
-  const cudaStream_t compute = cache_->compute_stream();
+  const cudaStream_t h2d = lane_.h2d.get();
+  const cudaStream_t compute = lane_.compute.get();
+  const cudaStream_t d2h = lane_.d2h.get();
   const int64_t tokens = batch_->num_tokens;
   uint8_t* device_in = slot.device_in.data();
+  uint8_t* device_out = slot.device_out.data();
 
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_in, slot.host_in.data(), sizes_.in_bytes,
-                                       cudaMemcpyHostToDevice, copy));
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.inputs_copied.get(), copy));
+                                       cudaMemcpyHostToDevice, h2d));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.inputs_copied.get(), h2d));
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, slot.inputs_copied.get(), 0));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.started.get(), compute));
 
@@ -117,7 +164,7 @@ absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, int32_t layer) {
   append.rope_inv_freq = cache_->rope_inv_freq();
   append.rotary_dim = g.rope.style == RopeStyle::kNone ? 0 : g.rope.rotary_dim;
   append.q_in = Rows(device_in, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
-  append.q_out = Rows(cache_->q_rotated(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+  append.q_out = Rows(lane_.q_rotated.data(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
   append.k_in = Rows(device_in + sizes_.k_offset, g.q_dtype, tokens, g.num_kv_heads, g.k_head_dim);
   append.v_in = Rows(device_in + sizes_.v_offset, g.q_dtype, tokens, g.num_kv_heads, g.v_head_dim);
   append.k_cache = cache_->Pool(layer, false);
@@ -128,12 +175,12 @@ absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, int32_t layer) {
   CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.appended.get(), compute));
 
   const TokenHeadsView q = append.q_out;
-  const TokenHeadsView o =
-      Rows(cache_->device_out(), g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
+  const TokenHeadsView o = Rows(device_out, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
   float* lse = batch_->options.return_lse
-                   ? reinterpret_cast<float*>(cache_->device_out() + sizes_.lse_offset)
+                   ? reinterpret_cast<float*>(device_out + sizes_.lse_offset)
                    : nullptr;
-  if (plan_.run_decode) {
+  const CudaEvent* attended = &slot.appended;
+  if (plan_->run_decode) {
     cuda::BatchDecodeArgs decode;
     decode.q = q;
     decode.pages = pages_;
@@ -143,12 +190,13 @@ absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, int32_t layer) {
     decode.work = decode_work_;
     decode.o = o;
     decode.lse = lse;
-    decode.workspace = cache_->decode_workspace();
-    decode.workspace_bytes = cache_->decode_workspace_bytes();
+    decode.workspace = lane_.decode_workspace.data();
+    decode.workspace_bytes = lane_.decode_workspace.capacity();
     RETURN_IF_ERROR(cuda::BatchDecode(decode, compute));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.attended_first.get(), compute));
+    attended = &slot.attended_first;
   }
-  if (plan_.run_prefill) {
+  if (plan_->run_prefill) {
     cuda::BatchPrefillArgs prefill;
     prefill.q = q;
     prefill.qo_indptr = qo_indptr_;
@@ -158,43 +206,72 @@ absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, int32_t layer) {
     prefill.params = batch_->options.params;
     prefill.o = o;
     prefill.lse = lse;
-    RETURN_IF_ERROR(cuda::BatchPrefill(plan_.prefill, prefill, prefill_work_,
+    RETURN_IF_ERROR(cuda::BatchPrefill(plan_->prefill, prefill, prefill_work_,
                                        prefill_work_bytes_, compute));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(
-        (plan_.run_decode ? slot.attended_second : slot.attended_first).get(), compute));
+    attended = plan_->run_decode ? &slot.attended_second : &slot.attended_first;
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(attended->get(), compute));
   }
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.host_out.data(), cache_->device_out(),
-                                       sizes_.out_bytes, cudaMemcpyDeviceToHost, compute));
+  // The output copy runs on the D2H stream, so the next layer's kernels need not wait for it.
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, attended->get(), 0));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(host_out, device_out, sizes_.out_bytes, cudaMemcpyDeviceToHost, d2h));
   return absl::OkStatus();
 }
 
-void CudaStep::Complete(LayerSlot* slot, const LayerIo& io, absl::Status status,
-                        const DoneCallback& done) {
-  const cudaError_t waited = cudaEventSynchronize(slot->finished.get());
-  if (status.ok() && waited != cudaSuccess) {
-    status = cuda::CudaErrorToStatus(waited, "cudaEventSynchronize(layer finished)", __FILE__,
-                                     __LINE__);
+void CudaStep::Complete(LayerSlot* slot) {
+  absl::Status status = std::move(slot->status);
+  const LayerIo& io = slot->io;
+  if (cache_->completion_wait() == CompletionWait::kStreamCallback) {
+    if (status.ok() && slot->callback_error != cudaSuccess) {
+      status = cuda::CudaErrorToStatus(slot->callback_error, "stream callback (layer finished)",
+                                       __FILE__, __LINE__);
+    }
+  } else {
+    const cudaError_t waited = cudaEventSynchronize(slot->finished.get());
+    if (status.ok() && waited != cudaSuccess) {
+      status = cuda::CudaErrorToStatus(waited, "cudaEventSynchronize(layer finished)", __FILE__,
+                                       __LINE__);
+    }
   }
+  MarkStage(io.trace, LayerTrace::kDeviceDone);
+  auto* output = static_cast<OutputPool::Buffer*>(slot->output);
+  slot->output = nullptr;
   if (status.ok()) {
-    std::memcpy(io.o, slot->host_out.data(), sizes_.o_bytes);
-    if (io.lse != nullptr && sizes_.lse_bytes > 0) {
-      std::memcpy(io.lse, slot->host_out.data() + sizes_.lse_offset, sizes_.lse_bytes);
+    const uint8_t* host_out = output->memory.data();
+    if (io.o == nullptr && io.lease != nullptr) {
+      io.lease->o = host_out;
+      io.lease->lse = batch_->options.return_lse
+                          ? reinterpret_cast<const float*>(host_out + sizes_.lse_offset)
+                          : nullptr;
+      io.lease->release = &OutputPool::ReleaseLease;
+      io.lease->release_arg = output;
+      output = nullptr;
+    } else {
+      std::memcpy(io.o, host_out, sizes_.o_bytes);
+      if (io.lse != nullptr && sizes_.lse_bytes > 0) {
+        std::memcpy(io.lse, host_out + sizes_.lse_offset, sizes_.lse_bytes);
+      }
     }
     ReportTimes(*slot);
   }
-  // Hand the slot to a waiting layer, or back to the pool, before `done`: once `done` runs the
-  // step may be gone.
+  if (output != nullptr) OutputPool::Return(output);
+  MarkStage(io.trace, LayerTrace::kCopiedOut);
+  DoneCallback done = std::move(slot->done);
+  slot->done = nullptr;
   std::unique_lock lock(mu_);
   if (pending_.empty()) {
     free_slots_.push_back(slot);
     lock.unlock();
-  } else {
-    PendingLayer next = std::move(pending_.front());
-    pending_.pop_front();
-    lock.unlock();
-    Submit(slot, next.io, std::move(next.done));
+    done(status);  // may destroy the step
+    return;
   }
+  PendingLayer next = std::move(pending_.front());
+  pending_.pop_front();
+  lock.unlock();
+  // The waiting layer counts as in flight for the engine, so `done` cannot end the step here;
+  // answering first keeps this layer's latency free of the next one's staging.
   done(status);
+  Submit(slot, next.io, std::move(next.done));
 }
 
 void CudaStep::ReportTimes(const LayerSlot& slot) const {
@@ -202,12 +279,12 @@ void CudaStep::ReportTimes(const LayerSlot& slot) const {
   if (observer == nullptr) return;
   const std::string_view phase = StepPhaseName(batch_->phase);
   observer->OnKernel("append", "append", ElapsedSeconds(slot.started, slot.appended));
-  if (plan_.run_decode) {
+  if (plan_->run_decode) {
     observer->OnKernel("decode", phase, ElapsedSeconds(slot.appended, slot.attended_first));
   }
-  if (plan_.run_prefill) {
+  if (plan_->run_prefill) {
     observer->OnKernel("prefill", phase,
-                       plan_.run_decode ? ElapsedSeconds(slot.attended_first, slot.attended_second)
+                       plan_->run_decode ? ElapsedSeconds(slot.attended_first, slot.attended_second)
                                         : ElapsedSeconds(slot.appended, slot.attended_first));
   }
   observer->OnTransfer("h2d", sizes_.q_bytes + sizes_.k_bytes + sizes_.v_bytes);

@@ -1,10 +1,12 @@
-// CudaStep: one planned step of a CudaCache. Its arrays (page table, COO append index, decode
-// plan, prefill work list) were uploaded once at PrepareStep; each RunLayer stages the layer's
-// q/k/v in a free layer slot, enqueues copy -> append -> attention -> copy back on the cache's
-// streams with events between the kernels, and posts the layer's completion (see
-// cuda_cache.h). With every slot busy a layer waits in the step, and the completion thread
-// enqueues it when a slot frees. The step's resources go back to the cache on destruction,
-// which the engine does only once no layer of the step is in flight.
+// CudaStep: one planned step of a CudaCache, running on one of the cache's lanes. Its arrays
+// (page table, COO append index, decode plan, prefill work list) were uploaded once at
+// PrepareStep; each RunLayer stages the layer's q/k/v in a free layer slot (copied straight from
+// the caller's bytes, e.g. the received message's slices, into pinned memory), enqueues
+// H2D -> append -> attention -> D2H on the lane's streams with events between the kernels, and
+// posts the slot to the lane's completion thread (see cuda_cache.h). With every slot busy a
+// layer waits in the step, and the completion thread enqueues it when a slot frees. The step's
+// resources go back to the cache on destruction, which the engine does only once no layer of
+// the step is in flight.
 #pragma once
 
 #include <deque>
@@ -22,12 +24,13 @@ namespace attnd::cuda_backend {
 class CudaStep final : public BackendStep {
  public:
   // `plan` was built for `batch`, whose arrays are in resources->device_arrays at
-  // plan.offsets, with the prefill work list at `prefill_work_offset`.
-  CudaStep(CudaCache* cache, std::shared_ptr<const StepBatch> batch, StepPlan plan,
-           std::unique_ptr<StepResources> resources, int64_t prefill_work_offset);
+  // plan->offsets, with the prefill work list at `prefill_work_offset`.
+  CudaStep(CudaCache* cache, int lane, std::shared_ptr<const StepBatch> batch,
+           std::shared_ptr<const StepPlan> plan, std::unique_ptr<StepResources> resources,
+           int64_t prefill_work_offset);
   ~CudaStep() override;
 
-  std::string_view KernelName() const override { return plan_.KernelName(); }
+  std::string_view KernelName() const override { return plan_->KernelName(); }
   void RunLayer(const LayerIo& io, DoneCallback done) override;
 
  private:
@@ -38,15 +41,17 @@ class CudaStep final : public BackendStep {
 
   // Stages and enqueues a layer in `slot`, which the caller took.
   void Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done);
-  absl::Status EnqueueLocked(LayerSlot& slot, int32_t layer);
-  // On the completion thread: waits, copies out, reports, frees the slot, calls done.
-  void Complete(LayerSlot* slot, const LayerIo& io, absl::Status status,
-                const DoneCallback& done);
+  absl::Status EnqueueLocked(LayerSlot& slot, int32_t layer, uint8_t* host_out);
+  // On the completion thread: waits, lends or copies out, reports, frees the slot, calls done.
+  void Complete(LayerSlot* slot);
   void ReportTimes(const LayerSlot& slot) const;
+  // cudaLaunchHostFunc callback (CompletionWait::kHostFunc): posts the slot.
+  static void OnLayerFinished(void* slot);
 
   CudaCache* const cache_;
+  Lane& lane_;
   const std::shared_ptr<const StepBatch> batch_;
-  const StepPlan plan_;
+  const std::shared_ptr<const StepPlan> plan_;
   std::unique_ptr<StepResources> resources_;
   const LayerSizes sizes_;
 

@@ -20,7 +20,7 @@ LayerSizes LayerSizes::Of(const CacheGeometry& geometry, int64_t num_tokens, boo
   return sizes;
 }
 
-absl::Status StepResources::Init() {
+absl::Status StepResources::Init(bool blocking_sync) {
   RETURN_IF_ERROR(arrays_uploaded.Create(/*timing=*/false));
   for (LayerSlot& slot : slots) {
     RETURN_IF_ERROR(slot.inputs_copied.Create(false));
@@ -28,7 +28,7 @@ absl::Status StepResources::Init() {
     RETURN_IF_ERROR(slot.appended.Create(true));
     RETURN_IF_ERROR(slot.attended_first.Create(true));
     RETURN_IF_ERROR(slot.attended_second.Create(true));
-    RETURN_IF_ERROR(slot.finished.Create(false));
+    RETURN_IF_ERROR(slot.finished.Create(false, blocking_sync));
   }
   return absl::OkStatus();
 }
@@ -38,8 +38,8 @@ absl::Status StepResources::Reserve(const LayerSizes& sizes, int64_t array_bytes
   RETURN_IF_ERROR(device_arrays.Reserve(array_bytes));
   for (LayerSlot& slot : slots) {
     RETURN_IF_ERROR(slot.host_in.Reserve(sizes.in_bytes));
-    RETURN_IF_ERROR(slot.host_out.Reserve(sizes.out_bytes));
     RETURN_IF_ERROR(slot.device_in.Reserve(sizes.in_bytes));
+    RETURN_IF_ERROR(slot.device_out.Reserve(sizes.out_bytes));
   }
   return absl::OkStatus();
 }

@@ -1,6 +1,7 @@
 // Host and device buffers a CUDA step borrows from its cache for its lifetime: the staging of
-// its uploaded arrays and kLayerSlotsPerStep layer slots (pinned staging for one layer's inputs
-// and outputs, its device inputs, its events). A cache keeps the resources of ended steps and
+// its uploaded arrays and kLayerSlotsPerStep layer slots (pinned staging for one layer's inputs,
+// its device inputs and outputs, its events). A layer's host outputs come from the cache's
+// OutputPool (cuda_output_pool.h), since they may be lent out beyond the step. A cache keeps the resources of ended steps and
 // lends them to the next ones, growing them at PrepareStep when a step needs more; nothing is
 // allocated per layer. Owned by one step at a time; slots are handed out under the step's lock.
 #pragma once
@@ -14,9 +15,9 @@
 
 namespace attnd::cuda_backend {
 
-// Layers of one step that can be staged and in flight at once: while one layer's outputs are
-// copied out, the next one's inputs are already on the device. More layers wait in the step.
-inline constexpr int kLayerSlotsPerStep = 2;
+// Layers of one step that can be staged and in flight at once: one layer's inputs copy in while
+// the previous one computes and the one before copies out. More layers wait in the step.
+inline constexpr int kLayerSlotsPerStep = 4;
 
 // Byte sizes and offsets of one layer's tensors for a step of num_tokens rows.
 struct LayerSizes {
@@ -36,16 +37,25 @@ struct LayerSizes {
 
 struct LayerSlot {
   PinnedBuffer host_in;     // q | k | v as the caller sent them
-  PinnedBuffer host_out;    // o | lse as they go back
   DeviceBuffer device_in;   // host_in's layout
-  CudaEvent inputs_copied;  // on the copy stream, after host_in -> device_in
-  // Timing events on the compute stream: before the append, after it, after the first and
-  // the second attention kernel (decode, then prefill, in a step that runs both).
+  DeviceBuffer device_out;  // o | lse, LayerSizes layout; per slot so that the copy of one
+                            // layer's outputs overlaps the next layer's kernels
+  CudaEvent inputs_copied;  // on the lane's H2D stream, after host_in -> device_in
+  // Timing events on the lane's compute stream: before the append, after it, after the first
+  // and the second attention kernel (decode, then prefill, in a step that runs both).
   CudaEvent started;
   CudaEvent appended;
   CudaEvent attended_first;
   CudaEvent attended_second;
-  CudaEvent finished;  // after device -> host_out: the layer's outputs are on the host
+  CudaEvent finished;  // on the D2H stream, after device_out -> the output buffer
+
+  // The layer in flight in this slot (set by Submit, cleared by Complete).
+  LayerIo io;
+  DoneCallback done;
+  absl::Status status;
+  void* output = nullptr;  // OutputPool::Buffer* the outputs land in
+  void* owner = nullptr;   // the CudaStep whose layer this is
+  cudaError_t callback_error = cudaSuccess;  // CompletionWait::kStreamCallback
 };
 
 struct StepResources {
@@ -54,8 +64,8 @@ struct StepResources {
   CudaEvent arrays_uploaded;    // host_arrays may be rewritten once this completed
   std::array<LayerSlot, kLayerSlotsPerStep> slots;
 
-  // Creates the events; once.
-  absl::Status Init();
+  // Creates the events; once. blocking_sync: see CudaEvent::Create.
+  absl::Status Init(bool blocking_sync);
   // Grows every buffer to hold a step with these layer sizes and `array_bytes` of arrays.
   // Only while no work of a previous owner is queued (the caller waited on arrays_uploaded,
   // and every layer of the previous step had completed before it ended).

@@ -1,5 +1,8 @@
 // Engine::Forward: check one layer's tensors against the step, run it on the backend, and
 // commit the step after its last layer.
+#include <algorithm>
+#include <initializer_list>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attnd/status_macros.h"
@@ -9,14 +12,20 @@
 namespace attnd {
 namespace {
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
+template <typename Dims>
+std::string ShapeString(const Dims& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
+bool SameShape(const std::vector<int64_t>& got, std::initializer_list<int64_t> expected) {
+  return got.size() == expected.size() && std::equal(got.begin(), got.end(), expected.begin());
+}
+
 // A tensor the step needs: present (or omitted when the step has no rows), of the cache's
-// q dtype, the expected shape, and exactly the bytes that shape holds.
+// q dtype, the expected shape, and exactly the bytes that shape holds. Allocates nothing unless
+// it fails.
 absl::Status CheckTensor(absl::string_view field, const TensorArg& tensor,
-                         const std::vector<int64_t>& shape, DType dtype) {
+                         std::initializer_list<int64_t> shape, DType dtype) {
   int64_t elements = 1;
   for (const int64_t dim : shape) elements *= dim;
   if (!tensor.present) {
@@ -30,16 +39,16 @@ absl::Status CheckTensor(absl::string_view field, const TensorArg& tensor,
                                                    " (the cache's q_dtype), got ",
                                                    DTypeName(tensor.dtype)));
   }
-  if (tensor.shape != shape) {
+  if (!SameShape(tensor.shape, shape)) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".shape: expected ", ShapeString(shape),
                                                    ", got ", ShapeString(tensor.shape)));
   }
   const int64_t bytes = elements * DTypeBytes(dtype);
-  if (static_cast<int64_t>(tensor.data.size()) != bytes) {
+  const int64_t got = tensor.size_bytes();
+  if (got != bytes) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".data: expected ", bytes,
                                                    " bytes for shape ", ShapeString(shape),
-                                                   " of ", DTypeName(dtype), ", got ",
-                                                   tensor.data.size()));
+                                                   " of ", DTypeName(dtype), ", got ", got));
   }
   return absl::OkStatus();
 }
@@ -76,7 +85,14 @@ absl::Status CheckInputs(const ForwardArgs& args, const CacheGeometry& geometry,
 }
 
 const void* DataOf(const TensorArg& tensor) {
-  return tensor.present && !tensor.data.empty() ? tensor.data.data() : nullptr;
+  return tensor.present && tensor.pieces.empty() && !tensor.data.empty() ? tensor.data.data()
+                                                                         : nullptr;
+}
+
+InputBytes PiecesOf(const TensorArg& tensor) {
+  InputBytes bytes;
+  if (tensor.present) bytes.pieces = tensor.pieces;
+  return bytes;
 }
 
 // Only device faults poison a cache; a backend refusing an input leaves it usable.
@@ -139,19 +155,22 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
     done(rejected);
     return;
   }
+  MarkStage(args.trace, LayerTrace::kValidated);
 
   // Outside the lock: the step cannot end under us while in_flight > 0 holds its pages.
   const CacheGeometry& geometry = step->cache->spec.geometry;
   const int64_t tokens = step->batch->num_tokens;
   const int32_t o_dim = geometry.k_head_dim;  // MHA head_dim; MLA kv_lora_rank
-  outputs->o_dtype = geometry.q_dtype;
-  outputs->o_shape = {tokens, geometry.num_qo_heads, o_dim};
-  outputs->o->resize(tokens * geometry.num_qo_heads * o_dim * DTypeBytes(geometry.q_dtype));
   const bool want_lse = step->batch->options.return_lse;
+  outputs->o_dtype = geometry.q_dtype;
+  outputs->o_shape.assign({tokens, geometry.num_qo_heads, o_dim});
   if (want_lse) {
-    outputs->lse_shape = {tokens, geometry.num_qo_heads};
-    outputs->lse->resize(tokens * geometry.num_qo_heads * sizeof(float));
+    outputs->lse_shape.assign({tokens, geometry.num_qo_heads});
+  } else {
+    outputs->lse_shape.clear();
   }
+  outputs->step_committed = false;
+  outputs->lease = OutputLease();
   LayerIo io;
   io.layer = args.layer;
   io.q = DataOf(args.q);
@@ -160,13 +179,34 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
   io.q_pe = DataOf(args.q_pe);
   io.ckv = DataOf(args.ckv);
   io.kpe = DataOf(args.kpe);
-  io.o = outputs->o->data();
-  io.lse = want_lse ? reinterpret_cast<float*>(outputs->lse->data()) : nullptr;
+  io.q_bytes = PiecesOf(args.q);
+  io.k_bytes = PiecesOf(args.k);
+  io.v_bytes = PiecesOf(args.v);
+  io.q_pe_bytes = PiecesOf(args.q_pe);
+  io.ckv_bytes = PiecesOf(args.ckv);
+  io.kpe_bytes = PiecesOf(args.kpe);
+  if (outputs->o != nullptr) {
+    // resize keeps a reused string's bytes: no zero-fill when the size repeats.
+    outputs->o->resize(tokens * geometry.num_qo_heads * o_dim * DTypeBytes(geometry.q_dtype));
+    if (want_lse) outputs->lse->resize(tokens * geometry.num_qo_heads * sizeof(float));
+    io.o = outputs->o->data();
+    io.lse = want_lse ? reinterpret_cast<float*>(outputs->lse->data()) : nullptr;
+  } else {
+    io.lease = &outputs->lease;
+  }
+  io.trace = args.trace;
 
+  // The completion's state lives in `outputs`, so the callback below captures two pointers and
+  // std::function stores it without allocating.
+  outputs->running_step = std::move(step);
+  outputs->running_done = std::move(done);
+  outputs->running_layer = args.layer;
   State* state = state_.get();
-  const int32_t layer = args.layer;
-  step->backend_step->RunLayer(io, [state, step, layer, outputs,
-                                    done = std::move(done)](absl::Status status) {
+  BackendStep* backend_step = outputs->running_step->backend_step.get();
+  backend_step->RunLayer(io, [state, outputs](absl::Status status) {
+    std::shared_ptr<StepEntry> step = std::move(outputs->running_step);
+    std::function<void(absl::Status)> done = std::move(outputs->running_done);
+    const int32_t layer = outputs->running_layer;
     State::Deferred deferred;
     {
       absl::MutexLock lock(&state->mu);
@@ -195,6 +235,8 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
         state->FinalizeLocked(*step, deferred);
       }
     }
+    // The step (and with it the backend step) may end here, outside the lock.
+    step.reset();
     done(status);
     for (auto& callback : deferred) callback();
   });

@@ -4,7 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -62,12 +65,23 @@ struct PlanResult {
   std::string kernel;
 };
 
-// A tensor argument as it came on the wire; `data` points into the request message.
+// A tensor argument as it came on the wire; `data` points into the request message, or, when
+// `pieces` is not empty, the bytes are the concatenation of the pieces (the received message's
+// slices, which the backend copies straight into staging).
 struct TensorArg {
   bool present = false;
   DType dtype = DType::kBFloat16;
   std::vector<int64_t> shape;
   std::string_view data;
+  std::span<const std::string_view> pieces = {};
+
+  int64_t size_bytes() const {
+    if (pieces.empty()) return static_cast<int64_t>(data.size());
+    int64_t bytes = 0;
+    for (const std::string_view piece : pieces) bytes += static_cast<int64_t>(piece.size());
+    return bytes;
+  }
+  bool empty() const { return size_bytes() == 0; }
 };
 
 struct ForwardArgs {
@@ -76,18 +90,30 @@ struct ForwardArgs {
   TensorArg q, k, v;           // MHA (q is q_nope for MLA)
   TensorArg q_pe, ckv, kpe;    // MLA
   std::string tenant;          // must match the step's PlanSpec::tenant
+  LayerTrace* trace = nullptr;  // benchmarks only (backend/layer_trace.h)
 };
 
-// Where Forward writes its outputs. The strings belong to the caller's response message and
-// must stay alive until the done callback runs.
+struct StepEntry;
+
+// Where Forward writes its outputs. The strings belong to the caller's response message; they
+// and this struct must stay alive until the done callback runs. With `o` null the backend lends
+// its output buffer instead (`lease`, valid until lease.Release(), which the caller calls):
+// the bytes can be sent from there with no copy.
 struct ForwardOutputs {
   std::string* o = nullptr;
-  std::string* lse = nullptr;  // filled when the step returns lse
+  std::string* lse = nullptr;  // filled when the step returns lse (and o is set)
+  OutputLease lease;
   // Set by the engine before the callback runs.
   std::vector<int64_t> o_shape;
   std::vector<int64_t> lse_shape;
   DType o_dtype = DType::kBFloat16;
   bool step_committed = false;
+
+  // The engine's own state while the layer runs (kept here so that its completion callback
+  // needs no allocation); not for the caller.
+  std::shared_ptr<StepEntry> running_step;
+  std::function<void(absl::Status)> running_done;
+  int32_t running_layer = 0;
 };
 
 enum class StepOutcome { kCommitted, kAborted };

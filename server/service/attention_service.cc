@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "attnd/status_macros.h"
 #include "service/convert.h"
+#include "service/forward_call.h"
 
 namespace attnd {
 namespace {
@@ -89,25 +90,43 @@ void HandleForward(const ServiceContext& context, const Tenant& tenant,
     std::vector<std::string> scratch;
     ForwardOutputs outputs;
     std::string lse;
+    LayerTrace trace;
   };
   auto call = std::make_shared<Call>();
+  LayerTraceSink* const sink = context.trace_sink;
+  if (sink != nullptr) {
+    call->trace.Mark(LayerTrace::kReceived);
+    call->args.trace = &call->trace;
+  }
   const absl::Status decoded = ForwardArgsFromProto(request, call->args, call->scratch);
   if (!decoded.ok()) {
     done(decoded);
     return;
   }
+  MarkStage(call->args.trace, LayerTrace::kDecoded);
   call->args.tenant = tenant.name;
   call->outputs.o = response->mutable_o()->mutable_data();
   call->outputs.lse = &call->lse;
   Engine* engine = context.engine;
   engine->Forward(call->args, &call->outputs,
-                  [call, response, done = std::move(done)](absl::Status status) {
+                  [call, response, sink, done = std::move(done)](absl::Status status) {
                     if (status.ok()) {
                       ForwardOutputsToProto(call->outputs, std::move(call->lse), response);
                     } else {
                       response->Clear();
                     }
+                    MarkStage(call->args.trace, LayerTrace::kEncoded);
                     done(status);
+                    if (sink != nullptr) {
+                      // Streams mark kWriteStarted inside `done`; unary calls finish there.
+                      LayerTrace& trace = call->trace;
+                      if (trace.ns[LayerTrace::kWriteStarted] == 0) {
+                        trace.Mark(LayerTrace::kWriteStarted);
+                      }
+                      trace.step_id = call->args.step_id;
+                      trace.layer = call->args.layer;
+                      sink->Record(trace);
+                    }
                   });
 }
 
@@ -227,17 +246,78 @@ grpc::ServerUnaryReactor* AttentionService::Plan(grpc::CallbackServerContext* ct
   });
 }
 
+namespace {
+
+// The end of a unary Forward that took the fast path; `owner` is the call pool.
+void UnaryForwardDone(void* owner, ForwardCall* call, absl::Status status) {
+  grpc::ServerUnaryReactor* reactor = call->unary_reactor;
+  if (status.ok()) call->unary_reply->Swap(&call->response);
+  if (Metrics* metrics = call->metrics) {
+    metrics->ObserveRpc("Forward", status.code(), SecondsSince(call->start));
+  }
+  call->Mark(LayerTrace::kWriteStarted);
+  call->RecordTrace();
+  static_cast<ForwardCallPool*>(owner)->Return(call);
+  reactor->Finish(ToGrpcStatus(status));
+}
+
+}  // namespace
+
+AttentionService::AttentionService(const ServiceContext& context)
+    : context_(context), unary_calls_(std::make_unique<ForwardCallPool>()) {}
+
+AttentionService::~AttentionService() = default;
+
 grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext* ctx,
-                                                    const v1::ForwardRequest* request,
-                                                    v1::ForwardResponse* response) {
+                                                    const grpc::ByteBuffer* request,
+                                                    grpc::ByteBuffer* response) {
   auto* reactor = ctx->DefaultReactor();
-  auto done = FinishLater(context_, reactor, "Forward");
+  ForwardCall* call = unary_calls_->Take();
+  call->start = Clock::now();
+  call->trace_sink = context_.trace_sink;
+  call->Mark(LayerTrace::kReceived);
   absl::StatusOr<Tenant> tenant = context_.auth->Authenticate(*ctx);
   if (!tenant.ok()) {
-    done(tenant.status());
+    unary_calls_->Return(call);
+    FinishLater(context_, reactor, "Forward")(tenant.status());
     return reactor;
   }
-  HandleForward(context_, *tenant, *request, response, std::move(done));
+  if (!request->Dump(&call->slices).ok() || !ParseForwardRequest(call->slices, call->wire)) {
+    // The unusual encodings (and `values` tensors) take protobuf's parser.
+    unary_calls_->Return(call);
+    auto parsed = std::make_shared<v1::ForwardRequest>();
+    auto typed_response = std::make_shared<v1::ForwardResponse>();
+    grpc::ByteBuffer copy(*request);  // shares the slices
+    if (!grpc::SerializationTraits<v1::ForwardRequest>::Deserialize(&copy, parsed.get()).ok()) {
+      FinishLater(context_, reactor, "Forward")(
+          absl::InvalidArgumentError("request: not a valid attnd.v1.ForwardRequest"));
+      return reactor;
+    }
+    HandleForward(context_, *tenant, *parsed, typed_response.get(),
+                  [parsed, typed_response, response,
+                   done = FinishLater(context_, reactor, "Forward")](absl::Status status) {
+                    if (status.ok()) {
+                      bool own_buffer = false;
+                      const grpc::Status serialized =
+                          grpc::SerializationTraits<v1::ForwardResponse>::Serialize(
+                              *typed_response, response, &own_buffer);
+                      if (!serialized.ok()) {
+                        status = absl::InternalError(absl::StrCat(
+                            "serialize ForwardResponse: ", serialized.error_message()));
+                      }
+                    }
+                    done(status);
+                  });
+    return reactor;
+  }
+  call->tenant = *std::move(tenant);
+  call->stream = false;
+  call->metrics = context_.metrics;
+  call->unary_reactor = reactor;
+  call->unary_reply = response;
+  call->owner = unary_calls_.get();
+  call->on_done = &UnaryForwardDone;
+  RunForward(context_, call);
   return reactor;
 }
 
@@ -255,7 +335,7 @@ grpc::ServerUnaryReactor* AttentionService::EndStep(grpc::CallbackServerContext*
   return reactor;
 }
 
-grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* AttentionService::ForwardStream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::ForwardStream(
     grpc::CallbackServerContext* ctx) {
   absl::StatusOr<Tenant> tenant = context_.auth->Authenticate(*ctx);
   if (!tenant.ok()) {

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "attnd/v1/attnd.grpc.pb.h"
@@ -27,11 +28,32 @@ struct ServiceContext {
   std::string version;
   ServerLimitsOptions limits;  // limits.max_stream_in_flight bounds each ForwardStream
   absl::Duration step_ttl;
+  // Benchmarks only: receives a LayerTrace of every Forward (backend/layer_trace.h).
+  LayerTraceSink* trace_sink = nullptr;
 };
 
-class AttentionService final : public v1::AttentionService::CallbackService {
+// The callback service with Forward and ForwardStream taking raw messages (grpc::ByteBuffer):
+// the hot path parses and writes them itself (forward_wire.h) so that tensor bytes are copied
+// once each way between gRPC's slices and pinned memory. The other RPCs stay typed.
+using AttentionServiceBase = v1::AttentionService::WithCallbackMethod_GetServerInfo<
+    v1::AttentionService::WithCallbackMethod_CreateCache<
+        v1::AttentionService::WithCallbackMethod_GetCache<
+            v1::AttentionService::WithCallbackMethod_ListCaches<
+                v1::AttentionService::WithCallbackMethod_DeleteCache<
+                    v1::AttentionService::WithCallbackMethod_FreeSequences<
+                        v1::AttentionService::WithCallbackMethod_Plan<
+                            v1::AttentionService::WithRawCallbackMethod_Forward<
+                                v1::AttentionService::WithCallbackMethod_EndStep<
+                                    v1::AttentionService::WithRawCallbackMethod_ForwardStream<
+                                        v1::AttentionService::WithCallbackMethod_GetStats<
+                                            v1::AttentionService::Service>>>>>>>>>>>;
+
+class ForwardCallPool;
+
+class AttentionService final : public AttentionServiceBase {
  public:
-  explicit AttentionService(const ServiceContext& context) : context_(context) {}
+  explicit AttentionService(const ServiceContext& context);
+  ~AttentionService() override;
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* request,
@@ -55,12 +77,12 @@ class AttentionService final : public v1::AttentionService::CallbackService {
                                  const v1::PlanRequest* request,
                                  v1::PlanResponse* response) override;
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx,
-                                    const v1::ForwardRequest* request,
-                                    v1::ForwardResponse* response) override;
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* EndStep(grpc::CallbackServerContext* ctx,
                                     const v1::EndStepRequest* request,
                                     v1::EndStepResponse* response) override;
-  grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* ForwardStream(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardStream(
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
                                      const v1::GetStatsRequest* request,
@@ -68,6 +90,7 @@ class AttentionService final : public v1::AttentionService::CallbackService {
 
  private:
   ServiceContext context_;
+  std::unique_ptr<ForwardCallPool> unary_calls_;
   std::atomic<uint64_t> next_stream_id_{1};
   // Serialises quota checks with the creation they admit, so concurrent creates of one
   // tenant cannot both fit in the quota's last pages.
@@ -88,11 +111,12 @@ void HandleEndStep(const ServiceContext& context, const Tenant& tenant,
                    std::function<void(absl::Status)> done);
 
 // A stream of `tenant`, which presented `token`: each message re-checks the token, so a
-// token revoked by a reload stops working on open streams too.
-grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* NewForwardStreamReactor(
+// token revoked by a reload stops working on open streams too. Messages are raw StreamRequest
+// bytes (forward_wire.h).
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewForwardStreamReactor(
     const ServiceContext& context, uint64_t owner, Tenant tenant, std::string token);
 // A stream refused before it starts (authentication failed): finishes with `status`.
-grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* NewRejectedStreamReactor(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewRejectedStreamReactor(
     const grpc::Status& status);
 
 }  // namespace attnd

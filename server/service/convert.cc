@@ -220,19 +220,35 @@ absl::Status GeometryFromProto(const v1::CacheConfig& config, CacheGeometry& g) 
   return absl::OkStatus();
 }
 
-absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field, TensorArg& arg,
-                          std::vector<std::string>& scratch) {
+// Checks a tensor's dtype and dimensions and copies them into `arg`; returns the element count.
+template <typename Dims>
+absl::StatusOr<int64_t> DecodeHeader(int32_t dtype, const Dims& shape, absl::string_view field,
+                                     TensorArg& arg) {
   arg.present = true;
-  ASSIGN_OR_RETURN(arg.dtype, DTypeFromProto(tensor.dtype(), absl::StrCat(field, ".dtype")));
+  if (!v1::DType_IsValid(dtype) || dtype == v1::DTYPE_UNSPECIFIED) {
+    // The error names the field; only failures build strings.
+    ASSIGN_OR_RETURN(arg.dtype, DTypeFromProto(static_cast<v1::DType>(dtype),
+                                               absl::StrCat(field, ".dtype")));
+  }
+  arg.dtype = static_cast<DType>(dtype);
   int64_t elements = 1;
-  for (int i = 0; i < tensor.shape_size(); ++i) {
-    const int64_t dim = tensor.shape(i);
+  arg.shape.clear();
+  int i = 0;
+  for (const int64_t dim : shape) {
     if (dim < 0 || dim > kMaxTensorElements || elements * std::max<int64_t>(dim, 1) > kMaxTensorElements) {
       return Invalid(absl::StrCat(field, ".shape[", i, "]"), "a dimension in [0, 2^36)", dim);
     }
     elements *= dim;
     arg.shape.push_back(dim);
+    ++i;
   }
+  return elements;
+}
+
+absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field, TensorArg& arg,
+                          std::vector<std::string>& scratch) {
+  ASSIGN_OR_RETURN(const int64_t elements,
+                   DecodeHeader(tensor.dtype(), tensor.shape(), field, arg));
   if (tensor.values_size() == 0) {
     arg.data = tensor.data();
     return absl::OkStatus();
@@ -411,6 +427,29 @@ absl::Status ForwardArgsFromProto(const v1::ForwardRequest& request, ForwardArgs
   };
   for (const auto& t : tensors) {
     if (t.present) RETURN_IF_ERROR(DecodeTensor(t.tensor, t.field, t.arg, scratch));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ForwardArgsFromWire(const WireForward& wire, ForwardArgs& args) {
+  args.step_id = wire.step_id;
+  args.layer = wire.layer;
+  const struct {
+    const WireTensor& tensor;
+    absl::string_view field;
+    TensorArg& arg;
+  } tensors[] = {
+      {wire.q, "q", args.q},          {wire.k, "k", args.k},     {wire.v, "v", args.v},
+      {wire.q_pe, "q_pe", args.q_pe}, {wire.ckv, "ckv", args.ckv}, {wire.kpe, "kpe", args.kpe},
+  };
+  for (const auto& t : tensors) {
+    t.arg.present = false;
+    t.arg.shape.clear();
+    t.arg.data = {};
+    t.arg.pieces = {};
+    if (!t.tensor.present) continue;
+    RETURN_IF_ERROR(DecodeHeader(t.tensor.dtype, t.tensor.shape, t.field, t.arg).status());
+    t.arg.pieces = t.tensor.pieces;
   }
   return absl::OkStatus();
 }

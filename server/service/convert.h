@@ -10,6 +10,7 @@
 #include "attnd/v1/attnd.pb.h"
 #include "engine/specs.h"
 #include "grpcpp/support/status.h"
+#include "service/forward_wire.h"
 
 namespace attnd {
 
@@ -24,6 +25,10 @@ void PlanResultToProto(const PlanResult& result, v1::PlanResponse* response);
 // (which must outlive `args`); `data` tensors are referenced in place.
 absl::Status ForwardArgsFromProto(const v1::ForwardRequest& request, ForwardArgs& args,
                                   std::vector<std::string>& scratch);
+// A ForwardRequest from the fast wire parser (forward_wire.h): same checks and errors as
+// ForwardArgsFromProto; the tensors' bytes stay in the received slices (TensorArg::pieces).
+// `args` may be reused: its vectors keep their capacity.
+absl::Status ForwardArgsFromWire(const WireForward& wire, ForwardArgs& args);
 // Moves the engine's outputs into the response.
 void ForwardOutputsToProto(ForwardOutputs& outputs, std::string&& lse_bytes,
                            v1::ForwardResponse* response);
