@@ -49,7 +49,11 @@ struct MlaPlanOptions {
   MlaSplitMode split_mode = MlaSplitMode::kAuto;
   // Oversubscription: the smallest chunk it cuts, the most chunks of one request, the most
   // waves of CTAs it launches (the chunk grows until the CTAs fit), and how many doublings of
-  // min_tokens_per_cta it compares (1: the plain rule).
+  // min_tokens_per_cta it compares (1: the plain rule). Chosen from the H100 sweep
+  // (docs/benchmarks.md, MLA; plain rule): max_waves 4 left batch 256 unsplit (39.8% of copy vs
+  // 50.2% at 8), 16 cost 2-8% at batch 32-256; min_tokens_per_cta 1024 and 2048 are within 5%
+  // of each other at batch 64-256, 4096 is up to 10% slower there; searching the doublings
+  // gained 9% at batch 32 (chunk 16384 instead of 2048).
   int32_t min_tokens_per_cta = 2048;
   int32_t max_splits = 128;
   int32_t max_waves = 8;
@@ -58,9 +62,10 @@ struct MlaPlanOptions {
   int32_t min_chunk_tokens = 256;
   // Cost model (EstimatedCost): a CTA's fixed cost (q tile load, output or partial store) in
   // key tokens, and the merge's cost per partial (token, head) row in key tokens of one CTA
-  // slot. Fitted on an H100 (docs/benchmarks.md, MLA): a CTA streams a key in ~88 ns and
-  // costs ~16 us besides; the merge of 486 x 128 partial rows took ~50 us.
-  int32_t cta_overhead_tokens = 192;
+  // slot. Fitted on an H100 (docs/benchmarks.md, MLA): the Hopper kernel streams a key per CTA
+  // in ~49 ns and costs ~20 us besides (the mma.sync kernel: ~88 ns and ~16 us); the merge of
+  // 486 x 128 partial rows took ~50 us.
+  int32_t cta_overhead_tokens = 384;
   int32_t merge_tokens_per_partial_row = 1;
   int32_t fixed_split_tokens = 0;  // > 0 pins the chunk (tokens)
   bool deterministic = false;      // chunk fixed in tokens (fixed_split_tokens or the default)
