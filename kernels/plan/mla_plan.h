@@ -51,7 +51,7 @@ struct MlaPlanOptions {
   // waves of CTAs it launches (the chunk grows until the CTAs fit), and how many doublings of
   // min_tokens_per_cta it compares (1: the plain rule). Chosen from the H100 sweep
   // (docs/benchmarks.md, MLA; plain rule): max_waves 4 left batch 256 unsplit (39.8% of copy vs
-  // 50.2% at 8), 16 cost 2-11% at batch 32-256; min_tokens_per_cta 1024 is within 8% of 2048
+  // 50.2% at 8), 16 cost 4-13% at batch 32-256; min_tokens_per_cta 1024 is within 8% of 2048
   // at batch 64-256, 4096 up to 9% slower there; searching the doublings gained 9-12% at batch
   // 32 (chunk 16384 instead of 2048).
   int32_t min_tokens_per_cta = 2048;
