@@ -47,7 +47,7 @@ Engine::~Engine() {
   {
     // Backend callbacks of running layers reference the state: let them land first.
     absl::MutexLock lock(&state_->mu);
-    auto idle = [state = state_.get()]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state->mu) {
+    auto idle = [state = state_.get()]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
       return state->layers_in_flight == 0;
     };
     state_->mu.Await(absl::Condition(&idle));
