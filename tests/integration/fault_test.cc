@@ -18,6 +18,7 @@
 #include <latch>
 #include <map>
 #include <random>
+#include <span>
 #include <thread>
 
 #include <unistd.h>
@@ -46,9 +47,9 @@ constexpr uint64_t kSeqNew = 9;
 
 int64_t PagesFor(int64_t tokens) { return (tokens + 3) / 4; }
 
-// Wide enough that one layer of a kLongPrefill-token prefill takes a good fraction of a second
-// on the CPU backend (about 0.3 s optimised, 1 s in the unoptimised ASan build), so that a
-// cancel or a delete sent 100 ms after it lands mid-layer.
+// Wide enough that the attention of one layer of a kLongPrefill-token prefill takes a good
+// fraction of a second on the CPU backend (about 0.15 s optimised, 1 s in the unoptimised ASan
+// build): a cancel or a delete sent once its append has written lands mid-layer.
 #ifdef __OPTIMIZE__
 constexpr int32_t kLongPrefill = 2048;
 #else
@@ -184,6 +185,22 @@ class FaultTest : public ::testing::Test {
     ASSERT_NO_FATAL_FAILURE(RunStepAndCheck(c, *reference_, cache_, {{kSeqNew, 3}, {kSeqA, 1}}, rng_));
   }
 
+  // Waits until layer 0's K pool differs from `before`: the append of a running layer has
+  // written, and its attention (the bulk of the layer) is under way. False on timeout.
+  bool AwaitLayerRunning(const PoolBytes& before, const std::string& key = kCache) {
+    std::string pool(before.pools.at(0).size(), '\0');
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline) {
+      const absl::Status read = server().engine().ReadPages(
+          key, 0, /*v_pool=*/false, 0,
+          std::span<uint8_t>(reinterpret_cast<uint8_t*>(pool.data()), pool.size()));
+      if (!read.ok()) return false;
+      if (pool != before.pools[0]) return true;
+      absl::SleepFor(absl::Microseconds(200));
+    }
+    return false;
+  }
+
   // A layer of `rows` rows with random contents.
   attnd::v1::ForwardRequest Layer(int64_t rows, int32_t layer) {
     return RandomLayer(rng_, cache_.config(), rows, layer);
@@ -290,8 +307,8 @@ TEST_F(FaultTest, StreamCancelledMidForwardRollsBackOnceTheLayerLands) {
     const attnd::v1::ForwardRequest layer = Layer(kLongPrefill + 1, 0);
     const absl::Time sent = absl::Now();
     std::future<client::ForwardResult> running = step->ForwardAsync(layer);
-    // Let the layer reach the server and start, then vanish.
-    absl::SleepFor(absl::Milliseconds(100));
+    // Vanish once the layer runs.
+    ASSERT_TRUE(AwaitLayerRunning(before.pools)) << "the layer never started";
     session->Cancel();
     const client::ForwardResult result = running.get();
     EXPECT_EQ(result.status().code(), Code::kCancelled)
@@ -462,9 +479,9 @@ TEST_F(FaultTest, ForcedDeleteWithALayerRunningFreesThePoolOnceItLands) {
   ASSERT_OK_AND_ASSIGN(auto stream_plan, session->Plan(MakePlan(kCache, {{kSeqB, 1}})));
   attnd::v1::ForwardRequest layer = Layer(kLongPrefill + 1, 0);
   layer.set_step_id(plan.step_id());
+  ASSERT_OK_AND_ASSIGN(const PoolBytes before, ReadPools(server().engine(), kCache));
   auto running = std::async(std::launch::async, [&] { return client().Forward(layer); });
-  // Let the layer reach the server and start.
-  absl::SleepFor(absl::Milliseconds(100));
+  ASSERT_TRUE(AwaitLayerRunning(before)) << "the layer never started";
   ASSERT_OK(client().DeleteCache(kCache, /*force=*/true));
   ASSERT_OK_AND_ASSIGN(info, client().GetServerInfo());
   const bool pools_held_after_delete = info.kv_free_bytes() < budget;
