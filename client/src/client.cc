@@ -184,8 +184,7 @@ absl::StatusOr<std::unique_ptr<StreamSession>> Client::OpenStream(StreamOptions 
     return absl::InvalidArgumentError(
         absl::StrCat("window: expected >= 1, got ", options.window));
   }
-  auto impl = std::make_shared<StreamSession::Impl>(*stub_, NewContext(/*with_deadline=*/false),
-                                                    options);
+  auto impl = StreamSession::Impl::Start(channel_, NewContext(/*with_deadline=*/false), options);
   return std::make_unique<StreamSession>(std::move(impl));
 }
 

@@ -36,6 +36,16 @@ void Step::ForwardAsync(attnd::v1::ForwardRequest request, ForwardCallback done)
   });
 }
 
+void Step::ForwardRaw(int32_t layer, const TensorView& q, const TensorView& k,
+                      const TensorView& v, const ForwardOutputBuffers& outputs,
+                      RawForwardCallback done) {
+  StartForwardRaw(layer, q, k, v, outputs,
+                  [state = state_, done = std::move(done)](absl::StatusOr<ForwardOutcome> result) {
+                    if (result.ok() && result->step_committed) state->finished.store(true);
+                    done(std::move(result));
+                  });
+}
+
 absl::StatusOr<attnd::v1::EndStepResponse> Step::End() {
   auto result = SendEndStep(/*abort=*/false);
   state_->finished.store(true);

@@ -7,99 +7,213 @@
 #include "attnd/client/status.h"
 #include "stream_session_impl.h"
 #include "stream_step.h"
+#include "forward_wire.h"
+
+#include <grpcpp/generic/generic_stub.h>
 
 namespace attnd::client {
 
 // ---- Impl -------------------------------------------------------------------------------------
 
-StreamSession::Impl::Impl(attnd::v1::AttentionService::Stub& stub,
-                          std::unique_ptr<grpc::ClientContext> context, StreamOptions options)
-    : options_(options), context_(std::move(context)) {
-  stream_ = stub.ForwardStream(context_.get());
-  reader_ = std::thread([this] { ReadLoop(); });
+namespace {
+constexpr char kForwardStreamMethod[] = "/attnd.v1.AttentionService/ForwardStream";
+}  // namespace
+
+StreamSession::Impl::Impl(std::unique_ptr<grpc::ClientContext> context, StreamOptions options)
+    : options_(options), context_(std::move(context)) {}
+
+std::shared_ptr<StreamSession::Impl> StreamSession::Impl::Start(
+    const std::shared_ptr<grpc::Channel>& channel, std::unique_ptr<grpc::ClientContext> context,
+    StreamOptions options) {
+  auto impl = std::make_shared<Impl>(std::move(context), options);
+  impl->self_ = impl;
+  grpc::GenericStub stub(channel);
+  stub.PrepareBidiStreamingCall(impl->context_.get(), kForwardStreamMethod, grpc::StubOptions(),
+                                impl.get());
+  // Held until the last write (WritesDone): OnDone cannot come while a write may still start.
+  impl->AddHold();
+  impl->StartRead(&impl->incoming_);
+  impl->StartCall();
+  return impl;
 }
 
-StreamSession::Impl::~Impl() {
-  bool done;
-  {
-    std::lock_guard lock(mu_);
-    done = reader_done_;
-  }
-  if (!done) context_->TryCancel();
-  JoinReader();
-}
-
-void StreamSession::Impl::JoinReader() {
-  std::lock_guard lock(join_mu_);
-  if (!reader_.joinable()) return;
-  // The last owner may let go inside a callback, on the reader itself.
-  if (reader_.get_id() == std::this_thread::get_id()) {
-    reader_.detach();
-  } else {
-    reader_.join();
-  }
-}
-
-void StreamSession::Impl::SendAsync(attnd::v1::StreamRequest request, Done done) {
-  absl::Status refused;
+template <typename Encode>
+bool StreamSession::Impl::Enqueue(Pending pending, Encode&& encode, absl::Status& refused) {
+  Actions actions;
   {
     std::unique_lock lock(mu_);
     const size_t window = options_.window < 1 ? 1 : static_cast<size_t>(options_.window);
-    cv_.wait(lock, [&] { return pending_.size() < window || reader_done_ || closing_; });
-    if (reader_done_) {
+    cv_.wait(lock, [&] { return pending_.size() < window || done_ || closing_ || cancelled_; });
+    if (cancelled_) {
+      refused = absl::CancelledError("ForwardStream cancelled by the client");
+    } else if (done_) {
       refused = final_status_.ok() ? absl::UnavailableError("ForwardStream has ended")
                                    : final_status_;
     } else if (closing_) {
       refused = absl::FailedPreconditionError("ForwardStream is closed");
-    } else {
-      const uint64_t tag = next_tag_++;
-      request.set_tag(tag);
-      pending_.emplace(tag, std::move(done));
     }
+    if (!refused.ok()) return false;
+    const uint64_t tag = next_tag_++;
+    const bool raw = pending.raw != nullptr;
+    pending_.emplace(tag, std::move(pending));
+    writes_.push_back(Write{encode(tag), raw ? tag : 0});
+    actions = NextActionsLocked();
   }
-  if (!refused.ok()) {
-    done(refused);
-    return;
-  }
-  std::lock_guard write_lock(write_mu_);
-  // A failed write means the call is over; the reader then fails this message with the call's
-  // status, so nothing is lost here.
-  if (!writes_done_) (void)stream_->Write(request);
+  Act(actions);
+  return true;
 }
 
-void StreamSession::Impl::ReadLoop() {
-  attnd::v1::StreamResponse response;
-  while (stream_->Read(&response)) {
-    Done done;
+StreamSession::Impl::Actions StreamSession::Impl::NextActionsLocked() {
+  Actions actions;
+  if (writing_ || hold_released_) return actions;
+  // Once the call is over (a write failed, the server finished it) or abandoned, nothing more
+  // goes out; what waits fails in OnDone.
+  const bool over = broken_ || read_done_ || abandon_writes_;
+  if (over) writes_.clear();
+  if (!writes_.empty()) {
+    writing_ = true;
+    actions.write = &writes_.front().message;
+  } else if (closing_ || over) {
+    // No write can start any more: let the call end.
+    hold_released_ = true;
+    actions.writes_done = !over;
+    actions.release_hold = true;
+  }
+  return actions;
+}
+
+void StreamSession::Impl::Act(const Actions& actions) {
+  if (actions.write != nullptr) StartWrite(actions.write);
+  if (actions.writes_done) StartWritesDone();
+  if (actions.release_hold) RemoveHold();  // may end the call (OnDone) here; touch nothing after
+}
+
+std::function<void()> StreamSession::Impl::TakeDeliveryLocked(uint64_t tag) {
+  auto it = pending_.find(tag);
+  if (it == pending_.end() || !it->second.written || !it->second.answered) return nullptr;
+  auto delivery = [done = std::move(it->second.raw), result = std::move(it->second.result)]() {
+    done(result);
+  };
+  pending_.erase(it);
+  cv_.notify_all();  // a window slot is free
+  return delivery;
+}
+
+void StreamSession::Impl::SendAsync(attnd::v1::StreamRequest request, Done done) {
+  Pending pending;
+  pending.typed = done;
+  absl::Status refused;
+  const bool queued = Enqueue(std::move(pending), [&](uint64_t tag) {
+    request.set_tag(tag);
+    grpc::ByteBuffer message;
+    bool own_buffer = false;
+    (void)grpc::SerializationTraits<attnd::v1::StreamRequest>::Serialize(request, &message,
+                                                                        &own_buffer);
+    return message;
+  }, refused);
+  if (!queued) done(refused);
+}
+
+void StreamSession::Impl::SendForwardRaw(uint64_t step_id, int32_t layer, const TensorView& q,
+                                         const TensorView& k, const TensorView& v,
+                                         const ForwardOutputBuffers& outputs,
+                                         RawForwardCallback done) {
+  Pending pending;
+  pending.raw = done;
+  pending.outputs = outputs;
+  absl::Status refused;
+  const bool queued = Enqueue(std::move(pending), [&](uint64_t tag) {
+    return EncodeForwardRequest(/*stream=*/true, tag, step_id, layer, q, k, v);
+  }, refused);
+  if (!queued) done(refused);
+}
+
+void StreamSession::Impl::OnWriteDone(bool ok) {
+  std::function<void()> delivery;
+  Actions actions;
+  {
+    std::lock_guard lock(mu_);
+    writing_ = false;
+    const uint64_t raw_tag = writes_.front().raw_tag;
+    writes_.pop_front();
+    if (!ok) broken_ = true;  // the call is over; OnDone fails what waits
+    if (raw_tag != 0) {
+      auto it = pending_.find(raw_tag);
+      if (it != pending_.end()) it->second.written = true;
+      delivery = TakeDeliveryLocked(raw_tag);
+    }
+    actions = NextActionsLocked();
+  }
+  if (delivery) delivery();
+  Act(actions);
+}
+
+void StreamSession::Impl::OnReadDone(bool ok) {
+  if (!ok) {
+    // The server finished the call (or it broke): no reply will come.
+    Actions actions;
     {
       std::lock_guard lock(mu_);
-      auto it = pending_.find(response.tag());
-      if (it != pending_.end()) {
-        done = std::move(it->second);
-        pending_.erase(it);
-      }
+      read_done_ = true;
+      actions = NextActionsLocked();
     }
-    cv_.notify_all();
-    // A tag we are not waiting for (a server bug) is dropped rather than misdelivered.
-    if (done) {
-      if (response.has_error()) {
-        done(FromStreamError(response.error()));
-      } else {
-        done(std::move(response));
-      }
-    }
-    response.Clear();
+    Act(actions);
+    return;
   }
-  grpc::Status status;
+  const uint64_t tag = StreamResponseTag(incoming_);
+  Done typed;
+  bool raw = false;
+  ForwardOutputBuffers outputs;
   {
-    std::lock_guard write_lock(write_mu_);
-    status = stream_->Finish();
+    std::lock_guard lock(mu_);
+    auto it = pending_.find(tag);
+    if (it != pending_.end()) {
+      if (it->second.raw != nullptr) {
+        raw = true;
+        outputs = it->second.outputs;
+      } else {
+        typed = std::move(it->second.typed);
+        pending_.erase(it);
+        cv_.notify_all();
+      }
+    }
   }
-  std::map<uint64_t, Done> orphans;
+  // A tag we are not waiting for (a server bug) is dropped rather than misdelivered.
+  if (raw) {
+    // Straight from the received slices into the caller's buffers, outside the lock.
+    absl::StatusOr<ForwardOutcome> result = DecodeForwardResponse(incoming_, true, outputs);
+    std::function<void()> delivery;
+    {
+      std::lock_guard lock(mu_);
+      auto it = pending_.find(tag);
+      if (it != pending_.end()) {
+        it->second.result = std::move(result);
+        it->second.answered = true;
+        delivery = TakeDeliveryLocked(tag);
+      }
+    }
+    if (delivery) delivery();
+  } else if (typed) {
+    attnd::v1::StreamResponse response;
+    if (!grpc::SerializationTraits<attnd::v1::StreamResponse>::Deserialize(&incoming_, &response)
+             .ok()) {
+      typed(absl::InternalError("ForwardStream: a reply is not a StreamResponse"));
+    } else if (response.has_error()) {
+      typed(FromStreamError(response.error()));
+    } else {
+      typed(std::move(response));
+    }
+  }
+  incoming_.Clear();
+  StartRead(&incoming_);
+}
+
+void StreamSession::Impl::OnDone(const grpc::Status& status) {
+  std::map<uint64_t, Pending> orphans;
   absl::Status orphan_status;
   {
     std::lock_guard lock(mu_);
-    reader_done_ = true;
+    done_ = true;
     if (cancelled_) {
       final_status_ = absl::CancelledError("ForwardStream cancelled by the client");
     } else if (!status.ok()) {
@@ -110,31 +224,40 @@ void StreamSession::Impl::ReadLoop() {
       final_status_ = absl::OkStatus();
     }
     orphans.swap(pending_);
+    writes_.clear();
     orphan_status = final_status_.ok()
                         ? absl::UnavailableError("ForwardStream ended before answering")
                         : final_status_;
+    cv_.notify_all();  // under the lock: a waiter may destroy the session once it is released
   }
-  cv_.notify_all();
-  for (auto& [tag, done] : orphans) done(orphan_status);
+  for (auto& [tag, pending] : orphans) {
+    if (pending.raw) {
+      pending.raw(orphan_status);
+    } else if (pending.typed) {
+      pending.typed(orphan_status);
+    }
+  }
+  // Last: may destroy the session.
+  std::shared_ptr<Impl> self;
+  {
+    std::lock_guard lock(mu_);
+    self = std::move(self_);
+  }
 }
 
 absl::Status StreamSession::Impl::Close(absl::Duration grace) {
+  Actions actions;
   {
     std::lock_guard lock(mu_);
     closing_ = true;
+    cv_.notify_all();
+    actions = NextActionsLocked();
   }
-  cv_.notify_all();
-  {
-    std::lock_guard write_lock(write_mu_);
-    if (!writes_done_) {
-      writes_done_ = true;
-      (void)stream_->WritesDone();
-    }
-  }
+  Act(actions);
   bool finished;
   {
     std::unique_lock lock(mu_);
-    auto ended = [&] { return reader_done_; };
+    auto ended = [&] { return done_; };
     if (grace == absl::InfiniteDuration()) {
       cv_.wait(lock, ended);
       finished = true;
@@ -142,21 +265,31 @@ absl::Status StreamSession::Impl::Close(absl::Duration grace) {
       finished = cv_.wait_for(lock, absl::ToChronoMilliseconds(grace), ended);
     }
   }
-  if (!finished) context_->TryCancel();
-  JoinReader();
-  std::lock_guard lock(mu_);
-  if (!finished) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "ForwardStream: the server did not finish within ", absl::FormatDuration(grace),
-        " of the client closing; cancelled"));
+  if (finished) {
+    std::lock_guard lock(mu_);
+    return final_status_;
   }
-  return final_status_;
+  context_->TryCancel();
+  {
+    std::lock_guard lock(mu_);
+    abandon_writes_ = true;
+    actions = NextActionsLocked();
+  }
+  Act(actions);
+  {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return done_; });
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "ForwardStream: the server did not finish within ", absl::FormatDuration(grace),
+      " of the client closing; cancelled"));
 }
 
 void StreamSession::Impl::Cancel() {
   {
     std::lock_guard lock(mu_);
     cancelled_ = true;
+    cv_.notify_all();
   }
   context_->TryCancel();
 }

@@ -18,6 +18,12 @@ void StreamStep::StartForward(attnd::v1::ForwardRequest request, ForwardCallback
   });
 }
 
+void StreamStep::StartForwardRaw(int32_t layer, const TensorView& q, const TensorView& k,
+                                 const TensorView& v, const ForwardOutputBuffers& outputs,
+                                 RawForwardCallback done) {
+  session_->SendForwardRaw(id(), layer, q, k, v, outputs, std::move(done));
+}
+
 absl::StatusOr<attnd::v1::EndStepResponse> StreamStep::SendEndStep(bool abort) {
   attnd::v1::StreamRequest message;
   message.mutable_end_step()->set_step_id(id());

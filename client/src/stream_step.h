@@ -16,6 +16,9 @@ class StreamStep final : public Step {
  protected:
   void StartForward(attnd::v1::ForwardRequest request, ForwardCallback done) override;
   absl::StatusOr<attnd::v1::EndStepResponse> SendEndStep(bool abort) override;
+  void StartForwardRaw(int32_t layer, const TensorView& q, const TensorView& k,
+                       const TensorView& v, const ForwardOutputBuffers& outputs,
+                       RawForwardCallback done) override;
 
  private:
   std::shared_ptr<StreamSession::Impl> session_;

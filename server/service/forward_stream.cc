@@ -243,6 +243,23 @@ class ForwardStreamReactor final
   }
 
   void Handle(ForwardCall* call) {
+    call->TakeSlices();
+    const bool fast =
+        ParseStreamRequest(call->slices, call->tag, call->wire) == WireKind::kForward;
+    // Plan, EndStep and the forwards the fast parser declined go through protobuf; parsed
+    // first, so that even a refusal carries the message's tag.
+    std::shared_ptr<v1::StreamRequest> typed;
+    if (!fast) {
+      typed = std::make_shared<v1::StreamRequest>();
+      grpc::ByteBuffer bytes(call->request);  // shares the slices
+      if (!grpc::SerializationTraits<v1::StreamRequest>::Deserialize(&bytes, typed.get()).ok()) {
+        call->tag = 0;
+        RespondError(call, "ForwardStream",
+                     absl::InvalidArgumentError("request: not a valid attnd.v1.StreamRequest"));
+        return;
+      }
+      call->tag = typed->tag();
+    }
     if (context_.auth->enabled()) {
       const absl::StatusOr<Tenant> current = context_.auth->AuthenticateToken(token_);
       if (!current.ok() || current->name != tenant_.name) {
@@ -253,8 +270,7 @@ class ForwardStreamReactor final
         return;
       }
     }
-    call->TakeSlices();
-    if (ParseStreamRequest(call->slices, call->tag, call->wire) == WireKind::kForward) {
+    if (fast) {
       call->tenant = tenant_;
       call->trace_sink = context_.trace_sink;  // only forwards on the hot path are traced
       call->stream = true;
@@ -264,20 +280,10 @@ class ForwardStreamReactor final
       RunForward(context_, call);
       return;
     }
-    HandleTyped(call);
+    HandleTyped(call, std::move(typed));
   }
 
-  // Plan, EndStep and the forwards the fast parser declined, through protobuf.
-  void HandleTyped(ForwardCall* call) {
-    auto request = std::make_shared<v1::StreamRequest>();
-    grpc::ByteBuffer bytes(call->request);  // shares the slices
-    if (!grpc::SerializationTraits<v1::StreamRequest>::Deserialize(&bytes, request.get()).ok()) {
-      call->tag = 0;
-      RespondError(call, "ForwardStream",
-                   absl::InvalidArgumentError("request: not a valid attnd.v1.StreamRequest"));
-      return;
-    }
-    call->tag = request->tag();
+  void HandleTyped(ForwardCall* call, std::shared_ptr<v1::StreamRequest> request) {
     switch (request->request_case()) {
       case v1::StreamRequest::kPlan: {
         v1::StreamResponse response;

@@ -12,6 +12,7 @@
 //
 //   hot_path_bench --backend=null --sequences=128 --layers=4 --steps=50 [--stream --window=2]
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -27,7 +28,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/match.h"
 #include "attnd/client/client.h"
 #include "backend/backend_factory.h"
 #include "backend/cpu_backend.h"
@@ -46,6 +50,13 @@ ABSL_FLAG(int32_t, kv_heads, 8, "K/V heads");
 ABSL_FLAG(int32_t, head_dim, 128, "head width");
 ABSL_FLAG(bool, stream, false, "ForwardStream instead of unary Forward calls");
 ABSL_FLAG(int32_t, window, 1, "layers in flight");
+ABSL_FLAG(std::string, channel_args, "",
+          "comma-separated name=int gRPC channel arguments set on both server and client "
+          "(e.g. grpc.http2.lookahead_bytes=16777216)");
+ABSL_FLAG(std::string, listen, "127.0.0.1:0",
+          "server address: host:port (port 0 picks one) or unix:/path (a Unix socket)");
+ABSL_FLAG(bool, raw_client, true,
+          "zero-copy client calls (Step::ForwardRaw) instead of ForwardRequest messages");
 
 namespace attnd {
 namespace {
@@ -300,17 +311,35 @@ int Main() {
   AttentionService service(context);
   int port = 0;
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(512 << 20);
   builder.SetMaxSendMessageSize(512 << 20);
+  std::vector<std::pair<std::string, int>> channel_args;
+  for (absl::string_view arg : absl::StrSplit(absl::GetFlag(FLAGS_channel_args), ',',
+                                              absl::SkipEmpty())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(arg, absl::MaxSplits('=', 1));
+    int value = 0;
+    if (!absl::SimpleAtoi(kv.second, &value)) return 2;
+    channel_args.emplace_back(kv.first, value);
+    builder.AddChannelArgument(kv.first, value);
+  }
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) return 1;
 
   client::ClientOptions client_options;
-  client_options.address = absl::StrCat("127.0.0.1:", port);
-  auto client = client::Client::Connect(client_options);
-  if (!client.ok()) return 1;
+  client_options.address = absl::StartsWith(listen, "unix:")
+                               ? listen
+                               : absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(512 << 20);
+  arguments.SetMaxSendMessageSize(512 << 20);
+  for (const auto& [name, value] : channel_args) arguments.SetInt(name, value);
+  auto client = std::make_unique<client::Client>(
+      grpc::CreateCustomChannel(client_options.address, grpc::InsecureChannelCredentials(),
+                                arguments),
+      client_options);
 
   const int32_t sequences = absl::GetFlag(FLAGS_sequences);
   const int32_t layers = absl::GetFlag(FLAGS_layers);
@@ -329,14 +358,14 @@ int Main() {
   config.set_page_size(16);
   config.mutable_rope()->set_style(v1::ROPE_STYLE_NEOX);
   config.set_num_pages(sequences * ((prompt + warmup + steps + 15) / 16 + 1));
-  auto cache = (*client)->CreateCache("bench", config);
+  auto cache = client->CreateCache("bench", config);
   if (!cache.ok()) {
     absl::FPrintF(stderr, "create cache: %s\n", cache.status().ToString());
     return 1;
   }
   std::unique_ptr<client::StreamSession> session;
   if (absl::GetFlag(FLAGS_stream)) {
-    auto opened = (*client)->OpenStream({.window = std::max(window, 2)});
+    auto opened = client->OpenStream({.window = std::max(window, 2)});
     if (!opened.ok()) return 1;
     session = *std::move(opened);
   }
@@ -352,6 +381,9 @@ int Main() {
     *request.mutable_v() = RandomBf16(rng, {rows, hkv, dim});
     return payloads.emplace(rows, std::move(request)).first->second;
   };
+  const bool raw_client = absl::GetFlag(FLAGS_raw_client);
+  // Output buffers of the zero-copy client, one per layer in flight, reused.
+  std::vector<std::vector<uint8_t>> outputs(layers);
 
   auto run_step = [&](int32_t new_tokens, bool timed) -> bool {
     v1::PlanRequest plan;
@@ -361,7 +393,7 @@ int Main() {
       entry->set_sequence_id(i + 1);
       entry->set_num_new_tokens(new_tokens);
     }
-    auto step = session ? session->BeginStep(plan) : (*client)->BeginStep(plan);
+    auto step = session ? session->BeginStep(plan) : client->BeginStep(plan);
     if (!step.ok()) {
       absl::FPrintF(stderr, "plan: %s\n", step.status().ToString());
       return false;
@@ -377,22 +409,47 @@ int Main() {
         cv.wait(lock, [&] { return in_flight < window; });
         ++in_flight;
       }
-      v1::ForwardRequest request = base;
-      request.set_layer(layer);
       const uint64_t step_id = (*step)->id();
-      const int64_t sent = LayerTrace::NowNs();
-      (*step)->ForwardAsync(std::move(request), [&, sent, step_id, layer,
-                                                 timed](client::ForwardResult result) {
+      auto finish = [&, step_id, layer, timed](const absl::Status& status, int64_t sent) {
         const int64_t received = LayerTrace::NowNs();
         if (timed) traces.RecordClient(step_id, layer, sent, received);
         std::lock_guard lock(mu);
-        if (!result.ok()) {
-          absl::FPrintF(stderr, "forward: %s\n", result.status().ToString());
+        if (!status.ok()) {
+          absl::FPrintF(stderr, "forward: %s\n", status.ToString());
           failed = true;
         }
         --in_flight;
         cv.notify_all();
-      });
+      };
+      if (raw_client) {
+        const int64_t rows = (*step)->num_tokens();
+        const int64_t q_shape[] = {rows, hq, dim};
+        const int64_t kv_shape[] = {rows, hkv, dim};
+        auto view = [](const v1::Tensor& t, std::span<const int64_t> shape) {
+          client::TensorView v;
+          v.dtype = t.dtype();
+          v.shape = shape;
+          v.bytes = {reinterpret_cast<const uint8_t*>(t.data().data()), t.data().size()};
+          return v;
+        };
+        std::vector<uint8_t>& o = outputs[layer];
+        o.resize(base.q().data().size());
+        client::ForwardOutputBuffers out;
+        out.o = o;
+        const int64_t sent = LayerTrace::NowNs();
+        (*step)->ForwardRaw(layer, view(base.q(), q_shape), view(base.k(), kv_shape),
+                            view(base.v(), kv_shape), out,
+                            [finish, sent](absl::StatusOr<client::ForwardOutcome> result) {
+                              finish(result.status(), sent);
+                            });
+      } else {
+        v1::ForwardRequest request = base;
+        request.set_layer(layer);
+        const int64_t sent = LayerTrace::NowNs();
+        (*step)->ForwardAsync(std::move(request), [finish, sent](client::ForwardResult result) {
+          finish(result.status(), sent);
+        });
+      }
     }
     std::unique_lock lock(mu);
     cv.wait(lock, [&] { return in_flight == 0; });
@@ -411,13 +468,14 @@ int Main() {
   const double seconds = (LayerTrace::NowNs() - start) / 1e9;
   traces.Enable(false);
   absl::PrintF("hot_path_bench: backend %s, %d sequences x %d layers (Hq %d, Hkv %d, D %d, bf16), "
-               "%s, window %d: %.1f steps/s\n",
+               "%s, window %d, %s client: %.1f steps/s\n",
                backend_name, sequences, layers, hq, hkv, dim,
-               session ? "ForwardStream" : "unary", window, steps / seconds);
+               session ? "ForwardStream" : "unary", window,
+               raw_client ? "zero-copy" : "proto", steps / seconds);
   traces.Print();
   if (session) (void)session->Close();
   session.reset();
-  client->reset();
+  client.reset();
   server->Shutdown();
   return 0;
 }

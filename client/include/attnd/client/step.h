@@ -15,6 +15,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <span>
 
 #include "absl/status/statusor.h"
 #include "attnd/v1/attnd.pb.h"
@@ -23,6 +24,27 @@ namespace attnd::client {
 
 using ForwardResult = absl::StatusOr<attnd::v1::ForwardResponse>;
 using ForwardCallback = std::function<void(ForwardResult)>;
+
+// A tensor sent from the caller's memory: raw little-endian elements, row-major (as
+// attnd.v1.Tensor.data). The shape is read while the call is sent; the bytes are referenced,
+// not copied, until the call's callback runs.
+struct TensorView {
+  attnd::v1::DType dtype = attnd::v1::DTYPE_BFLOAT16;
+  std::span<const int64_t> shape;
+  std::span<const uint8_t> bytes;
+};
+
+// Where a zero-copy Forward's outputs land: o ([num_tokens, num_qo_heads, head_dim], q_dtype)
+// exactly, and lse ([num_tokens, num_qo_heads] float) when the plan returns it.
+struct ForwardOutputBuffers {
+  std::span<uint8_t> o;
+  std::span<float> lse;
+};
+
+struct ForwardOutcome {
+  bool step_committed = false;  // this layer was the step's last and the step committed
+};
+using RawForwardCallback = std::function<void(absl::StatusOr<ForwardOutcome>)>;
 
 class Step {
  public:
@@ -50,6 +72,12 @@ class Step {
   // block on other calls of the same stream or client.
   void ForwardAsync(attnd::v1::ForwardRequest request, ForwardCallback done);
 
+  // Zero-copy Forward: q/k/v go out from the caller's memory and o/lse come back straight into
+  // `outputs` (one copy, out of the received message); the memory of both must stay valid and
+  // untouched until `done` runs (on a client thread). Blocks while a stream's window is full.
+  void ForwardRaw(int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v,
+                  const ForwardOutputBuffers& outputs, RawForwardCallback done);
+
   // Commits the step now (layers not run keep unwritten slots).
   absl::StatusOr<attnd::v1::EndStepResponse> End();
   // Rolls the step back: lengths restored, fresh pages freed.
@@ -61,6 +89,9 @@ class Step {
   // Transport hooks. `done` may run on any thread, after the Step is gone.
   virtual void StartForward(attnd::v1::ForwardRequest request, ForwardCallback done) = 0;
   virtual absl::StatusOr<attnd::v1::EndStepResponse> SendEndStep(bool abort) = 0;
+  virtual void StartForwardRaw(int32_t layer, const TensorView& q, const TensorView& k,
+                               const TensorView& v, const ForwardOutputBuffers& outputs,
+                               RawForwardCallback done) = 0;
 
   // For derived destructors (the base one cannot reach the transport): aborts if still open,
   // ignoring the result.
