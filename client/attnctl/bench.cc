@@ -1,6 +1,14 @@
-// attnctl bench: a load generator. N sequences are prefilled, then decode together for S steps
-// of L layers each (optionally with a prefill entry mixed into every step), over unary calls or
-// one ForwardStream, with several layers in flight.
+// attnctl bench: a load generator and the e2e benchmark of PERFORMANCE.md. N sequences are
+// prefilled, then decode together for S steps of L layers each (optionally with a prefill entry
+// mixed into every step), over unary calls or one ForwardStream, with several layers in flight.
+// The sequences may be split into M micro-batches (M steps open at once, their layers
+// interleaved), as an orchestrator pipelines them. Forwards are zero-copy (Step::ForwardRaw)
+// unless --raw=false.
+//
+// Reported: per-layer latency (one Forward's round trip) percentiles; the kernel time of the
+// timed steps from GetStats (a delta, so run it alone on the daemon); overhead = latency minus
+// the mean kernel time of a Forward; steps/s and the kernels-only rate (steps per second of
+// summed kernel time).
 #include <unistd.h>
 
 #include <condition_variable>
@@ -15,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "attnd/kernels/dtype.h"
 #include "cache_flags.h"
 #include "commands.h"
 #include "global_flags.h"
@@ -32,6 +41,12 @@ ABSL_FLAG(int32_t, window, 0,
           "bench: Forward calls in flight per step (0: all layers with --stream, 1 without)");
 ABSL_FLAG(std::string, cache, "",
           "bench: run on this existing cache instead of creating (and deleting) one");
+ABSL_FLAG(int32_t, micro_batches, 1,
+          "bench: split the sequences into this many steps run together, layers interleaved");
+ABSL_FLAG(int32_t, warmup_steps, 2, "bench: untimed decode steps before the timed ones");
+ABSL_FLAG(bool, raw, true,
+          "bench: zero-copy forwards (q/k/v from the bench's memory, o into it); false: "
+          "ForwardRequest messages");
 
 namespace attnd::attnctl {
 namespace {
@@ -39,14 +54,32 @@ namespace {
 struct BenchSettings {
   int32_t sequences = 0;
   int32_t steps = 0;
+  int32_t warmup_steps = 0;
   int32_t prompt_tokens = 0;
   int32_t prefill_tokens = 0;
+  int32_t micro_batches = 1;
   int32_t window = 1;
   bool stream = false;
+  bool raw = true;
 };
 
 // What one step's entries are: (sequence id, new tokens).
 using Entries = std::vector<std::pair<uint64_t, int32_t>>;
+
+// Sum of the kernel seconds and launches GetStats reports.
+struct KernelTotal {
+  double seconds = 0;
+  int64_t count = 0;
+};
+
+KernelTotal SumKernels(const attnd::v1::GetStatsResponse& stats) {
+  KernelTotal total;
+  for (const attnd::v1::KernelStats& kernel : stats.kernels()) {
+    total.seconds += kernel.total_seconds();
+    total.count += kernel.count();
+  }
+  return total;
+}
 
 class Bench {
  public:
@@ -69,19 +102,17 @@ class Bench {
       session_ = *std::move(session);
     }
     if (!Prefill(max_step_tokens)) return false;
+    int32_t step_index = 0;
+    for (int32_t s = 0; s < settings_.warmup_steps; ++s) {
+      if (!RunDecodeStep(step_index++, /*timed=*/false)) return false;
+    }
 
+    auto before = client_.GetStats();
     ProgressBar progress("bench", settings_.steps);
     const absl::Time start = absl::Now();
     for (int32_t s = 0; s < settings_.steps; ++s) {
-      Entries entries;
-      for (int32_t i = 0; i < settings_.sequences; ++i) entries.emplace_back(first_id_ + i, 1);
-      if (settings_.prefill_tokens > 0) {
-        const uint64_t id = first_id_ + settings_.sequences + s;
-        entries.emplace_back(id, settings_.prefill_tokens);
-        extra_ids_.push_back(id);
-      }
       const absl::Time step_start = absl::Now();
-      if (RunStep(entries, /*timed=*/true)) {
+      if (RunDecodeStep(step_index++, /*timed=*/true)) {
         step_latency_.Record(absl::Now() - step_start);
         ++steps_ok_;
         tokens_ += settings_.sequences + settings_.prefill_tokens;
@@ -90,6 +121,14 @@ class Bench {
     }
     elapsed_ = absl::Now() - start;
     progress.Finish();
+    auto after = client_.GetStats();
+    if (before.ok() && after.ok()) {
+      const KernelTotal b = SumKernels(*before);
+      const KernelTotal a = SumKernels(*after);
+      kernel_seconds_ = a.seconds - b.seconds;
+      kernel_launches_ = a.count - b.count;
+      have_kernels_ = true;
+    }
     if (session_ != nullptr) {
       absl::Status closed = session_->Close();
       if (!closed.ok()) PrintError("close ForwardStream", closed);
@@ -100,25 +139,59 @@ class Bench {
   void PrintSummary() {
     const double seconds = absl::ToDoubleSeconds(elapsed_);
     const int32_t layers = cache_.config().num_layers();
+    const int64_t forwards = steps_ok_ * layers * settings_.micro_batches;
     absl::PrintF("\nbench on cache %s (%s)\n", cache_.name(), DescribeConfig(cache_.config()));
-    absl::PrintF("  load       %d sequences x %d layers, %d decode steps%s, %s, window %d\n",
-                 settings_.sequences, layers, settings_.steps,
+    absl::PrintF("  load       %d sequences x %d layers in %d micro-batch(es), %d decode steps%s, "
+                 "%s, window %d, %s forwards\n",
+                 settings_.sequences, layers, settings_.micro_batches, settings_.steps,
                  settings_.prefill_tokens > 0
                      ? absl::StrCat(" + a ", settings_.prefill_tokens, "-token prefill each")
                      : "",
-                 settings_.stream ? "ForwardStream" : "unary RPCs", settings_.window);
+                 settings_.stream ? "ForwardStream" : "unary RPCs", settings_.window,
+                 settings_.raw ? "zero-copy" : "message");
     absl::PrintF("  prompt     %d tokens per sequence in %d step(s), %s\n",
                  settings_.prompt_tokens, prefill_steps_, FormatLatency(prefill_elapsed_));
+    const double steps_per_second = seconds > 0 ? steps_ok_ / seconds : 0.0;
     absl::PrintF("  timed      %d steps ok in %.3f s: %.1f steps/s, %.0f tokens/s, "
                  "%.0f layer forwards/s\n",
-                 steps_ok_, seconds, seconds > 0 ? steps_ok_ / seconds : 0.0,
+                 steps_ok_, seconds, steps_per_second,
                  seconds > 0 ? static_cast<double>(tokens_) / seconds : 0.0,
-                 seconds > 0 ? static_cast<double>(steps_ok_) * layers / seconds : 0.0);
+                 seconds > 0 ? static_cast<double>(forwards) / seconds : 0.0);
     PrintPercentiles("layer", layer_latency_);
     PrintPercentiles("plan", plan_latency_);
     PrintPercentiles("step", step_latency_);
+    double kernel_us = 0;
+    double kernel_rate = 0;
+    if (have_kernels_ && forwards > 0 && kernel_seconds_ > 0) {
+      kernel_us = kernel_seconds_ * 1e6 / static_cast<double>(forwards);
+      kernel_rate = steps_ok_ / kernel_seconds_;
+      const double p50 = absl::ToDoubleMicroseconds(layer_latency_.Percentile(50));
+      const double p99 = absl::ToDoubleMicroseconds(layer_latency_.Percentile(99));
+      absl::PrintF("  kernels    %.1f us per layer forward (GetStats: %d launches, %.4f s); "
+                   "kernels-only rate %.1f steps/s\n",
+                   kernel_us, kernel_launches_, kernel_seconds_, kernel_rate);
+      absl::PrintF("  overhead   p50 %.0f us  p99 %.0f us per layer (latency minus kernel time); "
+                   "steps/s at %.0f%% of the kernels-only rate\n",
+                   p50 - kernel_us, p99 - kernel_us, 100.0 * steps_per_second / kernel_rate);
+    } else {
+      absl::PrintF("  kernels    (no kernel time from GetStats)\n");
+    }
     absl::PrintF("  errors     %d%s\n", errors_,
                  first_error_.ok() ? "" : absl::StrCat(" (first: ", first_error_.ToString(), ")"));
+    // One line for scripts.
+    absl::PrintF(
+        "RESULT transport=%s window=%d micro_batches=%d raw=%d sequences=%d layers=%d "
+        "prefill_tokens=%d steps=%d layer_p50_us=%.1f layer_p90_us=%.1f layer_p99_us=%.1f "
+        "kernel_us=%.1f overhead_p50_us=%.1f overhead_p99_us=%.1f steps_per_s=%.2f "
+        "kernel_steps_per_s=%.2f plan_p50_us=%.1f errors=%d\n",
+        settings_.stream ? "stream" : "unary", settings_.window, settings_.micro_batches,
+        settings_.raw ? 1 : 0, settings_.sequences, layers, settings_.prefill_tokens, steps_ok_,
+        absl::ToDoubleMicroseconds(layer_latency_.Percentile(50)),
+        absl::ToDoubleMicroseconds(layer_latency_.Percentile(90)),
+        absl::ToDoubleMicroseconds(layer_latency_.Percentile(99)), kernel_us,
+        absl::ToDoubleMicroseconds(layer_latency_.Percentile(50)) - kernel_us,
+        absl::ToDoubleMicroseconds(layer_latency_.Percentile(99)) - kernel_us, steps_per_second,
+        kernel_rate, absl::ToDoubleMicroseconds(plan_latency_.Percentile(50)), errors_);
   }
 
   // Frees what the benchmark created on a cache it did not create.
@@ -146,7 +219,7 @@ class Bench {
     auto flush = [&] {
       if (entries.empty()) return true;
       ++prefill_steps_;
-      const bool ok = RunStep(entries, /*timed=*/false);
+      const bool ok = RunSteps({entries}, /*timed=*/false);
       entries.clear();
       tokens = 0;
       return ok;
@@ -159,6 +232,22 @@ class Bench {
     if (!flush()) return false;
     prefill_elapsed_ = absl::Now() - start;
     return true;
+  }
+
+  // One decode step of every sequence, in micro-batches (the optional prefill entry joins the
+  // first).
+  bool RunDecodeStep(int32_t index, bool timed) {
+    std::vector<Entries> batches(settings_.micro_batches);
+    for (int32_t i = 0; i < settings_.sequences; ++i) {
+      batches[static_cast<size_t>(i) * settings_.micro_batches / settings_.sequences]
+          .emplace_back(first_id_ + i, 1);
+    }
+    if (settings_.prefill_tokens > 0) {
+      const uint64_t id = first_id_ + settings_.sequences + index;
+      batches[0].emplace_back(id, settings_.prefill_tokens);
+      extra_ids_.push_back(id);
+    }
+    return RunSteps(batches, timed);
   }
 
   // q/k/v for a step of `rows` rows; built once per row count and reused.
@@ -177,56 +266,91 @@ class Bench {
     return payloads_.emplace(rows, std::move(request)).first->second;
   }
 
+  // The output buffer of micro-batch `batch`'s layer `layer` (reused from step to step).
+  std::vector<uint8_t>& OutputBuffer(size_t batch, int32_t layer, size_t bytes) {
+    const size_t layers = static_cast<size_t>(cache_.config().num_layers());
+    if (outputs_.size() < (batch + 1) * layers) outputs_.resize((batch + 1) * layers);
+    std::vector<uint8_t>& buffer = outputs_[batch * layers + static_cast<size_t>(layer)];
+    buffer.resize(bytes);
+    return buffer;
+  }
+
   void CountError(const absl::Status& status) {
     if (first_error_.ok()) first_error_ = status;
     ++errors_;
   }
 
-  // One step: plan, every layer with up to `window` in flight, commit. False on any error
-  // (the step is then aborted by its handle).
-  bool RunStep(const Entries& entries, bool timed) {
-    attnd::v1::PlanRequest plan;
-    plan.set_cache(cache_.name());
-    for (const auto& [id, tokens] : entries) {
-      attnd::v1::PlanEntry* entry = plan.add_entries();
-      entry->set_sequence_id(id);
-      entry->set_num_new_tokens(tokens);
+  // Plans one step per batch, runs every layer of all of them (layer-major: each layer of
+  // every batch before the next layer) with up to `window` forwards in flight, and commits.
+  // False on any error (the steps are then aborted by their handles).
+  bool RunSteps(const std::vector<Entries>& batches, bool timed) {
+    std::vector<std::unique_ptr<client::Step>> steps;
+    for (const Entries& entries : batches) {
+      if (entries.empty()) continue;
+      attnd::v1::PlanRequest plan;
+      plan.set_cache(cache_.name());
+      for (const auto& [id, tokens] : entries) {
+        attnd::v1::PlanEntry* entry = plan.add_entries();
+        entry->set_sequence_id(id);
+        entry->set_num_new_tokens(tokens);
+      }
+      const absl::Time plan_start = absl::Now();
+      auto step = session_ != nullptr ? session_->BeginStep(plan) : client_.BeginStep(plan);
+      if (!step.ok()) {
+        CountError(step.status());
+        return false;
+      }
+      if (timed) plan_latency_.Record(absl::Now() - plan_start);
+      steps.push_back(*std::move(step));
     }
-    const absl::Time plan_start = absl::Now();
-    auto step = session_ != nullptr ? session_->BeginStep(plan) : client_.BeginStep(plan);
-    if (!step.ok()) {
-      CountError(step.status());
-      return false;
-    }
-    if (timed) plan_latency_.Record(absl::Now() - plan_start);
-    const attnd::v1::ForwardRequest& payload = Payload((*step)->num_tokens());
 
     std::mutex mu;
     std::condition_variable cv;
     int in_flight = 0;
     absl::Status step_error;
     const int32_t layers = cache_.config().num_layers();
-    for (int32_t layer = 0; layer < layers; ++layer) {
-      {
-        std::unique_lock lock(mu);
-        cv.wait(lock, [&] { return in_flight < settings_.window; });
-        if (!step_error.ok()) break;
-        ++in_flight;
-      }
-      attnd::v1::ForwardRequest request = payload;
-      request.set_layer(layer);
-      const absl::Time sent = absl::Now();
-      (*step)->ForwardAsync(std::move(request), [&, sent, timed](client::ForwardResult result) {
-        const absl::Duration latency = absl::Now() - sent;
-        std::lock_guard lock(mu);
-        if (!result.ok()) {
-          if (step_error.ok()) step_error = result.status();
-        } else if (timed) {
-          layer_latency_.Record(latency);
+    const attnd::v1::CacheConfig& config = cache_.config();
+    const int64_t q_width = int64_t{config.num_qo_heads()} * config.head_dim();
+    for (int32_t layer = 0; layer < layers && step_error.ok(); ++layer) {
+      for (size_t b = 0; b < steps.size(); ++b) {
+        client::Step& step = *steps[b];
+        {
+          std::unique_lock lock(mu);
+          cv.wait(lock, [&] { return in_flight < settings_.window; });
+          if (!step_error.ok()) break;
+          ++in_flight;
         }
-        --in_flight;
-        cv.notify_all();
-      });
+        const attnd::v1::ForwardRequest& payload = Payload(step.num_tokens());
+        const absl::Time sent = absl::Now();
+        auto finish = [&, sent, timed](const absl::Status& status) {
+          const absl::Duration latency = absl::Now() - sent;
+          std::lock_guard lock(mu);
+          if (!status.ok()) {
+            if (step_error.ok()) step_error = status;
+          } else if (timed) {
+            layer_latency_.Record(latency);
+          }
+          --in_flight;
+          cv.notify_all();
+        };
+        if (settings_.raw) {
+          const int64_t rows = step.num_tokens();
+          std::vector<uint8_t>& o = OutputBuffer(b, layer, rows * q_width *
+                                                               DTypeBytes(static_cast<DType>(
+                                                                   config.q_dtype())));
+          client::ForwardOutputBuffers outputs;
+          outputs.o = o;
+          step.ForwardRaw(layer, View(payload.q()), View(payload.k()), View(payload.v()),
+                          outputs, [finish](absl::StatusOr<client::ForwardOutcome> result) {
+                            finish(result.status());
+                          });
+        } else {
+          attnd::v1::ForwardRequest request = payload;
+          request.set_layer(layer);
+          step.ForwardAsync(std::move(request),
+                            [finish](client::ForwardResult result) { finish(result.status()); });
+        }
+      }
     }
     {
       std::unique_lock lock(mu);
@@ -236,14 +360,24 @@ class Bench {
       CountError(step_error);
       return false;
     }
-    if ((*step)->open()) {
-      auto ended = (*step)->End();
+    for (auto& step : steps) {
+      if (!step->open()) continue;
+      auto ended = step->End();
       if (!ended.ok()) {
         CountError(ended.status());
         return false;
       }
     }
     return true;
+  }
+
+  // A payload tensor as a zero-copy view (its shape lives in the payload message).
+  static client::TensorView View(const attnd::v1::Tensor& tensor) {
+    client::TensorView view;
+    view.dtype = tensor.dtype();
+    view.shape = {tensor.shape().data(), static_cast<size_t>(tensor.shape_size())};
+    view.bytes = {reinterpret_cast<const uint8_t*>(tensor.data().data()), tensor.data().size()};
+    return view;
   }
 
   client::Client& client_;
@@ -253,9 +387,10 @@ class Bench {
   std::mt19937_64 rng_;
   std::unique_ptr<client::StreamSession> session_;
   std::map<int64_t, attnd::v1::ForwardRequest> payloads_;
+  std::vector<std::vector<uint8_t>> outputs_;
   std::vector<uint64_t> extra_ids_;
 
-  LatencyRecorder layer_latency_;  // guarded by RunStep's mutex while a step runs
+  LatencyRecorder layer_latency_;  // guarded by RunSteps' mutex while steps run
   LatencyRecorder plan_latency_;
   LatencyRecorder step_latency_;
   int64_t errors_ = 0;
@@ -265,12 +400,16 @@ class Bench {
   int32_t prefill_steps_ = 0;
   absl::Duration prefill_elapsed_;
   absl::Duration elapsed_;
+  bool have_kernels_ = false;
+  double kernel_seconds_ = 0;
+  int64_t kernel_launches_ = 0;
 };
 
 int64_t PagesNeeded(const BenchSettings& settings, int32_t page_size) {
   auto pages = [&](int64_t tokens) { return (tokens + page_size - 1) / page_size; };
-  return settings.sequences * pages(settings.prompt_tokens + settings.steps) +
-         static_cast<int64_t>(settings.steps) * pages(settings.prefill_tokens);
+  const int64_t steps = settings.steps + settings.warmup_steps;
+  return settings.sequences * pages(settings.prompt_tokens + steps) +
+         steps * pages(settings.prefill_tokens);
 }
 
 }  // namespace
@@ -278,8 +417,9 @@ int64_t PagesNeeded(const BenchSettings& settings, int32_t page_size) {
 int RunBench(const Args& args) {
   if (!args.empty()) {
     absl::FPrintF(stderr,
-                  "usage: attnctl bench [--sequences=N --steps=S --prompt_tokens=P "
-                  "--prefill_tokens=T --stream --window=W --cache=NAME] [cache shape flags]\n");
+                  "usage: attnctl bench [--sequences=N --steps=S --warmup_steps=S0 "
+                  "--prompt_tokens=P --prefill_tokens=T --stream --window=W --micro_batches=M "
+                  "--raw=true|false --cache=NAME] [cache shape flags]\n");
     return kExitUsage;
   }
   BenchSettings settings;
@@ -288,10 +428,16 @@ int RunBench(const Args& args) {
   settings.prompt_tokens = absl::GetFlag(FLAGS_prompt_tokens);
   settings.prefill_tokens = absl::GetFlag(FLAGS_prefill_tokens);
   settings.stream = absl::GetFlag(FLAGS_stream);
+  settings.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
+  settings.micro_batches = absl::GetFlag(FLAGS_micro_batches);
+  settings.raw = absl::GetFlag(FLAGS_raw);
   if (settings.sequences < 1 || settings.steps < 1 || settings.prompt_tokens < 0 ||
-      settings.prefill_tokens < 0 || absl::GetFlag(FLAGS_window) < 0) {
+      settings.prefill_tokens < 0 || absl::GetFlag(FLAGS_window) < 0 ||
+      settings.warmup_steps < 0 || settings.micro_batches < 1 ||
+      settings.micro_batches > settings.sequences) {
     absl::FPrintF(stderr, "attnctl bench: --sequences and --steps must be >= 1, "
-                          "--prompt_tokens, --prefill_tokens and --window >= 0\n");
+                          "--prompt_tokens, --prefill_tokens, --warmup_steps and --window >= 0, "
+                          "--micro_batches in [1, sequences]\n");
     return kExitUsage;
   }
   auto config = CacheConfigFromFlags(CacheShapeDefaults{});
@@ -342,7 +488,9 @@ int RunBench(const Args& args) {
     return kExitUsage;
   }
   const int32_t window = absl::GetFlag(FLAGS_window);
-  settings.window = window > 0 ? window : settings.stream ? cache.config().num_layers() : 1;
+  settings.window = window > 0               ? window
+                    : settings.stream          ? cache.config().num_layers() * settings.micro_batches
+                                               : settings.micro_batches;
 
   Bench bench(**client, cache, settings, first_id);
   const bool ran = bench.Run(info->limits().max_step_tokens() > 0
