@@ -261,6 +261,12 @@ struct RequestHarness::State {
       for (int64_t position = pages.kv_len() - tokens; position < pages.kv_len(); ++position) {
         const int64_t index = position / page_size;
         const int32_t offset = static_cast<int32_t>(position % page_size);
+        // A cache of this name recreated since the plan (other page size): the step was
+        // aborted with the old cache and writes nothing, so it expects no slot.
+        if (index < 0 || index >= pages.page_ids_size() ||
+            (cache.spec.separate_kv && index >= pages.v_page_ids_size())) {
+          continue;
+        }
         effect.k_slots.insert({pages.page_ids(index), offset});
         effect.v_slots.insert(
             {cache.spec.separate_kv ? pages.v_page_ids(index) : pages.page_ids(index), offset});
