@@ -1,6 +1,7 @@
 #include "plan/decode_plan.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 
 #include "absl/status/status.h"
@@ -18,10 +19,18 @@ int64_t WindowBegin(int64_t length, int32_t window_left) {
 }
 
 // CTAs that chunking by `chunk_tokens` launches (every active request gets at least one item).
+// Lengths fit in 31 bits (checked by the caller) and chunks in 32 here, so 32-bit division (the
+// cheaper) is exact; quotient and remainder come from one division.
 int64_t CountCtas(std::span<const int64_t> active_lengths, int64_t chunk_tokens,
                   int32_t num_kv_heads) {
+  const uint32_t chunk = static_cast<uint32_t>(
+      std::min<int64_t>(chunk_tokens, std::numeric_limits<uint32_t>::max()));
   int64_t items = 0;
-  for (int64_t length : active_lengths) items += std::max<int64_t>(1, CeilDiv(length, chunk_tokens));
+  for (int64_t length : active_lengths) {
+    const uint32_t keys = static_cast<uint32_t>(length);
+    const uint32_t chunks = keys / chunk + (keys % chunk != 0 ? 1 : 0);
+    items += chunks == 0 ? 1 : chunks;
+  }
   return items * num_kv_heads;
 }
 
@@ -54,8 +63,20 @@ int64_t ChooseChunkTokens(std::span<const int64_t> active_lengths, const DecodeP
   for (int64_t length : active_lengths) max_length = std::max(max_length, length);
   const int64_t granularity = kChunkGranularityTokens;
   const int64_t low = CeilDiv(std::max(options.min_chunk_tokens, 1), granularity);
-  const int64_t high = CeilDiv(max_length, granularity);
+  int64_t high = CeilDiv(max_length, granularity);
   if (low >= high) return max_length;
+  if (options.max_chunk_tokens > 0) {
+    // The answer is min(smallest fitting chunk, cap): only chunks up to the cap need searching.
+    // When none of them fits, the smallest fitting chunk is above the cap (or none fits at all,
+    // which answers max_length), so the answer is the cap either way.
+    const int64_t cap = std::max(options.max_chunk_tokens, options.min_chunk_tokens);
+    const int64_t cap_granules = std::min(high, cap / granularity);
+    if (cap_granules < low || CountCtas(active_lengths, cap_granules * granularity,
+                                        options.num_kv_heads) > options.ctas_per_wave) {
+      return std::min(cap, max_length);
+    }
+    high = cap_granules;
+  }
   int64_t chunk = SmallestChunkWithin(active_lengths, low, high, options.ctas_per_wave,
                                       options.num_kv_heads);
   if (chunk == 0) chunk = max_length;
@@ -131,26 +152,33 @@ absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
 
   int64_t total_items = 0;
   for (int64_t length : lengths) total_items += std::max<int64_t>(1, CeilDiv(length, chunk_tokens));
+  // Sized once and written by index: the arrays run to thousands of items for long requests.
   for (auto* array : {&plan.item_request, &plan.item_q_row, &plan.item_kv_begin, &plan.item_kv_end,
                       &plan.item_partial}) {
-    array->reserve(total_items);
+    array->resize(total_items);
   }
   plan.merge_q_row.reserve(requests.size());
   plan.merge_indptr.reserve(requests.size() + 1);
+  int32_t* const item_request = plan.item_request.data();
+  int32_t* const item_q_row = plan.item_q_row.data();
+  int32_t* const item_kv_begin = plan.item_kv_begin.data();
+  int32_t* const item_kv_end = plan.item_kv_end.data();
+  int32_t* const item_partial = plan.item_partial.data();
+  int64_t item = 0;
   int64_t max_length = 0;
   for (size_t i = 0; i < requests.size(); ++i) {
     const int32_t b = requests[i];
     const int32_t q_row = qo_indptr[b];
     const int64_t num_chunks = std::max<int64_t>(1, CeilDiv(lengths[i], chunk_tokens));
     max_length = std::max(max_length, lengths[i]);
-    for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t end_of_request = begins[i] + lengths[i];
+    for (int64_t c = 0; c < num_chunks; ++c, ++item) {
       const int64_t begin = begins[i] + c * chunk_tokens;
-      const int64_t end = std::min(begins[i] + lengths[i], begin + chunk_tokens);
-      plan.item_request.push_back(b);
-      plan.item_q_row.push_back(q_row);
-      plan.item_kv_begin.push_back(static_cast<int32_t>(begin));
-      plan.item_kv_end.push_back(static_cast<int32_t>(end));
-      plan.item_partial.push_back(num_chunks == 1 ? -1 : plan.num_partials++);
+      item_request[item] = b;
+      item_q_row[item] = q_row;
+      item_kv_begin[item] = static_cast<int32_t>(begin);
+      item_kv_end[item] = static_cast<int32_t>(std::min(end_of_request, begin + chunk_tokens));
+      item_partial[item] = num_chunks == 1 ? -1 : plan.num_partials++;
     }
     if (num_chunks > 1) {
       plan.split_kv = true;
@@ -162,13 +190,22 @@ absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
   return plan;
 }
 
-std::vector<int32_t> DecodePlan::Pack() const {
-  std::vector<int32_t> packed;
-  packed.reserve(5 * item_request.size() + merge_indptr.size() + merge_q_row.size());
+int64_t DecodePlan::PackedWords() const {
+  return 5 * static_cast<int64_t>(item_request.size()) +
+         static_cast<int64_t>(merge_indptr.size() + merge_q_row.size());
+}
+
+void DecodePlan::PackInto(int32_t* out) const {
   for (const auto* array : {&item_request, &item_q_row, &item_kv_begin, &item_kv_end,
                             &item_partial, &merge_indptr, &merge_q_row}) {
-    packed.insert(packed.end(), array->begin(), array->end());
+    if (!array->empty()) std::memcpy(out, array->data(), array->size() * sizeof(int32_t));
+    out += array->size();
   }
+}
+
+std::vector<int32_t> DecodePlan::Pack() const {
+  std::vector<int32_t> packed(static_cast<size_t>(PackedWords()));
+  PackInto(packed.data());
   return packed;
 }
 

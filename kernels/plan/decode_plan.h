@@ -58,8 +58,11 @@ struct DecodePlan {
   int32_t num_items() const { return static_cast<int32_t>(item_request.size()); }
   int32_t num_merge_rows() const { return static_cast<int32_t>(merge_q_row.size()); }
 
-  // All arrays in one buffer, for one upload per step.
+  // All arrays in one buffer, for one upload per step: Pack() returns it, PackInto writes its
+  // PackedWords() words to `out` (e.g. straight into pinned staging).
   std::vector<int32_t> Pack() const;
+  int64_t PackedWords() const;
+  void PackInto(int32_t* out) const;
   // Pointers into `packed`, a copy of Pack() (typically in device memory).
   DecodeWorkView View(const int32_t* packed) const;
   std::string DebugString() const;

@@ -71,7 +71,9 @@ struct StepBatch {
   std::vector<int32_t> qo_indptr;       // [batch_size + 1] rows of each entry
   std::vector<int32_t> page_indptr;     // [batch_size + 1] into the page index arrays
   std::vector<int32_t> k_page_indices;  // page ids, K pool (and V pool when SHARED)
-  std::vector<int32_t> v_page_indices;  // page ids, V pool; == k_page_indices when SHARED
+  // Page ids of the V pool; empty when the page table is SHARED (V pages are the K pages), so a
+  // step does not copy (nor upload) the same ids twice.
+  std::vector<int32_t> v_page_indices;
   std::vector<int32_t> last_page_len;   // [batch_size]
   std::vector<int32_t> token_batch_indices;  // [num_tokens] entry of each row
   std::vector<int32_t> token_positions;      // [num_tokens] position in its sequence

@@ -21,11 +21,15 @@ absl::StatusOr<plan::DecodePlan> PlanDecodeRows(const StepBatch& batch,
   std::vector<int32_t> decode_indptr(batch.batch_size + 1, 0);
   std::vector<int64_t> kv_lengths(batch.batch_size, 0);
   std::vector<int32_t> row_of_decode_row;  // decode plan's row -> the step's row
+  row_of_decode_row.reserve(batch.batch_size);
+  bool identity = true;  // every row is a decode row: the rows need no mapping
   for (int32_t b = 0; b < batch.batch_size; ++b) {
     const bool decode = Rows(batch, b) == 1;
     decode_indptr[b + 1] = decode_indptr[b] + (decode ? 1 : 0);
     if (!decode) continue;
-    kv_lengths[b] = batch.KvLength(b, page_size);
+    const int32_t pages = batch.page_indptr[b + 1] - batch.page_indptr[b];
+    kv_lengths[b] = pages == 0 ? 0 : int64_t{pages - 1} * page_size + batch.last_page_len[b];
+    identity &= batch.qo_indptr[b] == static_cast<int32_t>(row_of_decode_row.size());
     row_of_decode_row.push_back(batch.qo_indptr[b]);
   }
   plan::DecodePlanOptions options;
@@ -37,8 +41,10 @@ absl::StatusOr<plan::DecodePlan> PlanDecodeRows(const StepBatch& batch,
   options.window_left = batch.options.params.window_left;
   ASSIGN_OR_RETURN(plan::DecodePlan decode,
                    plan::PlanBatchDecode(decode_indptr, kv_lengths, options));
-  for (int32_t& row : decode.item_q_row) row = row_of_decode_row[row];
-  for (int32_t& row : decode.merge_q_row) row = row_of_decode_row[row];
+  if (!identity) {
+    for (int32_t& row : decode.item_q_row) row = row_of_decode_row[row];
+    for (int32_t& row : decode.merge_q_row) row = row_of_decode_row[row];
+  }
   return decode;
 }
 
@@ -101,7 +107,9 @@ StepArrayOffsets LayOut(const StepBatch& batch, int64_t decode_words) {
   offsets.qo_indptr = place(batch.batch_size + 1);
   offsets.page_indptr = place(batch.batch_size + 1);
   offsets.k_page_indices = place(num_pages);
-  offsets.v_page_indices = place(num_pages);
+  // SHARED page tables upload one array, read as both K and V ids.
+  offsets.v_page_indices =
+      batch.v_page_indices.empty() ? offsets.k_page_indices : place(num_pages);
   offsets.last_page_len = place(batch.batch_size);
   offsets.token_batch_indices = place(batch.num_tokens);
   offsets.token_positions = place(batch.num_tokens);
@@ -129,7 +137,7 @@ void StepPlan::Fill(const StepBatch& batch, uint8_t* buffer) const {
   Put(batch.last_page_len, offsets.last_page_len, buffer);
   Put(batch.token_batch_indices, offsets.token_batch_indices, buffer);
   Put(batch.token_positions, offsets.token_positions, buffer);
-  Put(decode_packed, offsets.decode_work, buffer);
+  if (run_decode) decode.PackInto(reinterpret_cast<int32_t*>(buffer + offsets.decode_work));
 }
 
 absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext& context) {
@@ -138,7 +146,8 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
   if (static_cast<int32_t>(batch.qo_indptr.size()) != batch.batch_size + 1 ||
       static_cast<int32_t>(batch.page_indptr.size()) != batch.batch_size + 1 ||
       static_cast<int32_t>(batch.last_page_len.size()) != batch.batch_size ||
-      batch.v_page_indices.size() != batch.k_page_indices.size() ||
+      (!batch.v_page_indices.empty() &&
+       batch.v_page_indices.size() != batch.k_page_indices.size()) ||
       static_cast<int64_t>(batch.token_batch_indices.size()) != batch.num_tokens ||
       static_cast<int64_t>(batch.token_positions.size()) != batch.num_tokens ||
       batch.qo_indptr.back() != batch.num_tokens) {
@@ -156,12 +165,11 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
   step.run_prefill = any_prefill || (any_decode && !context.decode_supported);
   if (step.run_decode) {
     ASSIGN_OR_RETURN(step.decode, PlanDecodeRows(batch, context));
-    step.decode_packed = step.decode.Pack();
   }
   if (step.run_prefill) {
     ASSIGN_OR_RETURN(step.prefill, PlanPrefillRows(batch, context, step.run_decode));
   }
-  step.offsets = LayOut(batch, static_cast<int64_t>(step.decode_packed.size()));
+  step.offsets = LayOut(batch, step.run_decode ? step.decode.PackedWords() : 0);
   return step;
 }
 

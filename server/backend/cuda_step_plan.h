@@ -36,7 +36,7 @@ struct StepArrayOffsets {
   int64_t qo_indptr = 0;            // [batch_size + 1]
   int64_t page_indptr = 0;          // [batch_size + 1]
   int64_t k_page_indices = 0;       // [num_pages]
-  int64_t v_page_indices = 0;       // [num_pages]
+  int64_t v_page_indices = 0;       // [num_pages]; == k_page_indices when SHARED
   int64_t last_page_len = 0;        // [batch_size]
   int64_t token_batch_indices = 0;  // [num_tokens]
   int64_t token_positions = 0;      // [num_tokens]
@@ -49,7 +49,6 @@ struct StepPlan {
   bool run_prefill = false;  // BatchPrefill for the prefill rows (or every row)
   plan::DecodePlan decode;   // q rows are the step's rows (remapped when mixed)
   plan::PrefillPlan prefill;
-  std::vector<int32_t> decode_packed;  // decode.Pack()
   StepArrayOffsets offsets;
 
   // "none", "decode" or "prefill" (a step that runs both reports "prefill", its larger part).

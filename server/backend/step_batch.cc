@@ -25,7 +25,7 @@ PageTableView StepBatch::PageTable(int32_t page_size) const {
   view.page_size = page_size;
   view.indptr = page_indptr.data();
   view.k_indices = k_page_indices.data();
-  view.v_indices = v_page_indices.data();
+  view.v_indices = v_page_indices.empty() ? k_page_indices.data() : v_page_indices.data();
   view.last_page_len = last_page_len.data();
   return view;
 }

@@ -6,6 +6,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -66,10 +67,28 @@ struct StepEntry {
   std::vector<std::function<void(absl::StatusOr<EndStepResult>)>> end_waiters;
 };
 
+// StepBatches of ended steps, reused, so that a step's arrays (the page ids run to MBs for long
+// sequences) land in memory already touched rather than in fresh pages. Has its own lock: batches
+// come back from backend threads and from under State::mu.
+class StepBatchPool : public std::enable_shared_from_this<StepBatchPool> {
+ public:
+  // An empty batch (its vectors keep their capacity) that returns here when its last reference
+  // goes.
+  std::shared_ptr<StepBatch> Take();
+
+ private:
+  static constexpr size_t kKept = 8;
+  void Return(StepBatch* batch);
+
+  std::mutex mu_;
+  std::vector<std::unique_ptr<StepBatch>> free_;
+};
+
 struct Engine::State {
   EngineOptions options;
   Backend* backend = nullptr;
   Metrics* metrics = nullptr;
+  const std::shared_ptr<StepBatchPool> batches = std::make_shared<StepBatchPool>();
 
   mutable absl::Mutex mu;
   absl::flat_hash_map<std::string, std::shared_ptr<CacheEntry>> caches ABSL_GUARDED_BY(mu);

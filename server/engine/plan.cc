@@ -121,6 +121,40 @@ StepPhase PhaseOf(const std::vector<PlanEntrySpec>& entries) {
 
 }  // namespace
 
+std::shared_ptr<StepBatch> StepBatchPool::Take() {
+  std::unique_ptr<StepBatch> batch;
+  {
+    std::lock_guard lock(mu_);
+    if (!free_.empty()) {
+      batch = std::move(free_.back());
+      free_.pop_back();
+    }
+  }
+  if (batch == nullptr) {
+    batch = std::make_unique<StepBatch>();
+  } else {
+    for (std::vector<int32_t>* array :
+         {&batch->qo_indptr, &batch->page_indptr, &batch->k_page_indices,
+          &batch->v_page_indices, &batch->last_page_len, &batch->token_batch_indices,
+          &batch->token_positions}) {
+      array->clear();
+    }
+    batch->batch_size = 0;
+    batch->num_tokens = 0;
+    batch->options = StepOptions();
+    batch->phase = StepPhase::kEmpty;
+  }
+  return std::shared_ptr<StepBatch>(batch.release(), [pool = shared_from_this()](StepBatch* b) {
+    pool->Return(b);
+  });
+}
+
+void StepBatchPool::Return(StepBatch* batch) {
+  std::unique_ptr<StepBatch> owned(batch);
+  std::lock_guard lock(mu_);
+  if (free_.size() < kKept) free_.push_back(std::move(owned));
+}
+
 absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   const absl::Time started = absl::Now();
   absl::MutexLock lock(&state_->mu);
@@ -164,6 +198,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   const bool managed = !cache->spec.external_pages;
   int64_t num_tokens = 0;
   int64_t pages_needed = 0;
+  int64_t table_pages = 0;  // page ids the step's table lists
   absl::flat_hash_map<uint64_t, size_t> first_entry_of;
   for (size_t i = 0; i < spec.entries.size(); ++i) {
     const PlanEntrySpec& entry = spec.entries[i];
@@ -176,6 +211,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
     if (entry.num_new_tokens == 0) continue;  // padding: inert, its id and pages unused
     if (!managed) {
       RETURN_IF_ERROR(ValidateExternalEntry(entry, i, cache->spec));
+      table_pages += static_cast<int64_t>(entry.page_ids.size());
       continue;
     }
     if (entry.has_pages) {
@@ -206,6 +242,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
           length + entry.num_new_tokens, " tokens, more than ", kMaxSequenceTokens));
     }
     pages_needed += PagesFor(length + entry.num_new_tokens, page_size) - pages_held;
+    table_pages += PagesFor(length + entry.num_new_tokens, page_size);
   }
   if (num_tokens > limits.max_step_tokens) {
     return absl::InvalidArgumentError(absl::StrCat("entries: ", num_tokens,
@@ -226,7 +263,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   step->owner = owner;
   step->tenant = spec.tenant;
   step->cache = cache;
-  auto batch = std::make_shared<StepBatch>();
+  std::shared_ptr<StepBatch> batch = state_->batches->Take();
   batch->batch_size = static_cast<int32_t>(spec.entries.size());
   batch->num_tokens = num_tokens;
   batch->options = options;
@@ -237,6 +274,8 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   batch->page_indptr.push_back(0);
   batch->token_batch_indices.reserve(num_tokens);
   batch->token_positions.reserve(num_tokens);
+  batch->k_page_indices.reserve(table_pages);
+  if (cache->spec.separate_kv) batch->v_page_indices.reserve(table_pages);
   PlanResult result;
   result.entries.resize(spec.entries.size());
   for (size_t i = 0; i < spec.entries.size(); ++i) {
@@ -263,8 +302,10 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
       kv_len = entry.kv_len;
       batch->k_page_indices.insert(batch->k_page_indices.end(), entry.page_ids.begin(),
                                    entry.page_ids.end());
-      const auto& v_ids = cache->spec.separate_kv ? entry.v_page_ids : entry.page_ids;
-      batch->v_page_indices.insert(batch->v_page_indices.end(), v_ids.begin(), v_ids.end());
+      if (cache->spec.separate_kv) {  // SHARED tables leave v_page_indices empty
+        batch->v_page_indices.insert(batch->v_page_indices.end(), entry.v_page_ids.begin(),
+                                     entry.v_page_ids.end());
+      }
     }
     const int64_t start = kv_len - new_tokens;
     result.entries[i].start_position = new_tokens > 0 ? start : 0;
@@ -280,7 +321,6 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
     batch->last_page_len.push_back(
         pages == 0 ? 0 : static_cast<int32_t>(kv_len - (pages - 1) * page_size));
   }
-  if (managed) batch->v_page_indices = batch->k_page_indices;
 
   auto backend_step = cache->backend->PrepareStep(batch);
   if (!backend_step.ok()) {
