@@ -104,6 +104,11 @@ void Engine::ExpireSteps(absl::Time now) {
 
 void Engine::State::PublishPagesLocked(const CacheEntry& cache) {
   if (metrics == nullptr || cache.allocator == nullptr) return;
+  // A step of a deleted cache finalises when its running layer lands, after the delete took
+  // the cache's series away: publishing then would bring them back, or overwrite those of a
+  // new cache of the same name.
+  auto registered = caches.find(cache.spec.name);
+  if (registered == caches.end() || registered->second.get() != &cache) return;
   metrics->SetCachePages(cache.spec.name, cache.allocator->used_pages(),
                          cache.allocator->free_pages());
 }

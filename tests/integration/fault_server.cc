@@ -1,6 +1,8 @@
 #include "fault_server.h"
 
 #include <grpcpp/grpcpp.h>
+#include <prometheus/metric_family.h>
+#include <prometheus/registry.h>
 
 #include <span>
 
@@ -74,6 +76,24 @@ absl::StatusOr<std::unique_ptr<FaultServer>> FaultServer::Start(
 }
 
 std::string FaultServer::address() const { return absl::StrCat("127.0.0.1:", port_); }
+
+std::pair<double, double> FaultServer::PageGauges(const std::string& cache) const {
+  double used = -1, free = -1;
+  for (const prometheus::MetricFamily& family : parts_->metrics->registry()->Collect()) {
+    if (family.name != "attnd_kv_pages") continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      std::string cache_label, state;
+      for (const prometheus::ClientMetric::Label& label : metric.label) {
+        if (label.name == "cache") cache_label = label.value;
+        if (label.name == "state") state = label.value;
+      }
+      if (cache_label != cache) continue;
+      if (state == "used") used = metric.gauge.value;
+      if (state == "free") free = metric.gauge.value;
+    }
+  }
+  return {used, free};
+}
 
 std::unique_ptr<client::Client> FaultServer::NewClient(const std::string& token) const {
   client::ClientOptions options;

@@ -16,6 +16,7 @@
 #include <set>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -43,6 +44,10 @@ class FaultServer {
   std::string address() const;
   Engine& engine() { return *engine_; }
   Backend& backend() { return *backend_; }
+
+  // attnd_kv_pages{cache=`cache`} as Prometheus would scrape it: (used, free), or (-1, -1)
+  // when there is no such series.
+  std::pair<double, double> PageGauges(const std::string& cache) const;
 
   // A client of this server (token: bearer token, "" for none).
   std::unique_ptr<client::Client> NewClient(const std::string& token = "") const;

@@ -510,10 +510,18 @@ TEST_F(FaultTest, ForcedDeleteWithALayerRunningFreesThePoolOnceItLands) {
     absl::SleepFor(absl::Milliseconds(10));
   } while (absl::Now() < deadline);
   EXPECT_EQ(free_bytes, budget) << "the deleted cache's pools were not returned";
+  // The step finalised after the delete: it must not bring the deleted cache's page gauges
+  // back (nor, once the name is reused, overwrite the new cache's).
+  EXPECT_EQ(server().PageGauges(kCache), std::make_pair(-1.0, -1.0))
+      << "attnd_kv_pages{cache=\"c\"} exists after its cache was deleted";
   EXPECT_OK(session->Close());
   // Still serving: the name is free again, and a new cache works from scratch.
   ASSERT_NO_FATAL_FAILURE(CreateStartingState());
   ASSERT_NO_FATAL_FAILURE(ExpectStillServing());
+  ASSERT_OK_AND_ASSIGN(auto recreated, client().GetCache(kCache));
+  EXPECT_EQ(server().PageGauges(kCache),
+            std::make_pair(static_cast<double>(recreated.used_pages()),
+                           static_cast<double>(recreated.num_pages() - recreated.used_pages())));
 }
 
 // Tenants (bearer tokens): one tenant's aborts, disconnects, deletes and guesses at step ids
