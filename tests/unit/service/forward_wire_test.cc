@@ -139,8 +139,10 @@ TEST(ForwardWireTest, ReadsUnusualButUnambiguousEncodings) {
   }
   v1::ForwardRequest request;
   ASSERT_TRUE(request.ParseFromString(bytes));
+  // The parsed tensors are views into the slices: keep them alive.
+  const std::vector<grpc::Slice> slices = Slices(bytes, 2);
   WireForward forward;
-  ASSERT_TRUE(ParseForwardRequest(Slices(bytes, 2), forward));
+  ASSERT_TRUE(ParseForwardRequest(slices, forward));
   ExpectSameForward(forward, request);
 }
 
