@@ -11,6 +11,7 @@
 // summed kernel time).
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <map>
 #include <memory>
@@ -493,9 +494,22 @@ int RunBench(const Args& args) {
                                                : settings.micro_batches;
 
   Bench bench(**client, cache, settings, first_id);
-  const bool ran = bench.Run(info->limits().max_step_tokens() > 0
-                                 ? info->limits().max_step_tokens()
-                                 : int64_t{1} << 40);
+  // Prefill steps stay within the step limit and within the message limit (q, k and v of a
+  // step travel in one Forward message).
+  int64_t max_step_tokens =
+      info->limits().max_step_tokens() > 0 ? info->limits().max_step_tokens() : int64_t{1} << 40;
+  const attnd::v1::CacheConfig& shape = cache.config();
+  const int64_t token_bytes = int64_t{shape.num_qo_heads() + 2 * shape.num_kv_heads()} *
+                              shape.head_dim() *
+                              DTypeBytes(static_cast<DType>(shape.q_dtype()));
+  const int64_t max_message_bytes = std::min<int64_t>(
+      info->limits().max_message_bytes() > 0 ? info->limits().max_message_bytes() : int64_t{1} << 40,
+      (*client)->options().max_message_bytes);
+  if (token_bytes > 0) {
+    max_step_tokens = std::max<int64_t>(
+        1, std::min(max_step_tokens, max_message_bytes * 9 / 10 / token_bytes));
+  }
+  const bool ran = bench.Run(max_step_tokens);
   if (ran) bench.PrintSummary();
   if (existing.empty()) {
     absl::Status deleted = (*client)->DeleteCache(cache.name(), /*force=*/true);

@@ -139,11 +139,10 @@ absl::StatusOr<cuda_backend::CompletionWait> CompletionWaitOf(const CudaBackendO
     const char* from_environment = std::getenv("ATTND_CUDA_COMPLETION");
     name = from_environment != nullptr ? from_environment : "";
   }
-  if (name.empty() || name == "spin") return cuda_backend::CompletionWait::kSpin;
-  if (name == "blocking") return cuda_backend::CompletionWait::kBlockingSync;
-  if (name == "callback") return cuda_backend::CompletionWait::kStreamCallback;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "CUDA completion wait: expected spin, blocking or callback, got '", name, "'"));
+  if (name.empty() || name == "blocking") return cuda_backend::CompletionWait::kBlockingSync;
+  if (name == "spin") return cuda_backend::CompletionWait::kSpin;
+  return absl::InvalidArgumentError(
+      absl::StrCat("CUDA completion wait: expected blocking or spin, got '", name, "'"));
 }
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(

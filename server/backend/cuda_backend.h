@@ -21,9 +21,9 @@ struct CudaBackendOptions {
   int64_t kv_budget_bytes = 0;      // > 0: reserve exactly this; 0: kv_memory_fraction of free
   double kv_memory_fraction = 0.9;  // of the device memory free at start, in (0, 1]
   BackendObserver* observer = nullptr;  // may be null; must outlive the backend
-  // How the completion threads learn that a layer's outputs are on the host (cuda_cache.h,
-  // CompletionWait): "spin", "blocking" or "callback". Empty: the environment variable
-  // ATTND_CUDA_COMPLETION when set (for measuring the three), else "spin".
+  // How the completion threads wait for a layer's outputs (cuda_cache.h, CompletionWait):
+  // "blocking" or "spin". Empty: the environment variable ATTND_CUDA_COMPLETION when set (for
+  // measuring both), else "blocking".
   std::string completion_wait;
 };
 

@@ -41,13 +41,12 @@
 
 namespace attnd::cuda_backend {
 
-// How a completion thread learns that a layer's outputs are on the host.
+// How a completion thread waits for a layer's outputs to reach the host. The default sleeps:
+// spinning burns a core per lane (two per cache) for a wake-up that is small next to the wire's
+// latency; spin stays selectable (ATTND_CUDA_COMPLETION=spin) to measure the difference.
 enum class CompletionWait {
-  kSpin,          // cudaEventSynchronize on a default event: the thread spins (a core per lane)
   kBlockingSync,  // cudaEventSynchronize on a cudaEventBlockingSync event: the thread sleeps
-  // A stream callback after the output copy posts the slot to the thread (called on error too,
-  // unlike cudaLaunchHostFunc, so a faulted layer still completes).
-  kStreamCallback,
+  kSpin,          // cudaEventSynchronize on a default event: the thread spins
 };
 
 inline constexpr int kLanesPerCache = 2;

@@ -59,10 +59,7 @@ CudaStep::CudaStep(CudaCache* cache, int lane, std::shared_ptr<const StepBatch> 
     prefill_work_ = arrays.data() + prefill_work_offset;
     prefill_work_bytes_ = cuda::BatchPrefillWorkspaceBytes(plan_->prefill);
   }
-  for (LayerSlot& slot : resources_->slots) {
-    slot.owner = this;
-    free_slots_.push_back(&slot);
-  }
+  for (LayerSlot& slot : resources_->slots) free_slots_.push_back(&slot);
   ++lane_.open_steps;
 }
 
@@ -94,7 +91,6 @@ void CudaStep::Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done) {
   slot->io = io;
   slot->done = std::move(done);
   slot->status = absl::OkStatus();
-  slot->callback_error = cudaSuccess;
   // The slot is ours: its previous layer finished, so its pinned input is free to overwrite.
   // The caller's bytes (the received message's slices) go straight into pinned staging.
   uint8_t* staged = slot->host_in.data();
@@ -117,29 +113,9 @@ void CudaStep::Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done) {
     }
     slot->status = status;
     MarkStage(io.trace, LayerTrace::kEnqueued);
-    if (cache_->completion_wait() == CompletionWait::kStreamCallback) {
-      const cudaError_t added = cudaStreamAddCallback(
-          lane_.d2h.get(),
-          [](cudaStream_t, cudaError_t error, void* arg) {
-            auto* layer_slot = static_cast<LayerSlot*>(arg);
-            layer_slot->callback_error = error;
-            OnLayerFinished(layer_slot);
-          },
-          slot, 0);
-      if (added == cudaSuccess) return;
-      if (slot->status.ok()) {
-        slot->status = cuda::CudaErrorToStatus(added, "cudaStreamAddCallback", __FILE__, __LINE__);
-      }
-    }
     // Posted under the lane's lock, so completions are queued in enqueue order.
     lane_.completions->Post([this, slot] { Complete(slot); });
   }
-}
-
-void CudaStep::OnLayerFinished(void* arg) {
-  auto* slot = static_cast<LayerSlot*>(arg);
-  auto* step = static_cast<CudaStep*>(slot->owner);
-  step->lane_.completions->Post([step, slot] { step->Complete(slot); });
 }
 
 absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, int32_t layer, uint8_t* host_out) {
@@ -221,17 +197,10 @@ absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, int32_t layer, uint8_t* ho
 void CudaStep::Complete(LayerSlot* slot) {
   absl::Status status = std::move(slot->status);
   const LayerIo& io = slot->io;
-  if (cache_->completion_wait() == CompletionWait::kStreamCallback) {
-    if (status.ok() && slot->callback_error != cudaSuccess) {
-      status = cuda::CudaErrorToStatus(slot->callback_error, "stream callback (layer finished)",
-                                       __FILE__, __LINE__);
-    }
-  } else {
-    const cudaError_t waited = cudaEventSynchronize(slot->finished.get());
-    if (status.ok() && waited != cudaSuccess) {
-      status = cuda::CudaErrorToStatus(waited, "cudaEventSynchronize(layer finished)", __FILE__,
-                                       __LINE__);
-    }
+  const cudaError_t waited = cudaEventSynchronize(slot->finished.get());
+  if (status.ok() && waited != cudaSuccess) {
+    status = cuda::CudaErrorToStatus(waited, "cudaEventSynchronize(layer finished)", __FILE__,
+                                     __LINE__);
   }
   MarkStage(io.trace, LayerTrace::kDeviceDone);
   auto* output = static_cast<OutputPool::Buffer*>(slot->output);

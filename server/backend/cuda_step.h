@@ -45,8 +45,6 @@ class CudaStep final : public BackendStep {
   // On the completion thread: waits, lends or copies out, reports, frees the slot, calls done.
   void Complete(LayerSlot* slot);
   void ReportTimes(const LayerSlot& slot) const;
-  // cudaLaunchHostFunc callback (CompletionWait::kHostFunc): posts the slot.
-  static void OnLayerFinished(void* slot);
 
   CudaCache* const cache_;
   Lane& lane_;

@@ -54,8 +54,6 @@ struct LayerSlot {
   DoneCallback done;
   absl::Status status;
   void* output = nullptr;  // OutputPool::Buffer* the outputs land in
-  void* owner = nullptr;   // the CudaStep whose layer this is
-  cudaError_t callback_error = cudaSuccess;  // CompletionWait::kStreamCallback
 };
 
 struct StepResources {
