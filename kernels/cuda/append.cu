@@ -547,8 +547,9 @@ absl::Status AppendMla(const AppendMlaArgs& args, cudaStream_t stream) {
   params.jobs[1] =
       PagedJob(args.ckv_in, args.ckv_cache, args.pages.k_indices, false, args.ckv_scale);
   params.jobs[2] = PagedJob(args.kpe_in, args.kpe_cache, args.pages.v_indices, rotate, args.kpe_scale);
+  const int32_t rotary_dim = args.rotary_dim > 0 ? args.rotary_dim : rope_dim;
   return LaunchAppend(params, args.tokens, args.pages, args.rope_style, args.rope_inv_freq,
-                      rope_dim, in_dtype, args.ckv_cache.dtype, stream);
+                      rotary_dim, in_dtype, args.ckv_cache.dtype, stream);
 }
 
 }  // namespace attnd::cuda

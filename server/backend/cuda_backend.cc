@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/mla_decode.h"
 #include "attnd/status_macros.h"
 #include "backend/cuda_cache.h"
 #include "backend/cuda_memory.h"
@@ -29,12 +30,47 @@ bool IsPowerOfTwo(int64_t value) { return value > 0 && (value & (value - 1)) == 
 
 // What the CUDA kernels take; the service validates most of this already, so a refusal here
 // names the limit of this backend rather than of the API.
-absl::Status CheckSupported(const CacheGeometry& g) {
-  if (g.mla) {
+// MLA caches: one latent "head" (ckv in the K pool, kpe in the V pool), served by the MLA
+// decode kernel for every row (cuda_step_plan.h).
+absl::Status CheckMlaSupported(const CacheGeometry& g) {
+  auto unsupported = [](absl::string_view what) {
     return absl::UnimplementedError(
-        "MLA caches are not supported by the CUDA backend yet (no MLA GPU kernel); run attnd "
-        "with --backend=cpu to serve MLA");
+        absl::StrCat("the CUDA backend does not support MLA caches with ", what));
+  };
+  if (g.q_dtype != DType::kFloat16 && g.q_dtype != DType::kBFloat16) {
+    return unsupported(absl::StrCat("q_dtype ", DTypeName(g.q_dtype), " (float16, bfloat16)"));
   }
+  if (g.kv_dtype != DType::kFloat16 && g.kv_dtype != DType::kBFloat16 &&
+      g.kv_dtype != DType::kFloat8E4M3) {
+    return unsupported(absl::StrCat("kv_dtype ", DTypeName(g.kv_dtype),
+                                    " (float16, bfloat16, float8_e4m3)"));
+  }
+  if (g.k_head_dim != 512 && g.k_head_dim != 256) {
+    return unsupported(absl::StrCat("kv_lora_rank ", g.k_head_dim, " (512, 256)"));
+  }
+  if (g.v_head_dim != 64) return unsupported(absl::StrCat("rope_dim ", g.v_head_dim, " (64)"));
+  if (!cuda::MlaDecodeSupports({g.q_dtype, g.kv_dtype, g.k_head_dim, g.v_head_dim})) {
+    return unsupported(absl::StrCat("q_dtype ", DTypeName(g.q_dtype), ", kv_dtype ",
+                                    DTypeName(g.kv_dtype), ", kv_lora_rank ", g.k_head_dim));
+  }
+  if (g.num_kv_heads != 1 || g.num_qo_heads < 1 || g.num_qo_heads > 1024) {
+    return unsupported(absl::StrCat("num_qo_heads ", g.num_qo_heads, " (1..1024; one latent head)"));
+  }
+  if (!IsPowerOfTwo(g.page_size) || g.page_size > 128) {
+    return unsupported(absl::StrCat("page_size ", g.page_size, " (a power of two up to 128)"));
+  }
+  if (g.rope.style != RopeStyle::kNone &&
+      (g.rope.rotary_dim <= 0 || g.rope.rotary_dim % 2 != 0 || g.rope.rotary_dim > g.v_head_dim)) {
+    return unsupported(absl::StrCat("rope.rotary_dim ", g.rope.rotary_dim, " (even, <= rope_dim)"));
+  }
+  if (g.num_pages <= 0 || g.num_layers <= 0) {
+    return absl::InvalidArgumentError("the cache needs at least one layer and one page");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSupported(const CacheGeometry& g) {
+  if (g.mla) return CheckMlaSupported(g);
   auto unsupported = [](absl::string_view what) {
     return absl::UnimplementedError(absl::StrCat("the CUDA backend does not support ", what));
   };
@@ -189,8 +225,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   info.num_sms = properties.multiProcessorCount;
   info.device_memory_bytes = static_cast<int64_t>(properties.totalGlobalMem);
   info.kv_budget_bytes = budget;
-  // No "mla" (no MLA kernel yet) and no "pod" (mixed steps run decode then prefill).
-  info.extensions = {"fp8_kv", "deterministic", "separate_kv_index"};
+  // No "pod" (mixed steps run decode then prefill).
+  info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index"};
   return std::unique_ptr<CudaBackend>(new CudaBackend(
       options, info,
       std::make_shared<KvReservation>(static_cast<uint8_t*>(reservation), budget), wait));

@@ -4,8 +4,9 @@
 // cuda_step.h. This header is CUDA-free so that the backend factory can include it.
 //
 // Supported caches: MHA/GQA with fp16/bf16 q, fp16/bf16/fp8_e4m3 KV, head_dim 64/128/256, NHD
-// or HND, SHARED or SEPARATE_KV page tables. MLA caches are refused (UNIMPLEMENTED) until an MLA
-// kernel exists; the CPU backend serves them.
+// or HND, SHARED or SEPARATE_KV page tables; MLA with kv_lora_rank 512 or 256, rope_dim 64, 1 to
+// 1024 heads, the same dtypes and tables (append, then the MLA decode kernel for decode and
+// prefill rows alike). Anything else is refused at CreateCache (UNIMPLEMENTED, naming the field).
 #pragma once
 
 #include <cstdint>

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/cuda/decode.h"
+#include "attnd/kernels/cuda/mla_decode.h"
 #include "attnd/kernels/cuda/prefill.h"
 #include "attnd/status_macros.h"
 #include "backend/cuda_step.h"
@@ -47,16 +48,23 @@ absl::Status CudaCache::Init(int device) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(rope_inv_freq_.data(), inv_freq.data(), bytes,
                                          cudaMemcpyHostToDevice, stream));
   }
-  const cuda::DecodeKernelConfig config{geometry_.q_dtype, geometry_.kv_dtype,
-                                        geometry_.k_head_dim,
-                                        geometry_.num_qo_heads / geometry_.num_kv_heads};
-  decode_supported_ = cuda::DecodeSupports(config);
-  if (decode_supported_) {
-    ASSIGN_OR_RETURN(decode_ctas_per_wave_, cuda::DecodeCtasPerWave(config));
+  if (geometry_.mla) {
+    // Every MLA row runs the MLA decode kernel (cuda_step_plan.h); no MHA kernel is set up.
+    ASSIGN_OR_RETURN(mla_ctas_per_wave_,
+                     cuda::MlaDecodeCtasPerWave({geometry_.q_dtype, geometry_.kv_dtype,
+                                                 geometry_.k_head_dim, geometry_.v_head_dim}));
+  } else {
+    const cuda::DecodeKernelConfig config{geometry_.q_dtype, geometry_.kv_dtype,
+                                          geometry_.k_head_dim,
+                                          geometry_.num_qo_heads / geometry_.num_kv_heads};
+    decode_supported_ = cuda::DecodeSupports(config);
+    if (decode_supported_) {
+      ASSIGN_OR_RETURN(decode_ctas_per_wave_, cuda::DecodeCtasPerWave(config));
+    }
+    ASSIGN_OR_RETURN(prefill_ctas_per_wave_,
+                     cuda::BatchPrefillCtasPerWave(geometry_.k_head_dim, geometry_.q_dtype,
+                                                   geometry_.kv_dtype));
   }
-  ASSIGN_OR_RETURN(prefill_ctas_per_wave_,
-                   cuda::BatchPrefillCtasPerWave(geometry_.k_head_dim, geometry_.q_dtype,
-                                                 geometry_.kv_dtype));
   // A fault here belongs to this cache's creation, not to its first step.
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   for (Lane& lane : lanes_) {
@@ -143,6 +151,7 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
   context.decode_supported = decode_supported_;
   context.decode_ctas_per_wave = decode_ctas_per_wave_;
   context.prefill_ctas_per_wave = prefill_ctas_per_wave_;
+  context.mla_ctas_per_wave = mla_ctas_per_wave_;
   ASSIGN_OR_RETURN(std::shared_ptr<const StepPlan> plan, plans_.Get(*batch, context));
 
   const LayerSizes sizes = LayerSizes::Of(geometry_, batch->num_tokens, batch->options.return_lse);
@@ -150,10 +159,13 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
   const int64_t prefill_work_bytes =
       plan->run_prefill ? cuda::BatchPrefillWorkspaceBytes(plan->prefill) : 0;
   const int64_t workspace_bytes =
-      plan->run_decode ? cuda::BatchDecodeWorkspaceBytes(plan->decode.num_partials,
+      plan->run_mla      ? cuda::MlaDecodeWorkspaceBytes(plan->mla.num_partials,
                                                          geometry_.num_qo_heads,
                                                          geometry_.k_head_dim)
-                       : 0;
+      : plan->run_decode ? cuda::BatchDecodeWorkspaceBytes(plan->decode.num_partials,
+                                                           geometry_.num_qo_heads,
+                                                           geometry_.k_head_dim)
+                         : 0;
   const int lane_index = PickLane();
   Lane& lane = lanes_[lane_index];
   const cudaStream_t stream = lane.compute.get();

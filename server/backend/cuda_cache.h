@@ -58,8 +58,8 @@ struct Lane {
   // Held while a layer's work is enqueued (and while the lane's buffers grow), so that one
   // layer's launches and the posting of its completion are not interleaved with another's.
   std::mutex submit_mu;
-  DeviceBuffer q_rotated;         // [T][Hq][D] q_dtype; under submit_mu
-  DeviceBuffer decode_workspace;  // split-KV partials
+  DeviceBuffer q_rotated;         // [T][Hq][D] q_dtype (MLA: q_pe [T][H][rope_dim]); under submit_mu
+  DeviceBuffer decode_workspace;  // split-KV partials (MHA decode or MLA)
   std::atomic<int32_t> open_steps{0};
   std::unique_ptr<CompletionQueue> completions;
 };
@@ -112,6 +112,7 @@ class CudaCache final : public BackendCache {
   bool decode_supported_ = false;
   int32_t decode_ctas_per_wave_ = 0;
   plan::PrefillWaveSizes prefill_ctas_per_wave_;
+  int32_t mla_ctas_per_wave_ = 0;  // MLA caches only
 
   PlanCache plans_;
   std::shared_ptr<OutputPool> outputs_ = OutputPool::Create();

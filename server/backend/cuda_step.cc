@@ -7,6 +7,7 @@
 
 #include "attnd/kernels/cuda/append.h"
 #include "attnd/kernels/cuda/decode.h"
+#include "attnd/kernels/cuda/mla_decode.h"
 #include "attnd/kernels/cuda/prefill.h"
 #include "attnd/status_macros.h"
 #include "cuda/cuda_check.h"
@@ -55,6 +56,9 @@ CudaStep::CudaStep(CudaCache* cache, int lane, std::shared_ptr<const StepBatch> 
   if (plan_->run_decode) {
     decode_work_ = plan_->decode.View(At<int32_t>(arrays, offsets.decode_work));
   }
+  if (plan_->run_mla) {
+    mla_work_ = plan_->mla.View(At<int32_t>(arrays, offsets.mla_work));
+  }
   if (plan_->run_prefill) {
     prefill_work_ = arrays.data() + prefill_work_offset;
     prefill_work_bytes_ = cuda::BatchPrefillWorkspaceBytes(plan_->prefill);
@@ -95,8 +99,14 @@ void CudaStep::Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done) {
   // The caller's bytes (the received message's slices) go straight into pinned staging.
   uint8_t* staged = slot->host_in.data();
   LayerIo::Input(io.q, io.q_bytes).CopyTo(staged, sizes_.q_bytes);
-  LayerIo::Input(io.k, io.k_bytes).CopyTo(staged + sizes_.k_offset, sizes_.k_bytes);
-  LayerIo::Input(io.v, io.v_bytes).CopyTo(staged + sizes_.v_offset, sizes_.v_bytes);
+  if (cache_->geometry().mla) {
+    LayerIo::Input(io.ckv, io.ckv_bytes).CopyTo(staged + sizes_.k_offset, sizes_.k_bytes);
+    LayerIo::Input(io.kpe, io.kpe_bytes).CopyTo(staged + sizes_.v_offset, sizes_.v_bytes);
+    LayerIo::Input(io.q_pe, io.q_pe_bytes).CopyTo(staged + sizes_.q_pe_offset, sizes_.q_pe_bytes);
+  } else {
+    LayerIo::Input(io.k, io.k_bytes).CopyTo(staged + sizes_.k_offset, sizes_.k_bytes);
+    LayerIo::Input(io.v, io.v_bytes).CopyTo(staged + sizes_.v_offset, sizes_.v_bytes);
+  }
   MarkStage(io.trace, LayerTrace::kStaged);
 
   absl::StatusOr<OutputPool::Buffer*> output = cache_->outputs().Take(sizes_.out_bytes);
@@ -119,19 +129,35 @@ void CudaStep::Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done) {
 }
 
 absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, int32_t layer, uint8_t* host_out) {
-  const CacheGeometry& g = cache_->geometry();
   const cudaStream_t h2d = lane_.h2d.get();
   const cudaStream_t compute = lane_.compute.get();
   const cudaStream_t d2h = lane_.d2h.get();
-  const int64_t tokens = batch_->num_tokens;
-  uint8_t* device_in = slot.device_in.data();
-  uint8_t* device_out = slot.device_out.data();
 
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_in, slot.host_in.data(), sizes_.in_bytes,
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.device_in.data(), slot.host_in.data(), sizes_.in_bytes,
                                        cudaMemcpyHostToDevice, h2d));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.inputs_copied.get(), h2d));
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, slot.inputs_copied.get(), 0));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.started.get(), compute));
+  const CudaEvent* attended = nullptr;
+  if (cache_->geometry().mla) {
+    RETURN_IF_ERROR(EnqueueMlaKernels(slot, layer, &attended));
+  } else {
+    RETURN_IF_ERROR(EnqueueMhaKernels(slot, layer, &attended));
+  }
+  // The output copy runs on the D2H stream, so the next layer's kernels need not wait for it.
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, attended->get(), 0));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_out, slot.device_out.data(), sizes_.out_bytes,
+                                       cudaMemcpyDeviceToHost, d2h));
+  return absl::OkStatus();
+}
+
+absl::Status CudaStep::EnqueueMhaKernels(LayerSlot& slot, int32_t layer,
+                                         const CudaEvent** attended_event) {
+  const CacheGeometry& g = cache_->geometry();
+  const cudaStream_t compute = lane_.compute.get();
+  const int64_t tokens = batch_->num_tokens;
+  uint8_t* device_in = slot.device_in.data();
+  uint8_t* device_out = slot.device_out.data();
 
   cuda::AppendKvArgs append;
   append.tokens = tokens_;
@@ -187,10 +213,58 @@ absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, int32_t layer, uint8_t* ho
     attended = plan_->run_decode ? &slot.attended_second : &slot.attended_first;
     CUDA_RETURN_IF_ERROR(cudaEventRecord(attended->get(), compute));
   }
-  // The output copy runs on the D2H stream, so the next layer's kernels need not wait for it.
-  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, attended->get(), 0));
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(host_out, device_out, sizes_.out_bytes, cudaMemcpyDeviceToHost, d2h));
+  *attended_event = attended;
+  return absl::OkStatus();
+}
+
+// MLA: ckv (K pool) and kpe (V pool, rotated) appended and q_pe rotated in one launch, then the
+// MLA decode kernel over every row of the step, with its merge when the plan splits.
+absl::Status CudaStep::EnqueueMlaKernels(LayerSlot& slot, int32_t layer,
+                                         const CudaEvent** attended_event) {
+  const CacheGeometry& g = cache_->geometry();
+  const cudaStream_t compute = lane_.compute.get();
+  const int64_t tokens = batch_->num_tokens;
+  const int32_t rank = g.k_head_dim;
+  const int32_t rope_dim = g.v_head_dim;
+  uint8_t* device_in = slot.device_in.data();
+  uint8_t* device_out = slot.device_out.data();
+
+  cuda::AppendMlaArgs append;
+  append.tokens = tokens_;
+  append.pages = pages_;
+  append.rope_style = g.rope.style;
+  append.rope_inv_freq = cache_->rope_inv_freq();
+  append.rotary_dim = g.rope.style == RopeStyle::kNone ? 0 : g.rope.rotary_dim;
+  append.q_pe_in = Rows(device_in + sizes_.q_pe_offset, g.q_dtype, tokens, g.num_qo_heads, rope_dim);
+  append.q_pe_out = Rows(lane_.q_rotated.data(), g.q_dtype, tokens, g.num_qo_heads, rope_dim);
+  append.ckv_in = Rows(device_in + sizes_.k_offset, g.q_dtype, tokens, 1, rank);
+  append.kpe_in = Rows(device_in + sizes_.v_offset, g.q_dtype, tokens, 1, rope_dim);
+  append.ckv_cache = cache_->Pool(layer, false);
+  append.kpe_cache = cache_->Pool(layer, true);
+  append.ckv_scale = g.k_scale;
+  append.kpe_scale = g.v_scale;
+  RETURN_IF_ERROR(cuda::AppendMla(append, compute));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.appended.get(), compute));
+  *attended_event = &slot.appended;
+  if (!plan_->run_mla) return absl::OkStatus();
+
+  cuda::MlaDecodeArgs attention;
+  attention.q_nope = Rows(device_in, g.q_dtype, tokens, g.num_qo_heads, rank);
+  attention.q_pe = append.q_pe_out;
+  attention.pages = pages_;
+  attention.ckv_cache = append.ckv_cache;
+  attention.kpe_cache = append.kpe_cache;
+  attention.params = batch_->options.params;  // k_scale dequantises ckv, v_scale kpe
+  attention.work = mla_work_;
+  attention.o = Rows(device_out, g.q_dtype, tokens, g.num_qo_heads, rank);
+  attention.lse = batch_->options.return_lse
+                      ? reinterpret_cast<float*>(device_out + sizes_.lse_offset)
+                      : nullptr;
+  attention.workspace = lane_.decode_workspace.data();
+  attention.workspace_bytes = lane_.decode_workspace.capacity();
+  RETURN_IF_ERROR(cuda::MlaDecode(attention, compute));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.attended_first.get(), compute));
+  *attended_event = &slot.attended_first;
   return absl::OkStatus();
 }
 
@@ -248,6 +322,11 @@ void CudaStep::ReportTimes(const LayerSlot& slot) const {
   if (observer == nullptr) return;
   const std::string_view phase = StepPhaseName(batch_->phase);
   observer->OnKernel("append", "append", ElapsedSeconds(slot.started, slot.appended));
+  if (plan_->run_mla) {
+    // "mla_decode" or "mla_prefill", the merge of split requests included.
+    observer->OnKernel(plan_->KernelName(), phase,
+                       ElapsedSeconds(slot.appended, slot.attended_first));
+  }
   if (plan_->run_decode) {
     observer->OnKernel("decode", phase, ElapsedSeconds(slot.appended, slot.attended_first));
   }
@@ -256,7 +335,7 @@ void CudaStep::ReportTimes(const LayerSlot& slot) const {
                        plan_->run_decode ? ElapsedSeconds(slot.attended_first, slot.attended_second)
                                         : ElapsedSeconds(slot.appended, slot.attended_first));
   }
-  observer->OnTransfer("h2d", sizes_.q_bytes + sizes_.k_bytes + sizes_.v_bytes);
+  observer->OnTransfer("h2d", sizes_.q_bytes + sizes_.k_bytes + sizes_.v_bytes + sizes_.q_pe_bytes);
   observer->OnTransfer("d2h", sizes_.o_bytes + sizes_.lse_bytes);
 }
 

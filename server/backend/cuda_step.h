@@ -1,6 +1,6 @@
 // CudaStep: one planned step of a CudaCache, running on one of the cache's lanes. Its arrays
-// (page table, COO append index, decode plan, prefill work list) were uploaded once at
-// PrepareStep; each RunLayer stages the layer's q/k/v in a free layer slot (copied straight from
+// (page table, COO append index, decode plan, prefill work list, MLA plan) were uploaded once at
+// PrepareStep; each RunLayer stages the layer's q/k/v (MLA: q_nope/ckv/kpe/q_pe) in a free layer slot (copied straight from
 // the caller's bytes, e.g. the received message's slices, into pinned memory), enqueues
 // H2D -> append -> attention -> D2H on the lane's streams with events between the kernels, and
 // posts the slot to the lane's completion thread (see cuda_cache.h). With every slot busy a
@@ -42,6 +42,10 @@ class CudaStep final : public BackendStep {
   // Stages and enqueues a layer in `slot`, which the caller took.
   void Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done);
   absl::Status EnqueueLocked(LayerSlot& slot, int32_t layer, uint8_t* host_out);
+  // The append and attention kernels of a layer on the compute stream; `attended` is the event
+  // recorded after the last of them.
+  absl::Status EnqueueMhaKernels(LayerSlot& slot, int32_t layer, const CudaEvent** attended);
+  absl::Status EnqueueMlaKernels(LayerSlot& slot, int32_t layer, const CudaEvent** attended);
   // On the completion thread: waits, lends or copies out, reports, frees the slot, calls done.
   void Complete(LayerSlot* slot);
   void ReportTimes(const LayerSlot& slot) const;
@@ -58,6 +62,7 @@ class CudaStep final : public BackendStep {
   PageTableView pages_;
   AppendIndexView tokens_;
   plan::DecodeWorkView decode_work_;
+  plan::MlaWorkView mla_work_;
   void* prefill_work_ = nullptr;
   int64_t prefill_work_bytes_ = 0;
 

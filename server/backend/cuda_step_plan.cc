@@ -1,6 +1,8 @@
 #include "backend/cuda_step_plan.h"
 
+#include <algorithm>
 #include <cstring>
+#include <span>
 
 #include "absl/strings/str_cat.h"
 #include "attnd/status_macros.h"
@@ -95,7 +97,63 @@ absl::StatusOr<plan::PrefillPlan> PlanPrefillRows(const StepBatch& batch,
   return prefill;
 }
 
-StepArrayOffsets LayOut(const StepBatch& batch, int64_t decode_words) {
+// MLA plan of the requests whose row count `select` accepts, planned over a copy of qo_indptr
+// in which every other entry has no row, then its q rows mapped back onto the step's rows.
+absl::StatusOr<plan::MlaPlan> PlanMlaRows(const StepBatch& batch,
+                                          std::span<const int64_t> kv_lengths,
+                                          const plan::MlaPlanOptions& options,
+                                          bool (*select)(int32_t rows)) {
+  std::vector<int32_t> indptr(batch.batch_size + 1, 0);
+  std::vector<int32_t> step_row;  // the plan's row -> the step's row
+  for (int32_t b = 0; b < batch.batch_size; ++b) {
+    const int32_t rows = Rows(batch, b);
+    const bool selected = rows > 0 && select(rows);
+    indptr[b + 1] = indptr[b] + (selected ? rows : 0);
+    if (!selected) continue;
+    for (int32_t t = 0; t < rows; ++t) step_row.push_back(batch.qo_indptr[b] + t);
+  }
+  ASSIGN_OR_RETURN(plan::MlaPlan mla, plan::PlanMlaDecode(indptr, kv_lengths, options));
+  // A unit names its request's first row; merge rows name each token's row.
+  for (plan::MlaWorkUnit& unit : mla.units) unit.q_row = batch.qo_indptr[unit.request];
+  for (int32_t& row : mla.merge_q_row) row = step_row[row];
+  return mla;
+}
+
+bool IsSplitPlanned(int32_t rows) { return rows <= kMlaSplitMaxQueryTokens; }
+bool IsUnsplit(int32_t rows) { return rows > kMlaSplitMaxQueryTokens; }
+
+// Every row of an MLA step in one plan: the short requests planned with KV-split as the options
+// say, the long ones unsplit (cuda_step_plan.h), their units first (the longest CTAs lead the
+// launch order, as the planner orders its own).
+absl::StatusOr<plan::MlaPlan> PlanMla(const StepBatch& batch, const StepPlanContext& context,
+                                      bool any_unsplit) {
+  const CacheGeometry& g = *context.geometry;
+  std::vector<int64_t> kv_lengths(batch.batch_size);
+  for (int32_t b = 0; b < batch.batch_size; ++b) kv_lengths[b] = batch.KvLength(b, g.page_size);
+  plan::MlaPlanOptions options;
+  options.num_heads = g.num_qo_heads;
+  options.ctas_per_wave = context.mla_ctas_per_wave;
+  if (batch.options.disable_split_kv) {
+    options.split_mode = plan::MlaSplitMode::kNone;
+  } else {
+    options.fixed_split_tokens = batch.options.fixed_split_tokens;
+    options.deterministic = batch.options.deterministic;
+  }
+  ASSIGN_OR_RETURN(plan::MlaPlan mla, PlanMlaRows(batch, kv_lengths, options, &IsSplitPlanned));
+  if (!any_unsplit) return mla;
+  plan::MlaPlanOptions unsplit;
+  unsplit.num_heads = g.num_qo_heads;
+  unsplit.split_mode = plan::MlaSplitMode::kNone;
+  ASSIGN_OR_RETURN(plan::MlaPlan whole, PlanMlaRows(batch, kv_lengths, unsplit, &IsUnsplit));
+  if (whole.num_partials != 0) {
+    return absl::InternalError("the MLA plan split a request planned without KV-split");
+  }
+  mla.units.insert(mla.units.begin(), whole.units.begin(), whole.units.end());
+  mla.max_chunks = std::max(mla.max_chunks, whole.max_chunks);
+  return mla;
+}
+
+StepArrayOffsets LayOut(const StepBatch& batch, int64_t decode_words, int64_t mla_words) {
   StepArrayOffsets offsets;
   int64_t at = 0;
   auto place = [&at](int64_t words) {
@@ -114,6 +172,7 @@ StepArrayOffsets LayOut(const StepBatch& batch, int64_t decode_words) {
   offsets.token_batch_indices = place(batch.num_tokens);
   offsets.token_positions = place(batch.num_tokens);
   offsets.decode_work = place(decode_words);
+  offsets.mla_work = place(mla_words);
   offsets.total_bytes = at;
   return offsets;
 }
@@ -125,6 +184,7 @@ void Put(const std::vector<int32_t>& words, int64_t offset, uint8_t* buffer) {
 }  // namespace
 
 std::string_view StepPlan::KernelName() const {
+  if (run_mla) return mla_has_prefill ? "mla_prefill" : "mla_decode";
   if (run_prefill) return "prefill";
   return run_decode ? "decode" : "none";
 }
@@ -138,11 +198,11 @@ void StepPlan::Fill(const StepBatch& batch, uint8_t* buffer) const {
   Put(batch.token_batch_indices, offsets.token_batch_indices, buffer);
   Put(batch.token_positions, offsets.token_positions, buffer);
   if (run_decode) decode.PackInto(reinterpret_cast<int32_t*>(buffer + offsets.decode_work));
+  if (run_mla) Put(mla.Pack(), offsets.mla_work, buffer);
 }
 
 absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext& context) {
   const CacheGeometry& g = *context.geometry;
-  if (g.mla) return absl::UnimplementedError("MLA steps have no CUDA kernel");
   if (static_cast<int32_t>(batch.qo_indptr.size()) != batch.batch_size + 1 ||
       static_cast<int32_t>(batch.page_indptr.size()) != batch.batch_size + 1 ||
       static_cast<int32_t>(batch.last_page_len.size()) != batch.batch_size ||
@@ -161,6 +221,22 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
   }
 
   StepPlan step;
+  if (g.mla) {
+    bool any_unsplit = false;
+    for (int32_t b = 0; b < batch.batch_size; ++b) any_unsplit |= IsUnsplit(Rows(batch, b));
+    step.run_mla = any_decode || any_prefill;
+    step.mla_has_prefill = any_prefill;
+    if (step.run_mla) {
+      ASSIGN_OR_RETURN(step.mla, PlanMla(batch, context, any_unsplit));
+    }
+    const int64_t mla_words =
+        step.run_mla ? int64_t{step.mla.num_units()} * (sizeof(plan::MlaWorkUnit) / sizeof(int32_t)) +
+                           static_cast<int64_t>(step.mla.merge_indptr.size() +
+                                                step.mla.merge_q_row.size())
+                     : 0;
+    step.offsets = LayOut(batch, 0, mla_words);
+    return step;
+  }
   step.run_decode = any_decode && context.decode_supported;
   step.run_prefill = any_prefill || (any_decode && !context.decode_supported);
   if (step.run_decode) {
@@ -169,7 +245,7 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
   if (step.run_prefill) {
     ASSIGN_OR_RETURN(step.prefill, PlanPrefillRows(batch, context, step.run_decode));
   }
-  step.offsets = LayOut(batch, step.run_decode ? step.decode.PackedWords() : 0);
+  step.offsets = LayOut(batch, step.run_decode ? step.decode.PackedWords() : 0, 0);
   return step;
 }
 

@@ -11,6 +11,13 @@
 //   that keeps a decode request's kernel, and so its bits under deterministic=true, the same
 //   whether or not prefill rows share its step. Without a decode kernel BatchPrefill runs
 //   every row (it takes 1-row requests).
+// - MLA caches: MlaDecode for every row (its units carry any number of query tokens per
+//   request, causal among them), in one launch. Requests of at most kMlaSplitMaxQueryTokens rows
+//   (decode, speculative decode) are planned with KV-split (oversubscription, one wave, pinned or
+//   deterministic, as the options say); longer ones (prefill, chunked prefill) are never split:
+//   their row tiles already fill the GPU, and the partials of q_len x chunks rows would need a
+//   workspace that grows with the prompt. Either way a request's chunking depends on the request
+//   alone, so deterministic=true holds.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
 #include "plan/decode_plan.h"
+#include "plan/mla_plan.h"
 #include "plan/prefill_plan.h"
 
 namespace attnd::cuda_backend {
@@ -29,7 +37,11 @@ struct StepPlanContext {
   bool decode_supported = false;  // attnd::cuda::DecodeSupports for the cache
   int32_t decode_ctas_per_wave = 0;
   plan::PrefillWaveSizes prefill_ctas_per_wave;  // attnd::cuda::BatchPrefillCtasPerWave
+  int32_t mla_ctas_per_wave = 0;  // attnd::cuda::MlaDecodeCtasPerWave (MLA caches)
 };
+
+// MLA requests with more query rows than this are planned without KV-split (see above).
+inline constexpr int32_t kMlaSplitMaxQueryTokens = 4;
 
 // Byte offsets of the arrays inside the uploaded buffer; each kBufferAlignment-aligned.
 struct StepArrayOffsets {
@@ -41,6 +53,7 @@ struct StepArrayOffsets {
   int64_t token_batch_indices = 0;  // [num_tokens]
   int64_t token_positions = 0;      // [num_tokens]
   int64_t decode_work = 0;          // DecodePlan::Pack()
+  int64_t mla_work = 0;             // MlaPlan::Pack() (16-byte aligned units)
   int64_t total_bytes = 0;
 };
 
@@ -49,9 +62,14 @@ struct StepPlan {
   bool run_prefill = false;  // BatchPrefill for the prefill rows (or every row)
   plan::DecodePlan decode;   // q rows are the step's rows (remapped when mixed)
   plan::PrefillPlan prefill;
+  bool run_mla = false;       // MlaDecode for every row (MLA caches)
+  bool mla_has_prefill = false;  // some MLA request has more than one row
+  plan::MlaPlan mla;          // units' q rows are the step's rows
   StepArrayOffsets offsets;
 
-  // "none", "decode" or "prefill" (a step that runs both reports "prefill", its larger part).
+  // "none", "decode" or "prefill" (a step that runs both reports "prefill", its larger part);
+  // MLA: "mla_decode", or "mla_prefill" when some request has more than one row (the names the
+  // CPU backend reports).
   std::string_view KernelName() const;
   // Writes the arrays at their offsets into `buffer` (offsets.total_bytes bytes).
   void Fill(const StepBatch& batch, uint8_t* buffer) const;

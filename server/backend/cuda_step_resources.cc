@@ -13,7 +13,14 @@ LayerSizes LayerSizes::Of(const CacheGeometry& geometry, int64_t num_tokens, boo
   sizes.k_offset = AlignUp(sizes.q_bytes, kBufferAlignment);
   sizes.v_offset = sizes.k_offset + AlignUp(sizes.k_bytes, kBufferAlignment);
   sizes.in_bytes = sizes.v_offset + sizes.v_bytes;
-  sizes.o_bytes = num_tokens * geometry.num_qo_heads * geometry.v_head_dim * element_bytes;
+  if (geometry.mla) {
+    sizes.q_pe_bytes = num_tokens * geometry.num_qo_heads * geometry.v_head_dim * element_bytes;
+    sizes.q_pe_offset = sizes.v_offset + AlignUp(sizes.v_bytes, kBufferAlignment);
+    sizes.in_bytes = sizes.q_pe_offset + sizes.q_pe_bytes;
+  }
+  // MLA's output is latent: kv_lora_rank (k_head_dim) wide.
+  const int32_t o_dim = geometry.mla ? geometry.k_head_dim : geometry.v_head_dim;
+  sizes.o_bytes = num_tokens * geometry.num_qo_heads * o_dim * element_bytes;
   sizes.lse_bytes = return_lse ? num_tokens * geometry.num_qo_heads * 4 : 0;
   sizes.lse_offset = AlignUp(sizes.o_bytes, kBufferAlignment);
   sizes.out_bytes = return_lse ? sizes.lse_offset + sizes.lse_bytes : sizes.o_bytes;

@@ -20,14 +20,17 @@ namespace attnd::cuda_backend {
 inline constexpr int kLayerSlotsPerStep = 4;
 
 // Byte sizes and offsets of one layer's tensors for a step of num_tokens rows.
+// MLA caches stage q_nope as q, ckv as k, kpe as v, and q_pe after them.
 struct LayerSizes {
-  int64_t q_bytes = 0;   // [T][Hq][D] q_dtype
-  int64_t k_bytes = 0;   // [T][Hkv][D]
-  int64_t v_bytes = 0;   // [T][Hkv][D]
-  int64_t k_offset = 0;  // inputs staged as q | k | v, each kBufferAlignment-aligned
+  int64_t q_bytes = 0;   // [T][Hq][D] q_dtype (MLA q_nope: [T][H][kv_lora_rank])
+  int64_t k_bytes = 0;   // [T][Hkv][D] (MLA ckv: [T][kv_lora_rank])
+  int64_t v_bytes = 0;   // [T][Hkv][D] (MLA kpe: [T][rope_dim])
+  int64_t q_pe_bytes = 0;  // MLA [T][H][rope_dim]; 0 for MHA
+  int64_t k_offset = 0;  // inputs staged as q | k | v | q_pe, each kBufferAlignment-aligned
   int64_t v_offset = 0;
+  int64_t q_pe_offset = 0;
   int64_t in_bytes = 0;
-  int64_t o_bytes = 0;      // [T][Hq][D] q_dtype
+  int64_t o_bytes = 0;      // [T][Hq][D] q_dtype (MLA: [T][H][kv_lora_rank])
   int64_t lse_bytes = 0;    // [T][Hq] float32 when the step returns lse, else 0
   int64_t lse_offset = 0;   // outputs as o | lse
   int64_t out_bytes = 0;
@@ -36,7 +39,7 @@ struct LayerSizes {
 };
 
 struct LayerSlot {
-  PinnedBuffer host_in;     // q | k | v as the caller sent them
+  PinnedBuffer host_in;     // q | k | v (| q_pe) as the caller sent them
   DeviceBuffer device_in;   // host_in's layout
   DeviceBuffer device_out;  // o | lse, LayerSizes layout; per slot so that the copy of one
                             // layer's outputs overlaps the next layer's kernels

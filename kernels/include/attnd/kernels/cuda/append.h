@@ -36,13 +36,14 @@ struct AppendKvArgs {
 // Launches on `stream`; allocates nothing. The caller has validated every index and position.
 absl::Status AppendKv(const AppendKvArgs& args, cudaStream_t stream);
 
-// MLA: ckv rows are stored as they come (K pool, k_indices), kpe rows and q_pe rotate over all
-// rope_dim dims (V pool, v_indices).
+// MLA: ckv rows are stored as they come (K pool, k_indices), kpe rows and q_pe rotate over their
+// first rotary_dim dims (all rope_dim by default; V pool, v_indices).
 struct AppendMlaArgs {
   AppendIndexView tokens;
   PageTableView pages;
   RopeStyle rope_style = RopeStyle::kNone;
-  const float* rope_inv_freq = nullptr;  // [rope_dim / 2]
+  const float* rope_inv_freq = nullptr;  // [rotary_dim / 2]
+  int32_t rotary_dim = 0;                // even, <= rope_dim; 0: rope_dim
   TokenHeadsView q_pe_in;   // [T][num_heads][rope_dim]; data may be null
   TokenHeadsView q_pe_out;  // [T][num_heads][rope_dim]
   TokenHeadsView ckv_in;    // [T][1][kv_lora_rank]
