@@ -1,14 +1,15 @@
 // The CUDA backend against the CPU backend (the reference) through the Backend interface, on
 // identical inputs: steps built the way the engine builds them (managed pages scattered over the
 // pool, or SEPARATE_KV tables), run layer by layer with every layer of a step in flight at once,
-// then o/lse and the raw bytes of every pool page compared. GPU tests skip without a device; the
-// range allocator's tests run everywhere.
+// then o/lse and the raw bytes of every pool page compared, for MHA/GQA and MLA caches. GPU tests
+// skip without a device; the range allocator's and the MLA step plan's tests run everywhere.
 //
 // Tolerances: o normwise relative error <= 1e-2 for bf16 q (fp8 KV included), <= 5e-3 for fp16
 // q; lse max abs difference <= 2e-3. Pools: bitwise equal without RoPE and with fp16/bf16 KV;
 // with RoPE (k rotated in fp32 with the GPU's sin/cos) or fp8 KV (quantisation after a scale),
 // codes may differ by one ulp, never more.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
@@ -19,6 +20,7 @@
 #include <mutex>
 #include <numeric>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,6 +30,7 @@
 #include "backend/cpu_backend.h"
 #include "backend/cuda_backend.h"
 #include "backend/cuda_range_allocator.h"
+#include "backend/cuda_step_plan.h"
 #include "cuda_backend_test_util.h"
 #include "gtest/gtest.h"
 
@@ -156,8 +159,10 @@ class RecordingObserver final : public BackendObserver {
   int non_positive_ = 0;
 };
 
+// MHA: q, k, v. MLA: q (q_nope), q_pe, ckv, kpe.
 struct LayerInputs {
   std::vector<uint8_t> q, k, v;
+  std::vector<uint8_t> q_pe, ckv, kpe;
 };
 
 struct LayerResult {
@@ -189,16 +194,22 @@ StepRun RunStep(BackendCache& cache, const std::shared_ptr<StepBatch>& batch,
   const std::thread::id caller = std::this_thread::get_id();
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
     LayerResult& result = run.layers[layer];
-    result.o.assign(batch->num_tokens * g.num_qo_heads * g.v_head_dim * DTypeBytes(g.q_dtype),
-                    0xFF);
+    const int32_t o_dim = g.mla ? g.k_head_dim : g.v_head_dim;  // MLA: latent output
+    result.o.assign(batch->num_tokens * g.num_qo_heads * o_dim * DTypeBytes(g.q_dtype), 0xFF);
     if (batch->options.return_lse) {
       result.lse.assign(batch->num_tokens * g.num_qo_heads, std::nanf(""));
     }
     LayerIo io;
     io.layer = layer;
     io.q = inputs[layer].q.data();
-    io.k = inputs[layer].k.data();
-    io.v = inputs[layer].v.data();
+    if (g.mla) {
+      io.q_pe = inputs[layer].q_pe.data();
+      io.ckv = inputs[layer].ckv.data();
+      io.kpe = inputs[layer].kpe.data();
+    } else {
+      io.k = inputs[layer].k.data();
+      io.v = inputs[layer].v.data();
+    }
     io.o = result.o.data();
     io.lse = batch->options.return_lse ? result.lse.data() : nullptr;
     (*step)->RunLayer(io, [&, caller, layer](absl::Status status) {
@@ -443,6 +454,434 @@ INSTANTIATE_TEST_SUITE_P(Configs, CudaBackendVsCpuTest, ::testing::ValuesIn(Conf
                            return info.param.name;
                          });
 
+// ---- MLA caches: the CUDA backend against the CPU backend ----
+//
+// Every MLA row runs the MLA decode kernel (prefill rows unsplit, rows of up to 4 tokens with
+// KV-split), after the fused ckv/kpe append with RoPE on kpe and q_pe. Tolerances: o normwise
+// relative error <= 1.5e-2 for 16-bit caches (P and o rounded to 16 bits on the GPU, o rounded on
+// both sides), <= 5e-2 for fp8 caches; lse within 5e-3 + 5e-4 |lse|. Pools as for MHA: bitwise
+// without RoPE on a 16-bit cache, else within one ulp.
+
+struct MlaCacheConfig {
+  std::string name;
+  DType q_dtype = DType::kBFloat16;
+  DType kv_dtype = DType::kBFloat16;
+  int32_t kv_lora_rank = 512;
+  int32_t num_heads = 16;
+  int32_t page_size = 64;
+  RopeStyle rope = RopeStyle::kNeox;
+  int32_t rotary_dim = 0;  // 0: rope_dim
+  bool separate_kv = false;
+  float k_scale = 1.0f;  // ckv
+  float v_scale = 1.0f;  // kpe
+  int32_t num_layers = 3;
+};
+
+CacheGeometry MlaGeometryOf(const MlaCacheConfig& config) {
+  CacheGeometry g;
+  g.mla = true;
+  g.num_layers = config.num_layers;
+  g.num_qo_heads = config.num_heads;
+  g.num_kv_heads = 1;
+  g.k_head_dim = config.kv_lora_rank;
+  g.v_head_dim = 64;
+  g.page_size = config.page_size;
+  g.num_pages = 1024 / config.page_size + 16;
+  g.kv_dtype = config.kv_dtype;
+  g.q_dtype = config.q_dtype;
+  g.k_scale = config.k_scale;
+  g.v_scale = config.v_scale;
+  g.rope.style = config.rope;
+  g.rope.theta = 10000.0;
+  g.rope.rotary_dim =
+      config.rope == RopeStyle::kNone ? 0 : (config.rotary_dim > 0 ? config.rotary_dim : 64);
+  return g;
+}
+
+StepOptions MlaOptions(const CacheGeometry& g) {
+  StepOptions options;
+  options.params.sm_scale = 1.0f / std::sqrt(192.0f);
+  options.params.k_scale = g.k_scale;
+  options.params.v_scale = g.v_scale;
+  options.return_lse = true;
+  return options;
+}
+
+// Chunked prefill (several chunks per sequence), decode, speculative rows (2..4 tokens),
+// padding, lse on and off, pinned and automatic KV-split, deterministic mode, soft cap and
+// window, non-causal; in that order over the same sequences.
+std::vector<ScenarioStep> MlaScenario(const CacheGeometry& g) {
+  std::vector<ScenarioStep> steps;
+  StepOptions options = MlaOptions(g);
+  steps.push_back({"prefill, first chunks", {{0, 37}, {1, 16}, {2, 5}, {3, 70}}, options,
+                   "mla_prefill"});
+  steps.push_back({"chunked prefill + decode + speculative rows + padding",
+                   {{0, 1}, {9, 0}, {1, 40}, {3, 3}, {4, 20}, {2, 1}, {9, 0}},
+                   options,
+                   "mla_prefill"});
+  options.fixed_split_tokens = 16;  // several chunks per request: partials + merge
+  steps.push_back({"split-KV decode", {{0, 1}, {1, 1}, {2, 1}, {3, 1}, {4, 1}}, options,
+                   "mla_decode"});
+  options.fixed_split_tokens = 32;
+  steps.push_back({"split-KV speculative rows with prefill", {{0, 4}, {2, 2}, {1, 1}, {4, 9}},
+                   options, "mla_prefill"});
+  options = MlaOptions(g);
+  options.deterministic = true;
+  steps.push_back({"deterministic mixed with padding",
+                   {{0, 2}, {1, 1}, {9, 0}, {3, 12}, {4, 1}},
+                   options,
+                   "mla_prefill"});
+  options = MlaOptions(g);
+  options.return_lse = false;
+  steps.push_back({"decode without lse", {{9, 0}, {0, 1}, {1, 1}, {2, 1}, {3, 1}, {4, 1}},
+                   options, "mla_decode"});
+  options = MlaOptions(g);
+  options.params.window_left = 24;
+  options.params.logits_soft_cap = 20.0f;
+  steps.push_back({"windowed soft-capped mixed", {{0, 1}, {3, 6}, {1, 1}}, options,
+                   "mla_prefill"});
+  options = MlaOptions(g);
+  options.params.causal = false;
+  steps.push_back({"non-causal chunked prefill", {{3, 12}, {0, 1}}, options, "mla_prefill"});
+  steps.push_back({"all padding", {{9, 0}, {9, 0}}, MlaOptions(g), "none"});
+  return steps;
+}
+
+std::vector<LayerInputs> RandomMlaInputs(const CacheGeometry& g, int64_t tokens,
+                                         std::mt19937& rng) {
+  std::vector<LayerInputs> inputs(g.num_layers);
+  for (LayerInputs& layer : inputs) {
+    layer.q = RandomTensor(g.q_dtype, tokens * g.num_qo_heads * g.k_head_dim, rng);
+    layer.q_pe = RandomTensor(g.q_dtype, tokens * g.num_qo_heads * g.v_head_dim, rng);
+    layer.ckv = RandomTensor(g.q_dtype, tokens * g.k_head_dim, rng);
+    layer.kpe = RandomTensor(g.q_dtype, tokens * g.v_head_dim, rng);
+  }
+  return inputs;
+}
+
+class CudaBackendMlaVsCpuTest : public ::testing::TestWithParam<MlaCacheConfig> {};
+
+TEST_P(CudaBackendMlaVsCpuTest, MatchesTheReferenceStepByStep) {
+  SKIP_WITHOUT_GPU();
+  const MlaCacheConfig& config = GetParam();
+  const CacheGeometry geometry = MlaGeometryOf(config);
+  RecordingObserver observer;
+  CudaBackendOptions cuda_options;
+  cuda_options.kv_budget_bytes = int64_t{128} << 20;
+  cuda_options.observer = &observer;
+  auto gpu_backend = MakeCudaBackend(cuda_options);
+  ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
+  CpuBackendOptions cpu_options;
+  cpu_options.kv_budget_bytes = int64_t{128} << 20;
+  auto cpu_backend = MakeCpuBackend(cpu_options);
+  auto gpu = (*gpu_backend)->CreateCache(geometry);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto cpu = cpu_backend->CreateCache(geometry);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+
+  const bool fp8 = config.kv_dtype == DType::kFloat8E4M3;
+  const bool exact_pools = config.rope == RopeStyle::kNone && !fp8;
+  const double o_tolerance = fp8 ? 5e-2 : 1.5e-2;
+  SequenceBook book(geometry, config.separate_kv, /*seed=*/11);
+  std::mt19937 rng(4321);
+  for (const ScenarioStep& scenario : MlaScenario(geometry)) {
+    SCOPED_TRACE(scenario.what);
+    const std::shared_ptr<StepBatch> batch = book.Plan(scenario.entries, scenario.options);
+    const std::vector<LayerInputs> inputs = RandomMlaInputs(geometry, batch->num_tokens, rng);
+    const StepRun on_gpu = RunStep(**gpu, batch, inputs);
+    const StepRun on_cpu = RunStep(**cpu, batch, inputs);
+    EXPECT_EQ(on_gpu.kernel, scenario.expected_kernel);
+    EXPECT_EQ(on_gpu.kernel, on_cpu.kernel);
+    ASSERT_EQ(on_gpu.layers.size(), on_cpu.layers.size());
+    for (size_t layer = 0; layer < on_gpu.layers.size(); ++layer) {
+      SCOPED_TRACE(::testing::Message() << "layer " << layer);
+      const LayerResult& a = on_gpu.layers[layer];
+      const LayerResult& b = on_cpu.layers[layer];
+      ASSERT_TRUE(a.status.ok()) << a.status;
+      ASSERT_TRUE(b.status.ok()) << b.status;
+      EXPECT_FALSE(a.on_caller_thread) << "done must come from a backend thread";
+      const Error o_error = NormwiseError(geometry.q_dtype, a.o, b.o);
+      EXPECT_FALSE(o_error.nan) << "an element of o was not written";
+      EXPECT_LE(o_error.relative, o_tolerance);
+      double lse_excess = 0.0;  // worst |a - b| beyond the tolerance
+      double lse_worst = 0.0;
+      for (size_t i = 0; i < a.lse.size(); ++i) {
+        if (std::isinf(b.lse[i]) || std::isinf(a.lse[i])) {
+          if (a.lse[i] != b.lse[i]) lse_excess = INFINITY;
+          continue;
+        }
+        const double difference = std::fabs(static_cast<double>(a.lse[i]) - b.lse[i]);
+        if (std::isnan(difference)) {
+          lse_excess = NAN;
+          break;
+        }
+        lse_worst = std::max(lse_worst, difference);
+        lse_excess = std::max(lse_excess, difference - (5e-3 + 5e-4 * std::fabs(b.lse[i])));
+      }
+      EXPECT_LE(lse_excess, 0.0) << "lse beyond tolerance; max abs diff " << lse_worst;
+      std::printf("[ %s | %s | layer %zu ] kernel %s, o rel err %.2e, lse max abs diff %.2e\n",
+                  config.name.c_str(), scenario.what.c_str(), layer, on_gpu.kernel.c_str(),
+                  o_error.relative, lse_worst);
+    }
+    const PoolDifference pools = ComparePools(**gpu, **cpu);
+    std::printf("[ %s | %s ] pools: %lld elements differ, max %lld ulp\n", config.name.c_str(),
+                scenario.what.c_str(), static_cast<long long>(pools.differing_elements),
+                static_cast<long long>(pools.max_ulp));
+    if (exact_pools) {
+      EXPECT_EQ(pools.differing_elements, 0);
+    } else {
+      EXPECT_LE(pools.max_ulp, 1);
+    }
+  }
+  EXPECT_GT(observer.Count("append/append"), 0);
+  EXPECT_GT(observer.Count("mla_prefill/prefill"), 0);
+  EXPECT_GT(observer.Count("mla_prefill/mixed"), 0);
+  EXPECT_GT(observer.Count("mla_decode/decode"), 0);
+  EXPECT_EQ(observer.non_positive(), 0) << "kernel times must be positive";
+  EXPECT_GT(observer.Bytes("h2d"), 0);
+  EXPECT_GT(observer.Bytes("d2h"), 0);
+}
+
+std::vector<MlaCacheConfig> MlaConfigs() {
+  std::vector<MlaCacheConfig> configs;
+  {
+    MlaCacheConfig c;
+    c.name = "bf16_r512_h16_p64_shared_neox";
+    configs.push_back(c);
+  }
+  {
+    MlaCacheConfig c;
+    c.name = "bf16_r512_h128_p32_separate_kv_neox";
+    c.num_heads = 128;
+    c.page_size = 32;
+    c.separate_kv = true;
+    configs.push_back(c);
+  }
+  {
+    MlaCacheConfig c;
+    c.name = "fp8kv_bf16q_r512_h128_p64_shared_interleaved";
+    c.kv_dtype = DType::kFloat8E4M3;
+    c.num_heads = 128;
+    c.rope = RopeStyle::kInterleaved;
+    c.k_scale = 0.5f;
+    c.v_scale = 2.0f;
+    configs.push_back(c);
+  }
+  {
+    MlaCacheConfig c;
+    c.name = "fp8kv_fp16q_r256_h16_p32_separate_kv_neox";
+    c.q_dtype = DType::kFloat16;
+    c.kv_dtype = DType::kFloat8E4M3;
+    c.kv_lora_rank = 256;
+    c.page_size = 32;
+    c.separate_kv = true;
+    c.k_scale = 0.25f;
+    c.v_scale = 0.5f;
+    configs.push_back(c);
+  }
+  {
+    MlaCacheConfig c;
+    c.name = "fp16_r256_h128_p64_shared_norope";
+    c.q_dtype = c.kv_dtype = DType::kFloat16;
+    c.kv_lora_rank = 256;
+    c.num_heads = 128;
+    c.rope = RopeStyle::kNone;
+    configs.push_back(c);
+  }
+  {
+    MlaCacheConfig c;
+    c.name = "bf16_r512_h24_p32_separate_kv_neox_rot32";  // 24 heads: row tiles cut tokens
+    c.num_heads = 24;
+    c.page_size = 32;
+    c.separate_kv = true;
+    c.rotary_dim = 32;
+    configs.push_back(c);
+  }
+  {
+    MlaCacheConfig c;
+    c.name = "bf16_r256_h16_p64_shared_norope";
+    c.kv_lora_rank = 256;
+    c.rope = RopeStyle::kNone;
+    configs.push_back(c);
+  }
+  return configs;
+}
+
+INSTANTIATE_TEST_SUITE_P(MlaConfigs, CudaBackendMlaVsCpuTest, ::testing::ValuesIn(MlaConfigs()),
+                         [](const ::testing::TestParamInfo<MlaCacheConfig>& info) {
+                           return info.param.name;
+                         });
+
+// ---- The MLA step plan (plain C++: runs without a GPU) ----
+
+struct MlaPlanCheck {
+  int64_t units = 0;
+  int64_t split_requests = 0;
+};
+
+// Checks the plan of an MLA step against the batch: every (token, head) row of every request
+// is computed over every key exactly once, units name the step's rows, requests of more than
+// kMlaSplitMaxQueryTokens rows are never split, and each split row merges exactly its chunks'
+// partials, into its own row.
+MlaPlanCheck CheckMlaPlan(const StepBatch& batch, const CacheGeometry& g,
+                          const cuda_backend::StepPlan& step) {
+  MlaPlanCheck check;
+  const plan::MlaPlan& mla = step.mla;
+  const int32_t heads = g.num_qo_heads;
+  // [request] -> per row tile -> covered key ranges.
+  std::map<std::pair<int32_t, int32_t>, std::vector<std::pair<int32_t, int32_t>>> ranges;
+  std::map<int32_t, int32_t> row_of_slot;  // partial slot -> step row
+  for (const plan::MlaWorkUnit& unit : mla.units) {
+    ++check.units;
+    EXPECT_GE(unit.request, 0);
+    const int32_t b = unit.request;
+    const int32_t rows = batch.qo_indptr[b + 1] - batch.qo_indptr[b];
+    EXPECT_EQ(unit.q_row, batch.qo_indptr[b]);
+    EXPECT_EQ(unit.q_len, rows);
+    EXPECT_EQ(unit.kv_len, batch.KvLength(b, g.page_size));
+    EXPECT_EQ(unit.row_begin % plan::kMlaRowsPerCta, 0);
+    EXPECT_LT(unit.row_begin, rows * heads);
+    ranges[{b, unit.row_begin}].push_back({unit.kv_begin, unit.kv_end});
+    if (rows > cuda_backend::kMlaSplitMaxQueryTokens) {
+      EXPECT_EQ(unit.partial_first, -1) << "a prefill request was split";
+    }
+    if (unit.partial_first >= 0) {
+      const int32_t row_end = std::min(unit.row_begin + plan::kMlaRowsPerCta, rows * heads);
+      for (int32_t t = unit.row_begin / heads; t <= (row_end - 1) / heads; ++t) {
+        const int32_t slot = unit.partial_first + t * unit.partial_stride;
+        EXPECT_LT(slot, mla.num_partials);
+        const auto [it, inserted] = row_of_slot.emplace(slot, unit.q_row + t);
+        if (!inserted) {
+          EXPECT_EQ(it->second, unit.q_row + t) << "slot " << slot;
+        }
+      }
+    }
+  }
+  for (int32_t b = 0; b < batch.batch_size; ++b) {
+    const int32_t rows = batch.qo_indptr[b + 1] - batch.qo_indptr[b];
+    const int32_t kv_len = static_cast<int32_t>(batch.KvLength(b, g.page_size));
+    for (int32_t row = 0; row < rows * heads; row += plan::kMlaRowsPerCta) {
+      auto covered = ranges[{b, row}];
+      ranges.erase({b, row});
+      std::sort(covered.begin(), covered.end());
+      EXPECT_FALSE(covered.empty()) << "request " << b << " row tile " << row << " has no unit";
+      int32_t next = 0;
+      for (const auto& [begin, end] : covered) {
+        EXPECT_EQ(begin, next) << "request " << b << " row tile " << row;
+        next = end;
+      }
+      EXPECT_EQ(next, kv_len) << "request " << b;
+      if (row == 0 && covered.size() > 1) ++check.split_requests;
+    }
+  }
+  EXPECT_TRUE(ranges.empty()) << "units outside the requests' rows";
+  EXPECT_EQ(mla.merge_indptr.size(), mla.merge_q_row.size() + 1);
+  if (mla.merge_indptr.size() != mla.merge_q_row.size() + 1) return check;
+  std::set<int32_t> merged_rows;
+  for (size_t r = 0; r < mla.merge_q_row.size(); ++r) {
+    EXPECT_TRUE(merged_rows.insert(mla.merge_q_row[r]).second) << "row merged twice";
+    EXPECT_GT(mla.merge_indptr[r + 1] - mla.merge_indptr[r], 1);
+    for (int32_t slot = mla.merge_indptr[r]; slot < mla.merge_indptr[r + 1]; ++slot) {
+      EXPECT_EQ(row_of_slot[slot], mla.merge_q_row[r]) << "slot " << slot;
+    }
+  }
+  EXPECT_EQ(static_cast<int32_t>(row_of_slot.size()), mla.num_partials);
+  return check;
+}
+
+cuda_backend::StepPlanContext MlaContext(const CacheGeometry& g) {
+  cuda_backend::StepPlanContext context;
+  context.geometry = &g;
+  context.mla_ctas_per_wave = 132;  // an H100's SMs, one CTA each
+  return context;
+}
+
+TEST(MlaStepPlanTest, CoversEveryRowOnceAndNeverSplitsPrefillRows) {
+  MlaCacheConfig config;
+  config.num_heads = 24;  // row tiles that cut tokens
+  config.page_size = 32;
+  const CacheGeometry g = MlaGeometryOf(config);
+  const cuda_backend::StepPlanContext context = MlaContext(g);
+  SequenceBook book(g, /*separate_kv=*/true, /*seed=*/3);
+  StepOptions options = MlaOptions(g);
+  const std::vector<std::vector<std::pair<int, int32_t>>> steps = {
+      {{0, 300}, {1, 7}, {2, 64}, {3, 5}},
+      {{0, 1}, {9, 0}, {1, 3}, {2, 40}, {3, 4}, {4, 2}, {9, 0}},
+  };
+  for (const auto& entries : steps) book.Plan(entries, options);
+  options.fixed_split_tokens = 8;
+  const auto batch = book.Plan({{0, 1}, {9, 0}, {1, 4}, {2, 33}, {3, 2}, {4, 6}, {5, 1}}, options);
+  auto step = cuda_backend::PlanStep(*batch, context);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_TRUE(step->run_mla);
+  EXPECT_FALSE(step->run_decode || step->run_prefill);
+  EXPECT_EQ(step->KernelName(), "mla_prefill");
+  const MlaPlanCheck check = CheckMlaPlan(*batch, g, *step);
+  EXPECT_GE(check.split_requests, 3) << step->mla.DebugString();
+  EXPECT_GT(step->mla.num_merge_rows(), 0);
+
+  // The arrays: the packed plan at a 16-byte aligned offset inside the uploaded buffer.
+  EXPECT_EQ(step->offsets.mla_work % 16, 0);
+  std::vector<uint8_t> buffer(step->offsets.total_bytes);
+  step->Fill(*batch, buffer.data());
+  const std::vector<int32_t> packed = step->mla.Pack();
+  ASSERT_LE(step->offsets.mla_work + static_cast<int64_t>(packed.size() * sizeof(int32_t)),
+            step->offsets.total_bytes);
+  EXPECT_EQ(std::memcmp(buffer.data() + step->offsets.mla_work, packed.data(),
+                        packed.size() * sizeof(int32_t)),
+            0);
+
+  // Decode-only and automatic split; all padding.
+  options = MlaOptions(g);
+  const auto decode = book.Plan({{0, 1}, {1, 1}, {9, 0}, {2, 1}}, options);
+  step = cuda_backend::PlanStep(*decode, context);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->KernelName(), "mla_decode");
+  CheckMlaPlan(*decode, g, *step);
+  const auto padding = book.Plan({{9, 0}}, options);
+  step = cuda_backend::PlanStep(*padding, context);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_FALSE(step->run_mla);
+  EXPECT_EQ(step->KernelName(), "none");
+}
+
+// Deterministic mode: a request's units (its chunking) are the same whatever else is in the
+// batch, so its reduction order is too.
+TEST(MlaStepPlanTest, DeterministicChunkingDependsOnTheRequestAlone) {
+  MlaCacheConfig config;
+  config.num_heads = 128;
+  const CacheGeometry g = MlaGeometryOf(config);
+  const cuda_backend::StepPlanContext context = MlaContext(g);
+  StepOptions options = MlaOptions(g);
+  options.deterministic = true;
+  auto units_of = [&](const StepBatch& batch, const cuda_backend::StepPlan& step, int32_t b) {
+    std::vector<std::array<int32_t, 5>> units;
+    for (const plan::MlaWorkUnit& u : step.mla.units) {
+      if (u.request != b) continue;
+      units.push_back({u.row_begin, u.kv_begin, u.kv_end, u.partial_stride,
+                       u.partial_first >= 0 ? 1 : 0});
+    }
+    std::sort(units.begin(), units.end());
+    (void)batch;
+    return units;
+  };
+  // Sequence 0 reaches 5000 keys (three 2048-token chunks) in both books.
+  SequenceBook alone(g, false, 5);
+  SequenceBook crowded(g, false, 6);
+  alone.Plan({{0, 4999}}, options);
+  crowded.Plan({{1, 3000}, {0, 4999}, {2, 9}}, options);
+  const auto a = alone.Plan({{0, 1}}, options);
+  const auto b = crowded.Plan({{1, 1}, {9, 0}, {2, 30}, {0, 1}}, options);
+  auto step_a = cuda_backend::PlanStep(*a, context);
+  auto step_b = cuda_backend::PlanStep(*b, context);
+  ASSERT_TRUE(step_a.ok() && step_b.ok());
+  CheckMlaPlan(*a, g, *step_a);
+  CheckMlaPlan(*b, g, *step_b);
+  const auto units_a = units_of(*a, *step_a, 0);
+  EXPECT_EQ(units_a.size(), 3u * 2u) << "three chunks of two row tiles";
+  EXPECT_EQ(units_a, units_of(*b, *step_b, 3));
+}
+
 // ---- Backend-level behaviour ----
 
 std::unique_ptr<Backend> SmallCudaBackend(int64_t budget_bytes) {
@@ -467,12 +906,12 @@ TEST(CudaBackendTest, InfoDescribesTheDeviceAndWhatWorks) {
   const auto& ext = info.extensions;
   EXPECT_NE(std::find(ext.begin(), ext.end(), "fp8_kv"), ext.end());
   EXPECT_NE(std::find(ext.begin(), ext.end(), "separate_kv_index"), ext.end());
-  EXPECT_EQ(std::find(ext.begin(), ext.end(), "mla"), ext.end());
+  EXPECT_NE(std::find(ext.begin(), ext.end(), "mla"), ext.end());
   std::printf("device %s, %d SMs, %lld bytes\n", info.device.c_str(), info.num_sms,
               static_cast<long long>(info.device_memory_bytes));
 }
 
-TEST(CudaBackendTest, RefusesMlaCachesAsUnimplemented) {
+TEST(CudaBackendTest, ServesMlaCachesAndRefusesUnsupportedMlaShapesByName) {
   SKIP_WITHOUT_GPU();
   auto backend = SmallCudaBackend(int64_t{16} << 20);
   ASSERT_NE(backend, nullptr);
@@ -485,8 +924,23 @@ TEST(CudaBackendTest, RefusesMlaCachesAsUnimplemented) {
   g.v_head_dim = 64;
   g.page_size = 64;
   g.num_pages = 4;
-  const auto cache = backend->CreateCache(g);
-  EXPECT_EQ(cache.status().code(), absl::StatusCode::kUnimplemented) << cache.status();
+  {
+    const auto cache = backend->CreateCache(g);
+    EXPECT_TRUE(cache.ok()) << cache.status();
+  }
+  EXPECT_EQ(backend->KvFreeBytes(), int64_t{16} << 20);
+  CacheGeometry rank = g;
+  rank.k_head_dim = 384;
+  auto refused = backend->CreateCache(rank);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented) << refused.status();
+  EXPECT_NE(std::string(refused.status().message()).find("kv_lora_rank"), std::string::npos)
+      << refused.status();
+  CacheGeometry rope = g;
+  rope.v_head_dim = 32;
+  refused = backend->CreateCache(rope);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented) << refused.status();
+  EXPECT_NE(std::string(refused.status().message()).find("rope_dim"), std::string::npos)
+      << refused.status();
   EXPECT_EQ(backend->KvFreeBytes(), int64_t{16} << 20);
 }
 
