@@ -13,6 +13,7 @@
 #include "attnd/kernels/cuda/merge.h"
 #include "attnd/status_macros.h"
 #include "cuda_check.h"
+#include "prefill_launch.h"
 #include "prefill_params.h"
 
 namespace attnd::cuda {
@@ -191,9 +192,10 @@ absl::Status UploadBatchPrefillPlan(const plan::PrefillPlan& plan, void* workspa
   return absl::OkStatus();
 }
 
-absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs& args, void* workspace,
-                          int64_t workspace_bytes, cudaStream_t stream) {
-  if (plan.items.empty()) return absl::OkStatus();
+namespace prefill {
+
+absl::StatusOr<KernelParams> ResolveKernelParams(const plan::PrefillPlan& plan, const BatchPrefillArgs& args,
+                                                 void* workspace, int64_t workspace_bytes) {
   RETURN_IF_ERROR(Validate(plan, args));
   const WorkspaceLayout layout(plan);
   if (workspace == nullptr || workspace_bytes < layout.total_bytes) {
@@ -203,7 +205,7 @@ absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs&
   uint8_t* workspace_base = static_cast<uint8_t*>(workspace);
 
   const PagedKvView& k_cache = args.k_cache;
-  prefill::KernelParams params{};
+  KernelParams params{};
   params.q = args.q.data;
   params.o = args.o.data;
   params.lse = args.lse;
@@ -235,54 +237,74 @@ absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs&
 
   params.partial_o = reinterpret_cast<float*>(workspace_base + layout.partial_o);
   params.partial_lse = reinterpret_cast<float*>(workspace_base + layout.partial_lse);
-  const auto* items = reinterpret_cast<const prefill::WorkItem*>(workspace_base + layout.items);
-  for (const plan::PrefillLaunch& launch : plan.launches) {
-    params.items = items + launch.first_item;
-    const int32_t num_ctas = launch.num_items * plan.num_kv_heads;
-    cudaError_t error = cudaErrorInvalidValue;
-    if (launch.kernel == plan::PrefillKernel::kHopper) {
-      if (!prefill::HopperPrefillSupports(plan.head_dim, args.q.dtype, k_cache.dtype) ||
-          launch.tile_rows != prefill::kHopperTileRows) {
-        return Invalid("the plan chose the Hopper kernel, which needs q and KV of one 16-bit type, head_dim 64 or "
-                       "128 and 128-row tiles");
-      }
+  params.items = reinterpret_cast<const WorkItem*>(workspace_base + layout.items);
+  return params;
+}
+
+absl::Status LaunchPlanned(const plan::PrefillPlan& plan, const plan::PrefillLaunch& launch, KernelParams params,
+                           const BatchPrefillArgs& args, cudaStream_t stream) {
+  const PagedKvView& k_cache = args.k_cache;
+  params.items += launch.first_item;
+  const int32_t num_ctas = launch.num_items * plan.num_kv_heads;
+  cudaError_t error = cudaErrorInvalidValue;
+  if (launch.kernel == plan::PrefillKernel::kHopper) {
+    if (!HopperPrefillSupports(plan.head_dim, args.q.dtype, k_cache.dtype) || launch.tile_rows != kHopperTileRows) {
+      return Invalid("the plan chose the Hopper kernel, which needs q and KV of one 16-bit type, head_dim 64 or "
+                     "128 and 128-row tiles");
+    }
 #ifdef ATTND_PREFILL_HOPPER
-      CUDA_RETURN_IF_ERROR(
-          prefill::LaunchPrefillHopper(params, plan.head_dim, args.q.dtype, num_ctas, launch.grid_ctas, stream, nullptr));
-      continue;
+    CUDA_RETURN_IF_ERROR(LaunchPrefillHopper(params, plan.head_dim, args.q.dtype, num_ctas, launch.grid_ctas, stream, nullptr));
+    return absl::OkStatus();
 #else
-      return absl::UnimplementedError("BatchPrefill: this build has no sm_90a code for the Hopper kernel");
+    return absl::UnimplementedError("BatchPrefill: this build has no sm_90a code for the Hopper kernel");
 #endif
-    }
-    switch (plan.head_dim) {
-      case 64:
-        error = prefill::LaunchPrefillD64(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream, nullptr);
-        break;
-      case 128:
-        error = prefill::LaunchPrefillD128(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream, nullptr);
-        break;
-      case 256:
-        error = prefill::LaunchPrefillD256(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream, nullptr);
-        break;
-      default:
-        return Invalid("head_dim " + std::to_string(plan.head_dim));
-    }
-    CUDA_RETURN_IF_ERROR(error);
   }
-  if (plan.split_kv()) {
-    MergeStatesArgs merge;
-    merge.partial_o = params.partial_o;
-    merge.partial_lse = params.partial_lse;
-    merge.indptr = reinterpret_cast<const int32_t*>(workspace_base + layout.merge_indptr);
-    merge.out_rows = reinterpret_cast<const int32_t*>(workspace_base + layout.merge_out_rows);
-    merge.num_rows = plan.num_merge_rows();
-    merge.num_heads = plan.num_qo_heads;
-    merge.head_dim = plan.head_dim;
-    merge.o = args.o;
-    merge.lse = args.lse;
-    RETURN_IF_ERROR(MergeStates(merge, stream));
+  switch (plan.head_dim) {
+    case 64:
+      error = LaunchPrefillD64(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream, nullptr);
+      break;
+    case 128:
+      error = LaunchPrefillD128(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream, nullptr);
+      break;
+    case 256:
+      error = LaunchPrefillD256(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream, nullptr);
+      break;
+    default:
+      return Invalid("head_dim " + std::to_string(plan.head_dim));
   }
+  CUDA_RETURN_IF_ERROR(error);
   return absl::OkStatus();
+}
+
+absl::Status MergePlannedPartials(const plan::PrefillPlan& plan, const BatchPrefillArgs& args, void* workspace,
+                                  cudaStream_t stream) {
+  if (!plan.split_kv()) return absl::OkStatus();
+  const WorkspaceLayout layout(plan);
+  uint8_t* workspace_base = static_cast<uint8_t*>(workspace);
+  MergeStatesArgs merge;
+  merge.partial_o = reinterpret_cast<const float*>(workspace_base + layout.partial_o);
+  merge.partial_lse = reinterpret_cast<const float*>(workspace_base + layout.partial_lse);
+  merge.indptr = reinterpret_cast<const int32_t*>(workspace_base + layout.merge_indptr);
+  merge.out_rows = reinterpret_cast<const int32_t*>(workspace_base + layout.merge_out_rows);
+  merge.num_rows = plan.num_merge_rows();
+  merge.num_heads = plan.num_qo_heads;
+  merge.head_dim = plan.head_dim;
+  merge.o = args.o;
+  merge.lse = args.lse;
+  return MergeStates(merge, stream);
+}
+
+}  // namespace prefill
+
+absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs& args, void* workspace,
+                          int64_t workspace_bytes, cudaStream_t stream) {
+  if (plan.items.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const prefill::KernelParams params,
+                   prefill::ResolveKernelParams(plan, args, workspace, workspace_bytes));
+  for (const plan::PrefillLaunch& launch : plan.launches) {
+    RETURN_IF_ERROR(prefill::LaunchPlanned(plan, launch, params, args, stream));
+  }
+  return prefill::MergePlannedPartials(plan, args, workspace, stream);
 }
 
 }  // namespace attnd::cuda

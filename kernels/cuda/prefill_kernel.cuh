@@ -113,12 +113,17 @@ __device__ __forceinline__ float AccurateTanh(float x) {
   return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
 }
 
+// One CTA's work: logical CTA `cta` of the launch whose work list is `items` (item cta /
+// num_kv_heads, KV head cta % num_kv_heads), in the dynamic shared memory (Shape::kSmemBytes).
+// BatchPrefillKernel runs it with cta = blockIdx.x; the POD kernel (pod.cuh) with the logical
+// block id its scheduler hands out. `items` is a reference into the kernel's parameters, so the
+// pointer is read where it is used (late, as before this was a function) and no register holds
+// it through the KV loop.
 // QO: the type of q and o in memory. T: the MMA type (QO, except bf16 q over an fp16 cache,
 // which multiplies in fp16: K stays exact and bf16 q converts exactly below 65504).
 // Stored: the cache's type.
 template <typename Shape, typename QO, typename T, typename Stored>
-__global__ void __launch_bounds__(kThreads)
-    BatchPrefillKernel(const __grid_constant__ KernelParams params) {
+__device__ __forceinline__ void PrefillCta(const KernelParams& params, const WorkItem* const& items, uint32_t cta) {
   constexpr int kHeadDim = Shape::kHeadDim;
   constexpr int kTileRows = Shape::kTileRows;
   constexpr int kTileKv = Shape::kTileKv;
@@ -142,8 +147,8 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32;
   const int warp_q = Shape::kWarpsQ == 1 ? 0 : warp;
   const int warp_kv = Shape::kWarpsKv == 1 ? 0 : warp;
-  const int kv_head = blockIdx.x % params.num_kv_heads;
-  const WorkItem item = params.items[blockIdx.x / params.num_kv_heads];
+  const int kv_head = cta % params.num_kv_heads;
+  const WorkItem item = items[cta / params.num_kv_heads];
 
   const int request = item.request;
   const int qo_start = params.qo_indptr[request];
@@ -448,7 +453,7 @@ __global__ void __launch_bounds__(kThreads)
   QO* o_stage = reinterpret_cast<QO*>(q_tile);  // the Q tile, reused as [kTileRows][D] of QO
   // A split item writes fp32 partials (normalised by its own sum, lse -inf when its chunk held
   // no visible key) for MergeStates. Read late: no register holds it through the loop.
-  const WorkItem* my_item = params.items + blockIdx.x / params.num_kv_heads;
+  const WorkItem* my_item = items + cta / params.num_kv_heads;
   const int partial_first = __ldcg(&my_item->partial_first);
   const int partial_stride = __ldcg(&my_item->partial_stride);
   if (partial_first >= 0) {
@@ -618,6 +623,12 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
+}
+
+template <typename Shape, typename QO, typename T, typename Stored>
+__global__ void __launch_bounds__(kThreads)
+    BatchPrefillKernel(const __grid_constant__ KernelParams params) {
+  PrefillCta<Shape, QO, T, Stored>(params, params.items, blockIdx.x);
 }
 
 // Launches one instantiation; opts the kernel into the dynamic shared memory it needs.

@@ -122,8 +122,9 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
   if (input.head_dim != 64 && input.head_dim != 128 && input.head_dim != 256) {
     return absl::InvalidArgumentError("head_dim: expected 64, 128 or 256, got " + std::to_string(input.head_dim));
   }
-  if (input.fixed_split_tokens < 0 || input.min_chunk_tokens < 0) {
-    return absl::InvalidArgumentError("fixed_split_tokens and min_chunk_tokens must not be negative");
+  if (input.fixed_split_tokens < 0 || input.min_chunk_tokens < 0 || input.num_colocated_ctas < 0) {
+    return absl::InvalidArgumentError(
+        "fixed_split_tokens, min_chunk_tokens and num_colocated_ctas must not be negative");
   }
   if (input.qo_indptr[0] != 0) return absl::InvalidArgumentError("qo_indptr[0] must be 0");
   const int32_t group = input.num_qo_heads / input.num_kv_heads;
@@ -166,8 +167,15 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
 
   // Chunk sizes: pinned, per request (deterministic), or per launch.
   const int32_t floor_tokens = std::max(input.min_chunk_tokens, kChunkGranularityTokens);
+  // The largest tile above 16 rows that has requests shares its wave with num_colocated_ctas.
+  size_t colocated_slot = kTileRows.size();
+  for (size_t slot = 1; slot < kTileRows.size(); ++slot) {
+    if (!by_tile[slot].empty()) colocated_slot = slot;
+  }
   for (size_t slot = 0; slot < kTileRows.size(); ++slot) {
     const int32_t wave = waves.ForTile(kTileRows[slot]);
+    const int32_t shared_wave =
+        slot == colocated_slot ? std::max(0, wave - input.num_colocated_ctas) : wave;
     std::vector<RequestShape>& requests = by_tile[slot];
     if (input.disable_split_kv) continue;
     if (input.fixed_split_tokens > 0) {
@@ -181,7 +189,7 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
       }
     } else {
       const int32_t chunk =
-          PickChunkTokens(requests, input.num_kv_heads, wave, waves.num_sms, floor_tokens);
+          PickChunkTokens(requests, input.num_kv_heads, shared_wave, waves.num_sms, floor_tokens);
       for (const RequestShape& r : requests) plan.request_chunk_tokens[r.request] = r.kv_len > chunk ? chunk : 0;
     }
   }

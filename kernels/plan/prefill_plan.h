@@ -58,6 +58,11 @@ struct PrefillPlanInput {
   bool disable_split_kv = false;
   int32_t fixed_split_tokens = 0;   // > 0 pins the chunk size (rounded up to 64 tokens)
   int32_t min_chunk_tokens = 256;   // floor: shorter chunks cost more to merge than they gain
+  // POD (DESIGN 4.5, pod_plan.h): CTAs of another launch that share the wave with this plan's
+  // largest query tile (above 16 rows), e.g. the decode CTAs fused into its grid. That tile's
+  // split then fills only the rest of the wave (none left, clamped at zero: no split). Ignored
+  // when deterministic or with a fixed split (a request's chunk follows from the request alone).
+  int32_t num_colocated_ctas = 0;
   // kAuto in production. kMmaSync / kHopper force every request onto one kernel (tests,
   // benchmarks); kHopper then runs even short requests in 128-row tiles, and needs
   // ctas_per_wave.hopper_tile128 > 0 and a head_dim of 64 or 128.

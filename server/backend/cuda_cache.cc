@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/cuda/decode.h"
 #include "attnd/kernels/cuda/mla_decode.h"
+#include "attnd/kernels/cuda/pod.h"
 #include "attnd/kernels/cuda/prefill.h"
 #include "attnd/status_macros.h"
 #include "backend/cuda_step.h"
@@ -64,6 +65,12 @@ absl::Status CudaCache::Init(int device) {
     ASSIGN_OR_RETURN(prefill_ctas_per_wave_,
                      cuda::BatchPrefillCtasPerWave(geometry_.k_head_dim, geometry_.q_dtype,
                                                    geometry_.kv_dtype));
+    ASSIGN_OR_RETURN(pod_mode_, PodModeFromEnvironment());
+    if (pod_mode_ != PodMode::kOff) {
+      ASSIGN_OR_RETURN(pod_ctas_per_wave_,
+                       cuda::PodCtasPerWave(geometry_.k_head_dim, geometry_.q_dtype,
+                                            geometry_.kv_dtype));
+    }
   }
   // A fault here belongs to this cache's creation, not to its first step.
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
@@ -152,12 +159,16 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
   context.decode_ctas_per_wave = decode_ctas_per_wave_;
   context.prefill_ctas_per_wave = prefill_ctas_per_wave_;
   context.mla_ctas_per_wave = mla_ctas_per_wave_;
+  context.pod_mode = pod_mode_;
+  context.pod_ctas_per_wave = pod_ctas_per_wave_;
   ASSIGN_OR_RETURN(std::shared_ptr<const StepPlan> plan, plans_.Get(*batch, context));
 
   const LayerSizes sizes = LayerSizes::Of(geometry_, batch->num_tokens, batch->options.return_lse);
   const int64_t prefill_work_offset = AlignUp(plan->offsets.total_bytes, kBufferAlignment);
   const int64_t prefill_work_bytes =
-      plan->run_prefill ? cuda::BatchPrefillWorkspaceBytes(plan->prefill) : 0;
+      plan->run_pod       ? cuda::PodWorkspaceBytes(plan->pod)
+      : plan->run_prefill ? cuda::BatchPrefillWorkspaceBytes(plan->prefill)
+                          : 0;
   const int64_t workspace_bytes =
       plan->run_mla      ? cuda::MlaDecodeWorkspaceBytes(plan->mla.num_partials,
                                                          geometry_.num_qo_heads,
@@ -185,6 +196,13 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
       RETURN_IF_ERROR(cuda::UploadBatchPrefillPlan(
           plan->prefill, resources->device_arrays.data() + prefill_work_offset,
           prefill_work_bytes, stream));
+    }
+    if (plan->run_pod) {
+      // The POD scheduler's counters sit in this step's workspace, used by one stream (the
+      // lane's compute stream), zeroed there before each layer's launch.
+      RETURN_IF_ERROR(cuda::UploadPodPlan(plan->pod,
+                                          resources->device_arrays.data() + prefill_work_offset,
+                                          prefill_work_bytes, stream));
     }
     CUDA_RETURN_IF_ERROR(cudaEventRecord(resources->arrays_uploaded.get(), stream));
     return absl::OkStatus();

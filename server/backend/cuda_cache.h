@@ -37,6 +37,8 @@
 #include "backend/cuda_output_pool.h"
 #include "backend/cuda_plan_cache.h"
 #include "backend/cuda_step_resources.h"
+#include "backend/pod_choice.h"
+#include "plan/pod_plan.h"
 #include "plan/prefill_plan.h"
 
 namespace attnd::cuda_backend {
@@ -112,6 +114,8 @@ class CudaCache final : public BackendCache {
   bool decode_supported_ = false;
   int32_t decode_ctas_per_wave_ = 0;
   plan::PrefillWaveSizes prefill_ctas_per_wave_;
+  PodMode pod_mode_ = PodMode::kOff;  // ATTND_POD, read at creation (pod_choice.h)
+  plan::PodWaveSizes pod_ctas_per_wave_;
   int32_t mla_ctas_per_wave_ = 0;  // MLA caches only
 
   PlanCache plans_;

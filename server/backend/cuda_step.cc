@@ -7,6 +7,7 @@
 
 #include "attnd/kernels/cuda/append.h"
 #include "attnd/kernels/cuda/decode.h"
+#include "attnd/kernels/cuda/pod.h"
 #include "attnd/kernels/cuda/mla_decode.h"
 #include "attnd/kernels/cuda/prefill.h"
 #include "attnd/status_macros.h"
@@ -62,6 +63,10 @@ CudaStep::CudaStep(CudaCache* cache, int lane, std::shared_ptr<const StepBatch> 
   if (plan_->run_prefill) {
     prefill_work_ = arrays.data() + prefill_work_offset;
     prefill_work_bytes_ = cuda::BatchPrefillWorkspaceBytes(plan_->prefill);
+  }
+  if (plan_->run_pod) {
+    prefill_work_ = arrays.data() + prefill_work_offset;
+    prefill_work_bytes_ = cuda::PodWorkspaceBytes(plan_->pod);
   }
   for (LayerSlot& slot : resources_->slots) free_slots_.push_back(&slot);
   ++lane_.open_steps;
@@ -198,7 +203,7 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerSlot& slot, int32_t layer,
     CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.attended_first.get(), compute));
     attended = &slot.attended_first;
   }
-  if (plan_->run_prefill) {
+  if (plan_->run_prefill || plan_->run_pod) {
     cuda::BatchPrefillArgs prefill;
     prefill.q = q;
     prefill.qo_indptr = qo_indptr_;
@@ -208,8 +213,14 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerSlot& slot, int32_t layer,
     prefill.params = batch_->options.params;
     prefill.o = o;
     prefill.lse = lse;
-    RETURN_IF_ERROR(cuda::BatchPrefill(plan_->prefill, prefill, prefill_work_,
-                                       prefill_work_bytes_, compute));
+    if (plan_->run_pod) {
+      // The step's decode and prefill rows in one fused launch (its merge included).
+      RETURN_IF_ERROR(
+          cuda::PodAttention(plan_->pod, prefill, prefill_work_, prefill_work_bytes_, compute));
+    } else {
+      RETURN_IF_ERROR(cuda::BatchPrefill(plan_->prefill, prefill, prefill_work_,
+                                         prefill_work_bytes_, compute));
+    }
     attended = plan_->run_decode ? &slot.attended_second : &slot.attended_first;
     CUDA_RETURN_IF_ERROR(cudaEventRecord(attended->get(), compute));
   }
@@ -329,6 +340,9 @@ void CudaStep::ReportTimes(const LayerSlot& slot) const {
   }
   if (plan_->run_decode) {
     observer->OnKernel("decode", phase, ElapsedSeconds(slot.appended, slot.attended_first));
+  }
+  if (plan_->run_pod) {
+    observer->OnKernel("pod", phase, ElapsedSeconds(slot.appended, slot.attended_first));
   }
   if (plan_->run_prefill) {
     observer->OnKernel("prefill", phase,

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "attnd/status_macros.h"
 #include "backend/cuda_memory.h"
+#include "backend/cuda_pod_step.h"
 
 namespace attnd::cuda_backend {
 namespace {
@@ -185,6 +186,7 @@ void Put(const std::vector<int32_t>& words, int64_t offset, uint8_t* buffer) {
 
 std::string_view StepPlan::KernelName() const {
   if (run_mla) return mla_has_prefill ? "mla_prefill" : "mla_decode";
+  if (run_pod) return "pod";
   if (run_prefill) return "prefill";
   return run_decode ? "decode" : "none";
 }
@@ -236,6 +238,17 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
                      : 0;
     step.offsets = LayOut(batch, 0, mla_words);
     return step;
+  }
+  if (any_decode && any_prefill && ChoosePod(context.pod_mode, PodShapeOf(batch))) {
+    ASSIGN_OR_RETURN(step.pod, PlanPodStep(batch, g, context.prefill_ctas_per_wave,
+                                           context.pod_ctas_per_wave));
+    // A plan that found no two tiles to fuse runs the separate kernels below instead.
+    if (step.pod.fused()) {
+      step.run_pod = true;
+      step.offsets = LayOut(batch, 0, 0);
+      return step;
+    }
+    step.pod = plan::PodPlan();
   }
   step.run_decode = any_decode && context.decode_supported;
   step.run_prefill = any_prefill || (any_decode && !context.decode_supported);

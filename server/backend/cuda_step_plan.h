@@ -11,6 +11,8 @@
 //   that keeps a decode request's kernel, and so its bits under deterministic=true, the same
 //   whether or not prefill rows share its step. Without a decode kernel BatchPrefill runs
 //   every row (it takes 1-row requests).
+// - mixed steps that pod_choice.h picks (ATTND_POD=on, or auto once its rule is measured; never
+//   deterministic ones): one POD launch over every row (cuda::PodAttention), kernel "pod".
 // - MLA caches: MlaDecode for every row (its units carry any number of query tokens per
 //   request, causal among them), in one launch. Requests of at most kMlaSplitMaxQueryTokens rows
 //   (decode, speculative decode) are planned with KV-split (oversubscription, one wave, pinned or
@@ -26,8 +28,10 @@
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
+#include "backend/pod_choice.h"
 #include "plan/decode_plan.h"
 #include "plan/mla_plan.h"
+#include "plan/pod_plan.h"
 #include "plan/prefill_plan.h"
 
 namespace attnd::cuda_backend {
@@ -38,6 +42,8 @@ struct StepPlanContext {
   int32_t decode_ctas_per_wave = 0;
   plan::PrefillWaveSizes prefill_ctas_per_wave;  // attnd::cuda::BatchPrefillCtasPerWave
   int32_t mla_ctas_per_wave = 0;  // attnd::cuda::MlaDecodeCtasPerWave (MLA caches)
+  PodMode pod_mode = PodMode::kOff;      // pod_choice.h: when a mixed step runs POD
+  plan::PodWaveSizes pod_ctas_per_wave;  // attnd::cuda::PodCtasPerWave
 };
 
 // MLA requests with more query rows than this are planned without KV-split (see above).
@@ -65,9 +71,14 @@ struct StepPlan {
   bool run_mla = false;       // MlaDecode for every row (MLA caches)
   bool mla_has_prefill = false;  // some MLA request has more than one row
   plan::MlaPlan mla;          // units' q rows are the step's rows
+  // POD (pod_choice.h): a mixed step whose decode and prefill rows run in one fused launch
+  // (cuda::PodAttention over `pod`; run_decode and run_prefill are then false).
+  bool run_pod = false;
+  plan::PodPlan pod;
   StepArrayOffsets offsets;
 
   // "none", "decode" or "prefill" (a step that runs both reports "prefill", its larger part);
+  // "pod" for a fused mixed step;
   // MLA: "mla_decode", or "mla_prefill" when some request has more than one row (the names the
   // CPU backend reports).
   std::string_view KernelName() const;

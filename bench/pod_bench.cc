@@ -1,0 +1,380 @@
+// POD benchmark (PERFORMANCE.md, case "pod"): the five reference mixed batches (prefill requests
+// x q/kv length, with 128 decode requests x kv length) at the standard shape (Hq 32, Hkv 8,
+// D 128, bf16 q and KV, NHD), page sizes 1 and 16. Per case and page size:
+//   fused     POD: one grid of prefill and decode CTAs (cuda::PodAttention)
+//   b2b       the decode kernel then the prefill kernel (kAuto: Hopper on sm_90) back to back,
+//             as the CUDA backend runs a mixed step without POD
+//   b2b-mma   the same with the mma.sync prefill kernel (the tile code POD runs)
+//   merged    one batch prefill plan over every request (kAuto)
+// The outputs of all variants are compared with each other (normwise relative error, bf16
+// tolerance) before anything is timed; the decode and prefill kernels are each validated
+// against the CPU reference by their own tests. Times are medians over groups of launches
+// (~2 ms each) after warm-up; inputs are device-filled random data (the decode KV alone is
+// >= 1 GB, beyond L2). Columns: ms per variant, fused/b2b and fused/merged (the bars: <= 0.85
+// and < 1). torch is not run here.
+//
+// Usage: pod_bench [--only=SUBSTRING] [--page=1|16]   (whole run ~20-40 s on an H100)
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnd/kernels/cuda/decode.h"
+#include "attnd/kernels/cuda/pod.h"
+#include "attnd/kernels/cuda/prefill.h"
+#include "device_fill.h"
+#include "plan/decode_plan.h"
+#include "plan/pod_plan.h"
+#include "plan/prefill_plan.h"
+
+namespace attnd {
+namespace {
+
+#define CHECK_CUDA(expr)                                                                       \
+  do {                                                                                         \
+    const cudaError_t error_ = (expr);                                                         \
+    if (error_ != cudaSuccess) {                                                               \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(error_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (false)
+
+#define CHECK_OK(expr)                                                                   \
+  do {                                                                                   \
+    const absl::Status status_ = (expr);                                                 \
+    if (!status_.ok()) {                                                                 \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, status_.ToString().c_str()); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (false)
+
+constexpr int32_t kQoHeads = 32;
+constexpr int32_t kKvHeads = 8;
+constexpr int32_t kHeadDim = 128;
+constexpr int32_t kNumDecodes = 128;
+constexpr DType kDtype = DType::kBFloat16;
+
+struct Case {
+  std::string name;
+  int32_t num_prefills;
+  int32_t prefill_q;
+  int32_t prefill_kv;
+  int32_t decode_kv;
+};
+
+template <typename F>
+float MedianMs(int reps, int inner, F&& launch_one, cudaStream_t stream) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int r = 0; r < reps; ++r) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    for (int i = 0; i < inner; ++i) launch_one();
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms / inner);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+template <typename F>
+float TimeMs(F&& launch_one, cudaStream_t stream) {
+  for (int i = 0; i < 3; ++i) launch_one();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const float first_ms = MedianMs(3, 1, launch_one, stream);
+  const int inner = std::max(1, static_cast<int>(2.0f / std::max(first_ms, 1e-3f)));
+  return MedianMs(15, inner, launch_one, stream);
+}
+
+const int32_t* Upload(const std::vector<int32_t>& host) {
+  void* device;
+  CHECK_CUDA(cudaMalloc(&device, std::max<size_t>(host.size(), 4) * sizeof(int32_t)));
+  if (!host.empty()) {
+    CHECK_CUDA(cudaMemcpy(device, host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  }
+  return static_cast<const int32_t*>(device);
+}
+
+std::vector<uint16_t> Download(const void* device, int64_t count) {
+  std::vector<uint16_t> host(count);
+  CHECK_CUDA(cudaMemcpy(host.data(), device, count * 2, cudaMemcpyDeviceToHost));
+  return host;
+}
+
+double RelativeError(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want) {
+  double error_sq = 0, norm_sq = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double a = BFloat16ToFloat(got[i]), b = BFloat16ToFloat(want[i]);
+    error_sq += std::isnan(a) ? 1e30 : (a - b) * (a - b);
+    norm_sq += b * b;
+  }
+  return std::sqrt(error_sq / std::max(norm_sq, 1e-30));
+}
+
+struct Row {
+  float fused_ms, b2b_ms, b2b_mma_ms, merged_ms;
+  double error_b2b, error_merged;
+  std::string pod_plan;
+};
+
+Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
+  const int32_t batch = shape.num_prefills + kNumDecodes;
+  std::vector<int32_t> q_lens, kv_lens;
+  for (int32_t i = 0; i < shape.num_prefills; ++i) {
+    q_lens.push_back(shape.prefill_q);
+    kv_lens.push_back(shape.prefill_kv);
+  }
+  for (int32_t i = 0; i < kNumDecodes; ++i) {
+    q_lens.push_back(1);
+    kv_lens.push_back(shape.decode_kv);
+  }
+  std::vector<int32_t> qo_indptr{0}, page_indptr{0}, last_page_len;
+  for (int32_t b = 0; b < batch; ++b) {
+    qo_indptr.push_back(qo_indptr.back() + q_lens[b]);
+    const int32_t pages = (kv_lens[b] + page_size - 1) / page_size;
+    page_indptr.push_back(page_indptr.back() + pages);
+    last_page_len.push_back(kv_lens[b] - (pages - 1) * page_size);
+  }
+  const int64_t rows = qo_indptr.back();
+  const int64_t num_pages = page_indptr.back();
+  std::vector<int32_t> page_ids(num_pages);
+  std::iota(page_ids.begin(), page_ids.end(), 0);
+  std::mt19937 rng(static_cast<uint32_t>(shape.prefill_q * 7 + shape.decode_kv + page_size));
+  std::shuffle(page_ids.begin(), page_ids.end(), rng);
+
+  const int64_t row_elements = int64_t{kQoHeads} * kHeadDim;
+  const int64_t pool_elements = num_pages * page_size * kKvHeads * kHeadDim;
+  void *q, *k_pool, *v_pool;
+  CHECK_CUDA(cudaMalloc(&q, rows * row_elements * 2));
+  CHECK_CUDA(cudaMalloc(&k_pool, pool_elements * 2));
+  CHECK_CUDA(cudaMalloc(&v_pool, pool_elements * 2));
+  CHECK_CUDA(bench::FillRandom(q, kDtype, rows * row_elements, 1, 1.0f, stream));
+  CHECK_CUDA(bench::FillRandom(k_pool, kDtype, pool_elements, 2, 1.0f, stream));
+  CHECK_CUDA(bench::FillRandom(v_pool, kDtype, pool_elements, 3, 1.0f, stream));
+  void* outputs[3];
+  for (void*& o : outputs) {
+    CHECK_CUDA(cudaMalloc(&o, rows * row_elements * 2));
+    CHECK_CUDA(cudaMemset(o, 0xff, rows * row_elements * 2));  // NaN: every row must be written
+  }
+  void* o_fused = outputs[0];
+  void* o_b2b = outputs[1];
+  void* o_merged = outputs[2];
+  const int32_t* d_qo_indptr = Upload(qo_indptr);
+  const int32_t* d_page_indptr = Upload(page_indptr);
+  const int32_t* d_page_ids = Upload(page_ids);
+  const int32_t* d_last = Upload(last_page_len);
+
+  const PagedKvView k_view{k_pool, kDtype, KvLayout::kNHD, num_pages, page_size, kKvHeads, kHeadDim};
+  const PagedKvView v_view{v_pool, kDtype, KvLayout::kNHD, num_pages, page_size, kKvHeads, kHeadDim};
+  AttentionParams params;
+  params.causal = true;
+  params.sm_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+
+  auto waves = cuda::BatchPrefillCtasPerWave(kHeadDim, kDtype, kDtype);
+  CHECK_OK(waves.status());
+  auto pod_waves = cuda::PodCtasPerWave(kHeadDim, kDtype, kDtype);
+  CHECK_OK(pod_waves.status());
+  auto prefill_input = [&](std::span<const int32_t> indptr, std::span<const int32_t> kv) {
+    plan::PrefillPlanInput input;
+    input.qo_indptr = indptr;
+    input.kv_lengths = kv;
+    input.num_qo_heads = kQoHeads;
+    input.num_kv_heads = kKvHeads;
+    input.head_dim = kHeadDim;
+    input.causal = true;
+    input.ctas_per_wave = *waves;
+    return input;
+  };
+  auto workspace_of = [](int64_t bytes) {
+    void* workspace;
+    CHECK_CUDA(cudaMalloc(&workspace, std::max<int64_t>(bytes, 256)));
+    return workspace;
+  };
+  cuda::BatchPrefillArgs all_args;
+  all_args.q = {q, kDtype, rows, kQoHeads, kHeadDim};
+  all_args.qo_indptr = d_qo_indptr;
+  all_args.pages = {batch, page_size, d_page_indptr, d_page_ids, d_page_ids, d_last};
+  all_args.k_cache = k_view;
+  all_args.v_cache = v_view;
+  all_args.params = params;
+
+  // Fused.
+  auto pod = plan::PlanPod(prefill_input(qo_indptr, kv_lens), *pod_waves);
+  CHECK_OK(pod.status());
+  if (!pod->fused()) {
+    std::fprintf(stderr, "%s: the POD plan did not fuse\n", shape.name.c_str());
+    std::exit(1);
+  }
+  const int64_t pod_bytes = cuda::PodWorkspaceBytes(*pod);
+  void* pod_workspace = workspace_of(pod_bytes);
+  CHECK_OK(cuda::UploadPodPlan(*pod, pod_workspace, pod_bytes, stream));
+  cuda::BatchPrefillArgs fused_args = all_args;
+  fused_args.o = {o_fused, kDtype, rows, kQoHeads, kHeadDim};
+  auto run_fused = [&] { CHECK_OK(cuda::PodAttention(*pod, fused_args, pod_workspace, pod_bytes, stream)); };
+
+  // Back to back: decode over the decode requests, prefill over the prefill requests, each on
+  // its own sub-batch (prefix of the arrays for the prefills; the decodes' own indptr).
+  const int32_t prefill_rows = qo_indptr[shape.num_prefills];
+  std::vector<int32_t> decode_qo_indptr(kNumDecodes + 1), decode_page_indptr(kNumDecodes + 1);
+  std::vector<int64_t> decode_kv(kNumDecodes, shape.decode_kv);
+  for (int32_t i = 0; i <= kNumDecodes; ++i) {
+    decode_qo_indptr[i] = i;
+    decode_page_indptr[i] = page_indptr[shape.num_prefills + i] - page_indptr[shape.num_prefills];
+  }
+  const int32_t* d_decode_page_indptr = Upload(decode_page_indptr);
+  auto decode_ctas = cuda::DecodeCtasPerWave({kDtype, kDtype, kHeadDim, kQoHeads / kKvHeads});
+  CHECK_OK(decode_ctas.status());
+  plan::DecodePlanOptions decode_options;
+  decode_options.num_kv_heads = kKvHeads;
+  decode_options.ctas_per_wave = *decode_ctas;
+  auto decode_plan = plan::PlanBatchDecode(decode_qo_indptr, decode_kv, decode_options);
+  CHECK_OK(decode_plan.status());
+  const int32_t* d_decode_work = Upload(decode_plan->Pack());
+  const int64_t decode_bytes = cuda::BatchDecodeWorkspaceBytes(decode_plan->num_partials, kQoHeads, kHeadDim);
+  void* decode_workspace = workspace_of(decode_bytes);
+  cuda::BatchDecodeArgs decode_args;
+  decode_args.q = {static_cast<uint16_t*>(q) + prefill_rows * row_elements, kDtype, kNumDecodes, kQoHeads, kHeadDim};
+  decode_args.pages = {kNumDecodes, page_size, d_decode_page_indptr, d_page_ids + page_indptr[shape.num_prefills],
+                       d_page_ids + page_indptr[shape.num_prefills], d_last + shape.num_prefills};
+  decode_args.k_cache = k_view;
+  decode_args.v_cache = v_view;
+  decode_args.params = params;
+  decode_args.work = decode_plan->View(d_decode_work);
+  decode_args.o = {static_cast<uint16_t*>(o_b2b) + prefill_rows * row_elements, kDtype, kNumDecodes, kQoHeads,
+                   kHeadDim};
+  decode_args.workspace = decode_workspace;
+  decode_args.workspace_bytes = decode_bytes;
+
+  const std::span<const int32_t> prefill_indptr(qo_indptr.data(), shape.num_prefills + 1);
+  const std::span<const int32_t> prefill_kv(kv_lens.data(), shape.num_prefills);
+  cuda::BatchPrefillArgs prefill_args = all_args;
+  prefill_args.pages.batch_size = shape.num_prefills;
+  prefill_args.o = {o_b2b, kDtype, rows, kQoHeads, kHeadDim};
+  auto prefill_auto = plan::PlanPrefill(prefill_input(prefill_indptr, prefill_kv));
+  CHECK_OK(prefill_auto.status());
+  plan::PrefillPlanInput mma_input = prefill_input(prefill_indptr, prefill_kv);
+  mma_input.kernel = plan::PrefillKernel::kMmaSync;
+  auto prefill_mma = plan::PlanPrefill(mma_input);
+  CHECK_OK(prefill_mma.status());
+  const int64_t auto_bytes = cuda::BatchPrefillWorkspaceBytes(*prefill_auto);
+  const int64_t mma_bytes = cuda::BatchPrefillWorkspaceBytes(*prefill_mma);
+  void* auto_workspace = workspace_of(auto_bytes);
+  void* mma_workspace = workspace_of(mma_bytes);
+  CHECK_OK(cuda::UploadBatchPrefillPlan(*prefill_auto, auto_workspace, auto_bytes, stream));
+  CHECK_OK(cuda::UploadBatchPrefillPlan(*prefill_mma, mma_workspace, mma_bytes, stream));
+  auto run_b2b = [&] {
+    CHECK_OK(cuda::BatchDecode(decode_args, stream));
+    CHECK_OK(cuda::BatchPrefill(*prefill_auto, prefill_args, auto_workspace, auto_bytes, stream));
+  };
+  auto run_b2b_mma = [&] {
+    CHECK_OK(cuda::BatchDecode(decode_args, stream));
+    CHECK_OK(cuda::BatchPrefill(*prefill_mma, prefill_args, mma_workspace, mma_bytes, stream));
+  };
+
+  // One merged prefill plan over every request.
+  auto merged = plan::PlanPrefill(prefill_input(qo_indptr, kv_lens));
+  CHECK_OK(merged.status());
+  const int64_t merged_bytes = cuda::BatchPrefillWorkspaceBytes(*merged);
+  void* merged_workspace = workspace_of(merged_bytes);
+  CHECK_OK(cuda::UploadBatchPrefillPlan(*merged, merged_workspace, merged_bytes, stream));
+  cuda::BatchPrefillArgs merged_args = all_args;
+  merged_args.o = {o_merged, kDtype, rows, kQoHeads, kHeadDim};
+  auto run_merged = [&] { CHECK_OK(cuda::BatchPrefill(*merged, merged_args, merged_workspace, merged_bytes, stream)); };
+
+  // Check before timing: every variant against the others, on every row.
+  run_fused();
+  run_b2b();
+  run_merged();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const std::vector<uint16_t> fused_host = Download(o_fused, rows * row_elements);
+  Row row;
+  row.error_b2b = RelativeError(fused_host, Download(o_b2b, rows * row_elements));
+  row.error_merged = RelativeError(fused_host, Download(o_merged, rows * row_elements));
+  if (!(row.error_b2b <= 1e-2) || !(row.error_merged <= 1e-2)) {
+    std::fprintf(stderr, "%s page %d: fused differs from b2b by %.3g, from merged by %.3g: not timing\n",
+                 shape.name.c_str(), page_size, row.error_b2b, row.error_merged);
+    std::exit(1);
+  }
+  row.pod_plan = pod->DebugString();
+  row.fused_ms = TimeMs(run_fused, stream);
+  row.b2b_ms = TimeMs(run_b2b, stream);
+  row.b2b_mma_ms = TimeMs(run_b2b_mma, stream);
+  row.merged_ms = TimeMs(run_merged, stream);
+  CHECK_CUDA(cudaGetLastError());
+
+  for (void* p : {q, k_pool, v_pool, outputs[0], outputs[1], outputs[2], pod_workspace, decode_workspace,
+                  auto_workspace, mma_workspace, merged_workspace}) {
+    CHECK_CUDA(cudaFree(p));
+  }
+  for (const int32_t* p : {d_qo_indptr, d_page_indptr, d_page_ids, d_last, d_decode_page_indptr, d_decode_work}) {
+    CHECK_CUDA(cudaFree(const_cast<int32_t*>(p)));
+  }
+  return row;
+}
+
+}  // namespace
+}  // namespace attnd
+
+int main(int argc, char** argv) {
+  using namespace attnd;
+  std::string only;
+  std::vector<int32_t> page_sizes = {1, 16};
+  bool verbose = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--only=", 7) == 0) only = argv[i] + 7;
+    if (std::strncmp(argv[i], "--page=", 7) == 0) page_sizes = {std::atoi(argv[i] + 7)};
+    if (std::strcmp(argv[i], "--verbose") == 0) verbose = true;
+  }
+  int device = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  int driver = 0;
+  CHECK_CUDA(cudaDriverGetVersion(&driver));
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreate(&stream));
+  std::printf("device: %s, %d SMs, L2 %d MB, driver %d\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize >> 20, driver);
+  auto pod_waves = cuda::PodCtasPerWave(kHeadDim, kDtype, kDtype);
+  CHECK_OK(pod_waves.status());
+  auto waves = cuda::BatchPrefillCtasPerWave(kHeadDim, kDtype, kDtype);
+  CHECK_OK(waves.status());
+  std::printf("CTAs per wave: pod tile128 %d tile64 %d; prefill mma tile128 %d tile16 %d, hopper %d\n",
+              pod_waves->tile128, pod_waves->tile64, waves->tile128, waves->tile16, waves->hopper_tile128);
+  const std::vector<Case> cases = {
+      {"2x2048+128x2048", 2, 2048, 2048, 2048},
+      {"1x2048+128x2048", 1, 2048, 2048, 2048},
+      {"1x4096+128x4096", 1, 4096, 4096, 4096},
+      {"1x4096+128x8192", 1, 4096, 4096, 8192},
+      {"1x6000/7000+128x8192", 1, 6000, 7000, 8192},
+  };
+  std::printf("%-22s %4s %9s %9s %9s %9s %10s %13s %9s\n", "case", "page", "fused", "b2b", "b2b-mma", "merged",
+              "fused/b2b", "fused/merged", "max.err");
+  for (int32_t page_size : page_sizes) {
+    for (const Case& shape : cases) {
+      if (!only.empty() && shape.name.find(only) == std::string::npos) continue;
+      const Row row = RunCase(shape, page_size, stream);
+      if (verbose) std::printf("%s", row.pod_plan.c_str());
+      std::printf("%-22s %4d %9.4f %9.4f %9.4f %9.4f %10.3f %13.3f %9.2e\n", shape.name.c_str(), page_size,
+                  row.fused_ms, row.b2b_ms, row.b2b_mma_ms, row.merged_ms, row.fused_ms / row.b2b_ms,
+                  row.fused_ms / row.merged_ms, std::max(row.error_b2b, row.error_merged));
+      std::fflush(stdout);
+    }
+  }
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  return 0;
+}

@@ -1,0 +1,749 @@
+// POD attention on the GPU (DESIGN 4.5) against the float64 CPU reference: mixed batches of 1..8
+// prefill requests (1..8192 tokens) with 1..256 decode requests, page sizes 1 and 16, GQA groups
+// 1/4/8, dtypes and head dims, causal/window/soft cap/lse, padding entries, and bitwise
+// repeatability and equality with the separate mma.sync prefill launches under deterministic.
+// GPU tests skip without a device; planner tests run everywhere.
+//
+// Smoke run (a few seconds): pod_tests --gtest_filter='PodSmoke*:PodPlan*'
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "attnd/kernels/cuda/pod.h"
+#include "attnd/kernels/cuda/prefill.h"
+#include "gtest/gtest.h"
+#include "plan/pod_plan.h"
+#include "plan/prefill_plan.h"
+#include "reference/attention.h"
+
+namespace attnd {
+namespace {
+
+// --- Helpers (as in prefill_test.cc) -------------------------------------------------------------
+
+
+bool HaveGpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device"
+
+#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+// Device memory freed on scope exit.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes > 0 && cudaMalloc(&data_, bytes) != cudaSuccess) data_ = nullptr;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  void* get() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+template <typename T>
+DeviceBuffer Upload(const std::vector<T>& host) {
+  DeviceBuffer buffer(std::max<size_t>(host.size() * sizeof(T), 16));
+  if (!host.empty()) cudaMemcpy(buffer.get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return buffer;
+}
+
+enum class TableForm { kShared, kSeparateKv };
+
+struct Config {
+  DType q_dtype = DType::kBFloat16;
+  DType kv_dtype = DType::kBFloat16;
+  int32_t head_dim = 128;
+  int32_t num_qo_heads = 8;
+  int32_t num_kv_heads = 2;
+  int32_t page_size = 16;
+  KvLayout layout = KvLayout::kNHD;
+  TableForm table = TableForm::kShared;
+  AttentionParams params;  // sm_scale 0 here means 1/sqrt(head_dim)
+  bool return_lse = true;
+  bool deterministic = false;
+  bool split_kv = true;          // false: disable_split_kv
+  int32_t fixed_split_tokens = 0;
+  plan::PrefillKernel kernel = plan::PrefillKernel::kAuto;
+  uint32_t seed = 1;
+
+  std::string Name() const {
+    return std::string(DTypeName(q_dtype)) + "/" + std::string(DTypeName(kv_dtype)) + " D" +
+           std::to_string(head_dim) + " H" + std::to_string(num_qo_heads) + "/" + std::to_string(num_kv_heads) +
+           " page" + std::to_string(page_size) + (layout == KvLayout::kNHD ? " NHD" : " HND") +
+           (table == TableForm::kShared ? " shared" : " separate") + (params.causal ? " causal" : "") +
+           (params.logits_soft_cap > 0 ? " cap" : "") +
+           (params.window_left >= 0 ? " window" + std::to_string(params.window_left) : "") +
+           (fixed_split_tokens > 0 ? " split" + std::to_string(fixed_split_tokens) : "") +
+           (deterministic ? " deterministic" : "") +
+           (kernel != plan::PrefillKernel::kAuto ? std::string(" ") + plan::PrefillKernelName(kernel) : "");
+  }
+};
+
+// Normwise relative error bound against float64: P and the output round to the MMA type
+// (fp16 whenever either side is fp16 and the other is 16-bit; bf16 otherwise), o to q's type.
+double Tolerance(const Config& config) {
+  if (config.kv_dtype == DType::kFloat8E4M3) return 5e-2;
+  if (config.q_dtype == DType::kBFloat16 || config.kv_dtype == DType::kBFloat16) return 1e-2;
+  return 2e-3;
+}
+
+// Host-side batch: random q and pools, page tables, and the views of both sides.
+struct Batch {
+  Config config;
+  std::vector<int32_t> q_lens, kv_lens;
+  std::vector<int32_t> qo_indptr, page_indptr, k_page_ids, v_page_ids, last_page_len;
+  std::vector<uint8_t> q, k_pool, v_pool;
+  int64_t num_pages = 0;
+  int64_t num_rows = 0;
+
+  PagedKvView Pool(void* data) const {
+    PagedKvView view;
+    view.data = data;
+    view.dtype = config.kv_dtype;
+    view.layout = config.layout;
+    view.num_pages = num_pages;
+    view.page_size = config.page_size;
+    view.num_heads = config.num_kv_heads;
+    view.head_dim = config.head_dim;
+    return view;
+  }
+  AttentionParams Params() const {
+    AttentionParams params = config.params;
+    if (params.sm_scale == 0.0f) params.sm_scale = 1.0f / std::sqrt(static_cast<float>(config.head_dim));
+    return params;
+  }
+};
+
+uint16_t NanBits16() { return 0x7fff; }
+
+Batch MakeBatch(const Config& config, const std::vector<int32_t>& q_lens, const std::vector<int32_t>& kv_lens) {
+  Batch batch;
+  batch.config = config;
+  batch.q_lens = q_lens;
+  batch.kv_lens = kv_lens;
+  std::mt19937 rng(config.seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int32_t batch_size = static_cast<int32_t>(q_lens.size());
+  const int32_t page_size = config.page_size;
+
+  batch.qo_indptr = {0};
+  batch.page_indptr = {0};
+  for (int32_t b = 0; b < batch_size; ++b) {
+    batch.qo_indptr.push_back(batch.qo_indptr.back() + q_lens[b]);
+    const int32_t pages = (kv_lens[b] + page_size - 1) / page_size;
+    batch.page_indptr.push_back(batch.page_indptr.back() + pages);
+    batch.last_page_len.push_back(pages == 0 ? 0 : kv_lens[b] - (pages - 1) * page_size);
+  }
+  batch.num_rows = batch.qo_indptr.back();
+  const int32_t used_pages = batch.page_indptr.back();
+  // Spare pages, shuffled ids: pages of a request are scattered through the pool.
+  batch.num_pages = used_pages + 3;
+  std::vector<int32_t> ids(batch.num_pages);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  batch.k_page_ids.assign(ids.begin(), ids.begin() + used_pages);
+  if (config.table == TableForm::kSeparateKv) std::shuffle(ids.begin(), ids.end(), rng);
+  batch.v_page_ids.assign(ids.begin(), ids.begin() + used_pages);
+
+  const int q_bytes = DTypeBytes(config.q_dtype);
+  const int kv_bytes = DTypeBytes(config.kv_dtype);
+  const int64_t q_elements = batch.num_rows * config.num_qo_heads * config.head_dim;
+  batch.q.resize(q_elements * q_bytes);
+  for (int64_t i = 0; i < q_elements; ++i) StoreFromFloat(config.q_dtype, batch.q.data(), i, normal(rng));
+
+  // Every slot starts as NaN, so a read outside a request's keys shows up in its output.
+  const PagedKvView shape = batch.Pool(nullptr);
+  const int64_t pool_elements = batch.num_pages * shape.PageElements();
+  for (std::vector<uint8_t>* pool : {&batch.k_pool, &batch.v_pool}) {
+    pool->resize(pool_elements * kv_bytes);
+    if (kv_bytes == 1) {
+      std::fill(pool->begin(), pool->end(), uint8_t{0x7f});
+    } else {
+      auto* words = reinterpret_cast<uint16_t*>(pool->data());
+      std::fill(words, words + pool_elements, NanBits16());
+    }
+  }
+  const AttentionParams params = batch.Params();
+  for (int32_t b = 0; b < batch_size; ++b) {
+    for (int32_t token = 0; token < kv_lens[b]; ++token) {
+      const int32_t slot = batch.page_indptr[b] + token / page_size;
+      for (int32_t head = 0; head < config.num_kv_heads; ++head) {
+        const int64_t k_offset = shape.Offset(batch.k_page_ids[slot], token % page_size, head);
+        const int64_t v_offset = shape.Offset(batch.v_page_ids[slot], token % page_size, head);
+        for (int32_t d = 0; d < config.head_dim; ++d) {
+          StoreFromFloat(config.kv_dtype, batch.k_pool.data(), k_offset + d, normal(rng) / params.k_scale);
+          StoreFromFloat(config.kv_dtype, batch.v_pool.data(), v_offset + d, normal(rng) / params.v_scale);
+        }
+      }
+    }
+  }
+  return batch;
+}
+
+
+struct Output {
+  bool ok = false;         // the launch succeeded and the device synchronised cleanly
+  bool fused = false;      // the plan fused a prefill and a decode role
+  bool split_kv = false;   // the plan split some request's keys
+  std::vector<uint8_t> o;  // q dtype
+  std::vector<float> lse;
+};
+
+enum class Runner { kPod, kSeparateMmaSync };
+
+// Runs POD (or, for comparison, the same requests as ordinary mma.sync prefill launches) on a
+// poisoned output.
+Output RunGpu(const Batch& batch, Runner runner = Runner::kPod) {
+  const Config& config = batch.config;
+  Output out;
+  auto waves = cuda::BatchPrefillCtasPerWave(config.head_dim, config.q_dtype, config.kv_dtype);
+  EXPECT_TRUE(waves.ok()) << waves.status();
+  if (!waves.ok()) return out;
+  auto pod_waves = cuda::PodCtasPerWave(config.head_dim, config.q_dtype, config.kv_dtype);
+  EXPECT_TRUE(pod_waves.ok()) << pod_waves.status();
+  if (!pod_waves.ok()) return out;
+  plan::PrefillPlanInput input;
+  input.qo_indptr = batch.qo_indptr;
+  input.kv_lengths = batch.kv_lens;
+  input.num_qo_heads = config.num_qo_heads;
+  input.num_kv_heads = config.num_kv_heads;
+  input.head_dim = config.head_dim;
+  input.causal = config.params.causal;
+  input.ctas_per_wave = *waves;
+  input.deterministic = config.deterministic;
+  input.disable_split_kv = !config.split_kv;
+  input.fixed_split_tokens = config.fixed_split_tokens;
+  plan::PodPlan plan;
+  if (runner == Runner::kPod) {
+    auto plan_or = plan::PlanPod(input, *pod_waves);
+    EXPECT_TRUE(plan_or.ok()) << plan_or.status();
+    if (!plan_or.ok()) return out;
+    plan = *std::move(plan_or);
+  } else {
+    input.kernel = plan::PrefillKernel::kMmaSync;
+    auto plan_or = plan::PlanPrefill(input);
+    EXPECT_TRUE(plan_or.ok()) << plan_or.status();
+    if (!plan_or.ok()) return out;
+    plan.prefill = *std::move(plan_or);
+  }
+  out.fused = plan.fused();
+  out.split_kv = plan.prefill.split_kv();
+
+  DeviceBuffer q = Upload(batch.q), k_pool = Upload(batch.k_pool), v_pool = Upload(batch.v_pool);
+  DeviceBuffer qo_indptr = Upload(batch.qo_indptr), page_indptr = Upload(batch.page_indptr);
+  DeviceBuffer k_ids = Upload(batch.k_page_ids), v_ids = Upload(batch.v_page_ids);
+  DeviceBuffer last = Upload(batch.last_page_len);
+  const int64_t o_elements = batch.num_rows * config.num_qo_heads * config.head_dim;
+  const size_t o_bytes = o_elements * DTypeBytes(config.q_dtype);
+  DeviceBuffer o(std::max<size_t>(o_bytes, 16));
+  DeviceBuffer lse(std::max<size_t>(batch.num_rows * config.num_qo_heads * sizeof(float), 16));
+  cudaMemset(o.get(), 0xff, o.bytes());  // NaN in fp16 and bf16: every row must be written
+  cudaMemset(lse.get(), 0xff, lse.bytes());
+  const int64_t workspace_bytes = cuda::PodWorkspaceBytes(plan);
+  DeviceBuffer workspace(std::max<int64_t>(workspace_bytes, 16));
+  // Stale counters from an earlier launch must not matter: the launcher zeroes them.
+  cudaMemset(workspace.get(), 0x5a, workspace.bytes());
+
+  cuda::BatchPrefillArgs args;
+  args.q = {q.get(), config.q_dtype, batch.num_rows, config.num_qo_heads, config.head_dim};
+  args.qo_indptr = static_cast<const int32_t*>(qo_indptr.get());
+  args.pages.batch_size = static_cast<int32_t>(batch.q_lens.size());
+  args.pages.page_size = config.page_size;
+  args.pages.indptr = static_cast<const int32_t*>(page_indptr.get());
+  args.pages.k_indices = static_cast<const int32_t*>(k_ids.get());
+  args.pages.v_indices =
+      static_cast<const int32_t*>(config.table == TableForm::kShared ? k_ids.get() : v_ids.get());
+  args.pages.last_page_len = static_cast<const int32_t*>(last.get());
+  args.k_cache = batch.Pool(k_pool.get());
+  args.v_cache = batch.Pool(v_pool.get());
+  args.params = batch.Params();
+  args.o = {o.get(), config.q_dtype, batch.num_rows, config.num_qo_heads, config.head_dim};
+  args.lse = config.return_lse ? static_cast<float*>(lse.get()) : nullptr;
+
+  absl::Status status = cuda::UploadPodPlan(plan, workspace.get(), workspace_bytes, nullptr);
+  EXPECT_TRUE(status.ok()) << status;
+  // Twice on one stream: the second launch must find its counters zeroed again.
+  for (int run = 0; run < 2 && status.ok(); ++run) {
+    status = cuda::PodAttention(plan, args, workspace.get(), workspace_bytes, nullptr);
+    EXPECT_TRUE(status.ok()) << status;
+    if (run == 0) {
+      cudaMemsetAsync(o.get(), 0xff, o.bytes(), nullptr);
+      cudaMemsetAsync(lse.get(), 0xff, lse.bytes(), nullptr);
+    }
+  }
+  const cudaError_t sync = cudaDeviceSynchronize();
+  EXPECT_EQ(sync, cudaSuccess) << cudaGetErrorString(sync);
+  out.o.resize(o_bytes);
+  out.lse.resize(batch.num_rows * config.num_qo_heads);
+  cudaMemcpy(out.o.data(), o.get(), o_bytes, cudaMemcpyDeviceToHost);
+  cudaMemcpy(out.lse.data(), lse.get(), out.lse.size() * sizeof(float), cudaMemcpyDeviceToHost);
+  out.ok = status.ok() && sync == cudaSuccess;
+  return out;
+}
+
+struct Expected {
+  std::vector<float> o;
+  std::vector<float> lse;
+};
+
+Expected RunReference(const Batch& batch) {
+  const Config& config = batch.config;
+  Expected expected;
+  expected.o.resize(batch.num_rows * config.num_qo_heads * config.head_dim);
+  expected.lse.resize(batch.num_rows * config.num_qo_heads);
+  reference::BatchAttentionArgs args;
+  args.q = {const_cast<uint8_t*>(batch.q.data()), config.q_dtype, batch.num_rows, config.num_qo_heads,
+            config.head_dim};
+  args.qo_indptr = batch.qo_indptr.data();
+  args.pages.batch_size = static_cast<int32_t>(batch.q_lens.size());
+  args.pages.page_size = config.page_size;
+  args.pages.indptr = batch.page_indptr.data();
+  args.pages.k_indices = batch.k_page_ids.data();
+  args.pages.v_indices = batch.v_page_ids.data();
+  args.pages.last_page_len = batch.last_page_len.data();
+  args.k_cache = batch.Pool(const_cast<uint8_t*>(batch.k_pool.data()));
+  args.v_cache = batch.Pool(const_cast<uint8_t*>(batch.v_pool.data()));
+  args.params = batch.Params();
+  args.o = {expected.o.data(), DType::kFloat32, batch.num_rows, config.num_qo_heads, config.head_dim};
+  args.lse = expected.lse.data();
+  args.accumulation = reference::Accumulation::kFloat64;
+  reference::BatchAttention(args);
+  return expected;
+}
+
+// Compares a GPU result with the reference: normwise relative error of o, lse within 2e-3
+// (-inf exactly where the reference has it), fully masked rows exactly 0, nothing NaN.
+void ExpectMatches(const Batch& batch, const Output& got, const Expected& expected) {
+  const Config& config = batch.config;
+  const int64_t rows = batch.num_rows * config.num_qo_heads;
+  const int32_t head_dim = config.head_dim;
+  ASSERT_EQ(got.o.size(), static_cast<size_t>(rows * head_dim * DTypeBytes(config.q_dtype)));
+  double error_sq = 0.0, norm_sq = 0.0;
+  int64_t bad_rows = 0, bad_lse = 0;
+  std::string first_bad;
+  for (int64_t row = 0; row < rows; ++row) {
+    const bool masked = std::isinf(expected.lse[row]) && expected.lse[row] < 0;
+    bool row_bad = false;
+    for (int32_t d = 0; d < head_dim; ++d) {
+      const float value = LoadAsFloat(config.q_dtype, got.o.data(), row * head_dim + d);
+      const double want = expected.o[row * head_dim + d];
+      if (std::isnan(value) || (masked && value != 0.0f)) row_bad = true;
+      error_sq += (value - want) * (value - want);
+      norm_sq += want * want;
+    }
+    if (row_bad) {
+      if (bad_rows++ == 0) first_bad = "row " + std::to_string(row / config.num_qo_heads) + " head " +
+                                       std::to_string(row % config.num_qo_heads);
+    }
+    if (config.return_lse) {
+      const float lse = got.lse[row];
+      const bool lse_ok = masked ? (std::isinf(lse) && lse < 0) : std::fabs(lse - expected.lse[row]) <= 2e-3 * std::max(1.0f, std::fabs(expected.lse[row]));
+      if (!lse_ok && bad_lse++ == 0) {
+        ADD_FAILURE() << config.Name() << ": lse of row " << row / config.num_qo_heads << " head "
+                      << row % config.num_qo_heads << " is " << lse << ", want " << expected.lse[row];
+      }
+    }
+  }
+  EXPECT_EQ(bad_rows, 0) << config.Name() << ": rows with NaN, or nonzero where fully masked; first " << first_bad;
+  EXPECT_EQ(bad_lse, 0) << config.Name() << ": rows with a wrong lse";
+  const double relative = norm_sq > 0 ? std::sqrt(error_sq / norm_sq) : std::sqrt(error_sq);
+  EXPECT_LE(relative, Tolerance(config)) << config.Name();
+  std::printf("  %-60s relative error %.2e\n", config.Name().c_str(), relative);
+}
+
+// Returns whether the plan split KV.
+bool CheckAgainstReference(const Config& config, const std::vector<int32_t>& q_lens,
+                           const std::vector<int32_t>& kv_lens, bool expect_fused = true) {
+  SCOPED_TRACE(config.Name());
+  const Batch batch = MakeBatch(config, q_lens, kv_lens);
+  const Output got = RunGpu(batch);
+  if (!got.ok) return false;  // RunGpu has reported why
+  if (expect_fused) {
+    EXPECT_TRUE(got.fused) << config.Name() << ": the plan did not fuse";
+  }
+  ExpectMatches(batch, got, RunReference(batch));
+  return got.split_kv;
+}
+
+
+// A mixed batch: a decode row, short and long prefills, chunked prefill (kv > q), page
+// q lengths: `prefills` then `decodes` ones, kv lengths likewise; decode kv lengths cycle
+// through `decode_kv` offsets so page boundaries fall everywhere.
+struct MixedBatch {
+  std::vector<int32_t> q, kv;
+};
+
+MixedBatch Mixed(const std::vector<std::pair<int32_t, int32_t>>& prefills, int32_t num_decodes,
+                 int32_t decode_kv_min, int32_t decode_kv_max, uint32_t seed, int32_t padding_every = 0) {
+  MixedBatch batch;
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> kv(decode_kv_min, decode_kv_max);
+  // Interleaved: prefills among the decodes, so neither role is a contiguous range of requests.
+  const int32_t total = static_cast<int32_t>(prefills.size()) + num_decodes;
+  size_t next_prefill = 0;
+  for (int32_t i = 0; i < total; ++i) {
+    const bool prefill_here = next_prefill < prefills.size() &&
+                              (i % std::max<int32_t>(1, total / static_cast<int32_t>(prefills.size())) == 0 ||
+                               total - i <= static_cast<int32_t>(prefills.size() - next_prefill));
+    if (prefill_here) {
+      batch.q.push_back(prefills[next_prefill].first);
+      batch.kv.push_back(prefills[next_prefill].second);
+      ++next_prefill;
+    } else {
+      batch.q.push_back(1);
+      batch.kv.push_back(kv(rng));
+    }
+    if (padding_every > 0 && i % padding_every == padding_every - 1) {
+      batch.q.push_back(0);  // a padding slot: pages, no rows
+      batch.kv.push_back(kv(rng));
+    }
+  }
+  return batch;
+}
+
+Config Grouped(int32_t group, uint32_t seed) {
+  Config config;
+  config.num_kv_heads = group == 1 ? 4 : 2;
+  config.num_qo_heads = config.num_kv_heads * group;
+  config.seed = seed;
+  return config;
+}
+
+// --- Smoke: one mixed batch per dtype pair at head_dim 128, and the options once -------------------
+
+TEST(PodSmokeTest, MatchesReferenceAcrossDtypes) {
+  SKIP_WITHOUT_GPU();
+  const std::pair<DType, DType> dtypes[] = {
+      {DType::kFloat16, DType::kFloat16},    {DType::kBFloat16, DType::kBFloat16},
+      {DType::kFloat16, DType::kFloat8E4M3}, {DType::kBFloat16, DType::kFloat8E4M3},
+      {DType::kFloat16, DType::kBFloat16},   {DType::kBFloat16, DType::kFloat16}};
+  uint32_t seed = 10;
+  for (const auto& [q_dtype, kv_dtype] : dtypes) {
+    Config config = Grouped(4, seed++);
+    config.q_dtype = q_dtype;
+    config.kv_dtype = kv_dtype;
+    if (kv_dtype == DType::kFloat8E4M3) {
+      config.params.k_scale = 1.0f / 64;
+      config.params.v_scale = 1.0f / 32;
+    }
+    const MixedBatch batch = Mixed({{300, 300}, {77, 500}}, 24, 1, 700, seed, 7);
+    CheckAgainstReference(config, batch.q, batch.kv);
+  }
+}
+
+// A long decode (split by itself) among short ones, a prefill long enough to split alone.
+Batch DeterministicBatch() {
+  Config config = Grouped(4, 5);
+  config.deterministic = true;
+  MixedBatch mixed = Mixed({{200, 6000}, {64, 64}}, 40, 1, 900, 5);
+  mixed.kv[1] = 20000;  // index 1 is a decode (prefills sit at 0 and 21)
+  return MakeBatch(config, mixed.q, mixed.kv);
+}
+
+TEST(PodSmokeTest, DeterministicIsBitwiseRepeatable) {
+  SKIP_WITHOUT_GPU();
+  const Batch batch = DeterministicBatch();
+  ASSERT_EQ(batch.q_lens[1], 1);
+  const Output first = RunGpu(batch);
+  ASSERT_TRUE(first.ok);
+  EXPECT_TRUE(first.fused);
+  EXPECT_TRUE(first.split_kv);
+  ExpectMatches(batch, first, RunReference(batch));
+  // Roles land on other SMs in another order every run; the bits must not move.
+  for (int run = 0; run < 3; ++run) {
+    const Output again = RunGpu(batch);
+    ASSERT_TRUE(again.ok);
+    EXPECT_TRUE(first.o == again.o) << "o bits differ between runs";
+    EXPECT_EQ(std::memcmp(first.lse.data(), again.lse.data(), first.lse.size() * sizeof(float)), 0);
+  }
+}
+
+// Under deterministic the POD plan is the mma.sync prefill plan, and each block runs the same
+// tile code over the same item, so the bits should be those of the separate mma.sync launches
+// (which prefill_tests prove batch-invariant). Kept apart from the smoke run: a failure here with
+// the reference and repeatability tests passing would mean the compiler contracted the fused
+// kernel's arithmetic differently, not a wrong result.
+TEST(PodTest, DeterministicBitsEqualTheSeparateMmaSyncLaunches) {
+  SKIP_WITHOUT_GPU();
+  const Batch batch = DeterministicBatch();
+  const Output fused = RunGpu(batch);
+  const Output separate = RunGpu(batch, Runner::kSeparateMmaSync);
+  ASSERT_TRUE(fused.ok && separate.ok);
+  EXPECT_TRUE(fused.o == separate.o) << "o bits differ from the separate mma.sync launches";
+  EXPECT_EQ(std::memcmp(fused.lse.data(), separate.lse.data(), fused.lse.size() * sizeof(float)), 0);
+}
+
+// --- Full sweep ----------------------------------------------------------------------------------
+
+TEST(PodTest, MatchesReferenceAcrossHeadDims) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 20;
+  for (int32_t head_dim : {64, 256}) {
+    for (DType kv_dtype : {DType::kBFloat16, DType::kFloat8E4M3}) {
+      Config config = Grouped(4, seed++);
+      config.head_dim = head_dim;
+      config.kv_dtype = kv_dtype;
+      if (kv_dtype == DType::kFloat8E4M3) {
+        config.params.k_scale = 1.0f / 64;
+        config.params.v_scale = 1.0f / 32;
+      }
+      const MixedBatch batch = Mixed({{260, 300}, {40, 700}}, 20, 1, 600, seed);
+      CheckAgainstReference(config, batch.q, batch.kv);
+    }
+  }
+}
+
+TEST(PodTest, MatchesReferenceAcrossGroupsPageSizesAndBatchShapes) {
+  SKIP_WITHOUT_GPU();
+  struct Shape {
+    std::vector<std::pair<int32_t, int32_t>> prefills;
+    int32_t decodes;
+    int32_t decode_kv_max;
+  };
+  const Shape shapes[] = {
+      {{{2048, 2048}}, 1, 2048},                                  // one decode beside a long prefill
+      {{{700, 700}, {1, 1}, {2, 900}}, 3, 300},                  // 1- and 2-token "prefills"
+      {{{512, 1024}, {300, 300}, {129, 129}, {16, 33}, {1000, 1000}, {5, 5}, {64, 4000}, {250, 251}}, 17, 1500},
+      {{{128, 128}}, 256, 400},                                   // 256 decodes
+  };
+  uint32_t seed = 40;
+  for (int32_t page_size : {1, 16}) {
+    for (int32_t group : {1, 4, 8}) {
+      for (const Shape& shape : shapes) {
+        Config config = Grouped(group, seed++);
+        config.page_size = page_size;
+        config.table = seed % 2 == 0 ? TableForm::kShared : TableForm::kSeparateKv;
+        config.layout = seed % 3 == 0 ? KvLayout::kHND : KvLayout::kNHD;
+        const MixedBatch batch = Mixed(shape.prefills, shape.decodes, 1, shape.decode_kv_max, seed, 5);
+        CheckAgainstReference(config, batch.q, batch.kv);
+      }
+    }
+  }
+}
+
+TEST(PodTest, MatchesReferenceOnLongPrefills) {
+  SKIP_WITHOUT_GPU();
+  Config config = Grouped(4, 60);
+  config.num_qo_heads = 4;
+  config.num_kv_heads = 1;
+  MixedBatch batch = Mixed({{8192, 8192}}, 32, 1000, 9000, 60);
+  CheckAgainstReference(config, batch.q, batch.kv);
+  // Chunked prefill against a long history, non-causal.
+  config.seed = 61;
+  config.params.causal = false;
+  config.page_size = 1;
+  batch = Mixed({{1500, 6000}, {3000, 3000}}, 64, 1, 2000, 61);
+  CheckAgainstReference(config, batch.q, batch.kv);
+}
+
+TEST(PodTest, MatchesReferenceWithSoftCapWindowNonCausalAndWithoutLse) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 70;
+  for (bool causal : {true, false}) {
+    for (int32_t window : {-1, 0, 5, 200}) {
+      for (float cap : {0.0f, 30.0f}) {
+        Config config = Grouped(8, seed++);
+        config.params.causal = causal;
+        config.params.window_left = window;
+        config.params.logits_soft_cap = cap;
+        config.params.sm_scale = cap > 0 ? 1.0f : 0.0f;  // large logits make the cap bite
+        config.return_lse = seed % 2 == 0;
+        const MixedBatch batch = Mixed({{300, 400}, {90, 90}}, 12, 1, 800, seed, 4);
+        CheckAgainstReference(config, batch.q, batch.kv);
+      }
+    }
+  }
+}
+
+TEST(PodTest, FullyMaskedRowsAndEmptyDecodesGetZeroAndNegativeInfinity) {
+  SKIP_WITHOUT_GPU();
+  Config config = Grouped(4, 80);
+  // q longer than kv (the first rows see nothing), a decode with no keys, a prefill with none.
+  CheckAgainstReference(config, {50, 1, 1, 20, 1}, {10, 0, 30, 0, 7});
+}
+
+TEST(PodTest, SplitAndFixedSplitMatchReference) {
+  SKIP_WITHOUT_GPU();
+  Config config = Grouped(4, 90);
+  // Few CTAs: both roles split their keys.
+  EXPECT_TRUE(CheckAgainstReference(config, {100, 1, 1}, {9000, 12000, 3000}));
+  config.fixed_split_tokens = 300;
+  config.seed = 91;
+  EXPECT_TRUE(CheckAgainstReference(config, {200, 1, 1, 1}, {2000, 1000, 5000, 17}));
+  config.fixed_split_tokens = 0;
+  config.split_kv = false;
+  config.seed = 92;
+  EXPECT_FALSE(CheckAgainstReference(config, {100, 1, 1}, {9000, 12000, 3000}));
+}
+
+TEST(PodTest, UnfusedPlansRunAsSeparateLaunches) {
+  SKIP_WITHOUT_GPU();
+  Config config = Grouped(4, 95);
+  CheckAgainstReference(config, {1, 1, 0, 1}, {100, 2000, 5, 7}, /*expect_fused=*/false);  // decode only
+  CheckAgainstReference(config, {300, 40}, {300, 900}, /*expect_fused=*/false);             // prefill only
+}
+
+TEST(PodTest, SanitizerSweep) {
+  // Small shapes for compute-sanitizer: pod_tests --gtest_filter='PodTest.SanitizerSweep'.
+  SKIP_WITHOUT_GPU();
+  Config config = Grouped(4, 99);
+  config.kv_dtype = DType::kFloat8E4M3;
+  CheckAgainstReference(config, {70, 1, 0, 1, 3}, {70, 33, 4, 1, 3});
+  config.kv_dtype = DType::kBFloat16;
+  config.page_size = 1;
+  config.params.causal = false;
+  CheckAgainstReference(config, {1, 90, 1}, {5, 100, 300});
+}
+
+// --- Planner (no GPU) ------------------------------------------------------------------------------
+
+plan::PrefillPlanInput Input(std::span<const int32_t> qo_indptr, std::span<const int32_t> kv_lengths,
+                             int32_t num_qo_heads, int32_t num_kv_heads) {
+  plan::PrefillPlanInput input;
+  input.qo_indptr = qo_indptr;
+  input.kv_lengths = kv_lengths;
+  input.num_qo_heads = num_qo_heads;
+  input.num_kv_heads = num_kv_heads;
+  input.head_dim = 128;
+  // An H100-like device: 132 SMs, 3 CTAs of each tile per SM, Hopper available.
+  input.ctas_per_wave = {396, 396, 396, 132, 264};
+  return input;
+}
+
+TEST(PodPlanTest, FusesTheLargestTileWithTheDecodeTile) {
+  // Group 4: a 600-token prefill (2400 rows, tile 128), a 10-token one (40 rows, tile 64),
+  // three decodes (4 rows each, tile 16), a padding slot.
+  const std::vector<int32_t> qo_indptr = {0, 1, 601, 602, 602, 612, 613};
+  const std::vector<int32_t> kv_lengths = {50, 600, 3000, 9, 10, 70};
+  auto pod = plan::PlanPod(Input(qo_indptr, kv_lengths, 32, 8));
+  ASSERT_TRUE(pod.ok()) << pod.status();
+  ASSERT_TRUE(pod->fused()) << pod->DebugString();
+  EXPECT_EQ(pod->prefill_tile_rows(), 128);
+  EXPECT_EQ(pod->prefill.launches[pod->decode_launch].tile_rows, 16);
+  // Three decodes underfill the device: the 3000-key one is split, so more than 3 x 8 CTAs.
+  EXPECT_GT(pod->DecodeRoleCtas(), 3 * 8);
+  EXPECT_EQ(pod->num_colocated_ctas, pod->DecodeRoleCtas());
+  EXPECT_EQ(pod->PrefillRoleCtas(), 19 * 8);  // ceil(2400 / 128) tiles, unsplit
+  ASSERT_EQ(pod->prefill.launches.size(), 3u);  // the 64-row launch runs on its own
+  for (const plan::PrefillLaunch& launch : pod->prefill.launches) {
+    EXPECT_EQ(launch.kernel, plan::PrefillKernel::kMmaSync);  // POD never plans Hopper
+  }
+}
+
+TEST(PodPlanTest, DoesNotFuseWithoutBothRoles) {
+  const std::vector<int32_t> decode_indptr = {0, 1, 2};
+  const std::vector<int32_t> decode_kv = {100, 200};
+  auto pod = plan::PlanPod(Input(decode_indptr, decode_kv, 32, 8));
+  ASSERT_TRUE(pod.ok());
+  EXPECT_FALSE(pod->fused());
+  const std::vector<int32_t> prefill_indptr = {0, 300};
+  const std::vector<int32_t> prefill_kv = {300};
+  pod = plan::PlanPod(Input(prefill_indptr, prefill_kv, 32, 8));
+  ASSERT_TRUE(pod.ok());
+  EXPECT_FALSE(pod->fused());
+  EXPECT_EQ(pod->prefill.launches.size(), 1u);
+}
+
+TEST(PodPlanTest, PrefillSplitsLessWhenDecodeCtasShareTheWave) {
+  // One 256-token prefill (group 4: 8 tiles of 128 x 1 KV head = 8 CTAs) over 16k keys: alone
+  // it splits to fill the wave; beside decode CTAs it has less of the wave to fill.
+  std::vector<int32_t> qo_indptr = {0, 256};
+  std::vector<int32_t> kv_lengths = {16384};
+  for (int i = 0; i < 100; ++i) {
+    qo_indptr.push_back(qo_indptr.back() + 1);
+    kv_lengths.push_back(500);
+  }
+  const plan::PrefillPlanInput input = Input(qo_indptr, kv_lengths, 4, 1);
+  plan::PrefillPlanInput mma = input;
+  mma.kernel = plan::PrefillKernel::kMmaSync;
+  auto alone = plan::PlanPrefill(mma);
+  ASSERT_TRUE(alone.ok());
+  auto pod = plan::PlanPod(input);
+  ASSERT_TRUE(pod.ok());
+  ASSERT_TRUE(pod->fused());
+  EXPECT_EQ(pod->num_colocated_ctas, 100);
+  ASSERT_GT(alone->request_chunk_tokens[0], 0);
+  ASSERT_GT(pod->prefill.request_chunk_tokens[0], 0);
+  EXPECT_GT(pod->prefill.request_chunk_tokens[0], alone->request_chunk_tokens[0]);
+  EXPECT_LE(pod->PrefillRoleCtas() + pod->DecodeRoleCtas(), 396);
+
+  // Deterministic: the request's chunk follows from the request alone, decodes or not.
+  plan::PrefillPlanInput deterministic = mma;
+  deterministic.deterministic = true;
+  auto alone_det = plan::PlanPrefill(deterministic);
+  auto pod_det = plan::PlanPod(deterministic, plan::PodWaveSizes{132, 132});
+  ASSERT_TRUE(alone_det.ok() && pod_det.ok());
+  EXPECT_EQ(pod_det->prefill.request_chunk_tokens, alone_det->request_chunk_tokens);
+  EXPECT_EQ(pod_det->prefill.items.size(), alone_det->items.size());
+
+  // More decode CTAs than the wave: clamped at zero, the prefill does not split.
+  plan::PrefillPlanInput crowded = input;
+  crowded.num_kv_heads = 1;
+  crowded.ctas_per_wave = {90, 90, 90, 132, 0};
+  auto pod_crowded = plan::PlanPod(crowded);
+  ASSERT_TRUE(pod_crowded.ok());
+  EXPECT_EQ(pod_crowded->prefill.request_chunk_tokens[0], 0);
+}
+
+TEST(PodPlanTest, UsesTheFusedKernelsWave) {
+  std::vector<int32_t> qo_indptr = {0, 256, 257};
+  std::vector<int32_t> kv_lengths = {16384, 100};
+  auto small_wave = plan::PlanPod(Input(qo_indptr, kv_lengths, 4, 1), plan::PodWaveSizes{132, 132});
+  auto large_wave = plan::PlanPod(Input(qo_indptr, kv_lengths, 4, 1), plan::PodWaveSizes{396, 396});
+  ASSERT_TRUE(small_wave.ok() && large_wave.ok());
+  EXPECT_GT(small_wave->prefill.request_chunk_tokens[0], large_wave->prefill.request_chunk_tokens[0]);
+}
+
+TEST(PodPlanTest, NegativeColocatedCtasAreRejected) {
+  const std::vector<int32_t> qo_indptr = {0, 4};
+  const std::vector<int32_t> kv_lengths = {4};
+  plan::PrefillPlanInput input = Input(qo_indptr, kv_lengths, 8, 2);
+  input.num_colocated_ctas = -1;
+  EXPECT_FALSE(plan::PlanPrefill(input).ok());
+}
+
+TEST(PodScheduleTest, EverySmRunsBothRolesInTheGlobalRatio) {
+  for (const auto& [prefill, decode] : std::vector<std::pair<int64_t, int64_t>>{
+           {1, 1}, {1, 7}, {7, 1}, {512, 1024}, {64, 1024}, {1000, 3}, {0, 5}, {5, 0}}) {
+    const int64_t total = prefill + decode;
+    int64_t prefill_taken = 0;
+    for (int64_t n = 0; n < total; ++n) {
+      prefill_taken += plan::PodTakesPrefillRole(n, prefill, decode) ? 1 : 0;
+      // After n + 1 CTAs on one SM the prefill share is floor((n + 1) P / T): never more than
+      // one CTA away from the global ratio.
+      EXPECT_EQ(prefill_taken, (n + 1) * prefill / total) << prefill << ":" << decode << " at " << n;
+    }
+    EXPECT_EQ(prefill_taken, prefill);
+  }
+  EXPECT_FALSE(plan::PodTakesPrefillRole(0, 0, 0));
+}
+
+}  // namespace
+}  // namespace attnd
