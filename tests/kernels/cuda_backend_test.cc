@@ -712,6 +712,73 @@ INSTANTIATE_TEST_SUITE_P(MlaConfigs, CudaBackendMlaVsCpuTest, ::testing::ValuesI
                            return info.param.name;
                          });
 
+// deterministic=true: a request's o and lse are bitwise the same whether it runs alone or among
+// others, at another row, in another cache (same inputs, same history), for its prefill rows
+// (unsplit) and its decode row (split in pinned 64-token chunks) alike.
+TEST(CudaBackendMlaTest, DeterministicRequestIsBitwiseBatchInvariant) {
+  SKIP_WITHOUT_GPU();
+  MlaCacheConfig config;
+  config.num_heads = 64;
+  config.num_layers = 1;
+  const CacheGeometry g = MlaGeometryOf(config);
+  CudaBackendOptions options;
+  options.kv_budget_bytes = int64_t{128} << 20;
+  auto backend = MakeCudaBackend(options);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto alone = (*backend)->CreateCache(g);
+  auto crowded = (*backend)->CreateCache(g);
+  ASSERT_TRUE(alone.ok() && crowded.ok());
+  SequenceBook book_alone(g, false, 1);
+  SequenceBook book_crowded(g, true, 2);
+  StepOptions step_options = MlaOptions(g);
+  step_options.deterministic = true;
+  step_options.fixed_split_tokens = 64;
+  std::mt19937 rng(99);
+  auto rows_of = [&](int64_t rows) { return RandomMlaInputs(g, rows, rng)[0]; };
+  auto append = [](LayerInputs& to, const LayerInputs& from) {
+    for (auto [a, b] : {std::pair{&to.q, &from.q}, std::pair{&to.q_pe, &from.q_pe},
+                        std::pair{&to.ckv, &from.ckv}, std::pair{&to.kpe, &from.kpe}}) {
+      a->insert(a->end(), b->begin(), b->end());
+    }
+  };
+  const int64_t o_row_bytes = int64_t{g.num_qo_heads} * g.k_head_dim * DTypeBytes(g.q_dtype);
+  struct Phase {
+    int32_t rows;                                        // of sequence 0
+    std::vector<std::pair<int, int32_t>> before, after;  // the crowded batch's other entries
+  };
+  const Phase phases[] = {{300, {{1, 50}}, {{2, 7}}}, {1, {{2, 1}, {9, 0}}, {{1, 3}, {3, 20}}}};
+  for (const Phase& phase : phases) {
+    SCOPED_TRACE(::testing::Message() << phase.rows << " rows");
+    const LayerInputs mine = rows_of(phase.rows);
+    LayerInputs together;
+    std::vector<std::pair<int, int32_t>> entries = phase.before;
+    int64_t my_row = 0;
+    for (const auto& [id, rows] : phase.before) {
+      append(together, rows_of(rows));
+      my_row += rows;
+    }
+    append(together, mine);
+    entries.push_back({0, phase.rows});
+    for (const auto& entry : phase.after) {
+      append(together, rows_of(entry.second));
+      entries.push_back(entry);
+    }
+    const StepRun a = RunStep(**alone, book_alone.Plan({{0, phase.rows}}, step_options), {mine});
+    const StepRun b = RunStep(**crowded, book_crowded.Plan(entries, step_options), {together});
+    ASSERT_EQ(a.layers.size(), 1u);
+    ASSERT_EQ(b.layers.size(), 1u);
+    ASSERT_TRUE(a.layers[0].status.ok() && b.layers[0].status.ok());
+    EXPECT_EQ(std::memcmp(a.layers[0].o.data(), b.layers[0].o.data() + my_row * o_row_bytes,
+                          phase.rows * o_row_bytes),
+              0)
+        << "o differs between batches";
+    EXPECT_EQ(std::memcmp(a.layers[0].lse.data(), b.layers[0].lse.data() + my_row * g.num_qo_heads,
+                          phase.rows * g.num_qo_heads * sizeof(float)),
+              0)
+        << "lse differs between batches";
+  }
+}
+
 // ---- The MLA step plan (plain C++: runs without a GPU) ----
 
 struct MlaPlanCheck {
