@@ -736,11 +736,14 @@ TEST(PodScheduleTest, EverySmRunsBothRolesInTheGlobalRatio) {
     int64_t prefill_taken = 0;
     for (int64_t n = 0; n < total; ++n) {
       prefill_taken += plan::PodTakesPrefillRole(n, prefill, decode) ? 1 : 0;
-      // After n + 1 CTAs on one SM the prefill share is floor((n + 1) P / T): never more than
-      // one CTA away from the global ratio.
-      EXPECT_EQ(prefill_taken, (n + 1) * prefill / total) << prefill << ":" << decode << " at " << n;
+      // After n + 1 CTAs on one SM the prefill count is ceil((n + 1) P / T): never more than
+      // one CTA away from the global ratio, and the first CTA is a prefill one.
+      EXPECT_EQ(prefill_taken, ((n + 1) * prefill + total - 1) / total) << prefill << ":" << decode << " at " << n;
     }
     EXPECT_EQ(prefill_taken, prefill);
+    if (prefill > 0) {
+      EXPECT_TRUE(plan::PodTakesPrefillRole(0, prefill, decode));
+    }
   }
   EXPECT_FALSE(plan::PodTakesPrefillRole(0, 0, 0));
 }
