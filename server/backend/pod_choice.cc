@@ -20,9 +20,13 @@ absl::StatusOr<PodMode> PodModeFromEnvironment() {
   return ParsePodMode(value);
 }
 
+bool PodAutoRule(const PodStepShape& shape, int32_t min_decode_requests, int64_t max_prefill_rows) {
+  return min_decode_requests > 0 && shape.num_decode_requests >= min_decode_requests &&
+         shape.num_prefill_rows <= max_prefill_rows;
+}
+
 bool PodAutoPicks(const PodStepShape& shape) {
-  (void)shape;
-  return false;
+  return PodAutoRule(shape, kPodAutoMinDecodeRequests, kPodAutoMaxPrefillRows);
 }
 
 bool ChoosePod(PodMode mode, const PodStepShape& shape) {

@@ -34,11 +34,19 @@ struct PodStepShape {
   bool deterministic = false;
 };
 
-// The auto rule. PLACEHOLDER until measured: returns false (POD off), so auto behaves as off
-// until the lead sets it from bench/pod_bench's table on an H100 (fused vs back to back per
-// reference case and page size); the intended form is a threshold on the shape, e.g. POD when
-// the decode requests' CTAs leave the prefill's wave underfilled. Only called for mixed,
-// non-deterministic steps.
+// The form of the auto rule: POD when the step has at least `min_decode_requests` decode
+// requests (enough memory-bound work to hide under the prefill) and at most
+// `max_prefill_rows` prefill rows (beyond that the prefill dominates, and POD's mma.sync prefill
+// tiles lose to the separate Hopper prefill kernel). min_decode_requests 0 disables it.
+bool PodAutoRule(const PodStepShape& shape, int32_t min_decode_requests, int64_t max_prefill_rows);
+
+// The thresholds auto uses. PLACEHOLDER until measured: 0 (POD off), so auto behaves as off until
+// they are set from bench/pod_bench's table on an H100 (fused vs back to back per reference case
+// and page size: the smallest decode count and the largest prefill at which fused wins).
+inline constexpr int32_t kPodAutoMinDecodeRequests = 0;
+inline constexpr int64_t kPodAutoMaxPrefillRows = 0;
+
+// PodAutoRule with the thresholds above. Only called for mixed, non-deterministic steps.
 bool PodAutoPicks(const PodStepShape& shape);
 
 // Whether a step of `shape` runs POD under `mode`: only mixed steps (>= 1 prefill and >= 1

@@ -42,6 +42,14 @@ TEST(PodChoiceTest, AutoFollowsTheRule) {
   EXPECT_FALSE(PodAutoPicks(Mixed(1, 128)));  // placeholder: off until measured
 }
 
+TEST(PodChoiceTest, AutoRuleWantsEnoughDecodesAndABoundedPrefill) {
+  EXPECT_TRUE(PodAutoRule(Mixed(1, 128), 64, 8192));
+  EXPECT_TRUE(PodAutoRule(Mixed(4, 64), 64, 8192));     // 4 x 2048 rows: at the bound
+  EXPECT_FALSE(PodAutoRule(Mixed(1, 63), 64, 8192));    // too few decodes to hide
+  EXPECT_FALSE(PodAutoRule(Mixed(5, 128), 64, 8192));   // the prefill dominates
+  EXPECT_FALSE(PodAutoRule(Mixed(1, 128), 0, 8192));    // disabled
+}
+
 TEST(PodChoiceTest, ParsesTheModeAndTheEnvironment) {
   EXPECT_EQ(*ParsePodMode("auto"), PodMode::kAuto);
   EXPECT_EQ(*ParsePodMode("on"), PodMode::kOn);
