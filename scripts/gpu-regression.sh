@@ -2,7 +2,7 @@
 # The whole GPU regression in one device call, for machines that lack gRPC/Abseil (see the
 # brief's device tool). Two halves:
 #   scripts/gpu-regression.sh pack   (here: builds with CUDA, bundles every GPU-facing binary with
-#                                     its shared libraries into .gpu-pack/bundle.tar.gz, git-ignored)
+#                                     its shared libraries into .gpu-pack/bundle.tar.xz, git-ignored)
 #   scripts/gpu-regression.sh run    (on the GPU machine: unpacks and runs, most important first,
 #                                     each step under its own timeout: every GPU test binary, the
 #                                     integration suite against the CUDA backend, the daemon with
@@ -28,7 +28,9 @@ case ${1:-} in
     bins+=("$build_dir/tests/integration/integration_tests" "$build_dir/server/attnd"
            "$build_dir/client/attnctl")
     /work/shared/tools/gpu-bundle .gpu-pack/bundle "${bins[@]}" || exit 1
-    tar -C .gpu-pack -czf .gpu-pack/bundle.tar.gz bundle && rm -rf .gpu-pack/bundle
+    # xz: the kernels' fatbins, linked into several binaries, barely shrink under gzip (73 MB)
+    # and a device call carries at most 64 MiB.
+    tar -C .gpu-pack -cf - bundle | xz -T"$(nproc)" -6 > .gpu-pack/bundle.tar.xz && rm -rf .gpu-pack/bundle
     echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
       > .gpu-pack/commit
     ls -la .gpu-pack
@@ -37,7 +39,9 @@ case ${1:-} in
     OUT=${OUT:-/tmp/gpu-regression}
     logs=/tmp/gpu-regression-logs
     mkdir -p "$OUT" "$logs"
-    tar -C /tmp -xzf .gpu-pack/bundle.tar.gz
+    tar -C /tmp -xJf .gpu-pack/bundle.tar.xz ||
+      python3 -c 'import tarfile; tarfile.open(".gpu-pack/bundle.tar.xz").extractall("/tmp")' ||
+      exit 1
     B=/tmp/bundle
     say() { echo "$*" | tee -a "$OUT/summary.txt"; }
     pack_logs() { tar -C "$logs" -czf "$OUT/logs.tgz.tmp" . && mv "$OUT/logs.tgz.tmp" "$OUT/logs.tgz"; }
