@@ -12,6 +12,7 @@
 #include "backend/cuda_cache.h"
 #include "backend/cuda_memory.h"
 #include "backend/cuda_range_allocator.h"
+#include "backend/pod_choice.h"
 #include "cuda/cuda_check.h"
 
 namespace attnd {
@@ -225,8 +226,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   info.num_sms = properties.multiProcessorCount;
   info.device_memory_bytes = static_cast<int64_t>(properties.totalGlobalMem);
   info.kv_budget_bytes = budget;
-  // No "pod" (mixed steps run decode then prefill).
   info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index"};
+  // Mixed steps may run as one POD launch unless ATTND_POD=off (pod_choice.h).
+  const absl::StatusOr<cuda_backend::PodMode> pod_mode = cuda_backend::PodModeFromEnvironment();
+  if (!pod_mode.ok() || *pod_mode != cuda_backend::PodMode::kOff) info.extensions.push_back("pod");
   return std::unique_ptr<CudaBackend>(new CudaBackend(
       options, info,
       std::make_shared<KvReservation>(static_cast<uint8_t*>(reservation), budget), wait));

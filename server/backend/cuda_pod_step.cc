@@ -4,8 +4,10 @@
 
 namespace attnd::cuda_backend {
 
-PodStepShape PodShapeOf(const StepBatch& batch) {
+PodStepShape PodShapeOf(const StepBatch& batch, int32_t page_size, bool hopper_prefill) {
   PodStepShape shape;
+  shape.page_size = page_size;
+  shape.hopper_prefill = hopper_prefill;
   shape.deterministic = batch.options.deterministic;
   for (int32_t b = 0; b < batch.batch_size; ++b) {
     const int32_t rows = batch.qo_indptr[b + 1] - batch.qo_indptr[b];

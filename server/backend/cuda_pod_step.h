@@ -10,7 +10,9 @@
 
 namespace attnd::cuda_backend {
 
-PodStepShape PodShapeOf(const StepBatch& batch);
+// What the POD rule sees of `batch` on a cache of `page_size` whose separate prefill would run
+// the Hopper kernel when `hopper_prefill`.
+PodStepShape PodShapeOf(const StepBatch& batch, int32_t page_size, bool hopper_prefill);
 
 // PlanPod over every entry of `batch` (decode rows become the 16-row decode role).
 absl::StatusOr<plan::PodPlan> PlanPodStep(const StepBatch& batch, const CacheGeometry& geometry,

@@ -239,7 +239,11 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
     step.offsets = LayOut(batch, 0, mla_words);
     return step;
   }
-  if (any_decode && any_prefill && ChoosePod(context.pod_mode, PodShapeOf(batch))) {
+  // The separate prefill runs the Hopper kernel wherever the device and shapes allow it
+  // (PrefillKernel::kAuto): a positive Hopper wave.
+  const bool hopper_prefill = context.prefill_ctas_per_wave.hopper_tile128 > 0;
+  if (any_decode && any_prefill &&
+      ChoosePod(context.pod_mode, PodShapeOf(batch, g.page_size, hopper_prefill))) {
     ASSIGN_OR_RETURN(step.pod, PlanPodStep(batch, g, context.prefill_ctas_per_wave,
                                            context.pod_ctas_per_wave));
     // A plan that found no two tiles to fuse runs the separate kernels below instead.

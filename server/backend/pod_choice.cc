@@ -20,13 +20,8 @@ absl::StatusOr<PodMode> PodModeFromEnvironment() {
   return ParsePodMode(value);
 }
 
-bool PodAutoRule(const PodStepShape& shape, int32_t min_decode_requests, int64_t max_prefill_rows) {
-  return min_decode_requests > 0 && shape.num_decode_requests >= min_decode_requests &&
-         shape.num_prefill_rows <= max_prefill_rows;
-}
-
 bool PodAutoPicks(const PodStepShape& shape) {
-  return PodAutoRule(shape, kPodAutoMinDecodeRequests, kPodAutoMaxPrefillRows);
+  return !shape.hopper_prefill || shape.page_size == 1;
 }
 
 bool ChoosePod(PodMode mode, const PodStepShape& shape) {

@@ -31,22 +31,22 @@ struct PodStepShape {
   int32_t num_prefill_requests = 0;  // entries of more than one row
   int32_t num_decode_requests = 0;   // entries of exactly one row
   int64_t num_prefill_rows = 0;      // rows of the prefill entries
+  int32_t page_size = 0;             // the cache's tokens per page
+  bool hopper_prefill = false;       // the separate path's prefill would run the Hopper kernel
   bool deterministic = false;
 };
 
-// The form of the auto rule: POD when the step has at least `min_decode_requests` decode
-// requests (enough memory-bound work to hide under the prefill) and at most
-// `max_prefill_rows` prefill rows (beyond that the prefill dominates, and POD's mma.sync prefill
-// tiles lose to the separate Hopper prefill kernel). min_decode_requests 0 disables it.
-bool PodAutoRule(const PodStepShape& shape, int32_t min_decode_requests, int64_t max_prefill_rows);
-
-// The thresholds auto uses. PLACEHOLDER until measured: 0 (POD off), so auto behaves as off until
-// they are set from bench/pod_bench's table on an H100 (fused vs back to back per reference case
-// and page size: the smallest decode count and the largest prefill at which fused wins).
-inline constexpr int32_t kPodAutoMinDecodeRequests = 0;
-inline constexpr int64_t kPodAutoMaxPrefillRows = 0;
-
-// PodAutoRule with the thresholds above. Only called for mixed, non-deterministic steps.
+// The auto rule, from bench/pod_bench on an H100 (docs/benchmarks.md, POD): POD's prefill role
+// runs the mma.sync tiles, so it wins where the separate prefill would too, and loses where the
+// Hopper (wgmma) prefill kernel is much faster than mma.sync.
+//   - page size 1: fused / back to back 0.72-0.78 and fused / one merged prefill 0.78-0.91 on
+//     all five reference cases (the Hopper prefill gains nothing there: 0.81 vs 0.80 ms);
+//   - page size 16 with the Hopper prefill: fused / back to back 0.94-1.13 (slower on 3 of 5),
+//     and 1.09x the separate kernels' time on the e2e mixed step (512 prefill + 128 decodes);
+//   - page size 16 against back to back with the mma.sync prefill (what runs where the Hopper
+//     kernel does not: no sm_90a, head_dim 256, mixed dtypes): fused 0.84-0.91.
+// So: POD when the separate prefill would not be the Hopper kernel, or the page size is 1.
+// Page sizes 2 to 8 with the Hopper kernel were not measured and keep the separate kernels.
 bool PodAutoPicks(const PodStepShape& shape);
 
 // Whether a step of `shape` runs POD under `mode`: only mixed steps (>= 1 prefill and >= 1

@@ -974,6 +974,9 @@ TEST(CudaBackendTest, InfoDescribesTheDeviceAndWhatWorks) {
   EXPECT_NE(std::find(ext.begin(), ext.end(), "fp8_kv"), ext.end());
   EXPECT_NE(std::find(ext.begin(), ext.end(), "separate_kv_index"), ext.end());
   EXPECT_NE(std::find(ext.begin(), ext.end(), "mla"), ext.end());
+  if (std::getenv("ATTND_POD") == nullptr) {
+    EXPECT_NE(std::find(ext.begin(), ext.end(), "pod"), ext.end());
+  }
   std::printf("device %s, %d SMs, %lld bytes\n", info.device.c_str(), info.num_sms,
               static_cast<long long>(info.device_memory_bytes));
 }

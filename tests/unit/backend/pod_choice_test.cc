@@ -32,22 +32,28 @@ TEST(PodChoiceTest, OffNeverAndDeterministicNeverRunPod) {
   EXPECT_FALSE(ChoosePod(PodMode::kAuto, deterministic));
 }
 
-TEST(PodChoiceTest, AutoFollowsTheRule) {
-  // The placeholder keeps POD off until the measured rule replaces it; whatever the rule, auto
-  // agrees with it on mixed steps and never picks POD for unmixed ones.
-  for (const PodStepShape& shape : {Mixed(1, 128), Mixed(2, 128), Mixed(8, 1), Mixed(1, 256)}) {
-    EXPECT_EQ(ChoosePod(PodMode::kAuto, shape), PodAutoPicks(shape));
-  }
-  EXPECT_FALSE(ChoosePod(PodMode::kAuto, Mixed(0, 128)));
-  EXPECT_FALSE(PodAutoPicks(Mixed(1, 128)));  // placeholder: off until measured
-}
-
-TEST(PodChoiceTest, AutoRuleWantsEnoughDecodesAndABoundedPrefill) {
-  EXPECT_TRUE(PodAutoRule(Mixed(1, 128), 64, 8192));
-  EXPECT_TRUE(PodAutoRule(Mixed(4, 64), 64, 8192));     // 4 x 2048 rows: at the bound
-  EXPECT_FALSE(PodAutoRule(Mixed(1, 63), 64, 8192));    // too few decodes to hide
-  EXPECT_FALSE(PodAutoRule(Mixed(5, 128), 64, 8192));   // the prefill dominates
-  EXPECT_FALSE(PodAutoRule(Mixed(1, 128), 0, 8192));    // disabled
+TEST(PodChoiceTest, AutoPicksPodWhereTheSeparatePrefillIsNotTheHopperKernel) {
+  // Measured on an H100 (pod_choice.h): with the Hopper prefill POD loses at page size 16 and
+  // wins at page size 1; against the mma.sync prefill it wins.
+  auto shape = [](int32_t page_size, bool hopper) {
+    PodStepShape mixed = Mixed(1, 128);
+    mixed.page_size = page_size;
+    mixed.hopper_prefill = hopper;
+    return mixed;
+  };
+  EXPECT_TRUE(ChoosePod(PodMode::kAuto, shape(1, true)));
+  EXPECT_FALSE(ChoosePod(PodMode::kAuto, shape(16, true)));
+  EXPECT_FALSE(ChoosePod(PodMode::kAuto, shape(4, true)));  // not measured: separate kernels
+  EXPECT_TRUE(ChoosePod(PodMode::kAuto, shape(16, false)));
+  EXPECT_TRUE(ChoosePod(PodMode::kAuto, shape(1, false)));
+  // Never for unmixed or deterministic steps, whatever the rule says.
+  PodStepShape decode_only = shape(1, false);
+  decode_only.num_prefill_requests = 0;
+  decode_only.num_prefill_rows = 0;
+  EXPECT_FALSE(ChoosePod(PodMode::kAuto, decode_only));
+  PodStepShape deterministic = shape(1, false);
+  deterministic.deterministic = true;
+  EXPECT_FALSE(ChoosePod(PodMode::kAuto, deterministic));
 }
 
 TEST(PodChoiceTest, ParsesTheModeAndTheEnvironment) {
