@@ -1,0 +1,201 @@
+// Helpers of the batch-prefill and POD GPU tests (prefill_test.cc, pod_test.cc): device buffers,
+// a test configuration, and random batches over paged pools whose unused slots are NaN, so a
+// read outside a request's keys shows up in its output.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attnd/kernels/attention_params.h"
+#include "attnd/kernels/dtype.h"
+#include "attnd/kernels/views.h"
+#include "gtest/gtest.h"
+#include "plan/prefill_plan.h"
+
+namespace attnd::prefill_test {
+
+inline bool HaveGpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!::attnd::prefill_test::HaveGpu()) GTEST_SKIP() << "no CUDA device"
+
+#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+// Device memory freed on scope exit.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes > 0 && cudaMalloc(&data_, bytes) != cudaSuccess) data_ = nullptr;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  void* get() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+template <typename T>
+inline DeviceBuffer Upload(const std::vector<T>& host) {
+  DeviceBuffer buffer(std::max<size_t>(host.size() * sizeof(T), 16));
+  if (!host.empty()) cudaMemcpy(buffer.get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return buffer;
+}
+
+enum class TableForm { kShared, kSeparateKv };
+
+struct Config {
+  DType q_dtype = DType::kBFloat16;
+  DType kv_dtype = DType::kBFloat16;
+  int32_t head_dim = 128;
+  int32_t num_qo_heads = 8;
+  int32_t num_kv_heads = 2;
+  int32_t page_size = 16;
+  KvLayout layout = KvLayout::kNHD;
+  TableForm table = TableForm::kShared;
+  AttentionParams params;  // sm_scale 0 here means 1/sqrt(head_dim)
+  bool return_lse = true;
+  bool deterministic = false;
+  bool split_kv = true;          // false: disable_split_kv
+  int32_t fixed_split_tokens = 0;
+  plan::PrefillKernel kernel = plan::PrefillKernel::kAuto;
+  uint32_t seed = 1;
+
+  std::string Name() const {
+    return std::string(DTypeName(q_dtype)) + "/" + std::string(DTypeName(kv_dtype)) + " D" +
+           std::to_string(head_dim) + " H" + std::to_string(num_qo_heads) + "/" + std::to_string(num_kv_heads) +
+           " page" + std::to_string(page_size) + (layout == KvLayout::kNHD ? " NHD" : " HND") +
+           (table == TableForm::kShared ? " shared" : " separate") + (params.causal ? " causal" : "") +
+           (params.logits_soft_cap > 0 ? " cap" : "") +
+           (params.window_left >= 0 ? " window" + std::to_string(params.window_left) : "") +
+           (fixed_split_tokens > 0 ? " split" + std::to_string(fixed_split_tokens) : "") +
+           (deterministic ? " deterministic" : "") +
+           (kernel != plan::PrefillKernel::kAuto ? std::string(" ") + plan::PrefillKernelName(kernel) : "");
+  }
+};
+
+// Normwise relative error bound against float64: P and the output round to the MMA type
+// (fp16 whenever either side is fp16 and the other is 16-bit; bf16 otherwise), o to q's type.
+inline double Tolerance(const Config& config) {
+  if (config.kv_dtype == DType::kFloat8E4M3) return 5e-2;
+  if (config.q_dtype == DType::kBFloat16 || config.kv_dtype == DType::kBFloat16) return 1e-2;
+  return 2e-3;
+}
+
+// Host-side batch: random q and pools, page tables, and the views of both sides.
+struct Batch {
+  Config config;
+  std::vector<int32_t> q_lens, kv_lens;
+  std::vector<int32_t> qo_indptr, page_indptr, k_page_ids, v_page_ids, last_page_len;
+  std::vector<uint8_t> q, k_pool, v_pool;
+  int64_t num_pages = 0;
+  int64_t num_rows = 0;
+
+  PagedKvView Pool(void* data) const {
+    PagedKvView view;
+    view.data = data;
+    view.dtype = config.kv_dtype;
+    view.layout = config.layout;
+    view.num_pages = num_pages;
+    view.page_size = config.page_size;
+    view.num_heads = config.num_kv_heads;
+    view.head_dim = config.head_dim;
+    return view;
+  }
+  AttentionParams Params() const {
+    AttentionParams params = config.params;
+    if (params.sm_scale == 0.0f) params.sm_scale = 1.0f / std::sqrt(static_cast<float>(config.head_dim));
+    return params;
+  }
+};
+
+inline uint16_t NanBits16() { return 0x7fff; }
+
+inline Batch MakeBatch(const Config& config, const std::vector<int32_t>& q_lens, const std::vector<int32_t>& kv_lens) {
+  Batch batch;
+  batch.config = config;
+  batch.q_lens = q_lens;
+  batch.kv_lens = kv_lens;
+  std::mt19937 rng(config.seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int32_t batch_size = static_cast<int32_t>(q_lens.size());
+  const int32_t page_size = config.page_size;
+
+  batch.qo_indptr = {0};
+  batch.page_indptr = {0};
+  for (int32_t b = 0; b < batch_size; ++b) {
+    batch.qo_indptr.push_back(batch.qo_indptr.back() + q_lens[b]);
+    const int32_t pages = (kv_lens[b] + page_size - 1) / page_size;
+    batch.page_indptr.push_back(batch.page_indptr.back() + pages);
+    batch.last_page_len.push_back(pages == 0 ? 0 : kv_lens[b] - (pages - 1) * page_size);
+  }
+  batch.num_rows = batch.qo_indptr.back();
+  const int32_t used_pages = batch.page_indptr.back();
+  // Spare pages, shuffled ids: pages of a request are scattered through the pool.
+  batch.num_pages = used_pages + 3;
+  std::vector<int32_t> ids(batch.num_pages);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  batch.k_page_ids.assign(ids.begin(), ids.begin() + used_pages);
+  if (config.table == TableForm::kSeparateKv) std::shuffle(ids.begin(), ids.end(), rng);
+  batch.v_page_ids.assign(ids.begin(), ids.begin() + used_pages);
+
+  const int q_bytes = DTypeBytes(config.q_dtype);
+  const int kv_bytes = DTypeBytes(config.kv_dtype);
+  const int64_t q_elements = batch.num_rows * config.num_qo_heads * config.head_dim;
+  batch.q.resize(q_elements * q_bytes);
+  for (int64_t i = 0; i < q_elements; ++i) StoreFromFloat(config.q_dtype, batch.q.data(), i, normal(rng));
+
+  // Every slot starts as NaN, so a read outside a request's keys shows up in its output.
+  const PagedKvView shape = batch.Pool(nullptr);
+  const int64_t pool_elements = batch.num_pages * shape.PageElements();
+  for (std::vector<uint8_t>* pool : {&batch.k_pool, &batch.v_pool}) {
+    pool->resize(pool_elements * kv_bytes);
+    if (kv_bytes == 1) {
+      std::fill(pool->begin(), pool->end(), uint8_t{0x7f});
+    } else {
+      auto* words = reinterpret_cast<uint16_t*>(pool->data());
+      std::fill(words, words + pool_elements, NanBits16());
+    }
+  }
+  const AttentionParams params = batch.Params();
+  for (int32_t b = 0; b < batch_size; ++b) {
+    for (int32_t token = 0; token < kv_lens[b]; ++token) {
+      const int32_t slot = batch.page_indptr[b] + token / page_size;
+      for (int32_t head = 0; head < config.num_kv_heads; ++head) {
+        const int64_t k_offset = shape.Offset(batch.k_page_ids[slot], token % page_size, head);
+        const int64_t v_offset = shape.Offset(batch.v_page_ids[slot], token % page_size, head);
+        for (int32_t d = 0; d < config.head_dim; ++d) {
+          StoreFromFloat(config.kv_dtype, batch.k_pool.data(), k_offset + d, normal(rng) / params.k_scale);
+          StoreFromFloat(config.kv_dtype, batch.v_pool.data(), v_offset + d, normal(rng) / params.v_scale);
+        }
+      }
+    }
+  }
+  return batch;
+}
+
+}  // namespace attnd::prefill_test
