@@ -26,6 +26,7 @@
 #include "attnd/kernels/cuda/append.h"
 #include "attnd/kernels/cuda/decode.h"
 #include "attnd/kernels/rope.h"
+#include "bench_util.h"
 #include "device_fill.h"
 #include "plan/decode_plan.h"
 #include "reference/append.h"
@@ -34,24 +35,9 @@
 namespace attnd::bench {
 namespace {
 
-#define CHECK_CUDA(expr)                                                                   \
-  do {                                                                                     \
-    const cudaError_t bench_error_ = (expr);                                               \
-    if (bench_error_ != cudaSuccess) {                                                     \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                   \
-                   cudaGetErrorString(bench_error_));                                      \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (false)
-
-#define CHECK_OK(expr)                                                                     \
-  do {                                                                                     \
-    const absl::Status bench_status_ = (expr);                                             \
-    if (!bench_status_.ok()) {                                                             \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, bench_status_.ToString().c_str()); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (false)
+using bench::DeviceMemory;
+using bench::CopyToDevice;
+using bench::Median;
 
 constexpr int64_t kRotationBytes = 200'000'000;  // 4x the H100's 50 MB L2
 constexpr int kMaxSets = 64;
@@ -63,38 +49,6 @@ constexpr int32_t kQoHeads = 32;
 constexpr int32_t kKvHeads = 8;
 constexpr int32_t kHeadDim = 128;
 constexpr int32_t kPageSize = 16;
-
-class DeviceMemory {
- public:
-  explicit DeviceMemory(size_t bytes) : bytes_(bytes) {
-    if (bytes > 0) CHECK_CUDA(cudaMalloc(&data_, bytes));
-  }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  ~DeviceMemory() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(data_);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-template <typename T>
-void CopyToDevice(void* device, const std::vector<T>& host) {
-  if (!host.empty()) CHECK_CUDA(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-}
-
-double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
 
 // Captures `launches` calls of enqueue(i) into a graph and returns the median seconds per call
 // over kReplays replays (after two warm-up replays).

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "attnd/kernels/cuda/mla_decode.h"
+#include "bench_util.h"
 #include "device_fill.h"
 #include "plan/mla_plan.h"
 #include "reference/attention.h"
@@ -43,24 +44,9 @@
 namespace attnd::bench {
 namespace {
 
-#define CHECK_CUDA(expr)                                                                      \
-  do {                                                                                        \
-    const cudaError_t bench_error_ = (expr);                                                  \
-    if (bench_error_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                      \
-                   cudaGetErrorString(bench_error_));                                         \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (false)
-
-#define CHECK_OK(expr)                                                                        \
-  do {                                                                                        \
-    const absl::Status bench_status_ = (expr);                                                \
-    if (!bench_status_.ok()) {                                                                \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, bench_status_.ToString().c_str()); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (false)
+using bench::DeviceMemory;
+using bench::CopyToDevice;
+using bench::Median;
 
 constexpr int32_t kHeads = 128;
 constexpr int32_t kRank = 512;
@@ -69,38 +55,6 @@ constexpr int32_t kPageSize = 64;
 constexpr int kReplays = 15;
 constexpr double kTargetGraphSeconds = 5e-3;
 constexpr double kTolerance = 1e-2;
-
-class DeviceMemory {
- public:
-  explicit DeviceMemory(size_t bytes) : bytes_(bytes) {
-    if (bytes > 0) CHECK_CUDA(cudaMalloc(&data_, bytes));
-  }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  ~DeviceMemory() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(data_);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-template <typename T>
-void CopyToDevice(void* device, const std::vector<T>& host) {
-  if (!host.empty()) CHECK_CUDA(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-}
-
-double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
 
 // Seconds per call of enqueue(): a graph of `launches` calls, median of kReplays replays after
 // two warm-up replays. Also returns the spread (max / min of the replays) in *spread.

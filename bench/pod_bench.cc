@@ -30,6 +30,7 @@
 #include "attnd/kernels/cuda/decode.h"
 #include "attnd/kernels/cuda/pod.h"
 #include "attnd/kernels/cuda/prefill.h"
+#include "bench_util.h"
 #include "device_fill.h"
 #include "plan/decode_plan.h"
 #include "plan/pod_plan.h"
@@ -37,24 +38,6 @@
 
 namespace attnd {
 namespace {
-
-#define CHECK_CUDA(expr)                                                                       \
-  do {                                                                                         \
-    const cudaError_t error_ = (expr);                                                         \
-    if (error_ != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(error_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (false)
-
-#define CHECK_OK(expr)                                                                   \
-  do {                                                                                   \
-    const absl::Status status_ = (expr);                                                 \
-    if (!status_.ok()) {                                                                 \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, status_.ToString().c_str()); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (false)
 
 constexpr int32_t kQoHeads = 32;
 constexpr int32_t kKvHeads = 8;
