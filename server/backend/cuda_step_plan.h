@@ -7,11 +7,11 @@
 //   for the cache's dtypes, head_dim and GQA group; otherwise BatchPrefill.
 // - steps with prefill rows: BatchPrefill for the entries of more than one row, and, when a
 //   decode kernel exists, BatchDecode for the 1-row entries of the same step (launches on one
-//   stream, each writing its own rows of o and lse). Until POD exists this is the simplest split
+//   stream, each writing its own rows of o and lse). Where POD is not picked, this is the split
 //   that keeps a decode request's kernel, and so its bits under deterministic=true, the same
 //   whether or not prefill rows share its step. Without a decode kernel BatchPrefill runs
 //   every row (it takes 1-row requests).
-// - mixed steps that pod_choice.h picks (ATTND_POD=on, or auto once its rule is measured; never
+// - mixed steps that pod_choice.h picks (ATTND_POD=on, or auto by its measured rule; never
 //   deterministic ones): one POD launch over every row (cuda::PodAttention), kernel "pod".
 // - MLA caches: MlaDecode for every row (its units carry any number of query tokens per
 //   request, causal among them), in one launch. Requests of at most kMlaSplitMaxQueryTokens rows

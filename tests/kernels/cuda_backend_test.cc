@@ -25,12 +25,14 @@
 #include <thread>
 #include <vector>
 
+#include "attnd/kernels/cuda/prefill.h"
 #include "backend/backend.h"
 #include "backend/backend_factory.h"
 #include "backend/cpu_backend.h"
 #include "backend/cuda_backend.h"
 #include "backend/cuda_range_allocator.h"
 #include "backend/cuda_step_plan.h"
+#include "backend/pod_choice.h"
 #include "cuda_backend_test_util.h"
 #include "gtest/gtest.h"
 
@@ -270,8 +272,25 @@ StepOptions Options(const CacheGeometry& g) {
   return options;
 }
 
+// The kernel of a mixed, non-deterministic step of a cache of geometry `g`: POD where the auto
+// rule picks it (pod_choice.h: the separate prefill would not be the Hopper kernel, or page size
+// 1), unless ATTND_POD says otherwise; the separate kernels ("prefill") elsewhere.
+std::string MixedKernel(const CacheGeometry& g) {
+  const auto waves = cuda::BatchPrefillCtasPerWave(g.k_head_dim, g.q_dtype, g.kv_dtype);
+  const bool hopper_prefill = waves.ok() && waves->hopper_tile128 > 0;
+  const auto mode = cuda_backend::PodModeFromEnvironment();
+  cuda_backend::PodStepShape shape;
+  shape.num_prefill_requests = 1;
+  shape.num_decode_requests = 1;
+  shape.num_prefill_rows = 12;
+  shape.page_size = g.page_size;
+  shape.hopper_prefill = hopper_prefill;
+  return mode.ok() && cuda_backend::ChoosePod(*mode, shape) ? "pod" : "prefill";
+}
+
 // Prefill, split-KV decode, mixed with padding, windowed soft-capped decode, non-causal chunked
-// prefill, and an all-padding step, in that order over the same sequences.
+// prefill (mixed: POD where the auto rule picks it), and an all-padding step, in that order over
+// the same sequences.
 std::vector<ScenarioStep> Scenario(const CacheGeometry& g) {
   std::vector<ScenarioStep> steps;
   StepOptions options = Options(g);
@@ -294,7 +313,7 @@ std::vector<ScenarioStep> Scenario(const CacheGeometry& g) {
                    "decode"});
   options = Options(g);
   options.params.causal = false;
-  steps.push_back({"non-causal chunked prefill", {{3, 12}, {0, 1}}, options, "prefill"});
+  steps.push_back({"non-causal chunked prefill", {{3, 12}, {0, 1}}, options, MixedKernel(g)});
   steps.push_back({"all padding", {{9, 0}, {9, 0}}, Options(g), "none"});
   return steps;
 }
