@@ -25,7 +25,8 @@ case ${1:-} in
     bins=()
     for t in "${tests[@]}"; do bins+=("$build_dir/tests/kernels/$t"); done
     for b in "${benches[@]}"; do bins+=("$build_dir/bench/$b"); done
-    bins+=("$build_dir/tests/integration/integration_tests" "$build_dir/server/attnd"
+    bins+=("$build_dir/tests/integration/integration_tests" "$build_dir/tests/integration/load_tests"
+           "$build_dir/server/attnd"
            "$build_dir/client/attnctl")
     /work/shared/tools/gpu-bundle .gpu-pack/bundle "${bins[@]}" || exit 1
     # xz: the kernels' fatbins, linked into several binaries, barely shrink under gzip (73 MB)
@@ -63,6 +64,7 @@ case ${1:-} in
     # 1. Correctness.
     for t in "${tests[@]}"; do gtest "$t" 150 "$B/run" "$t"; done
     gtest integration_cuda 150 ATTND_TEST_BACKEND=cuda "$B/run" integration_tests
+    gtest load_cuda 90 ATTND_TEST_BACKEND=cuda "$B/run" load_tests
     "$B/run" attnd --backend=cuda --listen_address=127.0.0.1:50051 --metrics_address=127.0.0.1:9400 \
       > "$logs/attnd.log" 2>&1 &
     daemon=$!

@@ -1,4 +1,5 @@
-// Load and soak, bounded: the real server in-process on loopback (Server::Start, CPU backend)
+// Load and soak, bounded: the real server in-process on loopback (Server::Start; the CPU backend,
+// or the CUDA one with ATTND_TEST_BACKEND=cuda as for the whole integration suite)
 // and kDefaultClients clients, each driving mixed steps for kDefaultSeconds on one shared
 // cache: prefill, decode,
 // padding slots and mixed batches, every other step over a ForwardStream with all its layers in
