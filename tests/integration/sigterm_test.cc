@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -49,14 +50,8 @@ struct ClientReport {
 
 // Sequences of 5 prefill tokens and 7 decode steps each, freed at the end, on its own cache;
 // odd clients step over a ForwardStream. Runs until a call fails.
-void DriveSteps(int port, int index, const std::atomic<bool>& signalled,
+void DriveSteps(client::Client& client, int index, const std::atomic<bool>& signalled,
                 std::atomic<int>& committed, ClientReport& report) {
-  client::ClientOptions options;
-  options.address = absl::StrCat("127.0.0.1:", port);
-  options.timeout = absl::Seconds(30);
-  auto made = client::Client::Connect(options);
-  ASSERT_TRUE(made.ok()) << made.status();
-  client::Client& client = **made;
   const std::string cache = absl::StrCat("load-", index);
   ASSERT_OK_AND_ASSIGN(auto info, client.CreateCache(cache, SmallConfig(64)));
   ASSERT_OK_AND_ASSIGN(auto reference, client::ReferenceCache::Create(info.config()));
@@ -116,12 +111,26 @@ TEST(SigtermTest, DrainsUnderLoadAndExitsZero) {
   ASSERT_TRUE(absl::SimpleAtoi(serving.substr(at, serving.find(' ', at) - at), &port)) << serving;
 
   constexpr int kClients = 4;
+  // The clients (their channels) are made and destroyed here, one at a time, not in their
+  // threads. On Linux gRPC 1.51 runs callback-API completions on a shared completion queue with
+  // its own threads, reference-counted by the channels that use it; channels made and destroyed
+  // concurrently in the client threads once ended in an ASan double free inside gRPC
+  // (grpc_cq_internal_unref, on one of those threads) in CI.
+  std::vector<std::unique_ptr<client::Client>> connections;
+  for (int i = 0; i < kClients; ++i) {
+    client::ClientOptions options;
+    options.address = absl::StrCat("127.0.0.1:", port);
+    options.timeout = absl::Seconds(30);
+    ASSERT_OK_AND_ASSIGN(auto made, client::Client::Connect(options));
+    connections.push_back(std::move(made));
+  }
   std::atomic<bool> signalled{false};
   std::atomic<int> committed{0};
   std::vector<ClientReport> reports(kClients);
   std::vector<std::thread> clients;
   for (int i = 0; i < kClients; ++i) {
-    clients.emplace_back([&, i] { DriveSteps(port, i, signalled, committed, reports[i]); });
+    clients.emplace_back(
+        [&, i] { DriveSteps(*connections[i], i, signalled, committed, reports[i]); });
   }
   // Signal once every client is well into its loop.
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
