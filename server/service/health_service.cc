@@ -9,7 +9,8 @@ using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
 
 // One Watch stream: sends the current status, then each change. At most one write is
-// outstanding; a change that arrives meanwhile is sent when it completes (only the latest).
+// outstanding; a change that arrives meanwhile is sent when it completes (only the latest), also
+// when End() came meanwhile: the stream finishes once the latest status is out.
 // gRPC may run a reaction inline inside StartWrite/Finish, so those are always called with no
 // lock held. The reactor is reference-counted: gRPC holds one reference until OnDone, and the
 // service takes one while it notifies, so a watcher is never deleted under a notification.
@@ -52,11 +53,12 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
       absl::MutexLock lock(&mu_);
       writing_ = false;
       if (!ok) finishing_ = true;
-      if (finishing_) {
+      // A change that came while the write was out is sent before the stream ends (the drain's
+      // NOT_SERVING must reach the watcher even when End() came right after it).
+      write = ok && PrepareWriteLocked();
+      if (!write && finishing_) {
         finish = !finished_;
         finished_ = true;
-      } else {
-        write = PrepareWriteLocked();
       }
     }
     if (write) StartWrite(&response_);
@@ -73,7 +75,7 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
  private:
   // Fills response_ and marks a write outstanding when one is due.
   bool PrepareWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (writing_ || finishing_ || (sent_any_ && latest_ == last_sent_)) return false;
+    if (writing_ || finished_ || (sent_any_ && latest_ == last_sent_)) return false;
     response_.set_status(latest_);
     last_sent_ = latest_;
     sent_any_ = true;
