@@ -12,6 +12,7 @@
 #include "metrics/metrics.h"
 #include "service/attention_service.h"
 #include "service/auth.h"
+#include "test_server.h"
 
 namespace attnd::integration {
 
@@ -24,7 +25,7 @@ struct FaultServer::Parts {
   std::unique_ptr<grpc::Server> server;
 };
 
-FaultServer::FaultServer() : parts_(std::make_unique<Parts>()) {}
+FaultServer::FaultServer() : parts_(std::make_unique<Parts>()) { PinGrpcCallbackQueue(); }
 
 FaultServer::~FaultServer() {
   if (parts_->server != nullptr) {

@@ -14,6 +14,7 @@
 #include "attnd/client/client.h"
 #include "daemon_process.h"
 #include "status_matchers.h"
+#include "test_server.h"
 #include "test_pki.h"
 
 #ifndef ATTND_BINARY
@@ -36,6 +37,7 @@ std::unique_ptr<client::Client> ClientWithToken(int port, const std::string& tok
 }
 
 TEST(SighupTest, ReloadsTheTokenFileInTheRunningDaemon) {
+  PinGrpcCallbackQueue();
   const std::string token_file = WriteTempFile("sighup-tokens.txt", "old old-token-0123456789\n");
   Daemon daemon(ATTND_BINARY,
                 {"--backend=cpu", "--kv-memory-bytes=16777216", "--listen-address=127.0.0.1:0",

@@ -24,6 +24,7 @@
 #include "attnd/client/reference_cache.h"
 #include "daemon_process.h"
 #include "status_matchers.h"
+#include "test_server.h"
 #include "test_steps.h"
 
 #ifndef ATTND_BINARY
@@ -99,6 +100,7 @@ void DriveSteps(client::Client& client, int index, const std::atomic<bool>& sign
 }
 
 TEST(SigtermTest, DrainsUnderLoadAndExitsZero) {
+  PinGrpcCallbackQueue();
   Daemon daemon(ATTND_BINARY,
                 {"--backend=cpu", "--kv-memory-bytes=67108864", "--listen-address=127.0.0.1:0",
                  "--metrics-address=", "--drain-grace=20s", "--exit-grace=2s"});

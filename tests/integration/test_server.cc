@@ -3,7 +3,10 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <grpcpp/grpcpp.h>
+
 #include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "status_matchers.h"
 
 namespace attnd::integration {
@@ -25,7 +28,19 @@ ServerOptions TestServerOptions() {
   return options;
 }
 
+void PinGrpcCallbackQueue() {
+  // Every method of the default CallbackService answers UNIMPLEMENTED; no port: it never serves.
+  static grpc::Server* const pinned = [] {
+    static grpc::health::v1::Health::CallbackService service;
+    grpc::ServerBuilder builder;
+    builder.RegisterService(&service);
+    return builder.BuildAndStart().release();
+  }();
+  (void)pinned;
+}
+
 void IntegrationTest::SetUp() {
+  PinGrpcCallbackQueue();
   ASSERT_OK_AND_ASSIGN(server_, Server::Start(Options()));
   ASSERT_GT(server_->port(), 0);
   client_ = NewClient();

@@ -23,6 +23,16 @@ ServerOptions TestServerOptions();
 // ATTND_TEST_BACKEND=cuda (to run this suite against the CUDA backend on a GPU machine).
 std::string TestBackendName();
 
+// Keeps gRPC's shared callback completion queue alive for the rest of the process. On Linux,
+// gRPC 1.51 (Debian's) runs callback-API completions for every channel and server of a process
+// on one completion queue with its own threads, reference-counted by them: it is shut down when
+// the last user goes and rebuilt by the next. Tests that start and stop many servers and
+// clients in one process cross zero often, and that teardown races callbacks still finishing
+// (aborts in grpc_cq_internal_unref: "prior > 0" under --gtest_repeat, an ASan double free once
+// in CI). A callback server that is started once and never stopped holds a reference for good.
+// Idempotent; call before the first server or client of a test.
+void PinGrpcCallbackQueue();
+
 class IntegrationTest : public ::testing::Test {
  protected:
   void SetUp() override;

@@ -22,6 +22,7 @@ using ::testing::HasSubstr;
 class TlsTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    PinGrpcCallbackQueue();
     auto pki = GetTestPki();
     ASSERT_TRUE(pki.ok()) << pki.status();
     pki_ = *pki;
