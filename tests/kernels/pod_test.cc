@@ -131,76 +131,6 @@ Output RunGpu(const Batch& batch, Runner runner = Runner::kPod) {
   return out;
 }
 
-struct Expected {
-  std::vector<float> o;
-  std::vector<float> lse;
-};
-
-Expected RunReference(const Batch& batch) {
-  const Config& config = batch.config;
-  Expected expected;
-  expected.o.resize(batch.num_rows * config.num_qo_heads * config.head_dim);
-  expected.lse.resize(batch.num_rows * config.num_qo_heads);
-  reference::BatchAttentionArgs args;
-  args.q = {const_cast<uint8_t*>(batch.q.data()), config.q_dtype, batch.num_rows, config.num_qo_heads,
-            config.head_dim};
-  args.qo_indptr = batch.qo_indptr.data();
-  args.pages.batch_size = static_cast<int32_t>(batch.q_lens.size());
-  args.pages.page_size = config.page_size;
-  args.pages.indptr = batch.page_indptr.data();
-  args.pages.k_indices = batch.k_page_ids.data();
-  args.pages.v_indices = batch.v_page_ids.data();
-  args.pages.last_page_len = batch.last_page_len.data();
-  args.k_cache = batch.Pool(const_cast<uint8_t*>(batch.k_pool.data()));
-  args.v_cache = batch.Pool(const_cast<uint8_t*>(batch.v_pool.data()));
-  args.params = batch.Params();
-  args.o = {expected.o.data(), DType::kFloat32, batch.num_rows, config.num_qo_heads, config.head_dim};
-  args.lse = expected.lse.data();
-  args.accumulation = reference::Accumulation::kFloat64;
-  reference::BatchAttention(args);
-  return expected;
-}
-
-// Compares a GPU result with the reference: normwise relative error of o, lse within 2e-3
-// (-inf exactly where the reference has it), fully masked rows exactly 0, nothing NaN.
-void ExpectMatches(const Batch& batch, const Output& got, const Expected& expected) {
-  const Config& config = batch.config;
-  const int64_t rows = batch.num_rows * config.num_qo_heads;
-  const int32_t head_dim = config.head_dim;
-  ASSERT_EQ(got.o.size(), static_cast<size_t>(rows * head_dim * DTypeBytes(config.q_dtype)));
-  double error_sq = 0.0, norm_sq = 0.0;
-  int64_t bad_rows = 0, bad_lse = 0;
-  std::string first_bad;
-  for (int64_t row = 0; row < rows; ++row) {
-    const bool masked = std::isinf(expected.lse[row]) && expected.lse[row] < 0;
-    bool row_bad = false;
-    for (int32_t d = 0; d < head_dim; ++d) {
-      const float value = LoadAsFloat(config.q_dtype, got.o.data(), row * head_dim + d);
-      const double want = expected.o[row * head_dim + d];
-      if (std::isnan(value) || (masked && value != 0.0f)) row_bad = true;
-      error_sq += (value - want) * (value - want);
-      norm_sq += want * want;
-    }
-    if (row_bad) {
-      if (bad_rows++ == 0) first_bad = "row " + std::to_string(row / config.num_qo_heads) + " head " +
-                                       std::to_string(row % config.num_qo_heads);
-    }
-    if (config.return_lse) {
-      const float lse = got.lse[row];
-      const bool lse_ok = masked ? (std::isinf(lse) && lse < 0) : std::fabs(lse - expected.lse[row]) <= 2e-3 * std::max(1.0f, std::fabs(expected.lse[row]));
-      if (!lse_ok && bad_lse++ == 0) {
-        ADD_FAILURE() << config.Name() << ": lse of row " << row / config.num_qo_heads << " head "
-                      << row % config.num_qo_heads << " is " << lse << ", want " << expected.lse[row];
-      }
-    }
-  }
-  EXPECT_EQ(bad_rows, 0) << config.Name() << ": rows with NaN, or nonzero where fully masked; first " << first_bad;
-  EXPECT_EQ(bad_lse, 0) << config.Name() << ": rows with a wrong lse";
-  const double relative = norm_sq > 0 ? std::sqrt(error_sq / norm_sq) : std::sqrt(error_sq);
-  EXPECT_LE(relative, Tolerance(config)) << config.Name();
-  std::printf("  %-60s relative error %.2e\n", config.Name().c_str(), relative);
-}
-
 // Returns whether the plan split KV.
 bool CheckAgainstReference(const Config& config, const std::vector<int32_t>& q_lens,
                            const std::vector<int32_t>& kv_lens, bool expect_fused = true) {
@@ -262,7 +192,7 @@ Config Grouped(int32_t group, uint32_t seed) {
 // --- Smoke: one mixed batch per dtype pair at head_dim 128, and the options once -------------------
 
 TEST(PodSmokeTest, MatchesReferenceAcrossDtypes) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   const std::pair<DType, DType> dtypes[] = {
       {DType::kFloat16, DType::kFloat16},    {DType::kBFloat16, DType::kBFloat16},
       {DType::kFloat16, DType::kFloat8E4M3}, {DType::kBFloat16, DType::kFloat8E4M3},
@@ -291,7 +221,7 @@ Batch DeterministicBatch() {
 }
 
 TEST(PodSmokeTest, DeterministicIsBitwiseRepeatable) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   const Batch batch = DeterministicBatch();
   ASSERT_EQ(batch.q_lens[1], 1);
   const Output first = RunGpu(batch);
@@ -314,7 +244,7 @@ TEST(PodSmokeTest, DeterministicIsBitwiseRepeatable) {
 // the reference and repeatability tests passing would mean the compiler contracted the fused
 // kernel's arithmetic differently, not a wrong result.
 TEST(PodTest, DeterministicBitsEqualTheSeparateMmaSyncLaunches) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   const Batch batch = DeterministicBatch();
   const Output fused = RunGpu(batch);
   const Output separate = RunGpu(batch, Runner::kSeparateMmaSync);
@@ -326,7 +256,7 @@ TEST(PodTest, DeterministicBitsEqualTheSeparateMmaSyncLaunches) {
 // --- Full sweep ----------------------------------------------------------------------------------
 
 TEST(PodTest, MatchesReferenceAcrossHeadDims) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   uint32_t seed = 20;
   for (int32_t head_dim : {64, 256}) {
     for (DType kv_dtype : {DType::kBFloat16, DType::kFloat8E4M3}) {
@@ -344,7 +274,7 @@ TEST(PodTest, MatchesReferenceAcrossHeadDims) {
 }
 
 TEST(PodTest, MatchesReferenceAcrossGroupsPageSizesAndBatchShapes) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   struct Shape {
     std::vector<std::pair<int32_t, int32_t>> prefills;
     int32_t decodes;
@@ -372,7 +302,7 @@ TEST(PodTest, MatchesReferenceAcrossGroupsPageSizesAndBatchShapes) {
 }
 
 TEST(PodTest, MatchesReferenceOnLongPrefills) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   Config config = Grouped(4, 60);
   config.num_qo_heads = 4;
   config.num_kv_heads = 1;
@@ -387,7 +317,7 @@ TEST(PodTest, MatchesReferenceOnLongPrefills) {
 }
 
 TEST(PodTest, MatchesReferenceWithSoftCapWindowNonCausalAndWithoutLse) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   uint32_t seed = 70;
   for (bool causal : {true, false}) {
     for (int32_t window : {-1, 0, 5, 200}) {
@@ -406,14 +336,14 @@ TEST(PodTest, MatchesReferenceWithSoftCapWindowNonCausalAndWithoutLse) {
 }
 
 TEST(PodTest, FullyMaskedRowsAndEmptyDecodesGetZeroAndNegativeInfinity) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   Config config = Grouped(4, 80);
   // q longer than kv (the first rows see nothing), a decode with no keys, a prefill with none.
   CheckAgainstReference(config, {50, 1, 1, 20, 1}, {10, 0, 30, 0, 7});
 }
 
 TEST(PodTest, SplitAndFixedSplitMatchReference) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   Config config = Grouped(4, 90);
   // Few CTAs: both roles split their keys.
   EXPECT_TRUE(CheckAgainstReference(config, {100, 1, 1}, {9000, 12000, 3000}));
@@ -427,7 +357,7 @@ TEST(PodTest, SplitAndFixedSplitMatchReference) {
 }
 
 TEST(PodTest, UnfusedPlansRunAsSeparateLaunches) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   Config config = Grouped(4, 95);
   CheckAgainstReference(config, {1, 1, 0, 1}, {100, 2000, 5, 7}, /*expect_fused=*/false);  // decode only
   CheckAgainstReference(config, {300, 40}, {300, 900}, /*expect_fused=*/false);             // prefill only
@@ -435,7 +365,7 @@ TEST(PodTest, UnfusedPlansRunAsSeparateLaunches) {
 
 TEST(PodTest, SanitizerSweep) {
   // Small shapes for compute-sanitizer: pod_tests --gtest_filter='PodTest.SanitizerSweep'.
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   Config config = Grouped(4, 99);
   config.kv_dtype = DType::kFloat8E4M3;
   CheckAgainstReference(config, {70, 1, 0, 1, 3}, {70, 33, 4, 1, 3});

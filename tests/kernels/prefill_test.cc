@@ -117,76 +117,6 @@ Output RunGpu(const Batch& batch) {
   return out;
 }
 
-struct Expected {
-  std::vector<float> o;
-  std::vector<float> lse;
-};
-
-Expected RunReference(const Batch& batch) {
-  const Config& config = batch.config;
-  Expected expected;
-  expected.o.resize(batch.num_rows * config.num_qo_heads * config.head_dim);
-  expected.lse.resize(batch.num_rows * config.num_qo_heads);
-  reference::BatchAttentionArgs args;
-  args.q = {const_cast<uint8_t*>(batch.q.data()), config.q_dtype, batch.num_rows, config.num_qo_heads,
-            config.head_dim};
-  args.qo_indptr = batch.qo_indptr.data();
-  args.pages.batch_size = static_cast<int32_t>(batch.q_lens.size());
-  args.pages.page_size = config.page_size;
-  args.pages.indptr = batch.page_indptr.data();
-  args.pages.k_indices = batch.k_page_ids.data();
-  args.pages.v_indices = batch.v_page_ids.data();
-  args.pages.last_page_len = batch.last_page_len.data();
-  args.k_cache = batch.Pool(const_cast<uint8_t*>(batch.k_pool.data()));
-  args.v_cache = batch.Pool(const_cast<uint8_t*>(batch.v_pool.data()));
-  args.params = batch.Params();
-  args.o = {expected.o.data(), DType::kFloat32, batch.num_rows, config.num_qo_heads, config.head_dim};
-  args.lse = expected.lse.data();
-  args.accumulation = reference::Accumulation::kFloat64;
-  reference::BatchAttention(args);
-  return expected;
-}
-
-// Compares a GPU result with the reference: normwise relative error of o, lse within 2e-3
-// (-inf exactly where the reference has it), fully masked rows exactly 0, nothing NaN.
-void ExpectMatches(const Batch& batch, const Output& got, const Expected& expected) {
-  const Config& config = batch.config;
-  const int64_t rows = batch.num_rows * config.num_qo_heads;
-  const int32_t head_dim = config.head_dim;
-  ASSERT_EQ(got.o.size(), static_cast<size_t>(rows * head_dim * DTypeBytes(config.q_dtype)));
-  double error_sq = 0.0, norm_sq = 0.0;
-  int64_t bad_rows = 0, bad_lse = 0;
-  std::string first_bad;
-  for (int64_t row = 0; row < rows; ++row) {
-    const bool masked = std::isinf(expected.lse[row]) && expected.lse[row] < 0;
-    bool row_bad = false;
-    for (int32_t d = 0; d < head_dim; ++d) {
-      const float value = LoadAsFloat(config.q_dtype, got.o.data(), row * head_dim + d);
-      const double want = expected.o[row * head_dim + d];
-      if (std::isnan(value) || (masked && value != 0.0f)) row_bad = true;
-      error_sq += (value - want) * (value - want);
-      norm_sq += want * want;
-    }
-    if (row_bad) {
-      if (bad_rows++ == 0) first_bad = "row " + std::to_string(row / config.num_qo_heads) + " head " +
-                                       std::to_string(row % config.num_qo_heads);
-    }
-    if (config.return_lse) {
-      const float lse = got.lse[row];
-      const bool lse_ok = masked ? (std::isinf(lse) && lse < 0) : std::fabs(lse - expected.lse[row]) <= 2e-3 * std::max(1.0f, std::fabs(expected.lse[row]));
-      if (!lse_ok && bad_lse++ == 0) {
-        ADD_FAILURE() << config.Name() << ": lse of row " << row / config.num_qo_heads << " head "
-                      << row % config.num_qo_heads << " is " << lse << ", want " << expected.lse[row];
-      }
-    }
-  }
-  EXPECT_EQ(bad_rows, 0) << config.Name() << ": rows with NaN, or nonzero where fully masked; first " << first_bad;
-  EXPECT_EQ(bad_lse, 0) << config.Name() << ": rows with a wrong lse";
-  const double relative = norm_sq > 0 ? std::sqrt(error_sq / norm_sq) : std::sqrt(error_sq);
-  EXPECT_LE(relative, Tolerance(config)) << config.Name();
-  std::printf("  %-60s relative error %.2e\n", config.Name().c_str(), relative);
-}
-
 // Returns whether the plan split KV.
 bool CheckAgainstReference(const Config& config, const std::vector<int32_t>& q_lens,
                            const std::vector<int32_t>& kv_lens) {
@@ -211,7 +141,7 @@ const std::vector<int32_t> kMixedKv = {1, 7, 129, 611, 16, 12, 300, 2, 40};
 // --- GPU tests --------------------------------------------------------------------------------
 
 TEST(BatchPrefillTest, MatchesReferenceAcrossDtypesAndHeadDims) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   const std::pair<DType, DType> dtypes[] = {
       {DType::kFloat16, DType::kFloat16},     {DType::kBFloat16, DType::kBFloat16},
       {DType::kFloat16, DType::kFloat8E4M3},  {DType::kBFloat16, DType::kFloat8E4M3},
@@ -234,7 +164,7 @@ TEST(BatchPrefillTest, MatchesReferenceAcrossDtypesAndHeadDims) {
 }
 
 TEST(BatchPrefillTest, MatchesReferenceAcrossPageSizesLayoutsAndTables) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   uint32_t seed = 40;
   for (int32_t page_size : {1, 16, 128}) {
     for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
@@ -254,7 +184,7 @@ TEST(BatchPrefillTest, MatchesReferenceAcrossPageSizesLayoutsAndTables) {
 }
 
 TEST(BatchPrefillTest, MatchesReferenceWithSoftCapWindowAndNonCausal) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   for (bool causal : {true, false}) {
     for (int32_t window : {-1, 0, 5, 64, 200}) {
       for (float cap : {0.0f, 30.0f}) {
@@ -271,7 +201,7 @@ TEST(BatchPrefillTest, MatchesReferenceWithSoftCapWindowAndNonCausal) {
 }
 
 TEST(BatchPrefillTest, FullyMaskedRowsGetZeroAndNegativeInfinity) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   Config config;
   // q longer than kv: with the causal bottom-right alignment the first q - kv rows see nothing;
   // the second request has no keys at all.
@@ -281,7 +211,7 @@ TEST(BatchPrefillTest, FullyMaskedRowsGetZeroAndNegativeInfinity) {
 }
 
 TEST(BatchPrefillTest, MatchesReferenceOnLongSequences) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   Config config;
   config.num_qo_heads = 4;
   config.num_kv_heads = 1;
@@ -297,7 +227,7 @@ TEST(BatchPrefillTest, MatchesReferenceOnLongSequences) {
 }
 
 TEST(BatchPrefillTest, MatchesReferenceOnMixedBatchOf128Requests) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   std::mt19937 rng(7);
   std::vector<int32_t> q_lens, kv_lens;
   for (int i = 0; i < 128; ++i) {
@@ -386,7 +316,7 @@ void CheckBitwiseIndependentOfTheBatch(plan::PrefillKernel kernel) {
 
 // kAuto runs the probe (600 packed rows, tile 128) on the Hopper kernel on sm_90 devices.
 TEST(BatchPrefillTest, OutputIsBitwiseIndependentOfTheBatch) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   CheckBitwiseIndependentOfTheBatch(plan::PrefillKernel::kAuto);
   CheckBitwiseIndependentOfTheBatch(plan::PrefillKernel::kMmaSync);
 }
@@ -535,7 +465,7 @@ TEST(BatchPrefillHopperTest, SanitizerSweep) {
 // Pinned chunks: every query tile kernel (16/64/128 rows) writes partials, MergeStates combines
 // them; chunks past a tile's causal reach hold no visible key and must merge as nothing.
 TEST(BatchPrefillTest, SplitKvMatchesReference) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   uint32_t seed = 300;
   const std::pair<DType, DType> dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
                                             {DType::kFloat16, DType::kFloat8E4M3}};
@@ -559,7 +489,7 @@ TEST(BatchPrefillTest, SplitKvMatchesReference) {
 // No pinned chunk: a lone short query over a long history underfills the device and is split
 // by the planner; in deterministic mode the same request splits the same way in any batch.
 TEST(BatchPrefillTest, SplitsKvWhenTheBatchUnderfillsTheDevice) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   Config config;
   EXPECT_TRUE(CheckAgainstReference(config, {4}, {30000}));
   EXPECT_TRUE(CheckAgainstReference(config, {40, 100}, {8000, 3000}));
@@ -572,7 +502,7 @@ TEST(BatchPrefillTest, SplitsKvWhenTheBatchUnderfillsTheDevice) {
 
 // Small and quick: the sweep run under compute-sanitizer memcheck.
 TEST(BatchPrefillTest, SanitizerSweep) {
-  SKIP_WITHOUT_GPU();
+  ATTND_SKIP_WITHOUT_GPU();
   uint32_t seed = 500;
   for (DType kv_dtype : {DType::kBFloat16, DType::kFloat8E4M3}) {
     for (int32_t head_dim : {64, 128, 256}) {

@@ -1,6 +1,6 @@
-// Helpers of the batch-prefill and POD GPU tests (prefill_test.cc, pod_test.cc): device buffers,
-// a test configuration, and random batches over paged pools whose unused slots are NaN, so a
-// read outside a request's keys shows up in its output.
+// Helpers of the batch-prefill and POD GPU tests (prefill_test.cc, pod_test.cc), on top of
+// kernel_test_util.h: a test configuration, and random batches over paged pools whose unused
+// slots are NaN, so a read outside a request's keys shows up in its output.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <numeric>
 #include <random>
 #include <string>
@@ -18,46 +19,16 @@
 #include "attnd/kernels/dtype.h"
 #include "attnd/kernels/views.h"
 #include "gtest/gtest.h"
+#include "kernel_test_util.h"
 #include "plan/prefill_plan.h"
+#include "reference/attention.h"
 
 namespace attnd::prefill_test {
 
-inline bool HaveGpu() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
+using kernel_test::DeviceBuffer;
+using kernel_test::HaveGpu;
 
-#define SKIP_WITHOUT_GPU() \
-  if (!::attnd::prefill_test::HaveGpu()) GTEST_SKIP() << "no CUDA device"
-
-#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-
-// Device memory freed on scope exit.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (bytes > 0 && cudaMalloc(&data_, bytes) != cudaSuccess) data_ = nullptr;
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
-    std::swap(data_, other.data_);
-    std::swap(bytes_, other.bytes_);
-    return *this;
-  }
-  ~DeviceBuffer() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
-  void* get() const { return data_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
-};
-
+// Upload, but at least 16 bytes: an empty table still gets a valid device pointer.
 template <typename T>
 inline DeviceBuffer Upload(const std::vector<T>& host) {
   DeviceBuffer buffer(std::max<size_t>(host.size() * sizeof(T), 16));
@@ -196,6 +167,79 @@ inline Batch MakeBatch(const Config& config, const std::vector<int32_t>& q_lens,
     }
   }
   return batch;
+}
+
+// The float64 CPU reference over the same batch.
+struct Expected {
+  std::vector<float> o;
+  std::vector<float> lse;
+};
+
+inline Expected RunReference(const Batch& batch) {
+  const Config& config = batch.config;
+  Expected expected;
+  expected.o.resize(batch.num_rows * config.num_qo_heads * config.head_dim);
+  expected.lse.resize(batch.num_rows * config.num_qo_heads);
+  reference::BatchAttentionArgs args;
+  args.q = {const_cast<uint8_t*>(batch.q.data()), config.q_dtype, batch.num_rows, config.num_qo_heads,
+            config.head_dim};
+  args.qo_indptr = batch.qo_indptr.data();
+  args.pages.batch_size = static_cast<int32_t>(batch.q_lens.size());
+  args.pages.page_size = config.page_size;
+  args.pages.indptr = batch.page_indptr.data();
+  args.pages.k_indices = batch.k_page_ids.data();
+  args.pages.v_indices = batch.v_page_ids.data();
+  args.pages.last_page_len = batch.last_page_len.data();
+  args.k_cache = batch.Pool(const_cast<uint8_t*>(batch.k_pool.data()));
+  args.v_cache = batch.Pool(const_cast<uint8_t*>(batch.v_pool.data()));
+  args.params = batch.Params();
+  args.o = {expected.o.data(), DType::kFloat32, batch.num_rows, config.num_qo_heads, config.head_dim};
+  args.lse = expected.lse.data();
+  args.accumulation = reference::Accumulation::kFloat64;
+  reference::BatchAttention(args);
+  return expected;
+}
+
+// Compares a GPU result with the reference: normwise relative error of o, lse within 2e-3
+// (-inf exactly where the reference has it), fully masked rows exactly 0, nothing NaN.
+// Output: any GPU result with o (q_dtype bytes) and lse (float) of every row and head.
+template <typename Output>
+void ExpectMatches(const Batch& batch, const Output& got, const Expected& expected) {
+  const Config& config = batch.config;
+  const int64_t rows = batch.num_rows * config.num_qo_heads;
+  const int32_t head_dim = config.head_dim;
+  ASSERT_EQ(got.o.size(), static_cast<size_t>(rows * head_dim * DTypeBytes(config.q_dtype)));
+  double error_sq = 0.0, norm_sq = 0.0;
+  int64_t bad_rows = 0, bad_lse = 0;
+  std::string first_bad;
+  for (int64_t row = 0; row < rows; ++row) {
+    const bool masked = std::isinf(expected.lse[row]) && expected.lse[row] < 0;
+    bool row_bad = false;
+    for (int32_t d = 0; d < head_dim; ++d) {
+      const float value = LoadAsFloat(config.q_dtype, got.o.data(), row * head_dim + d);
+      const double want = expected.o[row * head_dim + d];
+      if (std::isnan(value) || (masked && value != 0.0f)) row_bad = true;
+      error_sq += (value - want) * (value - want);
+      norm_sq += want * want;
+    }
+    if (row_bad) {
+      if (bad_rows++ == 0) first_bad = "row " + std::to_string(row / config.num_qo_heads) + " head " +
+                                       std::to_string(row % config.num_qo_heads);
+    }
+    if (config.return_lse) {
+      const float lse = got.lse[row];
+      const bool lse_ok = masked ? (std::isinf(lse) && lse < 0) : std::fabs(lse - expected.lse[row]) <= 2e-3 * std::max(1.0f, std::fabs(expected.lse[row]));
+      if (!lse_ok && bad_lse++ == 0) {
+        ADD_FAILURE() << config.Name() << ": lse of row " << row / config.num_qo_heads << " head "
+                      << row % config.num_qo_heads << " is " << lse << ", want " << expected.lse[row];
+      }
+    }
+  }
+  EXPECT_EQ(bad_rows, 0) << config.Name() << ": rows with NaN, or nonzero where fully masked; first " << first_bad;
+  EXPECT_EQ(bad_lse, 0) << config.Name() << ": rows with a wrong lse";
+  const double relative = norm_sq > 0 ? std::sqrt(error_sq / norm_sq) : std::sqrt(error_sq);
+  EXPECT_LE(relative, Tolerance(config)) << config.Name();
+  std::printf("  %-60s relative error %.2e\n", config.Name().c_str(), relative);
 }
 
 }  // namespace attnd::prefill_test
