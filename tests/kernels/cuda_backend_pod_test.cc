@@ -24,6 +24,7 @@ namespace attnd {
 namespace {
 
 using testing::Error;
+using testing::MakeBackendPair;
 using testing::MaxLseDifference;
 using testing::NormwiseError;
 using testing::RandomTensor;
@@ -127,18 +128,10 @@ TEST(CudaBackendPodTest, MixedStepsRunPodAndMatchTheCpuBackend) {
       g.v_scale = 2.0f;
     }
     KernelCounter observer;
-    CudaBackendOptions cuda_options;
-    cuda_options.kv_budget_bytes = int64_t{256} << 20;
-    cuda_options.observer = &observer;
-    auto gpu_backend = MakeCudaBackend(cuda_options);
-    ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
-    CpuBackendOptions cpu_options;
-    cpu_options.kv_budget_bytes = int64_t{256} << 20;
-    auto cpu_backend = MakeCpuBackend(cpu_options);
-    auto gpu = (*gpu_backend)->CreateCache(g);
-    ASSERT_TRUE(gpu.ok()) << gpu.status();
-    auto cpu = cpu_backend->CreateCache(g);
-    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    auto backends = MakeBackendPair(g, int64_t{256} << 20, &observer);
+    ASSERT_TRUE(backends.ok()) << backends.status();
+    BackendCache& gpu = *backends->gpu;
+    BackendCache& cpu = *backends->cpu;
 
     StepOptions options;
     options.params.sm_scale = 1.0f / std::sqrt(128.0f);
@@ -180,8 +173,8 @@ TEST(CudaBackendPodTest, MixedStepsRunPodAndMatchTheCpuBackend) {
         layer.push_back(RandomTensor(g.q_dtype, batch->num_tokens * g.num_kv_heads * 128, rng));
         layer.push_back(RandomTensor(g.q_dtype, batch->num_tokens * g.num_kv_heads * 128, rng));
       }
-      const StepResult on_gpu = RunStep(**gpu, batch, qkv);
-      const StepResult on_cpu = RunStep(**cpu, batch, qkv);
+      const StepResult on_gpu = RunStep(gpu, batch, qkv);
+      const StepResult on_cpu = RunStep(cpu, batch, qkv);
       EXPECT_EQ(on_gpu.kernel, scenario.kernel);
       ASSERT_EQ(on_gpu.layers.size(), on_cpu.layers.size());
       for (size_t layer = 0; layer < on_gpu.layers.size(); ++layer) {

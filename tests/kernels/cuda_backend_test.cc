@@ -41,6 +41,7 @@ namespace {
 
 using cuda_backend::RangeAllocator;
 using testing::Error;
+using testing::MakeBackendPair;
 using testing::MaxLseDifference;
 using testing::NormwiseError;
 using testing::RandomTensor;
@@ -325,18 +326,10 @@ TEST_P(CudaBackendVsCpuTest, MatchesTheReferenceStepByStep) {
   const CacheConfig& config = GetParam();
   const CacheGeometry geometry = GeometryOf(config);
   RecordingObserver observer;
-  CudaBackendOptions cuda_options;
-  cuda_options.kv_budget_bytes = int64_t{64} << 20;
-  cuda_options.observer = &observer;
-  auto gpu_backend = MakeCudaBackend(cuda_options);
-  ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
-  CpuBackendOptions cpu_options;
-  cpu_options.kv_budget_bytes = int64_t{64} << 20;
-  auto cpu_backend = MakeCpuBackend(cpu_options);
-  auto gpu = (*gpu_backend)->CreateCache(geometry);
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
-  auto cpu = cpu_backend->CreateCache(geometry);
-  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto backends = MakeBackendPair(geometry, int64_t{64} << 20, &observer);
+  ASSERT_TRUE(backends.ok()) << backends.status();
+  BackendCache& gpu = *backends->gpu;
+  BackendCache& cpu = *backends->cpu;
 
   const bool exact_pools =
       config.rope == RopeStyle::kNone && config.kv_dtype != DType::kFloat8E4M3;
@@ -353,8 +346,8 @@ TEST_P(CudaBackendVsCpuTest, MatchesTheReferenceStepByStep) {
       layer.k = RandomTensor(geometry.q_dtype, tokens * geometry.num_kv_heads * geometry.k_head_dim, rng);
       layer.v = RandomTensor(geometry.q_dtype, tokens * geometry.num_kv_heads * geometry.v_head_dim, rng);
     }
-    const StepRun on_gpu = RunStep(**gpu, batch, inputs);
-    const StepRun on_cpu = RunStep(**cpu, batch, inputs);
+    const StepRun on_gpu = RunStep(gpu, batch, inputs);
+    const StepRun on_cpu = RunStep(cpu, batch, inputs);
     EXPECT_EQ(on_gpu.kernel, scenario.expected_kernel);
     ASSERT_EQ(on_gpu.layers.size(), on_cpu.layers.size());
     for (size_t layer = 0; layer < on_gpu.layers.size(); ++layer) {
@@ -373,7 +366,7 @@ TEST_P(CudaBackendVsCpuTest, MatchesTheReferenceStepByStep) {
                   config.name.c_str(), scenario.what.c_str(), layer, on_gpu.kernel.c_str(),
                   o_error.relative, lse_error);
     }
-    const PoolDifference pools = ComparePools(**gpu, **cpu);
+    const PoolDifference pools = ComparePools(gpu, cpu);
     std::printf("[ %s | %s ] pools: %lld elements differ, max %lld ulp\n", config.name.c_str(),
                 scenario.what.c_str(), static_cast<long long>(pools.differing_elements),
                 static_cast<long long>(pools.max_ulp));
@@ -585,18 +578,10 @@ TEST_P(CudaBackendMlaVsCpuTest, MatchesTheReferenceStepByStep) {
   const MlaCacheConfig& config = GetParam();
   const CacheGeometry geometry = MlaGeometryOf(config);
   RecordingObserver observer;
-  CudaBackendOptions cuda_options;
-  cuda_options.kv_budget_bytes = int64_t{128} << 20;
-  cuda_options.observer = &observer;
-  auto gpu_backend = MakeCudaBackend(cuda_options);
-  ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
-  CpuBackendOptions cpu_options;
-  cpu_options.kv_budget_bytes = int64_t{128} << 20;
-  auto cpu_backend = MakeCpuBackend(cpu_options);
-  auto gpu = (*gpu_backend)->CreateCache(geometry);
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
-  auto cpu = cpu_backend->CreateCache(geometry);
-  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto backends = MakeBackendPair(geometry, int64_t{128} << 20, &observer);
+  ASSERT_TRUE(backends.ok()) << backends.status();
+  BackendCache& gpu = *backends->gpu;
+  BackendCache& cpu = *backends->cpu;
 
   const bool fp8 = config.kv_dtype == DType::kFloat8E4M3;
   const bool exact_pools = config.rope == RopeStyle::kNone && !fp8;
@@ -607,8 +592,8 @@ TEST_P(CudaBackendMlaVsCpuTest, MatchesTheReferenceStepByStep) {
     SCOPED_TRACE(scenario.what);
     const std::shared_ptr<StepBatch> batch = book.Plan(scenario.entries, scenario.options);
     const std::vector<LayerInputs> inputs = RandomMlaInputs(geometry, batch->num_tokens, rng);
-    const StepRun on_gpu = RunStep(**gpu, batch, inputs);
-    const StepRun on_cpu = RunStep(**cpu, batch, inputs);
+    const StepRun on_gpu = RunStep(gpu, batch, inputs);
+    const StepRun on_cpu = RunStep(cpu, batch, inputs);
     EXPECT_EQ(on_gpu.kernel, scenario.expected_kernel);
     EXPECT_EQ(on_gpu.kernel, on_cpu.kernel);
     ASSERT_EQ(on_gpu.layers.size(), on_cpu.layers.size());
@@ -642,7 +627,7 @@ TEST_P(CudaBackendMlaVsCpuTest, MatchesTheReferenceStepByStep) {
                   config.name.c_str(), scenario.what.c_str(), layer, on_gpu.kernel.c_str(),
                   o_error.relative, lse_worst);
     }
-    const PoolDifference pools = ComparePools(**gpu, **cpu);
+    const PoolDifference pools = ComparePools(gpu, cpu);
     std::printf("[ %s | %s ] pools: %lld elements differ, max %lld ulp\n", config.name.c_str(),
                 scenario.what.c_str(), static_cast<long long>(pools.differing_elements),
                 static_cast<long long>(pools.max_ulp));

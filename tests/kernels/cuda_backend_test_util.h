@@ -14,7 +14,10 @@
 #include <vector>
 
 #include "attnd/kernels/dtype.h"
+#include "absl/status/statusor.h"
 #include "backend/backend.h"
+#include "backend/cpu_backend.h"
+#include "backend/cuda_backend.h"
 
 namespace attnd::testing {
 
@@ -148,6 +151,38 @@ inline int64_t UlpDistance(uint32_t a, uint32_t b, int bits) {
     return (code & sign) ? -static_cast<int64_t>(code & (sign - 1)) : static_cast<int64_t>(code);
   };
   return std::llabs(ordered(a) - ordered(b));
+}
+
+// A cache of `geometry` on a CUDA backend and on a CPU backend of `budget_bytes` each; the CUDA
+// backend reports to `observer` (may be null). Members go in reverse order: caches before their
+// backends.
+struct BackendPair {
+  std::unique_ptr<Backend> gpu_backend;
+  std::unique_ptr<Backend> cpu_backend;
+  std::unique_ptr<BackendCache> gpu;
+  std::unique_ptr<BackendCache> cpu;
+};
+
+inline absl::StatusOr<BackendPair> MakeBackendPair(const CacheGeometry& geometry,
+                                                   int64_t budget_bytes,
+                                                   BackendObserver* observer) {
+  BackendPair pair;
+  CudaBackendOptions cuda_options;
+  cuda_options.kv_budget_bytes = budget_bytes;
+  cuda_options.observer = observer;
+  absl::StatusOr<std::unique_ptr<Backend>> gpu_backend = MakeCudaBackend(cuda_options);
+  if (!gpu_backend.ok()) return gpu_backend.status();
+  pair.gpu_backend = *std::move(gpu_backend);
+  CpuBackendOptions cpu_options;
+  cpu_options.kv_budget_bytes = budget_bytes;
+  pair.cpu_backend = MakeCpuBackend(cpu_options);
+  absl::StatusOr<std::unique_ptr<BackendCache>> gpu = pair.gpu_backend->CreateCache(geometry);
+  if (!gpu.ok()) return gpu.status();
+  pair.gpu = *std::move(gpu);
+  absl::StatusOr<std::unique_ptr<BackendCache>> cpu = pair.cpu_backend->CreateCache(geometry);
+  if (!cpu.ok()) return cpu.status();
+  pair.cpu = *std::move(cpu);
+  return pair;
 }
 
 }  // namespace attnd::testing
