@@ -38,6 +38,9 @@ namespace {
 using bench::DeviceMemory;
 using bench::CopyToDevice;
 using bench::Median;
+using bench::TimeGraph;
+using bench::CopyBandwidths;
+using bench::MeasureCopy;
 
 constexpr int64_t kRotationBytes = 200'000'000;  // 4x the H100's 50 MB L2
 constexpr int kMaxSets = 64;
@@ -49,36 +52,6 @@ constexpr int32_t kQoHeads = 32;
 constexpr int32_t kKvHeads = 8;
 constexpr int32_t kHeadDim = 128;
 constexpr int32_t kPageSize = 16;
-
-// Captures `launches` calls of enqueue(i) into a graph and returns the median seconds per call
-// over kReplays replays (after two warm-up replays).
-double TimeGraph(cudaStream_t stream, int launches, const std::function<void(int)>& enqueue) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < launches; ++i) enqueue(i);
-  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < 2; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
-  std::vector<double> seconds;
-  for (int r = 0; r < kReplays; ++r) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    CHECK_CUDA(cudaGraphLaunch(exec, stream));
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    seconds.push_back(ms * 1e-3 / launches);
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  CHECK_CUDA(cudaGraphExecDestroy(exec));
-  CHECK_CUDA(cudaGraphDestroy(graph));
-  return Median(seconds);
-}
 
 int SetsFor(int64_t bytes_per_set) {
   return static_cast<int>(std::clamp<int64_t>((kRotationBytes + bytes_per_set - 1) / bytes_per_set, 1, kMaxSets));
@@ -95,27 +68,6 @@ bool FitsInMemory(size_t bytes) {
   size_t free_bytes = 0, total_bytes = 0;
   CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
   return bytes + (size_t{1} << 30) < free_bytes;
-}
-
-struct CopyBandwidths {
-  double memcpy = 0;  // cudaMemcpyAsync device to device
-  double kernel = 0;  // CopyWithKernel
-  double reference() const { return std::max(memcpy, kernel); }
-};
-
-// Bytes read + bytes written per second of a 1 GiB device-to-device copy, both ways.
-CopyBandwidths MeasureCopy(cudaStream_t stream) {
-  const size_t bytes = size_t{1} << 30;
-  DeviceMemory source(bytes), target(bytes);
-  CHECK_CUDA(FillRandom(source.get(), DType::kFloat32, bytes / 4, 1, 1.0f, stream));
-  CopyBandwidths result;
-  result.memcpy = 2.0 * bytes / TimeGraph(stream, 4, [&](int) {
-    CHECK_CUDA(cudaMemcpyAsync(target.get(), source.get(), bytes, cudaMemcpyDeviceToDevice, stream));
-  });
-  result.kernel = 2.0 * bytes / TimeGraph(stream, 4, [&](int) {
-    CHECK_CUDA(CopyWithKernel(target.get(), source.get(), bytes, stream));
-  });
-  return result;
 }
 
 struct Result {
@@ -286,7 +238,7 @@ Result RunDecode(const DecodeSpec& spec, int32_t ctas_per_wave, cudaStream_t str
 
   const double estimate = bytes / 2.5e12 + 5e-6;
   const int launches = LaunchesFor(estimate, sets);
-  result.seconds = TimeGraph(stream, launches, [&](int i) { CHECK_OK(cuda::BatchDecode(args[i % sets], stream)); });
+  result.seconds = TimeGraph(stream, launches, [&](int i) { CHECK_OK(cuda::BatchDecode(args[i % sets], stream)); }, kReplays);
   return result;
 }
 
@@ -488,7 +440,7 @@ Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
 
   const double estimate = bytes / 2.5e12 + 4e-6;
   const int launches = LaunchesFor(estimate, sets);
-  result.seconds = TimeGraph(stream, launches, [&](int i) { CHECK_OK(cuda::AppendKv(args[i % sets], stream)); });
+  result.seconds = TimeGraph(stream, launches, [&](int i) { CHECK_OK(cuda::AppendKv(args[i % sets], stream)); }, kReplays);
   return result;
 }
 

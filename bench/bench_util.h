@@ -1,5 +1,5 @@
 // Host-side helpers shared by the kernel benchmarks (attnd_bench, mla_bench, prefill_bench,
-// pod_bench): fail-fast checks, owned device memory, uploads and medians.
+// pod_bench): fail-fast checks, owned device memory, uploads, medians and timing loops.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -7,9 +7,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "attnd/kernels/dtype.h"
+#include "device_fill.h"
 
 // A benchmark cannot go on after a failed CUDA call or kernel launcher: print where, and exit 1.
 #define CHECK_CUDA(expr)                                                                \
@@ -67,6 +70,87 @@ inline double Median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   const size_t n = values.size();
   return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+// Seconds per call of enqueue(i): a CUDA graph of `launches` calls (i = 0..launches-1), median
+// of `replays` replays after two warm-up replays. With `spread`, also max / min of the replays.
+inline double TimeGraph(cudaStream_t stream, int launches,
+                        const std::function<void(int)>& enqueue, int replays,
+                        double* spread = nullptr) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < launches; ++i) enqueue(i);
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 2; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  std::vector<double> seconds;
+  for (int r = 0; r < replays; ++r) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    seconds.push_back(ms * 1e-3 / launches);
+  }
+  if (spread != nullptr) {
+    *spread = *std::max_element(seconds.begin(), seconds.end()) /
+              *std::min_element(seconds.begin(), seconds.end());
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  return Median(seconds);
+}
+
+// Milliseconds per call of launch(i) without a graph: `reps` timed groups of `inner` calls
+// (i counts every call), the median group's time / inner.
+template <typename F>
+float MedianMs(int reps, int inner, F&& launch, cudaStream_t stream) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int r = 0; r < reps; ++r) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    for (int i = 0; i < inner; ++i) launch(r * inner + i);
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms / inner);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// The copy bandwidth a kernel is measured against, in the same run: bytes read + bytes written
+// per second of a 1 GiB device-to-device copy, by cudaMemcpyAsync and by CopyWithKernel.
+struct CopyBandwidths {
+  double memcpy = 0;
+  double kernel = 0;
+  double reference() const { return std::max(memcpy, kernel); }
+};
+
+inline CopyBandwidths MeasureCopy(cudaStream_t stream, int replays = 15) {
+  const size_t bytes = size_t{1} << 30;
+  DeviceMemory source(bytes), target(bytes);
+  CHECK_CUDA(FillRandom(source.get(), DType::kFloat32, bytes / 4, 1, 1.0f, stream));
+  CopyBandwidths result;
+  result.memcpy = 2.0 * bytes / TimeGraph(stream, 4, [&](int) {
+    CHECK_CUDA(cudaMemcpyAsync(target.get(), source.get(), bytes, cudaMemcpyDeviceToDevice, stream));
+  }, replays);
+  result.kernel = 2.0 * bytes / TimeGraph(stream, 4, [&](int) {
+    CHECK_CUDA(CopyWithKernel(target.get(), source.get(), bytes, stream));
+  }, replays);
+  return result;
 }
 
 }  // namespace attnd::bench

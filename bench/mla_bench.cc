@@ -47,6 +47,9 @@ namespace {
 using bench::DeviceMemory;
 using bench::CopyToDevice;
 using bench::Median;
+using bench::TimeGraph;
+using bench::CopyBandwidths;
+using bench::MeasureCopy;
 
 constexpr int32_t kHeads = 128;
 constexpr int32_t kRank = 512;
@@ -55,39 +58,6 @@ constexpr int32_t kPageSize = 64;
 constexpr int kReplays = 15;
 constexpr double kTargetGraphSeconds = 5e-3;
 constexpr double kTolerance = 1e-2;
-
-// Seconds per call of enqueue(): a graph of `launches` calls, median of kReplays replays after
-// two warm-up replays. Also returns the spread (max / min of the replays) in *spread.
-double TimeGraph(cudaStream_t stream, int launches, const std::function<void()>& enqueue, double* spread) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < launches; ++i) enqueue();
-  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < 2; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
-  std::vector<double> seconds;
-  for (int r = 0; r < kReplays; ++r) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    CHECK_CUDA(cudaGraphLaunch(exec, stream));
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    seconds.push_back(ms * 1e-3 / launches);
-  }
-  if (spread != nullptr) {
-    *spread = *std::max_element(seconds.begin(), seconds.end()) / *std::min_element(seconds.begin(), seconds.end());
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  CHECK_CUDA(cudaGraphExecDestroy(exec));
-  CHECK_CUDA(cudaGraphDestroy(graph));
-  return Median(seconds);
-}
 
 double TimeOnce(cudaStream_t stream, const std::function<void()>& enqueue) {
   cudaEvent_t start, stop;
@@ -103,26 +73,6 @@ double TimeOnce(cudaStream_t stream, const std::function<void()>& enqueue) {
   CHECK_CUDA(cudaEventDestroy(start));
   CHECK_CUDA(cudaEventDestroy(stop));
   return ms * 1e-3;
-}
-
-struct CopyBandwidths {
-  double memcpy = 0;
-  double kernel = 0;
-  double reference() const { return std::max(memcpy, kernel); }
-};
-
-CopyBandwidths MeasureCopy(cudaStream_t stream) {
-  const size_t bytes = size_t{1} << 30;
-  DeviceMemory source(bytes), target(bytes);
-  CHECK_CUDA(FillRandom(source.get(), DType::kFloat32, bytes / 4, 1, 1.0f, stream));
-  CopyBandwidths result;
-  result.memcpy = 2.0 * bytes / TimeGraph(stream, 4, [&] {
-    CHECK_CUDA(cudaMemcpyAsync(target.get(), source.get(), bytes, cudaMemcpyDeviceToDevice, stream));
-  }, nullptr);
-  result.kernel = 2.0 * bytes / TimeGraph(stream, 4, [&] {
-    CHECK_CUDA(CopyWithKernel(target.get(), source.get(), bytes, stream));
-  }, nullptr);
-  return result;
 }
 
 // PERFORMANCE.md's length distribution, seed = batch.
@@ -290,7 +240,7 @@ class MlaBatch {
     auto enqueue = [&] { CHECK_OK(cuda::MlaDecode(args, stream_)); };
     const double once = TimeOnce(stream_, enqueue);
     const int launches = std::clamp(static_cast<int>(std::ceil(kTargetGraphSeconds / std::max(once, 1e-6))), 2, 200);
-    row.seconds = TimeGraph(stream_, launches, enqueue, &row.spread);
+    row.seconds = TimeGraph(stream_, launches, [&](int) { enqueue(); }, kReplays, &row.spread);
     return row;
   }
 

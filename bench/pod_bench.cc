@@ -39,6 +39,8 @@
 namespace attnd {
 namespace {
 
+using bench::MedianMs;
+
 constexpr int32_t kQoHeads = 32;
 constexpr int32_t kKvHeads = 8;
 constexpr int32_t kHeadDim = 128;
@@ -54,33 +56,13 @@ struct Case {
 };
 
 template <typename F>
-float MedianMs(int reps, int inner, F&& launch_one, cudaStream_t stream) {
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<float> times;
-  for (int r = 0; r < reps; ++r) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    for (int i = 0; i < inner; ++i) launch_one();
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms / inner);
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-template <typename F>
 float TimeMs(F&& launch_one, cudaStream_t stream) {
   for (int i = 0; i < 3; ++i) launch_one();
   CHECK_CUDA(cudaStreamSynchronize(stream));
-  const float first_ms = MedianMs(3, 1, launch_one, stream);
+  const auto launch = [&](int) { launch_one(); };
+  const float first_ms = MedianMs(3, 1, launch, stream);
   const int inner = std::max(1, static_cast<int>(2.0f / std::max(first_ms, 1e-3f)));
-  return MedianMs(15, inner, launch_one, stream);
+  return MedianMs(15, inner, launch, stream);
 }
 
 const int32_t* Upload(const std::vector<int32_t>& host) {

@@ -35,33 +35,14 @@
 namespace attnd {
 namespace {
 
+using bench::MedianMs;
+
 constexpr int32_t kQoHeads = 32;
 constexpr int32_t kKvHeads = 8;
 constexpr int32_t kHeadDim = 128;
 constexpr int32_t kPageSize = 16;
 constexpr int64_t kL2RotationBytes = 200ll << 20;  // 4x the H100's 50 MB L2
 constexpr int32_t kCheckedTokens = 64;
-
-template <typename F>
-float MedianMs(int reps, int inner, F&& launch_one, cudaStream_t stream) {
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<float> times;
-  for (int r = 0; r < reps; ++r) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    for (int i = 0; i < inner; ++i) launch_one(r * inner + i);
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms / inner);
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
 
 void FillRandomBf16(std::vector<uint16_t>& host, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
