@@ -5,6 +5,7 @@ target_sources(attnd_server_lib PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/cuda_backend.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_cache.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_completion_queue.cc
+  ${CMAKE_CURRENT_LIST_DIR}/cuda_ipc_channel.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_memory.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_output_pool.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_plan_cache.cc
@@ -15,6 +16,6 @@ target_sources(attnd_server_lib PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/cuda_step_resources.cc
   ${CMAKE_CURRENT_LIST_DIR}/pod_choice.cc)
 target_link_libraries(attnd_server_lib
-  PUBLIC attnd_cuda_kernels attnd_prefill_kernels attnd_pod_kernels attnd_mla_kernels attnd_plan CUDA::cudart)
+  PUBLIC attnd_cuda_kernels attnd_prefill_kernels attnd_pod_kernels attnd_mla_kernels attnd_plan CUDA::cudart CUDA::cuda_driver)
 # backend_factory.cc picks the CUDA backend when a device is present.
 target_compile_definitions(attnd_server_lib PRIVATE ATTND_HAVE_CUDA_BACKEND)
