@@ -16,6 +16,6 @@ target_sources(attnd_server_lib PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/cuda_step_resources.cc
   ${CMAKE_CURRENT_LIST_DIR}/pod_choice.cc)
 target_link_libraries(attnd_server_lib
-  PUBLIC attnd_cuda_kernels attnd_prefill_kernels attnd_pod_kernels attnd_mla_kernels attnd_plan CUDA::cudart CUDA::cuda_driver)
+  PUBLIC attnd_cuda_kernels attnd_prefill_kernels attnd_pod_kernels attnd_mla_kernels attnd_plan CUDA::cudart)
 # backend_factory.cc picks the CUDA backend when a device is present.
 target_compile_definitions(attnd_server_lib PRIVATE ATTND_HAVE_CUDA_BACKEND)

@@ -1,11 +1,11 @@
 #include "backend/cuda_ipc_channel.h"
 
-#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/stream_flags.h"
 #include "attnd/status_macros.h"
 #include "backend/cuda_step.h"
 #include "cuda/cuda_check.h"
@@ -13,13 +13,6 @@
 namespace attnd::cuda_backend {
 namespace {
 
-absl::Status DriverStatus(CUresult result, const char* call) {
-  if (result == CUDA_SUCCESS) return absl::OkStatus();
-  const char* name = nullptr;
-  cuGetErrorName(result, &name);
-  return absl::InternalError(absl::StrCat(call, ": ", name != nullptr ? name : "CUDA error ",
-                                          static_cast<int>(result)));
-}
 
 }  // namespace
 
@@ -83,10 +76,7 @@ CudaIpcChannel::~CudaIpcChannel() {
 }
 
 absl::Status CudaIpcChannel::WriteFlag(int64_t offset, uint32_t value) {
-  const CUdeviceptr flag = reinterpret_cast<CUdeviceptr>(ring_.data() + offset);
-  return DriverStatus(cuStreamWriteValue32(reinterpret_cast<CUstream>(signal_.get()), flag,
-                                           value, CU_STREAM_WRITE_VALUE_DEFAULT),
-                      "cuStreamWriteValue32");
+  return cuda::StreamWriteFlag(signal_.get(), ring_.data() + offset, value);
 }
 
 void CudaIpcChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t /*num_tokens*/,
@@ -172,11 +162,7 @@ void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t 
   uint8_t* ring = ring_.data();
   std::lock_guard lock(lane_.submit_mu);
   absl::Status status = [&]() -> absl::Status {
-    RETURN_IF_ERROR(DriverStatus(
-        cuStreamWaitValue32(reinterpret_cast<CUstream>(compute),
-                            reinterpret_cast<CUdeviceptr>(ring + layout_.ready[layer]),
-                            active->sequence, CU_STREAM_WAIT_VALUE_GEQ),
-        "cuStreamWaitValue32"));
+    RETURN_IF_ERROR(cuda::StreamWaitFlag(compute, ring + layout_.ready[layer], active->sequence));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(events->started.get(), compute));
     // Timing events the kernels would record, recorded here when a step has no rows.
     CUDA_RETURN_IF_ERROR(cudaEventRecord(events->appended.get(), compute));
@@ -194,11 +180,7 @@ void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t 
       const CudaEvent* attended = nullptr;
       RETURN_IF_ERROR(step.EnqueueKernels(*events, buffers, layer, &attended));
     }
-    return DriverStatus(
-        cuStreamWriteValue32(reinterpret_cast<CUstream>(compute),
-                             reinterpret_cast<CUdeviceptr>(ring + layout_.done[layer]),
-                             active->sequence, CU_STREAM_WRITE_VALUE_DEFAULT),
-        "cuStreamWriteValue32");
+    return cuda::StreamWriteFlag(compute, ring + layout_.done[layer], active->sequence);
   }();
   // Recorded even after a failed enqueue: the events are reused only once the work that was
   // enqueued has passed this point.

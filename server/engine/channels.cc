@@ -121,7 +121,7 @@ absl::StatusOr<ChannelStatus> Engine::OpenChannel(
   return ChannelStatusOf(*channel);
 }
 
-void Engine::State::CloseChannelLocked(const std::shared_ptr<ChannelEntry>& channel,
+void Engine::State::CloseChannelLocked(std::shared_ptr<ChannelEntry> channel,
                                        const std::string& reason, Deferred& deferred) {
   if (channel->closed) return;
   channel->closed = true;

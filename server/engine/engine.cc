@@ -345,15 +345,10 @@ void Engine::EndStep(uint64_t step_id, bool abort,
       }
     } else if (!abort && it->second->channel != nullptr &&
                it->second->layers_done < static_cast<int32_t>(it->second->layers.size())) {
-      // Its remaining layers wait on ready words: committing now would leave them to run (and
-      // write the cache) after the commit, or hang. The last layer commits the step.
-      const std::shared_ptr<StepEntry> step = it->second;
-      deferred.push_back([done, step_id, run = step->layers_done,
-                          layers = step->layers.size()] {
-        done(absl::FailedPreconditionError(absl::StrCat(
-            "step_id: step ", step_id, " runs through a channel and ", layers - run,
-            " layer(s) have not finished; it commits after its last layer, or abort it")));
-      });
+      // Its remaining layers wait on ready words (or are about to report): committing now
+      // would let them write the cache after the commit. The step commits after its last
+      // layer, or aborts at the TTL; this answer waits for whichever comes.
+      it->second->end_waiters.push_back(std::move(done));
     } else {
       std::shared_ptr<StepEntry> step = it->second;
       step->end_waiters.push_back(std::move(done));

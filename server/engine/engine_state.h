@@ -149,7 +149,8 @@ struct Engine::State {
   void ExpireLocked(absl::Time now, Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void ReaperLoop();
   // Marks the channel closed, aborts its steps, queues on_closed; the ring goes once idle.
-  void CloseChannelLocked(const std::shared_ptr<ChannelEntry>& channel, const std::string& reason,
+  // By value: the caller's reference may be the registry's own entry, which this erases.
+  void CloseChannelLocked(std::shared_ptr<ChannelEntry> channel, const std::string& reason,
                           Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Takes closed channels with no step left out of the engine: their destruction (which joins
   // backend threads) must run outside the lock, so the caller destroys them.

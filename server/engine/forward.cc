@@ -115,7 +115,15 @@ void Engine::ForwardThroughChannel(const ForwardArgs& args, ForwardOutputs* outp
     absl::MutexLock lock(&state_->mu);
     auto it = state_->open_steps.find(args.step_id);
     if (it == state_->open_steps.end() || it->second->tenant != args.tenant) {
-      rejected = absl::NotFoundError(absl::StrCat("step_id: no open step ", args.step_id));
+      auto finished = state_->finished.find(args.step_id);
+      if (finished != state_->finished.end() && finished->second.tenant == args.tenant) {
+        rejected = absl::FailedPreconditionError(absl::StrCat(
+            "step_id: step ", args.step_id, " already ",
+            finished->second.result.outcome == StepOutcome::kCommitted ? "committed"
+                                                                       : "aborted"));
+      } else {
+        rejected = absl::NotFoundError(absl::StrCat("step_id: no open step ", args.step_id));
+      }
     } else {
       StepEntry& step = *it->second;
       const CacheGeometry& geometry = step.cache->spec.geometry;

@@ -2,6 +2,7 @@
 // as long as its channel: the first message carries the channel; the call's end (the client
 // cancelling it, or its connection dropping) closes the channel, and a channel closed by the
 // server (CloseChannel, DeleteCache, shutdown) ends the call with a last message naming why.
+#include <atomic>
 #include <memory>
 #include <mutex>
 
@@ -60,14 +61,20 @@ class OpenChannelReactor final : public grpc::ServerWriteReactor<v1::OpenChannel
   }
 
   void OnWriteDone(bool ok) override {
-    std::unique_lock lock(mu_);
-    writing_ = false;
-    if (!ok && !closed_) {
-      lock.unlock();
+    bool finish = false;
+    bool broken = false;
+    {
+      std::lock_guard lock(mu_);
+      writing_ = false;
+      broken = !ok && !closed_;
+      finish = closed_ && !finishing_;
+      if (finish) finishing_ = true;
+    }
+    if (broken) {
       CloseFromClient("the OpenChannel call's stream broke");
       return;
     }
-    if (closed_ && !finishing_) FinishLocked();
+    if (finish) FinishNow();  // the last use of `this`: OnDone may delete it at once
   }
 
   void OnCancel() override { CloseFromClient("the OpenChannel call was cancelled"); }
@@ -80,19 +87,25 @@ class OpenChannelReactor final : public grpc::ServerWriteReactor<v1::OpenChannel
       std::lock_guard lock(mu_);
       client_gone_ = true;
     }
-    // NOT_FOUND: already closing from elsewhere; OnClosed comes (or came) all the same.
+    // NOT_FOUND: already closing from elsewhere; OnClosed comes (or came) all the same. Either
+    // way nothing of `this` is touched after this call: OnClosed may have finished the call.
     context_.engine->CloseChannel(channel_id_, tenant_.name, reason).IgnoreError();
   }
 
   void OnClosed(const std::string& reason) {
-    std::lock_guard lock(mu_);
-    closed_ = true;
-    reason_ = reason;
-    if (!writing_) FinishLocked();
+    bool finish = false;
+    {
+      std::lock_guard lock(mu_);
+      closed_ = true;
+      reason_ = reason;
+      finish = !writing_ && !finishing_;
+      if (finish) finishing_ = true;
+    }
+    if (finish) FinishNow();
   }
 
-  void FinishLocked() {
-    finishing_ = true;
+  // Called once, outside the lock; the call may be deleted as soon as it finishes.
+  void FinishNow() {
     if (client_gone_) {
       Finish(grpc::Status(grpc::StatusCode::CANCELLED, reason_));
       return;
@@ -110,7 +123,7 @@ class OpenChannelReactor final : public grpc::ServerWriteReactor<v1::OpenChannel
   std::mutex mu_;
   bool writing_ = false;
   bool closed_ = false;
-  bool client_gone_ = false;
+  std::atomic<bool> client_gone_{false};
   bool finishing_ = false;
   std::string reason_;
 };
