@@ -26,6 +26,7 @@
 #include "absl/time/clock.h"
 #include "attnd/kernels/dtype.h"
 #include "cache_flags.h"
+#include "channel_bench.h"
 #include "commands.h"
 #include "global_flags.h"
 #include "latency.h"
@@ -45,6 +46,9 @@ ABSL_FLAG(std::string, cache, "",
 ABSL_FLAG(int32_t, micro_batches, 1,
           "bench: split the sequences into this many steps run together, layers interleaved");
 ABSL_FLAG(int32_t, warmup_steps, 2, "bench: untimed decode steps before the timed ones");
+ABSL_FLAG(std::string, transport, "grpc",
+          "bench: grpc (Forward messages), shm (a HOST_SHM channel; attnd on this host) or "
+          "cuda_ipc (a CUDA_IPC channel; attnd on this host's GPU), see channel_bench.cc");
 ABSL_FLAG(bool, raw, true,
           "bench: zero-copy forwards (q/k/v from the bench's memory, o into it); false: "
           "ForwardRequest messages");
@@ -487,6 +491,27 @@ int RunBench(const Args& args) {
     absl::FPrintF(stderr, "attnctl bench: drives MHA/GQA caches in managed mode only\n");
     if (existing.empty()) (void)(*client)->DeleteCache(cache.name(), true);
     return kExitUsage;
+  }
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  if (transport != "grpc") {
+    if (transport != "shm" && transport != "cuda_ipc") {
+      absl::FPrintF(stderr, "attnctl bench: --transport: expected grpc, shm or cuda_ipc, got %s\n",
+                    transport);
+      if (existing.empty()) (void)(*client)->DeleteCache(cache.name(), true);
+      return kExitUsage;
+    }
+    ChannelBenchSettings channel_settings;
+    channel_settings.sequences = settings.sequences;
+    channel_settings.steps = settings.steps;
+    channel_settings.warmup_steps = settings.warmup_steps;
+    channel_settings.prompt_tokens = settings.prompt_tokens;
+    channel_settings.max_step_tokens = info->limits().max_step_tokens();
+    channel_settings.first_id = first_id;
+    const int code = RunChannelBench(
+        **client, cache, channel_settings,
+        transport == "shm" ? attnd::v1::CHANNEL_KIND_HOST_SHM : attnd::v1::CHANNEL_KIND_CUDA_IPC);
+    if (existing.empty()) (void)(*client)->DeleteCache(cache.name(), /*force=*/true);
+    return code;
   }
   const int32_t window = absl::GetFlag(FLAGS_window);
   settings.window = window > 0               ? window

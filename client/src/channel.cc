@@ -200,6 +200,22 @@ absl::Status Channel::WaitDone(int32_t layer, uint32_t sequence, absl::Duration 
   }
 }
 
+absl::Status Channel::CopyIn(void* slot_tensor, const void* host, int64_t bytes) {
+  if (info_.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+    return internal::CopyDevice(slot_tensor, host, bytes, /*to_device=*/true);
+  }
+  std::memcpy(slot_tensor, host, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status Channel::CopyOut(void* host, const void* slot_tensor, int64_t bytes) const {
+  if (info_.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+    return internal::CopyDevice(host, slot_tensor, bytes, /*to_device=*/false);
+  }
+  std::memcpy(host, slot_tensor, bytes);
+  return absl::OkStatus();
+}
+
 absl::Status Channel::SetReadyOnStream(int32_t layer, uint32_t sequence, void* stream) {
   if (info_.kind() != attnd::v1::CHANNEL_KIND_CUDA_IPC) {
     return absl::FailedPreconditionError("SetReadyOnStream: only CUDA_IPC channels");

@@ -68,6 +68,12 @@ void WriteDeviceFlag(uint8_t* flag, uint32_t value) {
   cudaMemcpy(flag, &value, sizeof(value), cudaMemcpyHostToDevice);
 }
 
+absl::Status CopyDevice(void* destination, const void* source, int64_t bytes, bool to_device) {
+  return CudaStatus(cudaMemcpy(destination, source, static_cast<size_t>(bytes),
+                               to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost),
+                    "cudaMemcpy");
+}
+
 absl::Status StreamWriteFlag(void* stream, uint8_t* flag, uint32_t value) {
   return cuda::StreamWriteFlag(static_cast<cudaStream_t>(stream), flag, value);
 }

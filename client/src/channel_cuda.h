@@ -15,6 +15,7 @@ absl::StatusOr<uint8_t*> OpenIpcRing(const std::string& handle, const std::strin
 void CloseIpcRing(uint8_t* ring, int device);
 uint32_t ReadDeviceFlag(const uint8_t* flag);
 void WriteDeviceFlag(uint8_t* flag, uint32_t value);
+absl::Status CopyDevice(void* destination, const void* source, int64_t bytes, bool to_device);
 absl::Status StreamWriteFlag(void* stream, uint8_t* flag, uint32_t value);
 absl::Status StreamWaitFlag(void* stream, uint8_t* flag, uint32_t value);
 

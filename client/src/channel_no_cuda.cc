@@ -10,6 +10,9 @@ absl::StatusOr<uint8_t*> OpenIpcRing(const std::string&, const std::string&, int
 void CloseIpcRing(uint8_t*, int) {}
 uint32_t ReadDeviceFlag(const uint8_t*) { return 0; }
 void WriteDeviceFlag(uint8_t*, uint32_t) {}
+absl::Status CopyDevice(void*, const void*, int64_t, bool) {
+  return absl::UnimplementedError("CUDA_IPC channels need a client built with CUDA");
+}
 absl::Status StreamWriteFlag(void*, uint8_t*, uint32_t) {
   return absl::UnimplementedError("CUDA_IPC channels need a client built with CUDA");
 }

@@ -17,9 +17,9 @@ absl::StatusOr<attnd::v1::ForwardResponse> ForwardThroughChannel(
     const attnd::v1::CacheConfig& config, int64_t rows, bool with_lse) {
   const int32_t layer = request.layer();
   const client::ChannelSlot slot = channel.Slot(layer);
-  std::memcpy(slot.q, request.q().data().data(), request.q().data().size());
-  std::memcpy(slot.k, request.k().data().data(), request.k().data().size());
-  std::memcpy(slot.v, request.v().data().data(), request.v().data().size());
+  RETURN_IF_ERROR(channel.CopyIn(slot.q, request.q().data().data(), request.q().data().size()));
+  RETURN_IF_ERROR(channel.CopyIn(slot.k, request.k().data().data(), request.k().data().size()));
+  RETURN_IF_ERROR(channel.CopyIn(slot.v, request.v().data().data(), request.v().data().size()));
   channel.SetReady(layer, sequence);
   RETURN_IF_ERROR(channel.WaitDone(layer, sequence, absl::Seconds(30)));
   attnd::v1::ForwardResponse response;
@@ -29,15 +29,17 @@ absl::StatusOr<attnd::v1::ForwardResponse> ForwardThroughChannel(
   o->add_shape(config.num_qo_heads());
   o->add_shape(config.head_dim());
   ASSIGN_OR_RETURN(const DType dtype, client::FromProto(config.q_dtype()));
-  o->set_data(std::string(static_cast<const char*>(slot.o),
-                          rows * config.num_qo_heads() * config.head_dim() * DTypeBytes(dtype)));
+  std::string o_bytes(rows * config.num_qo_heads() * config.head_dim() * DTypeBytes(dtype), '\0');
+  RETURN_IF_ERROR(channel.CopyOut(o_bytes.data(), slot.o, o_bytes.size()));
+  o->set_data(std::move(o_bytes));
   if (with_lse) {
     attnd::v1::Tensor* lse = response.mutable_lse();
     lse->set_dtype(attnd::v1::DTYPE_FLOAT32);
     lse->add_shape(rows);
     lse->add_shape(config.num_qo_heads());
-    lse->set_data(std::string(reinterpret_cast<const char*>(slot.lse),
-                              rows * config.num_qo_heads() * sizeof(float)));
+    std::string lse_bytes(rows * config.num_qo_heads() * sizeof(float), '\0');
+    RETURN_IF_ERROR(channel.CopyOut(lse_bytes.data(), slot.lse, lse_bytes.size()));
+    lse->set_data(std::move(lse_bytes));
   }
   return response;
 }

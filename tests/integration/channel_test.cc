@@ -37,6 +37,28 @@ TEST_F(ChannelTest, HostShmStepsMatchForwardBitwise) {
                                    SmallConfig(256), /*decode_steps=*/4, /*seed=*/3));
 }
 
+std::string RunClient(const std::string& mode, const std::string& address, int* status) {
+  const std::string command = absl::StrCat("timeout -k 5 60 ", CHANNEL_TEST_CLIENT, " ", mode,
+                                           " ", address, " other-process 2>&1");
+  FILE* child = popen(command.c_str(), "r");
+  if (child == nullptr) return "popen failed";
+  std::string output;
+  char buffer[512];
+  while (std::fgets(buffer, sizeof(buffer), child) != nullptr) output += buffer;
+  *status = pclose(child);
+  return output;
+}
+
+// The GPU backend only: the ring in attnd's device memory, mapped by a client process on the
+// same GPU, inputs and outputs bitwise equal to the gRPC path's (ATTND_TEST_BACKEND=cuda).
+TEST_F(ChannelTest, CudaIpcClientInAnotherProcessMatchesForwardBitwise) {
+  if (TestBackendName() != "cuda") GTEST_SKIP() << "CUDA_IPC needs the cuda backend";
+  int status = -1;
+  const std::string output = RunClient("compare-cuda-ipc", address(), &status);
+  EXPECT_EQ(status, 0) << output;
+  EXPECT_THAT(output, HasSubstr("PASS"));
+}
+
 TEST_F(ChannelTest, ClientInAnotherProcessMatchesForwardBitwise) {
   const std::string command = absl::StrCat("timeout -k 5 60 ", CHANNEL_TEST_CLIENT, " compare ",
                                            address(), " other-process 2>&1");
@@ -66,9 +88,9 @@ TEST_F(ChannelTest, ForwardWithUseChannelRunsTheLayerFromTheSlot) {
     ASSERT_OK_AND_ASSIGN(auto expected, client().Forward(inputs));
     // The inputs go into the slot; the Forward carries no tensor and sets ready itself.
     const client::ChannelSlot slot = channel->Slot(layer);
-    std::memcpy(slot.q, inputs.q().data().data(), inputs.q().data().size());
-    std::memcpy(slot.k, inputs.k().data().data(), inputs.k().data().size());
-    std::memcpy(slot.v, inputs.v().data().data(), inputs.v().data().size());
+    ASSERT_OK(channel->CopyIn(slot.q, inputs.q().data().data(), inputs.q().data().size()));
+    ASSERT_OK(channel->CopyIn(slot.k, inputs.k().data().data(), inputs.k().data().size()));
+    ASSERT_OK(channel->CopyIn(slot.v, inputs.v().data().data(), inputs.v().data().size()));
     attnd::v1::ForwardRequest through;
     through.set_step_id(channel_plan.step_id());
     through.set_layer(layer);
@@ -77,11 +99,12 @@ TEST_F(ChannelTest, ForwardWithUseChannelRunsTheLayerFromTheSlot) {
     EXPECT_FALSE(answered.has_o()) << "o stays in the slot";
     EXPECT_EQ(answered.step_committed(), layer + 1 == config.num_layers());
     ASSERT_OK(channel->WaitDone(layer, channel_plan.channel_sequence(), absl::Seconds(1)));
-    EXPECT_EQ(std::string(static_cast<const char*>(slot.o), expected.o().data().size()),
-              expected.o().data())
-        << "layer " << layer;
-    EXPECT_EQ(std::string(reinterpret_cast<const char*>(slot.lse), expected.lse().data().size()),
-              expected.lse().data());
+    std::string o(expected.o().data().size(), '\0');
+    ASSERT_OK(channel->CopyOut(o.data(), slot.o, o.size()));
+    EXPECT_EQ(o, expected.o().data()) << "layer " << layer;
+    std::string lse(expected.lse().data().size(), '\0');
+    ASSERT_OK(channel->CopyOut(lse.data(), slot.lse, lse.size()));
+    EXPECT_EQ(lse, expected.lse().data());
     // A second Forward of the same layer finds it done (or, after the last, the step).
     EXPECT_ERROR(client().Forward(through), Code::kFailedPrecondition,
                  layer + 1 == config.num_layers() ? "step_id" : "layer");

@@ -1,6 +1,7 @@
 // A client process for the channel tests (channel_test.cc), so attnd and the client that maps
 // the ring are different processes, as in deployment:
-//   channel_test_client compare HOST:PORT PREFIX   runs CompareChannelWithGrpc; prints PASS
+//   channel_test_client compare HOST:PORT PREFIX   runs CompareChannelWithGrpc (HOST_SHM); PASS
+//   channel_test_client compare-cuda-ipc HOST:PORT PREFIX   the same over CUDA_IPC
 //   channel_test_client hang HOST:PORT CACHE       opens a HOST_SHM channel, plans a 3-token step
 //                                                  of sequence 7, runs layer 0, prints
 //                                                  "hanging <channel id> <step id>" and waits to
@@ -38,9 +39,11 @@ int main(int argc, char** argv) {
   if (!connected.ok()) return Fail(connected.status().ToString());
   client::Client& client = **connected;
   const attnd::v1::CacheConfig config = integration::SmallConfig(256);
-  if (mode == "compare") {
+  if (mode == "compare" || mode == "compare-cuda-ipc") {
     const absl::Status status = integration::CompareChannelWithGrpc(
-        client, argv[3], attnd::v1::CHANNEL_KIND_HOST_SHM, config, /*decode_steps=*/6, 11);
+        client, argv[3],
+        mode == "compare" ? attnd::v1::CHANNEL_KIND_HOST_SHM : attnd::v1::CHANNEL_KIND_CUDA_IPC,
+        config, /*decode_steps=*/6, 11);
     if (!status.ok()) return Fail(status.ToString());
     std::printf("PASS\n");
     return 0;

@@ -84,6 +84,11 @@ class Channel {
   absl::Status SetReadyOnStream(int32_t layer, uint32_t sequence, void* stream);
   absl::Status WaitDoneOnStream(int32_t layer, uint32_t sequence, void* stream);
 
+  // Copies between this process's host memory and a slot tensor (a ChannelSlot pointer), for
+  // either kind: memcpy for HOST_SHM, a synchronous cudaMemcpy for CUDA_IPC.
+  absl::Status CopyIn(void* slot_tensor, const void* host, int64_t bytes);
+  absl::Status CopyOut(void* host, const void* slot_tensor, int64_t bytes) const;
+
   // Why the server closed the channel ("" while it is open).
   std::string closed_reason() const;
 

@@ -1,0 +1,375 @@
+// attnctl bench --transport=shm|cuda_ipc: the e2e benchmark of PERFORMANCE.md over a channel
+// (DESIGN 3b) instead of Forward messages. An orchestrator emulator produces each layer's q/k/v
+// as an engine would (CUDA_IPC: a kernel on the bench's own stream writing into the slot, then
+// ready set and done awaited with stream memory operations; HOST_SHM: the layer's inputs copied
+// from host buffers into the slot, ready set and done awaited from the host), and the outputs
+// of the first prefill and decode steps are checked against the CPU reference for
+// --check_sequences sequences.
+//
+// Reported: the prompt step (every sequence's prompt in as few steps as max_tokens allows) with
+// its kernel time; per-layer time of the timed decode steps as the client sees it (CUDA_IPC:
+// between the events after consecutive done waits, minus the emulator's fill; HOST_SHM: ready
+// set to done seen), minus the mean kernel time of a layer (GetStats) = overhead; steps/s and
+// the kernels-only rate.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "attnd/client/channel.h"
+#include "attnd/client/client.h"
+#include "attnd/client/compare.h"
+#include "attnd/client/reference_cache.h"
+#include "attnd/client/tensor.h"
+#include "attnd/kernels/dtype.h"
+#include "channel_bench.h"
+#include "commands.h"
+#include "emulator.h"
+#include "latency.h"
+#include "printing.h"
+
+ABSL_FLAG(int32_t, check_sequences, 2,
+          "bench (channels): sequences whose outputs are checked against the CPU reference in "
+          "the prompt step and the first decode step (0: no check)");
+
+namespace attnd::attnctl {
+namespace {
+
+using Entries = std::vector<std::pair<uint64_t, int32_t>>;
+using Clock = std::chrono::steady_clock;
+
+double SecondsOfKernels(const attnd::v1::GetStatsResponse& stats) {
+  double total = 0;
+  for (const auto& kernel : stats.kernels()) total += kernel.total_seconds();
+  return total;
+}
+
+// Seeds of one tensor of one layer of one step.
+uint64_t SeedOf(int64_t step, int32_t layer, int tensor) {
+  return (static_cast<uint64_t>(step) << 24) ^ (static_cast<uint64_t>(layer) << 4) ^
+         static_cast<uint64_t>(tensor);
+}
+
+class ChannelBench {
+ public:
+  ChannelBench(client::Client& client, const attnd::v1::CacheInfo& cache,
+               const ChannelBenchSettings& settings, attnd::v1::ChannelKind kind)
+      : client_(client), cache_(cache), settings_(settings), kind_(kind),
+        shape_(cache.config()),
+        bf16_(shape_.q_dtype() == attnd::v1::DTYPE_BFLOAT16),
+        q_row_(int64_t{shape_.num_qo_heads()} * shape_.head_dim()),
+        kv_row_(int64_t{shape_.num_kv_heads()} * shape_.head_dim()) {}
+
+  int Run() {
+    const int32_t max_tokens = static_cast<int32_t>(std::max<int64_t>(
+        settings_.sequences,
+        std::min<int64_t>(int64_t{settings_.sequences} * settings_.prompt_tokens,
+                          settings_.max_step_tokens)));
+    client::ChannelOptions options;
+    options.kind = kind_;
+    options.max_tokens = max_tokens;
+    auto channel = client::Channel::Open(client_, cache_.name(), options);
+    if (!channel.ok()) return Fail("open channel", channel.status());
+    channel_ = *std::move(channel);
+    if (kind_ == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+      auto stream = EmulatorStream::Create(channel_->info().device(),
+                                           shape_.num_layers() + 8);
+      if (!stream.ok()) return Fail("CUDA stream", stream.status());
+      stream_ = *std::move(stream);
+    }
+    const int32_t checked = std::min(absl::GetFlag(FLAGS_check_sequences), settings_.sequences);
+    if (checked > 0) {
+      auto reference = client::ReferenceCache::Create(cache_.config());
+      if (!reference.ok()) return Fail("reference", reference.status());
+      reference_ = *std::move(reference);
+      checked_ = checked;
+    }
+
+    // The prompt: as many sequences per step as max_tokens holds.
+    const int32_t per_step = std::max(1, max_tokens / std::max(1, settings_.prompt_tokens));
+    absl::Duration prompt_wall;
+    double prompt_kernels = 0;
+    int64_t prompt_tokens = 0;
+    for (int32_t first = 0; first < settings_.sequences && settings_.prompt_tokens > 0;
+         first += per_step) {
+      Entries entries;
+      for (int32_t s = first; s < std::min(settings_.sequences, first + per_step); ++s) {
+        entries.push_back({settings_.first_id + s, settings_.prompt_tokens});
+      }
+      auto before = client_.GetStats();
+      const absl::Time start = absl::Now();
+      // The checked sequences' prompt is replayed in the reference after the step, so the
+      // step's time is the channel's alone.
+      if (!RunStep(entries, first == 0 && checked_ > 0 ? kReplay : kPlain, nullptr)) {
+        return kExitFailure;
+      }
+      const absl::Duration wall = absl::Now() - start;
+      auto after = client_.GetStats();
+      if (first == 0 && before.ok() && after.ok()) {
+        prompt_wall = wall;
+        prompt_kernels = SecondsOfKernels(*after) - SecondsOfKernels(*before);
+        prompt_tokens = static_cast<int64_t>(entries.size()) * settings_.prompt_tokens;
+      }
+    }
+
+    Entries decode;
+    for (int32_t s = 0; s < settings_.sequences; ++s) decode.push_back({settings_.first_id + s, 1});
+    for (int32_t i = 0; i < settings_.warmup_steps; ++i) {
+      if (!RunStep(decode, i == 0 && checked_ > 0 ? kCheck : kPlain, nullptr)) {
+        return kExitFailure;
+      }
+    }
+    auto before = client_.GetStats();
+    const absl::Time start = absl::Now();
+    for (int32_t i = 0; i < settings_.steps; ++i) {
+      if (!RunStep(decode, kPlain, &latency_)) return kExitFailure;
+    }
+    const absl::Duration wall = absl::Now() - start;
+    auto after = client_.GetStats();
+    if (!before.ok() || !after.ok()) return Fail("GetStats", before.ok() ? after.status()
+                                                                           : before.status());
+    const double kernels = SecondsOfKernels(*after) - SecondsOfKernels(*before);
+    const int64_t layers = int64_t{settings_.steps} * shape_.num_layers();
+    const double kernel_us = kernels / layers * 1e6;
+    const double p50 = absl::ToDoubleMicroseconds(latency_.Percentile(50));
+    const double p99 = absl::ToDoubleMicroseconds(latency_.Percentile(99));
+    const double steps_per_second = settings_.steps / absl::ToDoubleSeconds(wall);
+    const double kernel_rate = kernels > 0 ? settings_.steps / kernels : 0;
+    const char* transport = kind_ == attnd::v1::CHANNEL_KIND_CUDA_IPC ? "cuda_ipc" : "shm";
+    absl::PrintF("transport %s: %d sequences x %d layers, %d timed decode steps\n", transport,
+                 settings_.sequences, shape_.num_layers(), settings_.steps);
+    absl::PrintF("  layer (client view%s): p50 %.1f us, p99 %.1f us; kernels %.1f us/layer\n",
+                 stream_ ? ", emulator fill excluded" : "", p50, p99, kernel_us);
+    absl::PrintF("  overhead: p50 %.1f us, p99 %.1f us per layer\n", p50 - kernel_us,
+                 p99 - kernel_us);
+    absl::PrintF("  steps/s %.1f, kernels-only %.1f (%.0f%%)\n", steps_per_second, kernel_rate,
+                 kernel_rate > 0 ? 100.0 * steps_per_second / kernel_rate : 0.0);
+    if (stream_) absl::PrintF("  emulator fill: %.1f us/layer\n", absl::ToDoubleMicroseconds(fill_us_.Mean()));
+    if (prompt_tokens > 0) {
+      absl::PrintF("  prompt step: %d tokens in %.3f ms, kernels %.3f ms (%.2fx)%s\n",
+                   prompt_tokens, absl::ToDoubleMilliseconds(prompt_wall), prompt_kernels * 1e3,
+                   prompt_kernels > 0 ? absl::ToDoubleSeconds(prompt_wall) / prompt_kernels : 0,
+                   "");
+    }
+    if (kind_ == attnd::v1::CHANNEL_KIND_HOST_SHM) {
+      const double bytes = static_cast<double>(
+          settings_.sequences * (q_row_ * 2 + kv_row_ * 2) * 2 * layers);
+      absl::PrintF("  through the ring: %.2f GB/s of q/k/v/o\n",
+                   bytes / absl::ToDoubleSeconds(wall) / 1e9);
+    }
+    absl::PrintF(
+        "RESULT transport=%s sequences=%d layers=%d steps=%d layer_p50_us=%.1f "
+        "layer_p99_us=%.1f kernel_us_per_layer=%.1f overhead_p50_us=%.1f overhead_p99_us=%.1f "
+        "steps_per_s=%.1f kernels_only_steps_per_s=%.1f prompt_tokens=%d prompt_ms=%.3f "
+        "prompt_kernel_ms=%.3f checked=%s\n",
+        transport, settings_.sequences, shape_.num_layers(), settings_.steps, p50, p99, kernel_us,
+        p50 - kernel_us, p99 - kernel_us, steps_per_second, kernel_rate, prompt_tokens,
+        absl::ToDoubleMilliseconds(prompt_wall), prompt_kernels * 1e3,
+        checked_ > 0 ? (check_failures_ == 0 ? "PASS" : "FAIL") : "off");
+    return check_failures_ == 0 ? kExitOk : kExitFailure;
+  }
+
+ private:
+  int Fail(const std::string& what, const absl::Status& status) {
+    PrintError(absl::StrCat("bench ", what), status);
+    return kExitFailure;
+  }
+
+  // The host copy of what the emulator writes for rows [0, rows) of one tensor.
+  std::vector<uint16_t> HostTensor(uint64_t seed, int64_t elements) const {
+    std::vector<uint16_t> out(elements);
+    for (int64_t i = 0; i < elements; ++i) out[i] = EmulatedElement(seed, i, bf16_);
+    return out;
+  }
+
+  attnd::v1::ForwardRequest HostLayer(int64_t step, int32_t layer, int64_t rows) const {
+    attnd::v1::ForwardRequest request;
+    request.set_layer(layer);
+    const DType dtype = bf16_ ? DType::kBFloat16 : DType::kFloat16;
+    const int64_t heads_q = shape_.num_qo_heads();
+    const int64_t heads_kv = shape_.num_kv_heads();
+    const int64_t dim = shape_.head_dim();
+    *request.mutable_q() = *client::MakeTensor(dtype, std::vector<int64_t>{rows, heads_q, dim},
+                                               HostTensor(SeedOf(step, layer, 0), rows * q_row_));
+    *request.mutable_k() = *client::MakeTensor(dtype, std::vector<int64_t>{rows, heads_kv, dim},
+                                               HostTensor(SeedOf(step, layer, 1), rows * kv_row_));
+    *request.mutable_v() = *client::MakeTensor(dtype, std::vector<int64_t>{rows, heads_kv, dim},
+                                               HostTensor(SeedOf(step, layer, 2), rows * kv_row_));
+    return request;
+  }
+
+  enum Mode {
+    kPlain,   // the channel alone
+    kReplay,  // the first checked_ entries replayed in the reference after the step
+    kCheck,   // and their o compared with it, layer by layer (the step waits for each layer)
+  };
+
+  // Runs one step through the channel. `latency`: per-layer client times.
+  bool RunStep(const Entries& entries, Mode mode, LatencyRecorder* latency) {
+    const bool check = mode == kCheck;
+    const bool replay = mode != kPlain;
+    const int64_t step = step_count_++;
+    attnd::v1::PlanRequest plan;
+    plan.set_cache(cache_.name());
+    plan.set_channel_id(channel_->id());
+    for (const auto& [id, tokens] : entries) {
+      auto* entry = plan.add_entries();
+      entry->set_sequence_id(id);
+      entry->set_num_new_tokens(tokens);
+    }
+    auto planned = client_.Plan(plan);
+    if (!planned.ok()) {
+      Fail("Plan", planned.status());
+      return false;
+    }
+    const uint32_t sequence = planned->channel_sequence();
+    const int64_t rows = planned->num_tokens();
+    const int32_t num_layers = shape_.num_layers();
+    attnd::v1::PlanRequest reference_plan;
+    int64_t checked_rows = 0;
+    if (replay) {
+      reference_plan.set_cache(cache_.name());
+      for (int32_t e = 0; e < checked_; ++e) {
+        *reference_plan.add_entries() = plan.entries(e);
+        checked_rows += plan.entries(e).num_new_tokens();
+      }
+      if (absl::Status begun = reference_->BeginStep(reference_plan); !begun.ok()) {
+        Fail("reference plan", begun);
+        return false;
+      }
+    }
+    if (stream_) {
+      (void)stream_->Record(num_layers);  // the step's start
+    }
+    for (int32_t layer = 0; layer < num_layers; ++layer) {
+      const client::ChannelSlot slot = channel_->Slot(layer);
+      absl::Status status;
+      if (stream_) {
+        void* stream = stream_->stream();
+        const bool time_fill = latency != nullptr && layer == 0;
+        if (time_fill) status.Update(stream_->Record(num_layers + 1));
+        status.Update(FillOnStream(slot.q, rows * q_row_, SeedOf(step, layer, 0), bf16_, stream));
+        status.Update(FillOnStream(slot.k, rows * kv_row_, SeedOf(step, layer, 1), bf16_, stream));
+        status.Update(FillOnStream(slot.v, rows * kv_row_, SeedOf(step, layer, 2), bf16_, stream));
+        if (time_fill) status.Update(stream_->Record(num_layers + 2));
+        status.Update(channel_->SetReadyOnStream(layer, sequence, stream));
+        status.Update(channel_->WaitDoneOnStream(layer, sequence, stream));
+        status.Update(stream_->Record(layer));
+        if (check) status.Update(stream_->Synchronize());
+      } else {
+        const attnd::v1::ForwardRequest inputs = HostLayer(step, layer, rows);
+        std::memcpy(slot.q, inputs.q().data().data(), inputs.q().data().size());
+        std::memcpy(slot.k, inputs.k().data().data(), inputs.k().data().size());
+        std::memcpy(slot.v, inputs.v().data().data(), inputs.v().data().size());
+        const auto ready = Clock::now();
+        channel_->SetReady(layer, sequence);
+        status = channel_->WaitDone(layer, sequence, absl::Seconds(60));
+        if (latency != nullptr) latency->Record(absl::FromChrono(Clock::now() - ready));
+      }
+      if (!status.ok()) {
+        Fail(absl::StrCat("layer ", layer), status);
+        return false;
+      }
+      if (check && !CheckLayer(step, layer, checked_rows, slot)) ++check_failures_;
+    }
+    if (stream_) {
+      if (absl::Status synced = stream_->Synchronize(); !synced.ok()) {
+        Fail("synchronize", synced);
+        return false;
+      }
+      if (latency != nullptr) {
+        const double fill_ms = stream_->ElapsedMs(num_layers + 1, num_layers + 2);
+        fill_us_.Record(absl::Microseconds(fill_ms * 1e3));
+        for (int32_t layer = 0; layer < num_layers; ++layer) {
+          const double ms = stream_->ElapsedMs(layer == 0 ? num_layers : layer - 1, layer);
+          latency->Record(absl::Microseconds((ms - fill_ms) * 1e3));
+        }
+      }
+    }
+    if (mode == kReplay) {
+      for (int32_t layer = 0; layer < num_layers; ++layer) {
+        if (!reference_->Forward(HostLayer(step, layer, checked_rows)).ok()) {
+          Fail("reference replay", absl::InternalError("reference forward failed"));
+          return false;
+        }
+      }
+    }
+    if (replay) reference_->EndStep(false);
+    // The step commits after its last layer; EndStep answers once it has.
+    auto ended = client_.EndStep(planned->step_id(), false);
+    if (!ended.ok() || ended->outcome() != attnd::v1::STEP_OUTCOME_COMMITTED) {
+      Fail("step end", ended.ok() ? absl::InternalError(ended->ShortDebugString())
+                                  : ended.status());
+      return false;
+    }
+    return true;
+  }
+
+  bool CheckLayer(int64_t step, int32_t layer, int64_t rows, const client::ChannelSlot& slot) {
+    const attnd::v1::ForwardRequest inputs = HostLayer(step, layer, rows);
+    auto expected = reference_->Forward(inputs);
+    if (!expected.ok()) {
+      Fail("reference forward", expected.status());
+      return false;
+    }
+    std::string o(rows * q_row_ * 2, '\0');
+    if (absl::Status copied = channel_->CopyOut(o.data(), slot.o, o.size()); !copied.ok()) {
+      Fail("copy o", copied);
+      return false;
+    }
+    attnd::v1::Tensor tensor;
+    tensor.set_dtype(shape_.q_dtype());
+    tensor.add_shape(rows);
+    tensor.add_shape(shape_.num_qo_heads());
+    tensor.add_shape(shape_.head_dim());
+    tensor.set_data(std::move(o));
+    auto actual = client::TensorToFloats(tensor);
+    if (!actual.ok()) return false;
+    const DType dtype = bf16_ ? DType::kBFloat16 : DType::kFloat16;
+    const client::ErrorStats error = client::CompareOutputs(*actual, expected->o);
+    const bool ok = error.mismatched_non_finite == 0 &&
+                    error.normwise_relative <= client::OutputTolerance(dtype);
+    if (!ok) {
+      absl::FPrintF(stderr, "bench: step %d layer %d: o differs from the reference (normwise %g)\n",
+                    step, layer, error.normwise_relative);
+    }
+    return ok;
+  }
+
+  client::Client& client_;
+  const attnd::v1::CacheInfo& cache_;
+  const ChannelBenchSettings settings_;
+  const attnd::v1::ChannelKind kind_;
+  const attnd::v1::CacheConfig shape_;
+  const bool bf16_;
+  const int64_t q_row_;
+  const int64_t kv_row_;
+  std::unique_ptr<client::Channel> channel_;
+  std::unique_ptr<EmulatorStream> stream_;
+  std::unique_ptr<client::ReferenceCache> reference_;
+  int32_t checked_ = 0;
+  int64_t check_failures_ = 0;
+  int64_t step_count_ = 0;
+  LatencyRecorder latency_;
+  LatencyRecorder fill_us_;
+};
+
+}  // namespace
+
+int RunChannelBench(client::Client& client, const attnd::v1::CacheInfo& cache,
+                    const ChannelBenchSettings& settings, attnd::v1::ChannelKind kind) {
+  if (cache.config().q_dtype() != attnd::v1::DTYPE_BFLOAT16 &&
+      cache.config().q_dtype() != attnd::v1::DTYPE_FLOAT16) {
+    absl::FPrintF(stderr, "attnctl bench: channels bench fp16/bf16 q only\n");
+    return kExitUsage;
+  }
+  ChannelBench bench(client, cache, settings, kind);
+  return bench.Run();
+}
+
+}  // namespace attnd::attnctl

@@ -1,0 +1,22 @@
+// attnctl bench over a channel (--transport=shm|cuda_ipc), see channel_bench.cc.
+#pragma once
+
+#include <cstdint>
+
+#include "attnd/client/client.h"
+
+namespace attnd::attnctl {
+
+struct ChannelBenchSettings {
+  int32_t sequences = 0;
+  int32_t steps = 0;
+  int32_t warmup_steps = 0;
+  int32_t prompt_tokens = 0;
+  int64_t max_step_tokens = 0;  // the server's limit
+  uint64_t first_id = 1;        // sequence ids first_id .. first_id + sequences - 1
+};
+
+int RunChannelBench(client::Client& client, const attnd::v1::CacheInfo& cache,
+                    const ChannelBenchSettings& settings, attnd::v1::ChannelKind kind);
+
+}  // namespace attnd::attnctl

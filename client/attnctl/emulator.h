@@ -1,0 +1,73 @@
+// The orchestrator emulator of `attnctl bench --transport=shm|cuda_ipc`: the q/k/v an engine's
+// projections would produce, as deterministic bf16/fp16 values in [-1, 1) from (seed, index),
+// computed the same way on the host (for the reference check and HOST_SHM) and by a kernel on
+// the bench's own CUDA stream (CUDA_IPC), writing straight into the channel's slot.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+#if defined(__CUDACC__)
+#define ATTND_HOST_DEVICE __host__ __device__
+#else
+#define ATTND_HOST_DEVICE
+#endif
+
+namespace attnd::attnctl {
+
+// A 16-bit element (bf16 when bf16, else fp16) of value in [-1, 1) with 7 random bits.
+ATTND_HOST_DEVICE inline uint16_t EmulatedElement(uint64_t seed, uint64_t index, bool bf16) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + index;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  // m / 128 for m in [-128, 128): exact in both formats.
+  const int32_t m = static_cast<int32_t>(z & 0xFF) - 128;
+  if (m == 0) return 0;
+  const uint32_t sign = m < 0 ? 1u : 0u;
+  uint32_t magnitude = static_cast<uint32_t>(m < 0 ? -m : m);  // 1..128
+  int32_t exponent = 0;                                          // value = magnitude / 128
+  while (magnitude < 128) {
+    magnitude <<= 1;
+    --exponent;
+  }
+  // magnitude in [128, 256): 1.xxxxxxx * 2^exponent (mantissa bits: magnitude - 128, 7 bits)
+  const uint32_t mantissa7 = magnitude - 128;
+  if (bf16) {
+    return static_cast<uint16_t>((sign << 15) | (static_cast<uint32_t>(exponent + 127) << 7) |
+                                 mantissa7);
+  }
+  return static_cast<uint16_t>((sign << 15) | (static_cast<uint32_t>(exponent + 15) << 10) |
+                               (mantissa7 << 3));
+}
+
+// Fills `count` elements at `device` (device memory) on `stream` (a cudaStream_t).
+// UNIMPLEMENTED in a build without CUDA.
+absl::Status FillOnStream(void* device, int64_t count, uint64_t seed, bool bf16, void* stream);
+
+}  // namespace attnd::attnctl
+
+namespace attnd::attnctl {
+
+// The bench's own CUDA stream and timing events (CUDA builds; UNIMPLEMENTED otherwise).
+class EmulatorStream {
+ public:
+  static absl::StatusOr<std::unique_ptr<EmulatorStream>> Create(int device, int num_events);
+  ~EmulatorStream();
+  void* stream() const { return stream_; }
+  absl::Status Record(int event);
+  absl::Status Synchronize();
+  // Milliseconds between two recorded (and completed) events.
+  double ElapsedMs(int from, int to) const;
+
+ private:
+  EmulatorStream() = default;
+  void* stream_ = nullptr;
+  std::vector<void*> events_;
+};
+
+}  // namespace attnd::attnctl

@@ -1,0 +1,87 @@
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "emulator.h"
+
+namespace attnd::attnctl {
+namespace {
+
+__global__ void FillKernel(uint16_t* out, int64_t count, uint64_t seed, bool bf16) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = EmulatedElement(seed, static_cast<uint64_t>(i), bf16);
+  }
+}
+
+}  // namespace
+
+absl::Status FillOnStream(void* device, int64_t count, uint64_t seed, bool bf16, void* stream) {
+  if (count == 0) return absl::OkStatus();
+  const int64_t blocks = (count + 255) / 256;
+  FillKernel<<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), 256, 0,
+               static_cast<cudaStream_t>(stream)>>>(static_cast<uint16_t*>(device), count, seed,
+                                                    bf16);
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) {
+    return absl::InternalError(std::string("emulator fill kernel: ") + cudaGetErrorString(error));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnd::attnctl
+
+namespace attnd::attnctl {
+
+absl::StatusOr<std::unique_ptr<EmulatorStream>> EmulatorStream::Create(int device,
+                                                                       int num_events) {
+  std::unique_ptr<EmulatorStream> stream(new EmulatorStream());
+  if (cudaSetDevice(device) != cudaSuccess) {
+    return absl::FailedPreconditionError(std::string("cudaSetDevice: ") +
+                                         cudaGetErrorString(cudaGetLastError()));
+  }
+  cudaStream_t handle = nullptr;
+  if (cudaStreamCreateWithFlags(&handle, cudaStreamNonBlocking) != cudaSuccess) {
+    return absl::InternalError("cudaStreamCreateWithFlags failed");
+  }
+  stream->stream_ = handle;
+  for (int i = 0; i < num_events; ++i) {
+    cudaEvent_t event = nullptr;
+    if (cudaEventCreate(&event) != cudaSuccess) return absl::InternalError("cudaEventCreate");
+    stream->events_.push_back(event);
+  }
+  return stream;
+}
+
+EmulatorStream::~EmulatorStream() {
+  for (void* event : events_) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+}
+
+absl::Status EmulatorStream::Record(int event) {
+  if (cudaEventRecord(static_cast<cudaEvent_t>(events_[event]),
+                      static_cast<cudaStream_t>(stream_)) != cudaSuccess) {
+    return absl::InternalError("cudaEventRecord failed");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EmulatorStream::Synchronize() {
+  const cudaError_t error = cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  if (error != cudaSuccess) {
+    return absl::InternalError(std::string("cudaStreamSynchronize: ") + cudaGetErrorString(error));
+  }
+  return absl::OkStatus();
+}
+
+double EmulatorStream::ElapsedMs(int from, int to) const {
+  float ms = 0;
+  if (cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(events_[from]),
+                           static_cast<cudaEvent_t>(events_[to])) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return ms;
+}
+
+}  // namespace attnd::attnctl
