@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 
@@ -37,8 +38,14 @@ TEST_F(ChannelTest, HostShmStepsMatchForwardBitwise) {
                                    SmallConfig(256), /*decode_steps=*/4, /*seed=*/3));
 }
 
+// The client program: its build path, or ATTND_CHANNEL_TEST_CLIENT (a bundle on a GPU machine).
+std::string ClientProgram() {
+  const char* given = std::getenv("ATTND_CHANNEL_TEST_CLIENT");
+  return given != nullptr && *given != '\0' ? given : CHANNEL_TEST_CLIENT;
+}
+
 std::string RunClient(const std::string& mode, const std::string& address, int* status) {
-  const std::string command = absl::StrCat("timeout -k 5 60 ", CHANNEL_TEST_CLIENT, " ", mode,
+  const std::string command = absl::StrCat("timeout -k 5 60 ", ClientProgram(), " ", mode,
                                            " ", address, " other-process 2>&1");
   FILE* child = popen(command.c_str(), "r");
   if (child == nullptr) return "popen failed";
@@ -60,14 +67,8 @@ TEST_F(ChannelTest, CudaIpcClientInAnotherProcessMatchesForwardBitwise) {
 }
 
 TEST_F(ChannelTest, ClientInAnotherProcessMatchesForwardBitwise) {
-  const std::string command = absl::StrCat("timeout -k 5 60 ", CHANNEL_TEST_CLIENT, " compare ",
-                                           address(), " other-process 2>&1");
-  FILE* child = popen(command.c_str(), "r");
-  ASSERT_NE(child, nullptr);
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), child) != nullptr) output += buffer;
-  const int status = pclose(child);
+  int status = -1;
+  const std::string output = RunClient("compare", address(), &status);
   EXPECT_EQ(status, 0) << output;
   EXPECT_THAT(output, HasSubstr("PASS"));
 }

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Channels (DESIGN 3b) on the GPU machine in one device call, every step bounded:
+#   scripts/channel-device-run.sh pack   (here: builds with CUDA, bundles the binaries into
+#                                         .gpu-pack/channels.tar.xz, git-ignored)
+#   scripts/channel-device-run.sh run [tests|bench|sanitize|all]
+#        on the device: channel_tests and the integration suite against the CUDA backend
+#        (HOST_SHM through registered memory, CUDA_IPC with the client in a second process,
+#        bitwise against Forward), cuda_backend_test, then the e2e shape of PERFORMANCE.md over
+#        gRPC (stream), HOST_SHM and CUDA_IPC against one fresh daemon each, then
+#        compute-sanitizer memcheck on the channel tests.
+# Logs land in $OUT/logs.tgz, repacked before every step (a call cut short still returns them);
+# the summary is printed and kept in $OUT/summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${ATTND_BUILD_DIR:-build}
+
+case ${1:-} in
+  pack)
+    targets=(attnd attnctl channel_tests channel_test_client integration_tests cuda_backend_test)
+    cmake --build "$build_dir" -j "${ATTND_JOBS:-$(nproc)}" --target "${targets[@]}" >/dev/null ||
+      exit 1
+    rm -rf .gpu-pack/channels && mkdir -p .gpu-pack
+    /work/shared/tools/gpu-bundle .gpu-pack/channels \
+      "$build_dir/server/attnd" "$build_dir/client/attnctl" \
+      "$build_dir/tests/integration/channel_tests" \
+      "$build_dir/tests/integration/channel_test_client" \
+      "$build_dir/tests/integration/integration_tests" \
+      "$build_dir/tests/kernels/cuda_backend_test" || exit 1
+    tar -C .gpu-pack -cf - channels | xz -T"$(nproc)" -6 > .gpu-pack/channels.tar.xz
+    rm -rf .gpu-pack/channels
+    echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
+      > .gpu-pack/channels.commit
+    ls -la .gpu-pack
+    ;;
+  run)
+    what=${2:-all}
+    OUT=${OUT:-/tmp/channel-run}
+    logs=/tmp/channel-logs
+    mkdir -p "$OUT" "$logs"
+    rm -rf /tmp/channels
+    timeout -k 5 120 tar -C /tmp -xJf .gpu-pack/channels.tar.xz ||
+      timeout -k 5 120 python3 -c \
+        'import tarfile; tarfile.open(".gpu-pack/channels.tar.xz").extractall("/tmp")' || exit 1
+    B=/tmp/channels
+    say() { echo "$*" | tee -a "$OUT/summary.txt"; }
+    pack_logs() { tar -C "$logs" -czf "$OUT/logs.tgz.tmp" . 2>/dev/null && mv "$OUT/logs.tgz.tmp" "$OUT/logs.tgz"; }
+    say "commit $(cat .gpu-pack/channels.commit) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+    # The channel test's client child must find the bundled binary next to the test's own path.
+    # Stacks of whatever is still running when a step times out (bounded).
+    dump_stacks() {
+      local pattern=$1
+      for pid in $(pgrep -f "$pattern"); do
+        { echo "== $pid: $(tr '\0' ' ' < /proc/$pid/cmdline)"
+          timeout -k 2 20 gdb -batch -p "$pid" -ex 'thread apply all bt' 2>&1 | tail -200
+        } >> "$logs/stacks.log"
+      done
+    }
+    # gtest NAME LIMIT [ENV=VALUE...] PROGRAM [ARGS...]
+    gtest() {
+      local name=$1 limit=$2; shift 2
+      pack_logs
+      local started=$SECONDS
+      timeout -k 10 "$limit" env "$@" > "$logs/$name.log" 2>&1
+      local rc=$?
+      [[ $rc == 124 || $rc == 137 ]] && dump_stacks "$B/bin"
+      say "$name: rc=$rc in $((SECONDS - started)) s: $(grep -E '^\[  (PASSED|FAILED) |ERROR SUMMARY' "$logs/$name.log" | tr '\n' ' ')"
+      grep -E '^\[  FAILED  \]' "$logs/$name.log" | head -10 | tee -a "$OUT/summary.txt"
+      pack_logs
+    }
+    # The channel tests start their client child from the bundle.
+    export ATTND_CHANNEL_TEST_CLIENT="$B/run channel_test_client"
+    if [[ $what == all || $what == tests ]]; then
+      gtest channel_tests 180 ATTND_TEST_BACKEND=cuda "$B/run" channel_tests
+      gtest integration_cuda 300 ATTND_TEST_BACKEND=cuda "$B/run" integration_tests
+      gtest cuda_backend_test 300 "$B/run" cuda_backend_test
+    fi
+    if [[ $what == all || $what == bench ]]; then
+      shape=(--sequences=128 --layers=32 --qo_heads=32 --kv_heads=8 --head_dim=128
+             --page_size=16 --prompt_tokens=64 --steps=${ATTND_BENCH_STEPS:-50} --warmup_steps=3)
+      port=50761
+      e2e() {  # e2e NAME BENCH ARGS...: a fresh daemon, one attnctl bench run, bounded
+        local name=$1; shift
+        pack_logs
+        setsid "$B/run" attnd --backend=cuda --listen_address=127.0.0.1:$port \
+          --metrics_address= --exit_grace=2s --drain_grace=2s > "$logs/attnd_$name.log" 2>&1 &
+        local pid=$!
+        local up=0
+        for _ in $(seq 1 150); do
+          if timeout -k 2 5 "$B/run" attnctl --server=127.0.0.1:$port health > /dev/null 2>&1; then
+            up=1; break
+          fi
+          sleep 0.2
+        done
+        if [[ $up == 1 ]]; then
+          timeout -k 5 120 "$B/run" attnctl --server=127.0.0.1:$port bench "${shape[@]}" "$@" \
+            > "$logs/e2e_$name.log" 2>&1
+          local rc=$?
+          [[ $rc == 124 || $rc == 137 ]] && dump_stacks "$B/bin"
+          say "e2e $name rc=$rc $(grep -h '^RESULT' "$logs/e2e_$name.log" || tail -3 "$logs/e2e_$name.log")"
+          grep -E '^  ' "$logs/e2e_$name.log" | tee -a "$OUT/summary.txt" >/dev/null
+        else
+          say "e2e $name: attnd did not come up"
+        fi
+        kill -TERM $pid 2>/dev/null
+        for _ in $(seq 1 50); do kill -0 $pid 2>/dev/null || break; sleep 0.2; done
+        if kill -0 $pid 2>/dev/null; then
+          say "e2e $name: attnd still running 10 s after SIGTERM; stacks saved, killed"
+          dump_stacks "$B/bin/attnd"
+          kill -KILL $pid 2>/dev/null
+        fi
+        wait $pid 2>/dev/null
+        port=$((port + 1))
+        pack_logs
+      }
+      e2e grpc_stream --stream --window=1
+      e2e shm --transport=shm
+      e2e cuda_ipc --transport=cuda_ipc
+      e2e cuda_ipc_again --transport=cuda_ipc
+    fi
+    if [[ $what == all || $what == sanitize ]]; then
+      if command -v compute-sanitizer >/dev/null || [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
+        cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+        gtest memcheck_channels 300 ATTND_TEST_BACKEND=cuda LD_LIBRARY_PATH=$B/lib "$cs" \
+          --tool memcheck --target-processes all --error-exitcode 3 "$B/bin/channel_tests" \
+          --gtest_filter='*HostShm*:*CudaIpc*:*UseChannel*'
+      else
+        say "compute-sanitizer not found"
+      fi
+    fi
+    pack_logs
+    ;;
+  *)
+    echo "usage: $0 pack | run [tests|bench|sanitize|all]" >&2
+    exit 2
+    ;;
+esac
