@@ -47,13 +47,17 @@ case ${1:-} in
     say "commit $(cat .gpu-pack/channels.commit) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
     # The channel test's client child must find the bundled binary next to the test's own path.
     # Stacks of whatever is still running when a step times out (bounded).
+    gdb=$(command -v cuda-gdb || echo /usr/local/cuda/bin/cuda-gdb)
     dump_stacks() {
       local pattern=$1
       for pid in $(pgrep -f "$pattern"); do
         { echo "== $pid: $(tr '\0' ' ' < /proc/$pid/cmdline)"
-          timeout -k 2 20 gdb -batch -p "$pid" -ex 'thread apply all bt' 2>&1 | tail -200
-        } >> "$logs/stacks.log"
+          grep -E '^(State|Threads)' /proc/$pid/status
+          timeout -k 2 60 "$gdb" -batch -p "$pid" -ex 'info cuda kernels' \
+            -ex 'thread apply all bt 12' 2>&1 | grep -v '^\[New Thread' | tail -400
+        } >> "$logs/stacks.log" 2>&1
       done
+      nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> "$logs/stacks.log" 2>&1
     }
     # gtest NAME LIMIT [ENV=VALUE...] PROGRAM [ARGS...]
     gtest() {
@@ -92,10 +96,15 @@ case ${1:-} in
           sleep 0.2
         done
         if [[ $up == 1 ]]; then
-          timeout -k 5 120 "$B/run" attnctl --server=127.0.0.1:$port bench "${shape[@]}" "$@" \
-            > "$logs/e2e_$name.log" 2>&1
+          timeout -k 5 "${ATTND_E2E_LIMIT:-90}" "$B/run" attnctl --server=127.0.0.1:$port bench \
+            "${shape[@]}" "$@" > "$logs/e2e_$name.log" 2>&1 &
+          local bench=$!
+          # Stacks while it still hangs, before the timeout kills it.
+          ( sleep $(( ${ATTND_E2E_LIMIT:-90} - 20 )); kill -0 $bench 2>/dev/null && dump_stacks "$B/bin" ) &
+          local watcher=$!
+          wait $bench
           local rc=$?
-          [[ $rc == 124 || $rc == 137 ]] && dump_stacks "$B/bin"
+          kill $watcher 2>/dev/null; wait $watcher 2>/dev/null
           say "e2e $name rc=$rc $(grep -h '^RESULT' "$logs/e2e_$name.log" || tail -3 "$logs/e2e_$name.log")"
           grep -E '^  ' "$logs/e2e_$name.log" | tee -a "$OUT/summary.txt" >/dev/null
         else
@@ -112,10 +121,24 @@ case ${1:-} in
         port=$((port + 1))
         pack_logs
       }
-      e2e grpc_stream --stream --window=1
-      e2e shm --transport=shm
-      e2e cuda_ipc --transport=cuda_ipc
-      e2e cuda_ipc_again --transport=cuda_ipc
+      for case in ${ATTND_E2E_CASES:-grpc_stream shm cuda_ipc}; do
+        case $case in
+          grpc_stream) e2e grpc_stream --stream --window=1 ;;
+          shm) e2e shm --transport=shm ;;
+          cuda_ipc) e2e cuda_ipc --transport=cuda_ipc ;;
+          cuda_ipc_mps)
+            if command -v nvidia-cuda-mps-control >/dev/null; then
+              export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+              mkdir -p /tmp/mps-pipe /tmp/mps-log
+              timeout -k 2 10 nvidia-cuda-mps-control -d
+              e2e cuda_ipc_mps --transport=cuda_ipc
+              echo quit | timeout -k 2 10 nvidia-cuda-mps-control
+              unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+            else
+              say "e2e cuda_ipc_mps: no nvidia-cuda-mps-control"
+            fi ;;
+        esac
+      done
     fi
     if [[ $what == all || $what == sanitize ]]; then
       if command -v compute-sanitizer >/dev/null || [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
