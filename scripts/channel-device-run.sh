@@ -16,7 +16,8 @@ build_dir=${ATTND_BUILD_DIR:-build}
 
 case ${1:-} in
   pack)
-    targets=(attnd attnctl channel_tests channel_test_client integration_tests cuda_backend_test)
+    targets=(attnd attnctl channel_tests channel_test_client integration_tests cuda_backend_test
+             prefill_tests)
     cmake --build "$build_dir" -j "${ATTND_JOBS:-$(nproc)}" --target "${targets[@]}" >/dev/null ||
       exit 1
     rm -rf .gpu-pack/channels && mkdir -p .gpu-pack
@@ -25,7 +26,8 @@ case ${1:-} in
       "$build_dir/tests/integration/channel_tests" \
       "$build_dir/tests/integration/channel_test_client" \
       "$build_dir/tests/integration/integration_tests" \
-      "$build_dir/tests/kernels/cuda_backend_test" || exit 1
+      "$build_dir/tests/kernels/cuda_backend_test" \
+      "$build_dir/tests/kernels/prefill_tests" || exit 1
     tar -C .gpu-pack -cf - channels | xz -T"$(nproc)" -6 > .gpu-pack/channels.tar.xz
     rm -rf .gpu-pack/channels
     echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
@@ -77,6 +79,7 @@ case ${1:-} in
       gtest channel_tests 180 ATTND_TEST_BACKEND=cuda "$B/run" channel_tests
       gtest integration_cuda 300 ATTND_TEST_BACKEND=cuda "$B/run" integration_tests
       gtest cuda_backend_test 300 "$B/run" cuda_backend_test
+      gtest prefill_tests 240 "$B/run" prefill_tests
     fi
     if [[ $what == all || $what == bench ]]; then
       shape=(--sequences=128 --layers=32 --qo_heads=32 --kv_heads=8 --head_dim=128
@@ -121,7 +124,7 @@ case ${1:-} in
         port=$((port + 1))
         pack_logs
       }
-      for case in ${ATTND_E2E_CASES:-grpc_stream shm cuda_ipc}; do
+      for case in ${ATTND_E2E_CASES:-grpc_stream shm cuda_ipc cuda_ipc_mps}; do
         case $case in
           grpc_stream) e2e grpc_stream --stream --window=1 ;;
           shm) e2e shm --transport=shm ;;

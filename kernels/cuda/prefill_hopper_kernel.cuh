@@ -113,10 +113,10 @@ __device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], flo
   }
 }
 
-// `first`: as for ProduceKv.
+// `first`: as for ProduceKv. `total`: the KV tiles of all of this CTA's work.
 template <typename Shape, typename T>
 __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWork& work, uint32_t smem,
-                                        uint8_t* smem_generic, int first) {
+                                        uint8_t* smem_generic, int first, int total) {
   constexpr int kHeadDim = Shape::kHeadDim;
   constexpr int kStages = Shape::kStages;
   constexpr int kChunks = Shape::kChunks;
@@ -257,19 +257,25 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   auto parity = [&](int tile) { return static_cast<uint32_t>(((first + tile) / kStages) & 1); };
   auto stage_of = [&](int tile) { return (first + tile) % kStages; };
   // Turn-taking: each consumer waits on its own barrier before issuing and then opens the
-  // other's. Consumer 0 opens its own first; consumer 1 skips its last opening, so every phase
-  // of both barriers completes and none is left half-arrived.
+  // other's, over the CTA's whole sequence of tiles (every work's, in order), not per work.
+  // Consumer 0 opens its own turn once, before the CTA's first tile; consumer 1 skips only its
+  // opening after the CTA's last tile, so every phase of both barriers completes and none is
+  // left half-arrived. (Per work, with consumer 0 reopening itself at each work, a work of one
+  // tile let consumer 0 run a whole work ahead: two of its arrivals on consumer 1's barrier then
+  // made a phase without consumer 1, whose next sync waited forever: an intermittent hang at
+  // 64-token requests, found by the e2e bench on an H100.)
   const uint32_t my_turn = kTurnBarrier + consumer;
   const uint32_t other_turn = kTurnBarrier + (1 - consumer);
+  auto opens_other = [&](int tile) { return !(consumer == 1 && first + tile == total - 1); };
 
   const int n = work.num_kv_tiles;
   if (n > 0) {
-    if (consumer == 0) NamedBarrierArrive(my_turn, 256);
+    if (consumer == 0 && first == 0) NamedBarrierArrive(my_turn, 256);
     MbarrierWait(k_full(0), parity(0));
     FenceProxyAsync();
     NamedBarrierSync(my_turn, 256);
     issue_qk(stage_of(0));
-    if (!(consumer == 1 && n == 1)) NamedBarrierArrive(other_turn, 256);
+    if (opens_other(0)) NamedBarrierArrive(other_turn, 256);
     WgmmaWait<0>();
     FenceRegisters(s);
     release(k_empty(0));
@@ -287,7 +293,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
       MbarrierWait(v_full(tile - 1), parity(tile - 1));
       FenceProxyAsync();
       issue_pv(stage_of(tile - 1));
-      if (!(consumer == 1 && tile == n - 1)) NamedBarrierArrive(other_turn, 256);
+      if (opens_other(tile)) NamedBarrierArrive(other_turn, 256);
       WgmmaWait<1>();  // Q K_j^T has completed; P_{j-1} V_{j-1} may still run
       FenceRegisters(s);
       release(k_empty(tile));
@@ -435,10 +441,14 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     CpAsyncWaitAll();
   } else {
     ClaimRegisters<kConsumerRegisters>();
+    int total = 0;  // the turn-taking needs to know the CTA's last tile
+    for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
+      total += DecodeWork(params, index).num_kv_tiles;
+    }
     int first = 0;
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
       const CtaWork work = DecodeWork(params, index);
-      Consume<Shape, T>(params, work, smem, smem_generic, first);
+      Consume<Shape, T>(params, work, smem, smem_generic, first, total);
       first += work.num_kv_tiles;
     }
   }

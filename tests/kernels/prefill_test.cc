@@ -416,6 +416,31 @@ TEST(BatchPrefillHopperTest, MatchesReferenceOnLongAndMixedBatches) {
   CheckAgainstReference(config, q_lens, kv_lens);
 }
 
+// Many one-tile works per persistent CTA (64-token requests): the two consumer warpgroups'
+// turn-taking once let consumer 0 run a whole work ahead and left consumer 1 waiting forever
+// on a barrier phase made without it (an intermittent hang of the e2e prompt step, 128 x 64
+// tokens). Launched many times: a hang here fails the test by its timeout; every launch must
+// also give the same bits.
+TEST(BatchPrefillHopperTest, ManyOneTileWorksPerCtaFinishAndAgree) {
+  SKIP_WITHOUT_HOPPER();
+  Config config;
+  config.kernel = plan::PrefillKernel::kHopper;
+  config.num_qo_heads = 8;
+  config.num_kv_heads = 2;
+  config.split_kv = false;
+  const std::vector<int32_t> lens(256, 64);
+  const Batch batch = MakeBatch(config, lens, lens);
+  const Output first = RunGpu(batch);
+  ASSERT_TRUE(first.ok);
+  ASSERT_TRUE(first.hopper);
+  ExpectMatches(batch, first, RunReference(batch));
+  for (int launch = 0; launch < 40; ++launch) {
+    const Output again = RunGpu(batch);
+    ASSERT_TRUE(again.ok) << "launch " << launch;
+    ASSERT_EQ(again.o, first.o) << "launch " << launch;
+  }
+}
+
 TEST(BatchPrefillHopperTest, SplitKvMatchesReference) {
   SKIP_WITHOUT_HOPPER();
   uint32_t seed = 900;
