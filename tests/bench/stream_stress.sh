@@ -117,7 +117,8 @@ for ((round = 0; round < rounds; ++round)); do
     client_int)
       # Interrupted: exit 130, having printed what it measured (when the signal came before the
       # timed steps there is nothing to print).
-      [[ $bench_rc == 130 ]] || problems+=("attnctl rc=$bench_rc after SIGINT, expected 130") ;;
+      [[ $bench_rc == 130 ]] && grep -q 'stopping (cancelling' "$bench_log" ||
+        problems+=("attnctl rc=$bench_rc after SIGINT, expected 130 and its message") ;;
   esac
   # daemon_term: the SIGTERM was sent already; a second one is ignored by attnd.
   dl_daemon_stop "attnd_$tag" "$daemon" "$stop_grace_s" > /dev/null; stop_rc=$?
