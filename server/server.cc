@@ -252,10 +252,14 @@ class ServerImpl final : public Server {
       if (open > 0) LogInfo(absl::StrCat("drain grace over: aborting ", open, " open step(s)"));
       health_->SetStatus("", grpc::health::v1::HealthCheckResponse::NOT_SERVING);
       health_->Shutdown();
+      // Each phase is logged: when a shutdown hangs, the last line says where.
+      LogInfo(absl::StrCat("stopping gRPC: calls in flight get up to ",
+                           absl::FormatDuration(options_.exit_grace)));
       grpc_server_->Shutdown(std::chrono::system_clock::now() +
                              absl::ToChronoMilliseconds(options_.exit_grace));
     }
     // The engine aborts what is still open and waits for running layers before it goes.
+    LogInfo("stopping the engine: waiting for layers still on the device");
     engine_.reset();
     exposer_.reset();
     LogInfo("stopped");

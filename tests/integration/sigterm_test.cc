@@ -165,5 +165,38 @@ TEST(SigtermTest, DrainsUnderLoadAndExitsZero) {
               absl::FormatDuration(exit_after).c_str());
 }
 
+// A second SIGTERM while the drain waits for an open step ends the process at once (exit 1),
+// instead of after --drain-grace; the first one alone would have waited it out.
+TEST(SigtermTest, SecondSignalWhileDrainingExitsAtOnce) {
+  PinGrpcCallbackQueue();
+  Daemon daemon(ATTND_BINARY,
+                {"--backend=cpu", "--kv-memory-bytes=67108864", "--listen-address=127.0.0.1:0",
+                 "--metrics-address=", "--drain-grace=60s", "--exit-grace=2s"});
+  ASSERT_GT(daemon.pid(), 0);
+  const std::string serving =
+      daemon.AwaitLog("serving attnd.v1.AttentionService on port ", absl::Seconds(30));
+  ASSERT_FALSE(serving.empty()) << daemon.log();
+  int port = 0;
+  const size_t at = serving.find("on port ") + 8;
+  ASSERT_TRUE(absl::SimpleAtoi(serving.substr(at, serving.find(' ', at) - at), &port)) << serving;
+  client::ClientOptions options;
+  options.address = absl::StrCat("127.0.0.1:", port);
+  options.timeout = absl::Seconds(10);
+  ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(options));
+  ASSERT_OK(client->CreateCache("held", SmallConfig(64)).status());
+  // A step planned and never ended keeps the drain waiting.
+  ASSERT_OK_AND_ASSIGN(auto step, client->BeginStep(MakePlan("held", {{1, 3}})));
+
+  daemon.Signal(SIGTERM);
+  ASSERT_FALSE(daemon.AwaitLog("draining: waiting up to 1m", absl::Seconds(10)).empty())
+      << daemon.log();
+  const absl::Time second = absl::Now();
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(absl::Seconds(10)), 1) << daemon.log();
+  EXPECT_LT(absl::Now() - second, absl::Seconds(3));
+  EXPECT_NE(daemon.log().find("again while shutting down"), std::string::npos) << daemon.log();
+  step.reset();  // its abort fails against the daemon that is gone; the test only needs it gone
+}
+
 }  // namespace
 }  // namespace attnd::integration
