@@ -119,9 +119,20 @@ for ((round = 0; round < rounds; ++round)); do
       # timed steps there is nothing to print).
       [[ $bench_rc == 130 ]] && grep -q 'stopping (cancelling' "$bench_log" ||
         problems+=("attnctl rc=$bench_rc after SIGINT, expected 130 and its message") ;;
+    daemon_term)
+      # The bench fails (its steps refused or cut short) or, signalled late, ends; a crash on
+      # the way out (134: attnctl aborted in gRPC's teardown, seen before the client library
+      # pinned the callback queue) fails the round.
+      [[ $bench_rc == 0 || $bench_rc == 1 ]] ||
+        problems+=("attnctl rc=$bench_rc after attnd's SIGTERM, expected 0 or 1") ;;
   esac
-  # daemon_term: the SIGTERM was sent already; a second one is ignored by attnd.
-  dl_daemon_stop "attnd_$tag" "$daemon" "$stop_grace_s" > /dev/null; stop_rc=$?
+  # daemon_term: the SIGTERM was sent already; a second one exits attnd at once, so wait on.
+  if [[ $scenario == daemon_term ]]; then
+    dl_wait_exit "$daemon" "$stop_grace_s"
+    dl_daemon_stop "attnd_$tag" "$daemon" 1 > /dev/null; stop_rc=$?
+  else
+    dl_daemon_stop "attnd_$tag" "$daemon" "$stop_grace_s" > /dev/null; stop_rc=$?
+  fi
   [[ $stop_rc == 0 ]] || problems+=("attnd: $DL_STOP")
   verdict=ok
   if [[ ${#problems[@]} -gt 0 ]]; then
