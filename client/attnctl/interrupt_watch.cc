@@ -35,6 +35,10 @@ InterruptWatch::InterruptWatch() {
 InterruptWatch::~InterruptWatch() {
   stopping_.store(true);
   thread_.join();
+  // From here a signal has its default effect again (the process ends), so that nothing after
+  // the command (gRPC's teardown at exit) can outlast a SIGTERM.
+  const sigset_t signals = Watched();
+  pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
 }
 
 void InterruptWatch::OnInterrupt(std::function<void()> handler) {

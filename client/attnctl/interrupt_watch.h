@@ -17,7 +17,9 @@ namespace attnd::attnctl {
 class InterruptWatch {
  public:
   InterruptWatch();
-  ~InterruptWatch();  // stops watching; the signals stay blocked until the process exits
+  // Stops watching and unblocks the signals in the calling thread (the one that constructed
+  // the watch): a signal from then on ends the process.
+  ~InterruptWatch();
   InterruptWatch(const InterruptWatch&) = delete;
   InterruptWatch& operator=(const InterruptWatch&) = delete;
 

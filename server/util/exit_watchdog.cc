@@ -51,6 +51,10 @@ void ExitWatchdog::Done() {
     changed_.notify_all();
   }
   if (thread_.joinable()) thread_.join();
+  // What is left (static destructors, gRPC's teardown at exit) must not outlast a SIGTERM: from
+  // here a signal has its default effect in this thread.
+  const sigset_t signals = Watched();
+  pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
 }
 
 void ExitWatchdog::Loop() {

@@ -32,7 +32,8 @@ class ExitWatchdog {
   void ShuttingDown(absl::Duration limit);
   // Named in the log line when the shutdown hangs.
   void Phase(std::string phase);
-  // The shutdown finished: the thread stops.
+  // The shutdown finished: the thread stops, and SIGTERM/SIGINT are unblocked in the calling
+  // thread (the main one), so that one arriving during the process's exit ends it.
   void Done();
 
  private:
