@@ -27,7 +27,7 @@ for stage in $stages; do
       echo "== prefill_tests: a small Hopper case first (a hang shows in 60 s), then every Hopper test"
       timeout -k 10 60 $B/bin/prefill_tests --gtest_filter='BatchPrefillHopperTest.FullyMasked*' > "$OUT/tests_smoke.log" 2>&1
       rc=$?; echo "rc=$rc"; tail -5 "$OUT/tests_smoke.log"
-      if [[ $rc == 124 ]]; then echo "HANG: skipping the Hopper kernel from here"; export HOPPER_HANG=1; fi
+      if [[ $rc == 124 || $rc == 137 ]]; then echo "HANG: skipping the Hopper kernel from here"; export HOPPER_HANG=1; fi
       [[ -n $HOPPER_HANG ]] || timeout -k 10 200 $B/bin/prefill_tests --gtest_filter='*Hopper*:PrefillPlan*' > "$OUT/tests_hopper.log" 2>&1; echo "rc=$?"
       grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran|Failure|Expected|Which is|Value of|error" "$OUT/tests_hopper.log" | head -40
       ;;
