@@ -74,8 +74,10 @@ case ${1:-} in
     }
     # The daemon's shutdown bounds: draining waits for open steps up to drain_grace, then
     # in-flight calls get exit_grace; a daemon still there after both (plus a margin) hangs.
+    # The script's wait ends before attnd's own watchdog (drain + exit + 10 s = 25 s) would end
+    # the process, so that the stacks are taken while it still hangs.
     daemon_flags=(--drain_grace=10s --exit_grace=5s)
-    stop_grace=25
+    stop_grace=20
     # daemon NAME PORT [ENV=VALUE...]: a fresh attnd on loopback (DL_PID), ready or failed.
     daemon() {
       local name=$1 port=$2; shift 2

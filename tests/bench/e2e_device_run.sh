@@ -37,9 +37,10 @@ port=50551
 
 start_daemon() {  # start_daemon BINARY [ENV=VALUE...] : attnd on loopback, waits until ready
   local binary=$1; shift
-  # The current daemon's shutdown bounds (the base binary keeps its defaults: 30 s + 5 s).
+  # The current daemon's shutdown bounds (the base binary keeps its defaults: 30 s + 5 s); the
+  # wait ends before attnd's own watchdog (25 s) would, so that a hang's stacks are taken.
   local flags=(--drain_grace=10s --exit_grace=5s)
-  stop_grace=25
+  stop_grace=20
   [[ $binary == attnd ]] || { flags=(); stop_grace=45; }
   daemon_name=daemon_${binary}_$port
   dl_step "$daemon_name"
@@ -123,7 +124,7 @@ dl_daemon_start daemon_unix "$bundle/run" attnd --listen_address=unix:/tmp/attnd
   --metrics_address= --drain_grace=10s --exit_grace=5s
 daemon=$DL_PID
 daemon_name=daemon_unix
-stop_grace=25
+stop_grace=20
 dl_daemon_ready "$daemon" 60 "$bundle/run" attnctl --server=unix:/tmp/attnd-e2e.sock --timeout=3s \
   health || echo "daemon (unix socket) did not become ready"
 for args in "stream_w1_unix --stream --window=1" "stream_mb2_w2_unix --stream --micro_batches=2 --window=2"; do

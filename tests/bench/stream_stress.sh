@@ -30,7 +30,9 @@ dl_init "$logs" "$out" stress_logs.tgz "${ATTND_STRESS_DEADLINE_S:-0}"
 trap dl_kill_daemons EXIT
 drain_s=5
 exit_s=5
-stop_grace_s=$((drain_s + exit_s + 10))
+# Shorter than attnd's own watchdog (drain + exit + 10 s), so that a hang's stacks are taken
+# before the watchdog ends the process.
+stop_grace_s=$((drain_s + exit_s + 7))
 port=${ATTND_STRESS_PORT:-50661}
 
 if [[ ${ATTND_STRESS_SHAPE:-cpu} == gpu ]]; then
