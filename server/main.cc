@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "server.h"
+#include "util/exit_watchdog.h"
 #include "util/log.h"
 
 ABSL_FLAG(std::string, listen_address, "0.0.0.0:50051", "gRPC listen address (host:port)");
@@ -66,6 +67,10 @@ ABSL_FLAG(absl::Duration, exit_grace, absl::Seconds(5),
           "After draining, how long in-flight RPCs get before they are cancelled");
 
 namespace {
+
+// Beyond drain_grace + exit_grace, what the shutdown may take (the engine's last layers, the
+// backend's release) before the watchdog ends the process.
+constexpr absl::Duration kShutdownMargin = absl::Seconds(10);
 
 // Accepts --kv-memory-bytes as well as --kv_memory_bytes: dashes in a flag's name (before '=')
 // become underscores.
@@ -163,19 +168,24 @@ int main(int argc, char** argv) {
       " keepalive_permit_without_calls=",
       options.keepalive.permit_without_calls ? "true" : "false"));
 
-  // Signals are taken synchronously by this thread; every other thread inherits the mask.
+  // Signals are taken synchronously by this thread; every other thread inherits the mask. The
+  // watchdog takes SIGTERM and SIGINT while this thread cannot (starting, shutting down), and
+  // bounds the shutdown: a second signal, or a drain that overstays drain_grace + exit_grace +
+  // a margin, ends the process at once (util/exit_watchdog.h).
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  attnd::ExitWatchdog watchdog;
 
   auto server = attnd::Server::Start(options);
   if (!server.ok()) {
     attnd::LogError(absl::StrCat("cannot start: ", server.status().ToString()));
     return 1;
   }
+  watchdog.Serving();
   int signal_number = 0;
   for (;;) {
     sigwait(&signals, &signal_number);
@@ -184,7 +194,13 @@ int main(int argc, char** argv) {
       attnd::LogError(absl::StrCat("SIGHUP: ", reloaded.message()));
     }
   }
-  attnd::LogInfo(absl::StrCat("received ", strsignal(signal_number), ": draining"));
+  watchdog.ShuttingDown(options.drain_grace + options.exit_grace + kShutdownMargin);
+  attnd::LogInfo(absl::StrCat("received ", strsignal(signal_number),
+                              ": draining (send it again to exit at once)"));
+  watchdog.Phase("Server::Shutdown (see the log lines above)");
   (*server)->Shutdown();
+  watchdog.Phase("releasing the server (backend, device memory)");
+  server->reset();
+  watchdog.Done();
   return 0;
 }

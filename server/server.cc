@@ -254,10 +254,14 @@ class ServerImpl final : public Server {
       engine_->CloseAllChannels("server shutting down");
       health_->SetStatus("", grpc::health::v1::HealthCheckResponse::NOT_SERVING);
       health_->Shutdown();
+      // Each phase is logged: when a shutdown hangs, the last line says where.
+      LogInfo(absl::StrCat("stopping gRPC: calls in flight get up to ",
+                           absl::FormatDuration(options_.exit_grace)));
       grpc_server_->Shutdown(std::chrono::system_clock::now() +
                              absl::ToChronoMilliseconds(options_.exit_grace));
     }
     // The engine aborts what is still open and waits for running layers before it goes.
+    LogInfo("stopping the engine: waiting for layers still on the device");
     engine_.reset();
     exposer_.reset();
     LogInfo("stopped");

@@ -9,6 +9,11 @@
 // timed steps from GetStats (a delta, so run it alone on the daemon); overhead = latency minus
 // the mean kernel time of a Forward; steps/s and the kernels-only rate (steps per second of
 // summed kernel time).
+//
+// SIGINT or SIGTERM ends a run early: the stream is cancelled (unary calls in flight finish),
+// what was measured so far is printed (RESULT ... interrupted=1), the cache is deleted, and the
+// exit code is 128 + the signal's number. A second signal exits at once.
+#include <string.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -29,6 +35,7 @@
 #include "channel_bench.h"
 #include "commands.h"
 #include "global_flags.h"
+#include "interrupt_watch.h"
 #include "latency.h"
 #include "printing.h"
 #include "progress_bar.h"
@@ -89,12 +96,20 @@ KernelTotal SumKernels(const attnd::v1::GetStatsResponse& stats) {
 class Bench {
  public:
   Bench(client::Client& client, attnd::v1::CacheInfo cache, BenchSettings settings,
-        uint64_t first_sequence_id)
+        uint64_t first_sequence_id, const InterruptWatch& interrupts)
       : client_(client),
         cache_(std::move(cache)),
         settings_(settings),
         first_id_(first_sequence_id),
+        interrupts_(interrupts),
         rng_(absl::GetFlag(FLAGS_seed)) {}
+
+  // From the interrupt watch's thread: stop issuing work and cancel the stream, so that every
+  // forward waiting on it fails at once. Unary calls in flight finish (or reach --timeout).
+  void Interrupt() {
+    std::lock_guard lock(session_mu_);
+    if (session_ != nullptr) session_->Cancel();
+  }
 
   // Returns false when the benchmark could not run at all.
   bool Run(int64_t max_step_tokens) {
@@ -104,18 +119,25 @@ class Bench {
         PrintError("open ForwardStream", session.status());
         return false;
       }
+      std::lock_guard lock(session_mu_);
       session_ = *std::move(session);
+      // A signal that came before the stream existed cancels it now.
+      if (interrupted()) session_->Cancel();
     }
-    if (!Prefill(max_step_tokens)) return false;
+    if (!Prefill(max_step_tokens)) return interrupted();
     int32_t step_index = 0;
-    for (int32_t s = 0; s < settings_.warmup_steps; ++s) {
-      if (!RunDecodeStep(step_index++, /*timed=*/false)) return false;
+    for (int32_t s = 0; s < settings_.warmup_steps && !interrupted(); ++s) {
+      if (!RunDecodeStep(step_index++, /*timed=*/false)) return interrupted();
     }
 
-    auto before = client_.GetStats();
+    std::optional<attnd::v1::GetStatsResponse> before;
+    if (!interrupted()) {
+      auto stats = client_.GetStats();
+      if (stats.ok()) before = *std::move(stats);
+    }
     ProgressBar progress("bench", settings_.steps);
     const absl::Time start = absl::Now();
-    for (int32_t s = 0; s < settings_.steps; ++s) {
+    for (int32_t s = 0; s < settings_.steps && !interrupted(); ++s) {
       const absl::Time step_start = absl::Now();
       if (RunDecodeStep(step_index++, /*timed=*/true)) {
         step_latency_.Record(absl::Now() - step_start);
@@ -126,20 +148,25 @@ class Bench {
     }
     elapsed_ = absl::Now() - start;
     progress.Finish();
-    auto after = client_.GetStats();
-    if (before.ok() && after.ok()) {
-      const KernelTotal b = SumKernels(*before);
-      const KernelTotal a = SumKernels(*after);
-      kernel_seconds_ = a.seconds - b.seconds;
-      kernel_launches_ = a.count - b.count;
-      have_kernels_ = true;
+    // Interrupted: no more calls than the cleanup needs (the daemon may be what hangs).
+    if (before.has_value() && !interrupted()) {
+      auto after = client_.GetStats();
+      if (after.ok()) {
+        const KernelTotal b = SumKernels(*before);
+        const KernelTotal a = SumKernels(*after);
+        kernel_seconds_ = a.seconds - b.seconds;
+        kernel_launches_ = a.count - b.count;
+        have_kernels_ = true;
+      }
     }
     if (session_ != nullptr) {
       absl::Status closed = session_->Close();
-      if (!closed.ok()) PrintError("close ForwardStream", closed);
+      if (!closed.ok() && !interrupted()) PrintError("close ForwardStream", closed);
     }
     return true;
   }
+
+  bool interrupted() const { return interrupts_.signal() != 0; }
 
   void PrintSummary() {
     const double seconds = absl::ToDoubleSeconds(elapsed_);
@@ -183,12 +210,16 @@ class Bench {
     }
     absl::PrintF("  errors     %d%s\n", errors_,
                  first_error_.ok() ? "" : absl::StrCat(" (first: ", first_error_.ToString(), ")"));
+    if (interrupted()) {
+      absl::PrintF("  interrupted by %s after %d of %d timed steps (kernel time not fetched)\n",
+                   strsignal(interrupts_.signal()), steps_ok_, settings_.steps);
+    }
     // One line for scripts.
     absl::PrintF(
         "RESULT transport=%s window=%d micro_batches=%d raw=%d sequences=%d layers=%d "
         "prefill_tokens=%d steps=%d layer_p50_us=%.1f layer_p90_us=%.1f layer_p99_us=%.1f "
         "kernel_us=%.1f overhead_p50_us=%.1f overhead_p99_us=%.1f steps_per_s=%.2f "
-        "kernel_steps_per_s=%.2f plan_p50_us=%.1f errors=%d\n",
+        "kernel_steps_per_s=%.2f plan_p50_us=%.1f errors=%d interrupted=%d\n",
         settings_.stream ? "stream" : "unary", settings_.window, settings_.micro_batches,
         settings_.raw ? 1 : 0, settings_.sequences, layers, settings_.prefill_tokens, steps_ok_,
         absl::ToDoubleMicroseconds(layer_latency_.Percentile(50)),
@@ -196,7 +227,8 @@ class Bench {
         absl::ToDoubleMicroseconds(layer_latency_.Percentile(99)), kernel_us,
         absl::ToDoubleMicroseconds(layer_latency_.Percentile(50)) - kernel_us,
         absl::ToDoubleMicroseconds(layer_latency_.Percentile(99)) - kernel_us, steps_per_second,
-        kernel_rate, absl::ToDoubleMicroseconds(plan_latency_.Percentile(50)), errors_);
+        kernel_rate, absl::ToDoubleMicroseconds(plan_latency_.Percentile(50)), errors_,
+        interrupted() ? 1 : 0);
   }
 
   // Frees what the benchmark created on a cache it did not create.
@@ -281,6 +313,8 @@ class Bench {
   }
 
   void CountError(const absl::Status& status) {
+    // What an interruption cancels is not an error of the daemon's.
+    if (interrupted()) return;
     if (first_error_.ok()) first_error_ = status;
     ++errors_;
   }
@@ -316,13 +350,15 @@ class Bench {
     const int32_t layers = cache_.config().num_layers();
     const attnd::v1::CacheConfig& config = cache_.config();
     const int64_t q_width = int64_t{config.num_qo_heads()} * config.head_dim();
-    for (int32_t layer = 0; layer < layers && step_error.ok(); ++layer) {
+    bool stop = false;
+    for (int32_t layer = 0; layer < layers && !stop; ++layer) {
       for (size_t b = 0; b < steps.size(); ++b) {
         client::Step& step = *steps[b];
         {
           std::unique_lock lock(mu);
           cv.wait(lock, [&] { return in_flight < settings_.window; });
-          if (!step_error.ok()) break;
+          stop = !step_error.ok() || interrupted();
+          if (stop) break;
           ++in_flight;
         }
         const attnd::v1::ForwardRequest& payload = Payload(step.num_tokens());
@@ -361,7 +397,7 @@ class Bench {
       std::unique_lock lock(mu);
       cv.wait(lock, [&] { return in_flight == 0; });
     }
-    if (!step_error.ok()) {
+    if (!step_error.ok() || interrupted()) {
       CountError(step_error);
       return false;
     }
@@ -389,7 +425,9 @@ class Bench {
   const attnd::v1::CacheInfo cache_;
   const BenchSettings settings_;
   const uint64_t first_id_;
+  const InterruptWatch& interrupts_;
   std::mt19937_64 rng_;
+  std::mutex session_mu_;  // session_ is set once, by Run; Interrupt reads it from another thread
   std::unique_ptr<client::StreamSession> session_;
   std::map<int64_t, attnd::v1::ForwardRequest> payloads_;
   std::vector<std::vector<uint8_t>> outputs_;
@@ -427,6 +465,8 @@ int RunBench(const Args& args) {
                   "--raw=true|false --cache=NAME] [cache shape flags]\n");
     return kExitUsage;
   }
+  // Before the first channel, so that gRPC's threads start with the signals blocked.
+  InterruptWatch interrupts;
   BenchSettings settings;
   settings.sequences = absl::GetFlag(FLAGS_sequences);
   settings.steps = absl::GetFlag(FLAGS_steps);
@@ -518,7 +558,8 @@ int RunBench(const Args& args) {
                     : settings.stream          ? cache.config().num_layers() * settings.micro_batches
                                                : settings.micro_batches;
 
-  Bench bench(**client, cache, settings, first_id);
+  Bench bench(**client, cache, settings, first_id, interrupts);
+  interrupts.OnInterrupt([&bench] { bench.Interrupt(); });
   // Prefill steps stay within the step limit and within the message limit (q, k and v of a
   // step travel in one Forward message).
   int64_t max_step_tokens =
@@ -535,6 +576,7 @@ int RunBench(const Args& args) {
         1, std::min(max_step_tokens, max_message_bytes * 9 / 10 / token_bytes));
   }
   const bool ran = bench.Run(max_step_tokens);
+  interrupts.OnInterrupt(nullptr);
   if (ran) bench.PrintSummary();
   if (existing.empty()) {
     absl::Status deleted = (*client)->DeleteCache(cache.name(), /*force=*/true);
@@ -542,6 +584,7 @@ int RunBench(const Args& args) {
   } else {
     bench.FreeSequences();
   }
+  if (interrupts.signal() != 0) return InterruptedExitCode(interrupts.signal());
   return ran && bench.errors() == 0 ? kExitOk : kExitFailure;
 }
 

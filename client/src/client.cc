@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "attnd/client/status.h"
 #include "attnd/status_macros.h"
+#include "callback_queue_pin.h"
 #include "stream_session_impl.h"
 #include "unary_step.h"
 
@@ -60,6 +61,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     return absl::InvalidArgumentError(
         "tls: a client certificate and its private key come together");
   }
+  PinCallbackQueue();
   auto channel = grpc::CreateCustomChannel(options.address, Credentials(options.tls),
                                            ChannelArgs(options));
   if (channel == nullptr) {

@@ -16,11 +16,12 @@
 
 namespace attnd::integration {
 
-// attnd as a child process, its stderr read through a pipe. Killed (SIGKILL) on destruction
-// unless it already exited.
+// attnd (or attnctl) as a child process, its stderr (and with `capture_stdout` its stdout too)
+// read through a pipe. Killed (SIGKILL) on destruction unless it already exited.
 class Daemon {
  public:
-  Daemon(const std::string& binary, const std::vector<std::string>& flags) {
+  Daemon(const std::string& binary, const std::vector<std::string>& flags,
+         bool capture_stdout = false) {
     // Built before fork: the child of a threaded process may only make async-signal-safe calls.
     std::vector<std::string> args = {binary};
     args.insert(args.end(), flags.begin(), flags.end());
@@ -32,6 +33,7 @@ class Daemon {
     pid_ = fork();
     if (pid_ == 0) {
       dup2(fds[1], STDERR_FILENO);
+      if (capture_stdout) dup2(fds[1], STDOUT_FILENO);
       close(fds[0]);
       close(fds[1]);
       execv(argv[0], argv.data());
@@ -71,14 +73,24 @@ class Daemon {
 
   void Signal(int signal_number) { kill(pid_, signal_number); }
 
+  // Whether the process has not exited yet (reaps it when it has; see exit_status).
+  bool Running() {
+    if (reaped_) return false;
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) != pid_) return true;
+    reaped_ = true;
+    exit_status_ = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return false;
+  }
+  int exit_status() const { return exit_status_; }
+
   // Waits for the exit; returns the exit status, or -1 (timeout or killed by a signal).
   int Wait(absl::Duration timeout) {
     const absl::Time deadline = absl::Now() + timeout;
     while (absl::Now() < deadline) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        reaped_ = true;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      if (!Running()) {
+        AwaitLog("\x01", absl::Milliseconds(50));  // what it wrote last
+        return exit_status_;
       }
       AwaitLog("\x01", absl::Milliseconds(50));  // keep draining the pipe
     }
@@ -92,6 +104,7 @@ class Daemon {
   pid_t pid_ = -1;
   int stderr_fd_ = -1;
   bool reaped_ = false;
+  int exit_status_ = -1;
   std::string log_;
   size_t scanned_ = 0;
 };
