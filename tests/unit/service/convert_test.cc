@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <ostream>
+
 namespace absl {
 ABSL_NAMESPACE_BEGIN
 inline void PrintTo(absl::string_view text, std::ostream* os) { *os << '"' << text << '"'; }
@@ -69,6 +71,10 @@ struct BadConfigCase {
   void (*mutate)(v1::CreateCacheRequest&);
   const char* field;
 };
+
+// gtest prints a parameter in test listings and failures; without this, as raw bytes
+// (padding included), which change from build to build.
+void PrintTo(const BadConfigCase& c, std::ostream* os) { *os << c.name; }
 
 class BadConfigTest : public ::testing::TestWithParam<BadConfigCase> {};
 
