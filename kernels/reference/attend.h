@@ -39,13 +39,20 @@ inline int64_t RoundUp(int64_t value, int64_t multiple) {
 // Keys per tile: a tile of K (transposed) and V stays in a core's L2 cache.
 inline int64_t TileKeysFor(int32_t qk_dim) { return qk_dim <= 256 ? 128 : 64; }
 
-// True when every one of values[0, count) is finite. x * 0 is NaN exactly for NaN and +-inf,
-// and a sum of zeros stays zero; no branch per element.
+// True when every one of values[0, count) is finite: v - v is 0 for a finite v and NaN for
+// NaN and +-inf. Four independent integer ANDs, no branch per element (a few percent of a
+// prefill's time at -O2, where the loop is not vectorised).
 template <typename T>
 inline bool AllFinite(const T* values, int64_t count) {
-  T poison = 0;
-  for (int64_t i = 0; i < count; ++i) poison += values[i] * T{0};
-  return poison == T{0};
+  int finite[4] = {1, 1, 1, 1};
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    for (int lane = 0; lane < 4; ++lane) {
+      finite[lane] &= static_cast<int>(values[i + lane] - values[i + lane] == T{0});
+    }
+  }
+  for (; i < count; ++i) finite[0] &= static_cast<int>(values[i] - values[i] == T{0});
+  return (finite[0] & finite[1] & finite[2] & finite[3]) != 0;
 }
 
 // Scratch of one thread, reused across tasks so steady-state calls do not allocate.
