@@ -14,11 +14,16 @@ packages=(
 # a real Prometheus (and promtool), npm to install buf, docker-compose to validate
 # deploy/compose.yaml offline, python3-yaml to read the manifests.
 e2e_packages=()
+# npm alone, with ATTND_CLIENT_DEPS=1 (scripts/run.sh sets it): it installs buf, the reflection
+# client behind scripts/grpcurl.
+if [[ "${ATTND_CLIENT_DEPS:-0}" == 1 ]] && ! command -v npm >/dev/null; then
+  e2e_packages+=(npm)
+fi
 if [[ "${ATTND_E2E_DEPS:-0}" == 1 ]]; then
   e2e_packages+=(prometheus docker-compose python3-yaml)
   # npm may come with a Node.js that is not Debian's (e.g. NodeSource's nodejs bundles npm);
   # Debian's npm package would conflict with it, so only ask for it when there is no npm.
-  command -v npm >/dev/null || e2e_packages+=(npm)
+  command -v npm >/dev/null || [[ " ${e2e_packages[*]} " == *" npm "* ]] || e2e_packages+=(npm)
 fi
 
 missing_of() {

@@ -5,11 +5,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "commands.h"
 
 namespace {
@@ -32,8 +35,80 @@ constexpr char kUsage[] =
     "global flags: --server=HOST:PORT (localhost:50051) --timeout=30s --json\n"
     "  TLS: --tls (system roots) | --tls_ca=CA.pem, [--tls_cert=C.pem --tls_key=K.pem] (mutual),\n"
     "       [--tls_server_name=NAME]; bearer token: --token_file=FILE | $ATTND_TOKEN | --token\n"
-    "Flag names accept dashes or underscores (--qo-heads = --qo_heads).\n"
-    "Run attnctl --help for every flag.";
+    "Flag names accept dashes or underscores (--qo-heads = --qo_heads).";
+
+// attnctl's flags by the file that defines them, in the order --help lists them.
+struct FlagGroup {
+  const char* file;
+  const char* heading;
+};
+constexpr FlagGroup kFlagGroups[] = {
+    {"global_flags.cc", "global flags (every command)"},
+    {"info_commands.cc", "health"},
+    {"cache_flags.cc", "cache shape (cache create; demo and bench take them too)"},
+    {"cache_commands.cc", "cache delete"},
+    {"demo.cc", "demo"},
+    {"bench.cc", "bench"},
+};
+
+// Appends `text` wrapped at 78 columns, each line indented by `indent` spaces.
+void AppendWrapped(std::string& out, absl::string_view text, size_t indent) {
+  size_t column = 0;
+  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    if (column > 0 && column + 1 + word.size() > 78) {
+      out += "\n";
+      column = 0;
+    }
+    if (column == 0) {
+      out.append(indent, ' ');
+      column = indent;
+    } else {
+      out += ' ';
+      ++column;
+    }
+    absl::StrAppend(&out, word);
+    column += word.size();
+  }
+  out += "\n";
+}
+
+// The whole help: commands, then every attnctl flag under its command, with its default.
+std::string FullHelp() {
+  std::string out = absl::StrCat("usage: ", kUsage, "\n");
+  std::vector<absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::StrContains(flag->Filename(), "attnctl/")) flags.push_back(flag);
+  }
+  std::sort(flags.begin(), flags.end(),
+            [](const auto* a, const auto* b) { return a->Name() < b->Name(); });
+  auto grouped = [](const absl::CommandLineFlag* flag, const char* file) {
+    if (file != nullptr) return absl::EndsWith(flag->Filename(), absl::StrCat("/", file));
+    // A flag of a file without a group of its own is listed last, under "other flags".
+    return std::none_of(std::begin(kFlagGroups), std::end(kFlagGroups), [&](const FlagGroup& g) {
+      return absl::EndsWith(flag->Filename(), absl::StrCat("/", g.file));
+    });
+  };
+  std::vector<FlagGroup> groups(std::begin(kFlagGroups), std::end(kFlagGroups));
+  groups.push_back({nullptr, "other flags"});
+  for (const FlagGroup& group : groups) {
+    std::string listed;
+    for (const absl::CommandLineFlag* flag : flags) {
+      if (!grouped(flag, group.file)) continue;
+      const std::string default_value = flag->DefaultValue();
+      absl::StrAppend(&listed, "  --", flag->Name(),
+                      default_value.empty() ? "" : absl::StrCat(" (default ", default_value, ")"),
+                      "\n");
+      AppendWrapped(listed, flag->Help(), 6);
+    }
+    if (!listed.empty()) absl::StrAppend(&out, "\n", group.heading, ":\n", listed);
+  }
+  return out;
+}
+
+bool IsHelpFlag(const std::string& arg) {
+  return arg == "-h" || arg == "--help" || arg == "-help" || arg == "--helpfull" ||
+         arg == "-helpfull" || arg == "--helpshort" || arg == "-helpshort";
+}
 
 // absl flags spell names with underscores; accept the dashed spelling users type too.
 // Only the name part (before '=') changes; arguments after a bare "--" are left alone.
@@ -68,6 +143,14 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
 
   std::vector<std::string> normalised = NormaliseFlagNames(argc, argv);
+  // Help is an answer, not a usage error: print it to stdout and exit 0 (Abseil's own
+  // --help exits 1 and heads groups with source paths).
+  for (size_t i = 1; i < normalised.size() && normalised[i] != "--"; ++i) {
+    if (IsHelpFlag(normalised[i])) {
+      absl::PrintF("%s", FullHelp());
+      return attnd::attnctl::kExitOk;
+    }
+  }
   std::vector<char*> pointers;
   for (std::string& arg : normalised) pointers.push_back(arg.data());
   std::vector<char*> positional =
@@ -76,7 +159,7 @@ int main(int argc, char** argv) {
   using attnd::attnctl::Args;
   Args args(positional.begin() + 1, positional.end());
   if (args.empty()) {
-    absl::FPrintF(stderr, "%s\n", kUsage);
+    absl::FPrintF(stderr, "usage: %s\nattnctl --help lists every flag.\n", kUsage);
     return attnd::attnctl::kExitUsage;
   }
   const std::string command = args.front();
@@ -88,9 +171,10 @@ int main(int argc, char** argv) {
   if (command == "demo") return attnd::attnctl::RunDemo(args);
   if (command == "bench") return attnd::attnctl::RunBench(args);
   if (command == "help") {
-    absl::PrintF("%s\n", kUsage);
+    absl::PrintF("%s", FullHelp());
     return attnd::attnctl::kExitOk;
   }
-  absl::FPrintF(stderr, "attnctl: unknown command '%s'\n\n%s\n", command, kUsage);
+  absl::FPrintF(stderr, "attnctl: unknown command '%s'\n\nusage: %s\nattnctl --help lists every flag.\n",
+                command, kUsage);
   return attnd::attnctl::kExitUsage;
 }

@@ -39,6 +39,22 @@ inline int64_t RoundUp(int64_t value, int64_t multiple) {
 // Keys per tile: a tile of K (transposed) and V stays in a core's L2 cache.
 inline int64_t TileKeysFor(int32_t qk_dim) { return qk_dim <= 256 ? 128 : 64; }
 
+// True when every one of values[0, count) is finite: v - v is 0 for a finite v and NaN for
+// NaN and +-inf. Four independent integer ANDs, no branch per element (a few percent of a
+// prefill's time at -O2, where the loop is not vectorised).
+template <typename T>
+inline bool AllFinite(const T* values, int64_t count) {
+  int finite[4] = {1, 1, 1, 1};
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    for (int lane = 0; lane < 4; ++lane) {
+      finite[lane] &= static_cast<int>(values[i + lane] - values[i + lane] == T{0});
+    }
+  }
+  for (; i < count; ++i) finite[0] &= static_cast<int>(values[i] - values[i] == T{0});
+  return (finite[0] & finite[1] & finite[2] & finite[3]) != 0;
+}
+
 // Scratch of one thread, reused across tasks so steady-state calls do not allocate.
 template <typename T>
 struct AttendWorkspace {
@@ -52,6 +68,7 @@ struct AttendWorkspace {
   std::vector<T> scores;  // [kBlockRows][tile_keys]
   std::vector<T> probs;   // [kBlockRows][tile_keys]
   std::vector<KeyRange> ranges;
+  std::vector<uint8_t> poisoned;  // [num_rows]: a score the row sees is not finite
 
   static AttendWorkspace& ForThisThread() {
     thread_local AttendWorkspace workspace;
@@ -64,8 +81,14 @@ struct AttendWorkspace {
 //   load_kv(first_key, num_keys, T* k, int64_t k_stride, T* v, int64_t v_stride)
 //       // key k (of num_keys from first_key) into k[k * k_stride + d] and v[k * v_stride + d]
 //   write_row(row, const T* o, T lse)     // v_dim normalised outputs (zeros, lse -inf when
-//                                         // the row sees no key)
+//                                         // the row sees no key; NaN, lse NaN when an input
+//                                         // it reads is not finite)
 // Rows' ranges must be filled into workspace.ranges[0, num_rows) before the call.
+//
+// Non-finite inputs (DESIGN 4, both backends): NaN in, NaN out for the rows it touches. A row
+// that sees at least one key and whose q, or the k or v of a key it sees, holds a NaN or an
+// infinity gets o = NaN in every dim and lse = NaN; other rows are unaffected. Without this
+// rule a NaN score would be skipped by the running max and the row would read as masked.
 template <typename T, typename LoadQ, typename LoadKv, typename WriteRow>
 void AttendChunk(AttendWorkspace<T>& ws, int64_t num_rows, int32_t qk_dim, int32_t v_dim,
                  const AttentionParams& params, LoadQ&& load_q, LoadKv&& load_kv,
@@ -87,6 +110,7 @@ void AttendChunk(AttendWorkspace<T>& ws, int64_t num_rows, int32_t qk_dim, int32
   ws.o.assign(static_cast<size_t>(num_rows) * v_dim_padded, T{0});
   ws.max_score.assign(num_rows, kNegInf);
   ws.denominator.assign(num_rows, T{0});
+  ws.poisoned.assign(num_rows, 0);
   ws.scores.resize(static_cast<size_t>(kBlockRows) * tile_keys);
   ws.probs.resize(static_cast<size_t>(kBlockRows) * tile_keys);
 
@@ -121,6 +145,7 @@ void AttendChunk(AttendWorkspace<T>& ws, int64_t num_rows, int32_t qk_dim, int32
         const KeyRange& range = ws.ranges[block + r];
         local[r] = {std::max(range.begin, tile_begin) - tile_begin,
                     std::min(range.end, tile_end) - tile_begin};
+        if (ws.poisoned[block + r]) local[r] = {};  // NaN already: nothing more to add
         if (local[r].empty()) continue;
         block_union.begin = std::min(block_union.begin, local[r].begin);
         block_union.end = std::max(block_union.end, local[r].end);
@@ -146,6 +171,14 @@ void AttendChunk(AttendWorkspace<T>& ws, int64_t num_rows, int32_t qk_dim, int32
       for (int r = 0; r < block_rows; ++r) {
         if (local[r].empty()) continue;
         T* scores = score_rows[r];
+        // Checked before the soft cap, which would map an infinite score to a finite one. A
+        // non-finite q or k makes the score non-finite (NaN times anything, inf times a
+        // non-zero, inf times zero); such a row adds nothing more and is written as NaN.
+        if (!AllFinite(scores + local[r].begin, local[r].end - local[r].begin)) {
+          ws.poisoned[block + r] = 1;
+          local[r] = {};
+          continue;
+        }
         const T tile_max =
             kernels.scale_scores(scores, local[r].begin, local[r].end, sm_scale, soft_cap);
         T& running_max = ws.max_score[block + r];
@@ -189,7 +222,12 @@ void AttendChunk(AttendWorkspace<T>& ws, int64_t num_rows, int32_t qk_dim, int32
   for (int64_t row = 0; row < num_rows; ++row) {
     T* o = ws.o.data() + row * v_dim_padded;
     const T denominator = ws.denominator[row];
-    if (denominator > 0) {
+    // A non-finite v of a seen key leaves a NaN or inf in o (even times a zero probability).
+    if (ws.poisoned[row] || (denominator > 0 && !AllFinite(o, v_dim))) {
+      constexpr T kNaN = std::numeric_limits<T>::quiet_NaN();
+      std::fill(o, o + v_dim, kNaN);
+      write_row(row, static_cast<const T*>(o), kNaN);
+    } else if (denominator > 0) {
       for (int32_t d = 0; d < v_dim; ++d) o[d] /= denominator;
       write_row(row, static_cast<const T*>(o), ws.max_score[row] + std::log(denominator));
     } else {

@@ -1,9 +1,11 @@
 #include "backend/backend_factory.h"
 
+#include "absl/strings/str_cat.h"
 #include "backend/cpu_backend.h"
 #ifdef ATTND_HAVE_CUDA_BACKEND
 #include "backend/cuda_backend.h"
 #endif
+#include "util/log.h"
 
 namespace attnd {
 
@@ -18,14 +20,23 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions
       cuda.observer = options.observer;
       return MakeCudaBackend(cuda);
     }
+    // Say why: a missing driver, a container without the GPU, CUDA_VISIBLE_DEVICES="".
+    const std::string reason = CudaUnavailableReason();
     if (options.kind == BackendKind::kCuda) {
-      return absl::FailedPreconditionError("--backend=cuda: no CUDA device is visible");
+      return absl::FailedPreconditionError(
+          absl::StrCat("--backend=cuda: no CUDA device is visible (", reason, ")"));
     }
+    LogInfo(absl::StrCat("backend auto: no CUDA device is visible (", reason,
+                         "); using the CPU backend"));
   }
 #else
   if (options.kind == BackendKind::kCuda) {
     return absl::FailedPreconditionError(
         "--backend=cuda: this attnd was built without CUDA (ATTND_CUDA=OFF or no nvcc)");
+  }
+  if (options.kind == BackendKind::kAuto) {
+    LogInfo("backend auto: this attnd was built without CUDA (ATTND_CUDA=OFF or no nvcc); "
+            "using the CPU backend");
   }
 #endif
   CpuBackendOptions cpu;

@@ -263,6 +263,19 @@ int CudaDeviceCount() {
   return count;
 }
 
+std::string CudaUnavailableReason() {
+  PreferEagerModuleLoading();
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) {
+    cudaGetLastError();
+    return absl::StrCat("cudaGetDeviceCount: ", cudaGetErrorString(error), " (",
+                        cudaGetErrorName(error), ")");
+  }
+  if (count == 0) return "cudaGetDeviceCount found no device";
+  return "";
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options) {
   ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> backend, CudaBackend::Create(options));
   return std::unique_ptr<Backend>(std::move(backend));

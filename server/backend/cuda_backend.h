@@ -31,6 +31,10 @@ struct CudaBackendOptions {
 // Visible CUDA devices; 0 on any error (no driver, no device), so callers can fall back.
 int CudaDeviceCount();
 
+// Why CudaDeviceCount() is 0, in the runtime's words (e.g. "cudaGetDeviceCount: no
+// CUDA-capable device is detected (cudaErrorNoDevice)"); empty when a device is visible.
+std::string CudaUnavailableReason();
+
 // Uses device 0 (set CUDA_VISIBLE_DEVICES to pick another). RESOURCE_EXHAUSTED when the
 // reservation fails, FAILED_PRECONDITION without a device.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options);

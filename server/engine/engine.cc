@@ -331,17 +331,11 @@ void Engine::EndStep(uint64_t step_id, bool abort,
           done(absl::NotFoundError(absl::StrCat("step_id: no open step ", step_id)));
         });
       } else {
-        // A repeated EndStep reports what happened; asking to abort a committed step cannot
-        // undo it, and says so.
+        // A repeated EndStep reports what happened, as the proto promises. An abort that
+        // comes after the step committed changes nothing and answers COMMITTED: the caller
+        // needs that outcome (its lengths moved) more than an error.
         const EndStepResult result = finished->second.result;
-        if (abort && result.outcome == StepOutcome::kCommitted) {
-          deferred.push_back([done, step_id] {
-            done(absl::FailedPreconditionError(
-                absl::StrCat("step_id: step ", step_id, " already committed")));
-          });
-        } else {
-          deferred.push_back([done, result] { done(result); });
-        }
+        deferred.push_back([done, result] { done(result); });
       }
     } else if (!abort && it->second->channel != nullptr &&
                it->second->layers_done < static_cast<int32_t>(it->second->layers.size())) {

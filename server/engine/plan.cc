@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -56,6 +57,32 @@ absl::Status ResolveOptions(const AttentionOptionsSpec& spec, const CacheSpec& c
   return absl::OkStatus();
 }
 
+// A page listed twice in one entry's table would hold two of its positions in one slot.
+// Ids are range-checked before this. A per-thread bitmap over the pool (num_pages / 8 bytes),
+// cleared again after each use, keeps this linear in the table's length.
+absl::Status CheckNoRepeatedPage(const std::vector<int32_t>& page_ids, int64_t num_pages,
+                                 const std::string& field) {
+  thread_local std::vector<uint64_t> seen;
+  if (static_cast<int64_t>(seen.size()) * 64 < num_pages) seen.resize((num_pages + 63) / 64);
+  absl::Status status;
+  size_t marked = 0;
+  for (; marked < page_ids.size(); ++marked) {
+    const int32_t page = page_ids[marked];
+    uint64_t& word = seen[page / 64];
+    const uint64_t bit = uint64_t{1} << (page % 64);
+    if (word & bit) {
+      const size_t first = std::find(page_ids.begin(), page_ids.end(), page) - page_ids.begin();
+      status = absl::InvalidArgumentError(absl::StrCat(
+          field, "[", marked, "]: page ", page, " repeats ", field.substr(field.rfind('.') + 1),
+          "[", first, "] of the same entry (one page holds page_size positions, once)"));
+      break;
+    }
+    word |= bit;
+  }
+  for (size_t i = 0; i < marked; ++i) seen[page_ids[i] / 64] = 0;
+  return status;
+}
+
 // Checks an EXTERNAL entry's page table against the pools.
 absl::Status ValidateExternalEntry(const PlanEntrySpec& entry, size_t index,
                                    const CacheSpec& cache) {
@@ -84,6 +111,7 @@ absl::Status ValidateExternalEntry(const PlanEntrySpec& entry, size_t index,
                                                      "), got ", entry.page_ids[i]));
     }
   }
+  RETURN_IF_ERROR(CheckNoRepeatedPage(entry.page_ids, num_pages, absl::StrCat(field, ".page_ids")));
   if (!cache.separate_kv) {
     if (!entry.v_page_ids.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -103,6 +131,56 @@ absl::Status ValidateExternalEntry(const PlanEntrySpec& entry, size_t index,
       return absl::InvalidArgumentError(absl::StrCat(field, ".v_page_ids[", i,
                                                      "]: expected a page id in [0, ", num_pages,
                                                      "), got ", entry.v_page_ids[i]));
+    }
+  }
+  return CheckNoRepeatedPage(entry.v_page_ids, num_pages, absl::StrCat(field, ".v_page_ids"));
+}
+
+// The slots [first_offset, last_offset] of `page` that one entry's new tokens write.
+struct PageWrite {
+  int32_t page;
+  int32_t first_offset;
+  int32_t last_offset;
+  size_t entry;
+  bool operator<(const PageWrite& other) const {
+    return std::tie(page, first_offset) < std::tie(other.page, other.first_offset);
+  }
+};
+
+// Two EXTERNAL entries whose new tokens land on the same (page, slot) in one step would race
+// (on the GPU) and leave the client's cache holding one of them. Pages that entries only read
+// (a shared prefix) may be shared. Cost: one record per page an entry writes, not per token.
+absl::Status CheckExternalWrites(const std::vector<PlanEntrySpec>& entries, int32_t page_size,
+                                 bool separate_kv) {
+  for (const bool v_pool : {false, true}) {
+    if (v_pool && !separate_kv) break;  // SHARED: V goes where K goes
+    std::vector<PageWrite> writes;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const PlanEntrySpec& entry = entries[i];
+      if (entry.num_new_tokens <= 0) continue;
+      const std::vector<int32_t>& ids = v_pool ? entry.v_page_ids : entry.page_ids;
+      const int64_t first = entry.kv_len - entry.num_new_tokens;
+      for (int64_t position = first; position < entry.kv_len;) {
+        const int64_t index = position / page_size;
+        const int64_t page_end = std::min<int64_t>((index + 1) * page_size, entry.kv_len);
+        writes.push_back({ids[index], static_cast<int32_t>(position % page_size),
+                          static_cast<int32_t>((page_end - 1) % page_size), i});
+        position = page_end;
+      }
+    }
+    std::sort(writes.begin(), writes.end());
+    for (size_t w = 1; w < writes.size(); ++w) {
+      const PageWrite& before = writes[w - 1];
+      const PageWrite& after = writes[w];
+      // Within a page one entry's writes form one range, so comparing neighbours suffices.
+      if (after.page == before.page && after.first_offset <= before.last_offset) {
+        const size_t low = std::min(before.entry, after.entry);
+        const size_t high = std::max(before.entry, after.entry);
+        return absl::InvalidArgumentError(absl::StrCat(
+            "entries[", high, "].pages: its new tokens write ", v_pool ? "V page " : "page ",
+            after.page, " slot ", after.first_offset, " that entries[", low,
+            "] also writes in this step"));
+      }
     }
   }
   return absl::OkStatus();
@@ -228,7 +306,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
                                                      entry.num_new_tokens));
     }
     num_tokens += entry.num_new_tokens;
-    if (entry.num_new_tokens == 0) continue;  // padding: inert, its id and pages unused
+    if (entry.num_new_tokens == 0) continue;  // padding: inert, its pages unused
     if (!managed) {
       RETURN_IF_ERROR(ValidateExternalEntry(entry, i, cache->spec));
       table_pages += static_cast<int64_t>(entry.page_ids.size());
@@ -264,6 +342,20 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
     pages_needed += PagesFor(length + entry.num_new_tokens, page_size) - pages_held;
     table_pages += PagesFor(length + entry.num_new_tokens, page_size);
   }
+  if (managed) {
+    // A padding slot may not name a sequence that has tokens in this plan (each id once per
+    // plan); padding slots may share one id among themselves.
+    for (size_t i = 0; i < spec.entries.size(); ++i) {
+      if (spec.entries[i].num_new_tokens != 0) continue;
+      auto it = first_entry_of.find(spec.entries[i].sequence_id);
+      if (it != first_entry_of.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "entries[", i, "].sequence_id: padding slot names sequence ",
+            spec.entries[i].sequence_id, " of entries[", it->second,
+            "]; each id at most once per plan"));
+      }
+    }
+  }
   if (num_tokens > limits.max_step_tokens) {
     return absl::InvalidArgumentError(absl::StrCat("entries: ", num_tokens,
                                                    " new tokens exceed the per-step limit of ",
@@ -274,6 +366,9 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
     return absl::InvalidArgumentError(absl::StrCat(
         "entries: ", num_tokens, " new tokens exceed channel ", spec.channel_id,
         "'s max_tokens of ", channel->spec.max_tokens));
+  }
+  if (!managed) {
+    RETURN_IF_ERROR(CheckExternalWrites(spec.entries, page_size, cache->spec.separate_kv));
   }
   if (managed && pages_needed > cache->allocator->free_pages()) {
     return absl::ResourceExhaustedError(absl::StrCat(

@@ -10,16 +10,11 @@ namespace attnd {
 namespace {
 
 // 1-2-5 steps from 5 us to 10 s: kernels of a few microseconds and multi-second prefills both
-// land in a bucket of their own decade.
+// land in a bucket of their own decade. Written out, not computed: 1e-6 * 5 is not 5e-6 in
+// binary, and a computed bound would print as le="9.999999999999999e-06".
 prometheus::Histogram::BucketBoundaries DurationBuckets() {
-  prometheus::Histogram::BucketBoundaries bounds;
-  for (double decade = 1e-6; decade < 20.0; decade *= 10.0) {
-    for (double step : {1.0, 2.0, 5.0}) {
-      const double bound = decade * step;
-      if (bound >= 5e-6 && bound <= 10.0) bounds.push_back(bound);
-    }
-  }
-  return bounds;
+  return {5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
+          2e-2, 5e-2, 1e-1, 2e-1, 5e-1, 1.0,  2.0,  5.0,  10.0};
 }
 
 prometheus::Histogram::BucketBoundaries TokenBuckets() {

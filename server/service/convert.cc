@@ -25,6 +25,15 @@ absl::Status Invalid(absl::string_view field, absl::string_view expected, const 
   }
 }
 
+// An enum's name for messages; a value the proto does not define has no name, so say which.
+template <typename Enum>
+std::string EnumText(const std::string& name, Enum value) {
+  if (!name.empty()) return name;
+  return absl::StrCat(static_cast<int>(value), " (not a defined value)");
+}
+
+std::string DTypeText(v1::DType dtype) { return EnumText(v1::DType_Name(dtype), dtype); }
+
 bool ValidName(const std::string& name) {
   if (name.empty() || name.size() > 128) return false;
   for (const char c : name) {
@@ -106,7 +115,7 @@ absl::StatusOr<DType> KvDTypeFromProto(v1::DType dtype, DType q_dtype) {
   if (dtype == v1::DTYPE_FLOAT16) return DType::kFloat16;
   if (dtype == v1::DTYPE_BFLOAT16) return DType::kBFloat16;
   if (dtype == v1::DTYPE_FLOAT8_E4M3) return DType::kFloat8E4M3;
-  return Invalid("config.kv_dtype", "FLOAT16, BFLOAT16 or FLOAT8_E4M3", v1::DType_Name(dtype));
+  return Invalid("config.kv_dtype", "FLOAT16, BFLOAT16 or FLOAT8_E4M3", DTypeText(dtype));
 }
 
 absl::StatusOr<float> ScaleFromProto(float scale, absl::string_view field) {
@@ -179,7 +188,7 @@ absl::Status GeometryFromProto(const v1::CacheConfig& config, CacheGeometry& g) 
       break;
     default:
       return Invalid("config.q_dtype", "FLOAT16 or BFLOAT16 (default BFLOAT16)",
-                     v1::DType_Name(config.q_dtype()));
+                     DTypeText(config.q_dtype()));
   }
   ASSIGN_OR_RETURN(g.kv_dtype, KvDTypeFromProto(config.kv_dtype(), g.q_dtype));
   ASSIGN_OR_RETURN(g.k_scale, ScaleFromProto(config.k_scale(), "config.k_scale"));
@@ -205,9 +214,12 @@ absl::Status GeometryFromProto(const v1::CacheConfig& config, CacheGeometry& g) 
         return Invalid("config.memory_bytes", "> 0", config.memory_bytes());
       }
       g.num_pages = config.memory_bytes() / g.BytesPerPage();
-      if (g.num_pages < 1) {
+      if (g.num_pages < 1 || g.num_pages > std::numeric_limits<int32_t>::max()) {
         return Invalid("config.memory_bytes",
-                       absl::StrCat("at least one page (", g.BytesPerPage(), " bytes)"),
+                       absl::StrCat("one page (", g.BytesPerPage(), " bytes) to ",
+                                    std::numeric_limits<int32_t>::max(), " pages (",
+                                    std::numeric_limits<int32_t>::max() * g.BytesPerPage(),
+                                    " bytes)"),
                        config.memory_bytes());
       }
       break;
@@ -279,7 +291,7 @@ absl::StatusOr<DType> DTypeFromProto(v1::DType dtype, absl::string_view field) {
     case v1::DTYPE_FLOAT32:
       return DType::kFloat32;
     default:
-      return Invalid(field, "FLOAT16, BFLOAT16, FLOAT8_E4M3 or FLOAT32", v1::DType_Name(dtype));
+      return Invalid(field, "FLOAT16, BFLOAT16, FLOAT8_E4M3 or FLOAT32", DTypeText(dtype));
   }
 }
 

@@ -82,6 +82,18 @@ TEST_F(MetricsTest, AttndFamiliesAreExposedAndMove) {
             std::max(0.0, Sample(before, "attnd_kernel_duration_seconds_count")));
   EXPECT_GT(Sample(after, "attnd_plan_duration_seconds_count"),
             std::max(0.0, Sample(before, "attnd_plan_duration_seconds_count")));
+  // Duration buckets are 1-2-5 steps from 5 us to 10 s, printed as written.
+  for (const char* bound : {"le=\"5e-06\"", "le=\"1e-05\"", "le=\"0.002\"", "le=\"10\""}) {
+    EXPECT_GE(Sample(after, "attnd_kernel_duration_seconds_bucket", {bound}), 0) << bound;
+  }
+  std::istringstream lines(after);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t le = line.find("le=\"");
+    if (le == std::string::npos) continue;
+    const std::string bound = line.substr(le, line.find('"', le + 4) - le);
+    EXPECT_EQ(bound.find("9999"), std::string::npos) << "inexact bucket bound: " << line;
+    EXPECT_EQ(bound.find("0000"), std::string::npos) << "inexact bucket bound: " << line;
+  }
   // Sequence 1 holds 2 pages and sequence 2 one page of 4 tokens.
   EXPECT_EQ(Sample(after, "attnd_kv_pages", {"cache=\"m\"", "state=\"used\""}), 3);
   EXPECT_EQ(Sample(after, "attnd_kv_pages", {"cache=\"m\"", "state=\"free\""}), 61);

@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <random>
 #include <thread>
 
@@ -151,6 +152,10 @@ struct Variant {
   float v_scale;
   attnd::v1::RopeStyle rope;
 };
+
+// gtest prints a parameter in test listings and failures; without this, as raw bytes
+// (padding included), which change from build to build.
+void PrintTo(const Variant& c, std::ostream* os) { *os << c.name; }
 
 class StepsVariantTest : public IntegrationTest, public ::testing::WithParamInterface<Variant> {};
 

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -335,6 +336,10 @@ std::vector<AppendCase> AppendCases() {
   }
   return cases;
 }
+
+// gtest prints a parameter in test listings and failures; without this, as raw bytes
+// (padding included), which change from build to build.
+void PrintTo(const AppendCase& c, std::ostream* os) { *os << CaseName(c); }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, AppendSweepTest, ::testing::ValuesIn(AppendCases()),
                          [](const ::testing::TestParamInfo<AppendCase>& info) {

@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <set>
 #include <string>
@@ -319,6 +320,10 @@ std::vector<ScenarioStep> Scenario(const CacheGeometry& g) {
   return steps;
 }
 
+// gtest prints a parameter in test listings and failures; without this, as raw bytes
+// (padding included), which change from build to build.
+void PrintTo(const CacheConfig& c, std::ostream* os) { *os << c.name; }
+
 class CudaBackendVsCpuTest : public ::testing::TestWithParam<CacheConfig> {};
 
 TEST_P(CudaBackendVsCpuTest, MatchesTheReferenceStepByStep) {
@@ -570,6 +575,10 @@ std::vector<LayerInputs> RandomMlaInputs(const CacheGeometry& g, int64_t tokens,
   }
   return inputs;
 }
+
+// gtest prints a parameter in test listings and failures; without this, as raw bytes
+// (padding included), which change from build to build.
+void PrintTo(const MlaCacheConfig& c, std::ostream* os) { *os << c.name; }
 
 class CudaBackendMlaVsCpuTest : public ::testing::TestWithParam<MlaCacheConfig> {};
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -354,6 +355,10 @@ std::vector<DecodeCase> SweepCases() {
   }
   return cases;
 }
+
+// gtest prints a parameter in test listings and failures; without this, as raw bytes
+// (padding included), which change from build to build.
+void PrintTo(const DecodeCase& c, std::ostream* os) { *os << CaseName(c); }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, DecodeSweepTest, ::testing::ValuesIn(SweepCases()),
                          [](const ::testing::TestParamInfo<DecodeCase>& info) {

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <string>
 #include <utility>
@@ -418,6 +419,10 @@ std::vector<MlaCase> SweepCases() {
   }
   return cases;
 }
+
+// gtest prints a parameter in test listings and failures; without this, as raw bytes
+// (padding included), which change from build to build.
+void PrintTo(const MlaCase& c, std::ostream* os) { *os << CaseName(c); }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, MlaSweepTest, ::testing::ValuesIn(SweepCases()),
                          [](const ::testing::TestParamInfo<MlaCase>& info) {

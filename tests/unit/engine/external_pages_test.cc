@@ -82,6 +82,56 @@ TEST_P(ExternalPagesTest, RangeChecksEveryId) {
   }
 }
 
+TEST_P(ExternalPagesTest, RefusesAPageRepeatedWithinOneEntry) {
+  // Positions 0..3 and 4..7 would share page 5's four slots.
+  const absl::Status status = PlanStatus(External(8, 8, {5, 5}, V({1, 2})));
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(),
+              HasSubstr("entries[0].pages.page_ids[1]: page 5 repeats page_ids[0]"));
+  if (GetParam()) {
+    const absl::Status v_repeat = PlanStatus(External(1, 9, {1, 2, 3}, {7, 4, 7}));
+    EXPECT_EQ(v_repeat.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(v_repeat.message(),
+                HasSubstr("entries[0].pages.v_page_ids[2]: page 7 repeats v_page_ids[0]"));
+  }
+  // The same ids in a later plan are fine once the table names distinct pages.
+  EXPECT_TRUE(PlanStatus(External(8, 8, {5, 6}, V({1, 2}))).ok());
+}
+
+TEST_P(ExternalPagesTest, RefusesTwoEntriesWritingOneSlot) {
+  PlanSpec plan;
+  plan.cache = "x";
+  // Entry 0 writes page 2 slots 1..3; entry 2 writes page 2 slot 3 (position 7 of its table).
+  plan.entries.push_back(External(3, 8, {1, 2}, V({1, 2})));
+  plan.entries.push_back(External(0, 0, {}));
+  plan.entries.push_back(External(1, 8, {4, 2}, V({3, 2})));
+  const absl::Status status = engine->Plan(plan).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(),
+              HasSubstr("entries[2].pages: its new tokens write page 2 slot 3 that entries[0] "
+                        "also writes"));
+  EXPECT_EQ(engine->OpenSteps(), 0);
+  if (GetParam()) {
+    // SEPARATE_KV: distinct K pages but one V slot.
+    plan.entries[2] = External(1, 8, {4, 3}, {3, 2});
+    const absl::Status v_clash = engine->Plan(plan).status();
+    EXPECT_EQ(v_clash.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(v_clash.message(), HasSubstr("write V page 2 slot 3 that entries[0]"));
+  }
+}
+
+TEST_P(ExternalPagesTest, AllowsSharedPrefixPagesAndDisjointSlots) {
+  PlanSpec plan;
+  plan.cache = "x";
+  // Both read prefix page 0 and write their own pages; the third writes slot 0 of page 2,
+  // which the first writes from slot 1 on.
+  plan.entries.push_back(External(3, 8, {0, 2}, V({0, 2})));
+  plan.entries.push_back(External(2, 6, {0, 3}, V({0, 3})));
+  plan.entries.push_back(External(1, 1, {2}, V({2})));
+  auto planned = engine->Plan(plan);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+}
+
 TEST_P(ExternalPagesTest, WritesOnlyTheNamedPages) {
   const std::vector<uint8_t> k_before = Pool(false);
   const std::vector<uint8_t> v_before = Pool(true);

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -236,6 +237,82 @@ TEST(BatchAttention, FullyMaskedRowsGiveZeroOutputAndNegativeInfinityLse) {
       }
     }
     for (int32_t h = 0; h < 2; ++h) EXPECT_TRUE(std::isfinite(out.lse[4 * 2 + h]));
+  }
+}
+
+void PutFloat(std::vector<uint8_t>& bytes, int64_t element, float value) {
+  std::memcpy(bytes.data() + element * sizeof(float), &value, sizeof(float));
+}
+
+// NaN in, NaN out for the rows it touches (DESIGN 4): a row whose q, or the k or v of a key it
+// sees, holds NaN or +-inf gets o = NaN in every dim and lse = NaN; every other row comes out
+// bit for bit as without the bad value, with or without a soft cap (which would turn an
+// infinite score finite).
+TEST(BatchAttention, NonFiniteInputsGiveNaNRowsTheyTouchAndNoOthers) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  PagedCacheSpec spec;
+  spec.num_heads = 1;
+  spec.head_dim = 64;
+  spec.dtype = DType::kFloat32;
+  spec.page_size = 16;
+  spec.kv_lens = std::vector<int64_t>(8, 20);  // 3 causal rows each, at positions 17..19
+  spec.seed = 3;
+  constexpr int32_t kHeads = 2;                // GQA group of 2
+  for (const float soft_cap : {0.0f, 30.0f}) {
+    AttentionParams params;
+    params.causal = true;
+    params.logits_soft_cap = soft_cap;
+    Problem clean = MakeProblem(spec, std::vector<int32_t>(8, 3), kHeads, params);
+    Problem bad = MakeProblem(spec, std::vector<int32_t>(8, 3), kHeads, params);
+    // Rows are (request * 3 + i, head); `touched` lists what each poison must turn to NaN.
+    std::vector<std::pair<int64_t, int32_t>> touched;
+    auto q_element = [&](int64_t row, int32_t head, int32_t dim) {
+      return (row * kHeads + head) * spec.head_dim + dim;
+    };
+    PutFloat(bad.q.bytes, q_element(1 * 3 + 2, 0, 5), kNaN);    // request 1: q NaN, row 2 head 0
+    touched.push_back({5, 0});
+    PutFloat(bad.q.bytes, q_element(2 * 3 + 0, 1, 63), -kInf);  // request 2: q -inf, row 0 head 1
+    touched.push_back({6, 1});
+    // request 3: k +inf at key 18, seen by rows 1 and 2 (positions 18, 19), not row 0.
+    PutFloat(bad.cache.k_pool(), bad.cache.ElementOffset(3, 18, 0, 7, false), kInf);
+    for (int32_t h = 0; h < kHeads; ++h) touched.insert(touched.end(), {{10, h}, {11, h}});
+    // request 4: k -inf at key 3, seen by every row.
+    PutFloat(bad.cache.k_pool(), bad.cache.ElementOffset(4, 3, 0, 0, false), -kInf);
+    for (int32_t h = 0; h < kHeads; ++h)
+      touched.insert(touched.end(), {{12, h}, {13, h}, {14, h}});
+    // request 5: v NaN at key 18 (rows 1, 2); request 6: v +inf at key 19 (row 2 only).
+    PutFloat(bad.cache.v_pool(), bad.cache.ElementOffset(5, 18, 0, 9, true), kNaN);
+    for (int32_t h = 0; h < kHeads; ++h) touched.insert(touched.end(), {{16, h}, {17, h}});
+    PutFloat(bad.cache.v_pool(), bad.cache.ElementOffset(6, 19, 0, 0, true), kInf);
+    for (int32_t h = 0; h < kHeads; ++h) touched.push_back({20, h});
+    // request 7, and the untouched rows of the others, stay as they were.
+
+    for (const Accumulation accumulation : {Accumulation::kFloat32, Accumulation::kFloat64}) {
+      SCOPED_TRACE(::testing::Message() << "soft cap " << soft_cap << ", float"
+                                        << (accumulation == Accumulation::kFloat64 ? 64 : 32));
+      const Output want = RunAttention(clean, accumulation);
+      const Output got = RunAttention(bad, accumulation);
+      for (int64_t row = 0; row < 24; ++row) {
+        for (int32_t h = 0; h < kHeads; ++h) {
+          const bool nan_row =
+              std::find(touched.begin(), touched.end(), std::make_pair(row, h)) != touched.end();
+          const float lse = got.lse[row * kHeads + h];
+          if (nan_row) {
+            EXPECT_TRUE(std::isnan(lse)) << "row " << row << " head " << h << " lse " << lse;
+            for (int32_t d = 0; d < spec.head_dim; ++d)
+              ASSERT_TRUE(std::isnan(got.o.At(row, h, d))) << "row " << row << " head " << h
+                                                          << " dim " << d;
+          } else {
+            EXPECT_EQ(FloatBits(lse), FloatBits(want.lse[row * kHeads + h]))
+                << "row " << row << " head " << h;
+            for (int32_t d = 0; d < spec.head_dim; ++d)
+              ASSERT_EQ(got.o.At(row, h, d), want.o.At(row, h, d))
+                  << "row " << row << " head " << h << " dim " << d;
+          }
+        }
+      }
+    }
   }
 }
 

@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <ostream>
+
 namespace absl {
 ABSL_NAMESPACE_BEGIN
 inline void PrintTo(absl::string_view text, std::ostream* os) { *os << '"' << text << '"'; }
@@ -70,6 +72,10 @@ struct BadConfigCase {
   const char* field;
 };
 
+// gtest prints a parameter in test listings and failures; without this, as raw bytes
+// (padding included), which change from build to build.
+void PrintTo(const BadConfigCase& c, std::ostream* os) { *os << c.name; }
+
 class BadConfigTest : public ::testing::TestWithParam<BadConfigCase> {};
 
 TEST_P(BadConfigTest, NamesTheField) {
@@ -111,6 +117,14 @@ INSTANTIATE_TEST_SUITE_P(
                       "config.num_pages"},
         BadConfigCase{"TinyBudget", [](auto& r) { r.mutable_config()->set_memory_bytes(100); },
                       "config.memory_bytes"},
+        // Names the field the caller set, not the page count derived from it.
+        BadConfigCase{"HugeBudget",
+                      [](auto& r) { r.mutable_config()->set_memory_bytes(int64_t{1} << 62); },
+                      "config.memory_bytes: expected one page"},
+        BadConfigCase{"UnknownQDtype",
+                      [](auto& r) { r.mutable_config()->set_q_dtype(static_cast<v1::DType>(77)); },
+                      "config.q_dtype: expected FLOAT16 or BFLOAT16 (default BFLOAT16), got 77 "
+                      "(not a defined value)"},
         BadConfigCase{"OddRotaryDim",
                       [](auto& r) {
                         r.mutable_config()->mutable_rope()->set_style(v1::ROPE_STYLE_NEOX);
@@ -182,6 +196,14 @@ TEST(ForwardArgsFromProtoTest, RejectsMismatchedValuesAndBadShapes) {
   ForwardArgs third;
   status = ForwardArgsFromProto(unset, third, scratch);
   EXPECT_THAT(status.message(), HasSubstr("v.dtype"));
+
+  v1::ForwardRequest unknown;
+  unknown.mutable_q()->set_dtype(static_cast<v1::DType>(42));
+  unknown.mutable_q()->add_shape(1);
+  ForwardArgs fourth;
+  status = ForwardArgsFromProto(unknown, fourth, scratch);
+  EXPECT_THAT(status.message(), HasSubstr("q.dtype: expected FLOAT16, BFLOAT16, FLOAT8_E4M3 or "
+                                          "FLOAT32, got 42 (not a defined value)"));
 }
 
 }  // namespace
