@@ -219,7 +219,7 @@ class Client:
         request = cfg.plan_request(cache, entries, cfg.attention_options(options, **option_fields),
                                    channel)
         plan = self.plan(request)
-        return Step(self, plan, self.cache_config(cache), channel)
+        return Step(self, plan, self.cache_config(cache), channel, request.options.return_lse)
 
     def stream(self, window=16):
         """Opens a ForwardStream (several steps and layers in flight on one call)."""

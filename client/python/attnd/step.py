@@ -44,8 +44,9 @@ def chain(source, convert):
 class Step:
     """An open step. Made by Client.step / ForwardStream.step; see the module comment."""
 
-    def __init__(self, transport, plan, config, channel=None):
+    def __init__(self, transport, plan, config, channel=None, return_lse=False):
         self._transport = transport
+        self.return_lse = return_lse
         self.plan = plan
         self.config = config
         self.channel = channel

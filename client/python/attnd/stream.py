@@ -139,7 +139,8 @@ class ForwardStream:
         config = self._client.cache_config(cache)
         request = cfg.plan_request(cache, entries, cfg.attention_options(options, **option_fields),
                                    channel)
-        return chain(self.plan_async(request), lambda plan: Step(self, plan, config, channel))
+        return chain(self.plan_async(request), lambda plan: Step(self, plan, config, channel,
+                                                    request.options.return_lse))
 
     def step(self, cache, entries, options=None, channel=None, **option_fields):
         """Plans a batch on this stream and returns the open Step (see Client.step)."""
