@@ -103,7 +103,11 @@ def attnd_bin(request):
 def server(attnd_bin):
     process = AttndProcess(attnd_bin, ["--step_ttl=20s", "--drain_grace=1s", "--exit_grace=1s"])
     yield process
-    process.stop()
+    # attnd must have survived everything the tests sent it, and drain cleanly.
+    alive = process.process.poll() is None
+    code = process.stop()
+    assert alive and code == 0, (f"attnd {'exited ' + str(process.process.returncode) if not alive else 'stopped with ' + str(code)} during the tests; its log:\n"
+                                 f"{process.log_tail()}")
 
 
 @pytest.fixture(scope="session")

@@ -159,7 +159,9 @@ def test_stream_with_steps_and_layers_in_flight(client, cache_name):
         futures = {(s, layer): steps[s].forward_async(layer, *inputs[(s, layer)])
                    for s in range(2) for layer in range(3)}
         results = {key: future.result(10) for key, future in futures.items()}
-        assert [results[(s, 2)].step_committed for s in range(2)] == [True, True]
+        # Layers in flight may run in any order: whichever ran last committed its step.
+        for s in range(2):
+            assert sum(results[(s, layer)].step_committed for layer in range(3)) == 1
         # Layer 0 of micro-batch 0: sequence 10's 4 tokens attend causally among themselves.
         q, k, v = inputs[(0, 0)]
         expected, _ = attention(f16(q[:4]), f16(k[:4]), f16(v[:4]))

@@ -98,8 +98,11 @@ class TinyLlama(torch.nn.Module):
 # (bfloat16, 8-bit mantissa on q/k/v/o). The bounds leave ~5x room, and are far below what a
 # wrong RoPE position, theta or causal mask produces (errors of order 1).
 @pytest.mark.parametrize("q_dtype,tolerance", [("float16", 0.01), ("bfloat16", 0.05)])
+@pytest.mark.parametrize("transport", ["stream", "host_shm"])
 def test_llama_logits_match_with_attention_served_by_attnd(client, cache_name, q_dtype,
-                                                           tolerance):
+                                                           tolerance, transport):
+    if transport == "host_shm" and "channel_host_shm" not in client.server_info().extensions:
+        pytest.skip("this attnd has no HOST_SHM channels")
     client.create_cache(cache_name, num_layers=LAYERS, num_qo_heads=HEADS,
                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, q_dtype=q_dtype,
                         page_size=16, num_pages=64, rope={"style": "neox", "theta": THETA})
@@ -109,16 +112,22 @@ def test_llama_logits_match_with_attention_served_by_attnd(client, cache_name, q
     sequences = workload.make_sequences(VOCAB, prompt_lengths=[5, 23, 40, 9, 17],
                                         max_new_tokens=[12, 6, 10, 8, 5],
                                         arrivals=[0, 0, 0, 4, 7], seed=1)
-    with client.stream() as stream:
-        stats = workload.serve(lambda entries: stream.step(cache_name, entries), model.served,
-                               sequences, prefill_chunk=16,
-                               free=lambda ids: client.free_sequences(cache_name, ids))
+    free = lambda ids: client.free_sequences(cache_name, ids)  # noqa: E731
+    if transport == "stream":
+        with client.stream() as stream:
+            stats = workload.serve(lambda entries: stream.step(cache_name, entries),
+                                   model.served, sequences, prefill_chunk=16, free=free)
+    else:  # every layer's q/k/v and o through the shared ring and its flags
+        with client.open_channel(cache_name, "host_shm", max_tokens=64) as channel:
+            stats = workload.serve(lambda entries: client.step(cache_name, entries,
+                                                               channel=channel),
+                                   model.served, sequences, prefill_chunk=16, free=free)
     assert stats.max_batch >= 3 and stats.decode_tokens == sum(s.max_new_tokens - 1
                                                                for s in sequences)
     assert client.get_cache(cache_name).used_pages == 0  # every sequence freed
     result = workload.compare(sequences, model.reference)
-    print(f"{q_dtype}: {result.positions} positions, max |logit error| "
+    print(f"{q_dtype} {transport}: {result.positions} positions, max |logit error| "
           f"{result.max_abs_logit_error:.4f} (logits up to {result.logit_scale:.2f}), "
-          f"{stats.tokens_per_second:.0f} tokens/s over gRPC on the CPU backend")
+          f"{stats.tokens_per_second:.0f} tokens/s ({transport}, CPU backend)")
     assert result.max_abs_logit_error < tolerance
     assert result.greedy_mismatches == []
