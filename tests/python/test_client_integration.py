@@ -1,6 +1,7 @@
 """The Python client against a real attnd (CPU backend): every RPC, errors with their codes,
 steps that commit and roll back, a ForwardStream with several steps and layers in flight, and
 outputs checked against a float64 oracle."""
+import os
 import threading
 
 import grpc
@@ -216,3 +217,14 @@ def test_bearer_token_is_sent_and_checked(attnd_bin, tmp_path):
             assert mallory.health() == "SERVING"  # health needs no token
     finally:
         process.stop()
+
+
+def test_readme_python_quickstart_runs_as_written(server, capsys):
+    import re
+    from conftest import REPO
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    block = re.search(r"```python\n(import numpy as np\nimport attnd\n.*?)```", readme, re.S)
+    assert block, "README.md lost its Python quickstart"
+    exec(block.group(1).replace('"localhost:50051"', f'"{server.address}"'), {})
+    assert float(capsys.readouterr().out.strip()) < 5e-4
