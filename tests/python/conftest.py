@@ -24,6 +24,9 @@ if os.environ.get("ATTND_INSTALLED") != "1":
 def pytest_addoption(parser):
     parser.addoption("--attnd", default=os.environ.get("ATTND_BIN"),
                      help="the attnd binary to test against")
+    parser.addoption("--backend", default=os.environ.get("ATTND_TEST_BACKEND", "cpu"),
+                     help="attnd --backend for the session's server (cpu in CI; cuda on a GPU "
+                          "machine runs the CUDA_IPC tests too)")
 
 
 def free_port():
@@ -38,15 +41,15 @@ def _die_with_parent():
 
 
 class AttndProcess:
-    """attnd --backend=cpu on a free loopback port; `address` is host:port."""
+    """attnd (CPU backend unless told) on a free loopback port; `address` is host:port."""
 
-    def __init__(self, binary, extra_args=(), attempts=3):
+    def __init__(self, binary, extra_args=(), attempts=3, backend="cpu"):
         self.log = tempfile.NamedTemporaryFile(prefix="attnd-py-", suffix=".log", delete=False)
         for _ in range(attempts):
             self.port = free_port()
             self.address = f"127.0.0.1:{self.port}"
             self.process = subprocess.Popen(
-                [binary, "--backend=cpu", f"--listen_address={self.address}",
+                [binary, f"--backend={backend}", f"--listen_address={self.address}",
                  "--metrics_address=", "--kv_memory_bytes=268435456", *extra_args],
                 stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent)
@@ -100,8 +103,9 @@ def attnd_bin(request):
 
 
 @pytest.fixture(scope="session")
-def server(attnd_bin):
-    process = AttndProcess(attnd_bin, ["--step_ttl=20s", "--drain_grace=1s", "--exit_grace=1s"])
+def server(attnd_bin, request):
+    process = AttndProcess(attnd_bin, ["--step_ttl=20s", "--drain_grace=1s", "--exit_grace=1s"],
+                           backend=request.config.getoption("--backend"))
     yield process
     # attnd must have survived everything the tests sent it, and drain cleanly.
     alive = process.process.poll() is None
