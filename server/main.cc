@@ -30,6 +30,10 @@ ABSL_FLAG(int32_t, max_stream_in_flight, 64,
           "Messages one ForwardStream may have in flight before the server stops reading it");
 ABSL_FLAG(int32_t, max_streams_per_connection, 256,
           "Concurrent calls (HTTP/2 streams) per client connection; further calls wait");
+ABSL_FLAG(int64_t, max_channel_bytes, int64_t{4} << 30,
+          "Bytes all open channels' rings may take together (device memory for CUDA_IPC, "
+          "/dev/shm for HOST_SHM)");
+ABSL_FLAG(int32_t, max_channels, 64, "Most channels open at once, across tenants");
 ABSL_FLAG(absl::Duration, step_ttl, absl::Seconds(60),
           "Open steps idle this long are aborted and rolled back");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of the gRPC port; with --tls_key "
@@ -114,6 +118,8 @@ int main(int argc, char** argv) {
   options.limits.max_open_steps_per_tenant = absl::GetFlag(FLAGS_max_open_steps_per_tenant);
   options.limits.max_stream_in_flight = absl::GetFlag(FLAGS_max_stream_in_flight);
   options.limits.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
+  options.limits.max_channel_bytes = absl::GetFlag(FLAGS_max_channel_bytes);
+  options.limits.max_channels = absl::GetFlag(FLAGS_max_channels);
   options.step_ttl = absl::GetFlag(FLAGS_step_ttl);
   options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls.key_file = absl::GetFlag(FLAGS_tls_key);
@@ -145,6 +151,8 @@ int main(int argc, char** argv) {
       " max_open_steps_per_tenant=", options.limits.max_open_steps_per_tenant,
       " max_stream_in_flight=", options.limits.max_stream_in_flight,
       " max_streams_per_connection=", options.limits.max_streams_per_connection,
+      " max_channel_bytes=", options.limits.max_channel_bytes,
+      " max_channels=", options.limits.max_channels,
       " tenant_page_quota=", options.tenant_page_quota,
       " step_ttl=", absl::FormatDuration(options.step_ttl),
       " drain_grace=", absl::FormatDuration(options.drain_grace),

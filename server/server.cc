@@ -250,6 +250,8 @@ class ServerImpl final : public Server {
         open = engine_->OpenSteps();
       }
       if (open > 0) LogInfo(absl::StrCat("drain grace over: aborting ", open, " open step(s)"));
+      // Channels end their OpenChannel calls and let go of the steps waiting on their flags.
+      engine_->CloseAllChannels("server shutting down");
       health_->SetStatus("", grpc::health::v1::HealthCheckResponse::NOT_SERVING);
       health_->Shutdown();
       grpc_server_->Shutdown(std::chrono::system_clock::now() +

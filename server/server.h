@@ -25,6 +25,11 @@ struct ServerLimitsOptions {
   int32_t max_stream_in_flight = 64;
   // Concurrent HTTP/2 streams (calls) per client connection; a client's further calls wait.
   int32_t max_streams_per_connection = 256;
+  // Bytes all open channels' rings may take together (device memory for CUDA_IPC, shared
+  // memory for HOST_SHM).
+  int64_t max_channel_bytes = int64_t{4} << 30;
+  // Open channels across all tenants.
+  int32_t max_channels = 64;
 };
 
 // TLS of the gRPC port. Empty cert_file and key_file: plaintext.

@@ -133,6 +133,9 @@ struct LayerIo {
   float* lse = nullptr;        // [T][Hq] when the step returns lse, else null
   OutputLease* lease = nullptr;
   LayerTrace* trace = nullptr;  // benchmarks only: stages the backend marks
+  // The pointers above (inputs and o/lse) are in host memory the backend registered for
+  // direct device access (a HOST_SHM channel's ring): copy straight to and from it, no staging.
+  bool host_registered = false;
 
   // The input as InputBytes, whichever way it was given.
   static InputBytes Input(const void* pointer, const InputBytes& bytes) {
@@ -170,6 +173,51 @@ class BackendStep {
   virtual void RunLayer(const LayerIo& io, DoneCallback done) = 0;
 };
 
+enum class ChannelKind { kHostShm, kCudaIpc };
+const char* ChannelKindName(ChannelKind kind);  // "HOST_SHM", "CUDA_IPC"
+
+struct ChannelSpec {
+  ChannelKind kind = ChannelKind::kHostShm;
+  uint64_t id = 0;  // the engine's channel id (names the shared-memory object)
+  int32_t max_tokens = 0;
+  int32_t num_slots = 0;
+  bool with_lse = false;
+};
+
+struct ChannelLayout;
+
+// One layer of a channel step reached its end: its done word is set. `status` is OK when the
+// layer ran (also when it ran after CancelStep released its wait: its output then means
+// nothing), CANCELLED when it never ran, another error when the device failed.
+using ChannelLayerDone = std::function<void(int32_t layer, absl::Status status)>;
+
+// A channel's ring and the machinery that runs steps through it (DESIGN 3b). Created by the
+// backend for one cache; destroyed by the engine once no step of it has a layer in flight.
+// Thread-safe.
+class BackendChannel {
+ public:
+  virtual ~BackendChannel() = default;
+  virtual const ChannelLayout& layout() const = 0;
+  // What a client needs to map the ring: the shared-memory object's name (HOST_SHM), or the
+  // cudaIpcMemHandle_t bytes, PCI bus id and device ordinal (CUDA_IPC).
+  virtual std::string shm_name() const { return {}; }
+  virtual std::string cuda_ipc_handle() const { return {}; }
+  virtual std::string pci_bus_id() const { return {}; }
+  virtual int32_t device() const { return 0; }
+  // Runs every layer of `step` (prepared with this channel) in layer order: waits for
+  // ready[l] to reach `sequence`, runs the layer from slot l mod slots into the same slot, sets
+  // done[l] = sequence, then calls layer_done(l, status) on a backend thread. Steps run in the
+  // order they are started. Returns at once; never waits for a flag on the caller's thread.
+  virtual void StartStep(BackendStep* step, uint32_t sequence, int64_t num_tokens,
+                         ChannelLayerDone layer_done) = 0;
+  // Ends the waits of the step started with `sequence`: layers not yet started complete as
+  // CANCELLED (or, where their wait is already on the device, run on whatever the slot holds);
+  // every remaining done word is set and the aborted word is set to `sequence`.
+  virtual void CancelStep(uint32_t sequence) = 0;
+  // Sets ready[layer] to `sequence` for the client (Forward with use_channel).
+  virtual void SignalReady(int32_t layer, uint32_t sequence) = 0;
+};
+
 // A cache's pools. Destroyed only when no step of it has a layer in flight.
 class BackendCache {
  public:
@@ -178,6 +226,16 @@ class BackendCache {
   // Builds the kernel plan of a step and uploads it. The batch outlives the returned step.
   virtual absl::StatusOr<std::unique_ptr<BackendStep>> PrepareStep(
       std::shared_ptr<const StepBatch> batch) = 0;
+  // A step whose layers run through `channel` (one of this cache's channels).
+  virtual absl::StatusOr<std::unique_ptr<BackendStep>> PrepareChannelStep(
+      std::shared_ptr<const StepBatch> batch, BackendChannel* channel) {
+    (void)channel;
+    return PrepareStep(std::move(batch));
+  }
+  // A channel on this cache (the ring sized by its layout); RESOURCE_EXHAUSTED when the memory
+  // cannot be had, UNIMPLEMENTED for a kind this backend does not have.
+  virtual absl::StatusOr<std::unique_ptr<BackendChannel>> CreateChannel(
+      const ChannelSpec& spec) = 0;
   // Copies raw bytes of one layer's pool (K when !v_pool) pages [first_page, first_page +
   // bytes.size() / page bytes) to host. Waits for queued work. For tests and diagnostics.
   virtual absl::Status ReadPages(int32_t layer, bool v_pool, int64_t first_page,

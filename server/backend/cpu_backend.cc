@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "channel/host_shm_channel.h"
 #include "reference/append.h"
 #include "reference/attention.h"
 
@@ -84,6 +85,16 @@ class CpuCache final : public BackendCache {
 
   absl::StatusOr<std::unique_ptr<BackendStep>> PrepareStep(
       std::shared_ptr<const StepBatch> batch) override;
+
+  absl::StatusOr<std::unique_ptr<BackendChannel>> CreateChannel(
+      const ChannelSpec& spec) override {
+    if (spec.kind != ChannelKind::kHostShm) {
+      return absl::UnimplementedError(absl::StrCat(
+          "kind: ", ChannelKindName(spec.kind),
+          " channels need the cuda backend; this server runs the cpu backend (use HOST_SHM)"));
+    }
+    return HostShmChannel::Create(geometry_, spec, {});
+  }
 
   absl::Status ReadPages(int32_t layer, bool v_pool, int64_t first_page,
                          std::span<uint8_t> bytes) override {
@@ -314,7 +325,7 @@ class CpuBackend final : public Backend {
     info.name = "cpu";
     info.device = CpuModelName();
     info.kv_budget_bytes = options_.kv_budget_bytes;
-    info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index"};
+    info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index", "channel_host_shm"};
     return info;
   }
 

@@ -226,7 +226,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   info.num_sms = properties.multiProcessorCount;
   info.device_memory_bytes = static_cast<int64_t>(properties.totalGlobalMem);
   info.kv_budget_bytes = budget;
-  info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index"};
+  info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index", "channel_host_shm", "channel_cuda_ipc"};
   // Mixed steps may run as one POD launch unless ATTND_POD=off (pod_choice.h).
   const absl::StatusOr<cuda_backend::PodMode> pod_mode = cuda_backend::PodModeFromEnvironment();
   if (!pod_mode.ok() || *pod_mode != cuda_backend::PodMode::kOff) info.extensions.push_back("pod");

@@ -5,6 +5,7 @@ target_sources(attnd_server_lib PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/cuda_backend.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_cache.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_completion_queue.cc
+  ${CMAKE_CURRENT_LIST_DIR}/cuda_ipc_channel.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_memory.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_output_pool.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_plan_cache.cc

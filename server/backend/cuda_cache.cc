@@ -8,7 +8,9 @@
 #include "attnd/kernels/cuda/pod.h"
 #include "attnd/kernels/cuda/prefill.h"
 #include "attnd/status_macros.h"
+#include "backend/cuda_ipc_channel.h"
 #include "backend/cuda_step.h"
+#include "channel/host_shm_channel.h"
 #include "backend/cuda_step_plan.h"
 #include "cuda/cuda_check.h"
 
@@ -33,12 +35,15 @@ absl::StatusOr<std::unique_ptr<CudaCache>> CudaCache::Create(const CacheGeometry
   return cache;
 }
 
+absl::Status Lane::CreateStreams() {
+  RETURN_IF_ERROR(h2d.Create());
+  RETURN_IF_ERROR(compute.Create());
+  return d2h.Create();
+}
+
 absl::Status CudaCache::Init(int device) {
-  for (Lane& lane : lanes_) {
-    RETURN_IF_ERROR(lane.h2d.Create());
-    RETURN_IF_ERROR(lane.compute.Create());
-    RETURN_IF_ERROR(lane.d2h.Create());
-  }
+  device_ = device;
+  for (Lane& lane : lanes_) RETURN_IF_ERROR(lane.CreateStreams());
   const cudaStream_t stream = lanes_[0].compute.get();
   // Zeroed so that a slot never written reads as 0 (as the CPU backend's calloc'd pools do).
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(pool_, 0, geometry_.PoolBytes(), stream));
@@ -153,6 +158,33 @@ absl::Status CudaCache::ReserveLane(Lane& lane, int64_t q_rotated_bytes, int64_t
 
 absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
     std::shared_ptr<const StepBatch> batch) {
+  return PrepareStepOn(std::move(batch), lanes_[PickLane()], /*channel_lane=*/false);
+}
+
+absl::StatusOr<std::unique_ptr<BackendChannel>> CudaCache::CreateChannel(
+    const ChannelSpec& spec) {
+  if (spec.kind == ChannelKind::kCudaIpc) {
+    return CudaIpcChannel::Create(this, spec, device_);
+  }
+  HostShmChannel::DeviceHooks hooks;
+  hooks.register_ring = [](void* ring, int64_t bytes) -> absl::Status {
+    CUDA_RETURN_IF_ERROR(cudaHostRegister(ring, bytes, cudaHostRegisterDefault));
+    return absl::OkStatus();
+  };
+  hooks.unregister_ring = [](void* ring) { cudaHostUnregister(ring); };
+  return HostShmChannel::Create(geometry_, spec, std::move(hooks));
+}
+
+absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareChannelStep(
+    std::shared_ptr<const StepBatch> batch, BackendChannel* channel) {
+  if (auto* ipc = dynamic_cast<CudaIpcChannel*>(channel); ipc != nullptr) {
+    return PrepareStepOn(std::move(batch), ipc->lane(), /*channel_lane=*/true);
+  }
+  return PrepareStep(std::move(batch));
+}
+
+absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStepOn(
+    std::shared_ptr<const StepBatch> batch, Lane& lane, bool channel_lane) {
   StepPlanContext context;
   context.geometry = &geometry_;
   context.decode_supported = decode_supported_;
@@ -177,17 +209,31 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
                                                            geometry_.num_qo_heads,
                                                            geometry_.k_head_dim)
                          : 0;
-  const int lane_index = PickLane();
-  Lane& lane = lanes_[lane_index];
   const cudaStream_t stream = lane.compute.get();
-  RETURN_IF_ERROR(ReserveLane(lane, sizes.q_bytes, workspace_bytes));
-  RETURN_IF_ERROR(outputs_->Reserve(kLayerSlotsPerStep, sizes.out_bytes));
+  if (channel_lane) {
+    // A channel's stream may sit on a ready word for as long as the client takes: never wait
+    // for it. Outgrown buffers are kept (their queued users may still run) until the lane goes.
+    std::lock_guard lock(lane.submit_mu);
+    if (sizes.q_bytes > lane.q_rotated.capacity()) {
+      lane.retired.push_back(lane.q_rotated.Detach());
+      RETURN_IF_ERROR(lane.q_rotated.Reserve(sizes.q_bytes));
+    }
+    if (workspace_bytes > lane.decode_workspace.capacity()) {
+      lane.retired.push_back(lane.decode_workspace.Detach());
+      RETURN_IF_ERROR(lane.decode_workspace.Reserve(workspace_bytes));
+    }
+  } else {
+    RETURN_IF_ERROR(ReserveLane(lane, sizes.q_bytes, workspace_bytes));
+  }
+  // Channel layers read and write the ring: no staging, no host outputs.
+  if (!channel_lane) RETURN_IF_ERROR(outputs_->Reserve(kLayerSlotsPerStep, sizes.out_bytes));
 
   ASSIGN_OR_RETURN(std::unique_ptr<StepResources> resources, TakeResources());
   absl::Status status = [&]() -> absl::Status {
     // The previous owner's upload read host_arrays; usually long done.
     CUDA_RETURN_IF_ERROR(cudaEventSynchronize(resources->arrays_uploaded.get()));
-    RETURN_IF_ERROR(resources->Reserve(sizes, prefill_work_offset + prefill_work_bytes));
+    RETURN_IF_ERROR(resources->Reserve(channel_lane ? LayerSizes() : sizes,
+                                       prefill_work_offset + prefill_work_bytes));
     plan->Fill(*batch, resources->host_arrays.data());
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(resources->device_arrays.data(),
                                          resources->host_arrays.data(), plan->offsets.total_bytes,
@@ -214,7 +260,7 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
   if (observer_ != nullptr) {
     observer_->OnTransfer("h2d", plan->offsets.total_bytes + prefill_work_bytes);
   }
-  return std::make_unique<CudaStep>(this, lane_index, std::move(batch), std::move(plan),
+  return std::make_unique<CudaStep>(this, lane, std::move(batch), std::move(plan),
                                     std::move(resources), prefill_work_offset);
 }
 

@@ -64,6 +64,10 @@ struct Lane {
   DeviceBuffer decode_workspace;  // split-KV partials (MHA decode or MLA)
   std::atomic<int32_t> open_steps{0};
   std::unique_ptr<CompletionQueue> completions;
+  // A channel lane's outgrown buffers, freed when the lane goes (under submit_mu).
+  std::vector<uint8_t*> retired;
+
+  absl::Status CreateStreams();
 };
 
 class CudaCache final : public BackendCache {
@@ -82,6 +86,9 @@ class CudaCache final : public BackendCache {
       std::shared_ptr<const StepBatch> batch) override;
   absl::Status ReadPages(int32_t layer, bool v_pool, int64_t first_page,
                          std::span<uint8_t> bytes) override;
+  absl::StatusOr<std::unique_ptr<BackendChannel>> CreateChannel(const ChannelSpec& spec) override;
+  absl::StatusOr<std::unique_ptr<BackendStep>> PrepareChannelStep(
+      std::shared_ptr<const StepBatch> batch, BackendChannel* channel) override;
 
   // For the cache's steps (cuda_step.cc).
   PagedKvView Pool(int32_t layer, bool v_pool) const;
@@ -95,6 +102,10 @@ class CudaCache final : public BackendCache {
   void ReturnResources(std::unique_ptr<StepResources> resources);
 
  private:
+  // A step on `lane` (one of lanes_, or a CUDA_IPC channel's own lane).
+  absl::StatusOr<std::unique_ptr<BackendStep>> PrepareStepOn(
+      std::shared_ptr<const StepBatch> batch, Lane& lane, bool channel_lane);
+
   CudaCache(const CacheGeometry& geometry, uint8_t* pool, CompletionWait wait,
             BackendObserver* observer, std::function<void()> release_pool);
   absl::Status Init(int device);
@@ -105,6 +116,7 @@ class CudaCache final : public BackendCache {
   const CacheGeometry geometry_;
   uint8_t* const pool_;  // [layer][K pool, V pool] regions of num_pages pages each
   const CompletionWait wait_;
+  int device_ = 0;
   BackendObserver* const observer_;
   std::function<void()> release_pool_;
 

@@ -34,6 +34,15 @@ class DeviceBuffer {
   // so a slowly growing batch does not reallocate at every step.
   absl::Status Reserve(int64_t bytes);
   void Release();
+  // Gives up the memory without freeing it (the caller frees it with cudaFree later): for
+  // buffers that must grow while queued work may still use the old memory and a cudaFree,
+  // which waits for the whole device, must not run.
+  uint8_t* Detach() {
+    uint8_t* data = data_;
+    data_ = nullptr;
+    capacity_ = 0;
+    return data;
+  }
 
   uint8_t* data() const { return data_; }
   int64_t capacity() const { return capacity_; }

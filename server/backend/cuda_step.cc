@@ -33,11 +33,11 @@ const T* At(const DeviceBuffer& buffer, int64_t offset) {
 
 }  // namespace
 
-CudaStep::CudaStep(CudaCache* cache, int lane, std::shared_ptr<const StepBatch> batch,
+CudaStep::CudaStep(CudaCache* cache, Lane& lane, std::shared_ptr<const StepBatch> batch,
                    std::shared_ptr<const StepPlan> plan, std::unique_ptr<StepResources> resources,
                    int64_t prefill_work_offset)
     : cache_(cache),
-      lane_(cache->lane(lane)),
+      lane_(lane),
       batch_(std::move(batch)),
       plan_(std::move(plan)),
       resources_(std::move(resources)),
@@ -102,24 +102,32 @@ void CudaStep::Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done) {
   slot->status = absl::OkStatus();
   // The slot is ours: its previous layer finished, so its pinned input is free to overwrite.
   // The caller's bytes (the received message's slices) go straight into pinned staging.
-  uint8_t* staged = slot->host_in.data();
-  LayerIo::Input(io.q, io.q_bytes).CopyTo(staged, sizes_.q_bytes);
-  if (cache_->geometry().mla) {
-    LayerIo::Input(io.ckv, io.ckv_bytes).CopyTo(staged + sizes_.k_offset, sizes_.k_bytes);
-    LayerIo::Input(io.kpe, io.kpe_bytes).CopyTo(staged + sizes_.v_offset, sizes_.v_bytes);
-    LayerIo::Input(io.q_pe, io.q_pe_bytes).CopyTo(staged + sizes_.q_pe_offset, sizes_.q_pe_bytes);
-  } else {
-    LayerIo::Input(io.k, io.k_bytes).CopyTo(staged + sizes_.k_offset, sizes_.k_bytes);
-    LayerIo::Input(io.v, io.v_bytes).CopyTo(staged + sizes_.v_offset, sizes_.v_bytes);
+  // Registered host memory (a HOST_SHM channel's ring) is copied from directly.
+  if (!io.host_registered) {
+    uint8_t* staged = slot->host_in.data();
+    LayerIo::Input(io.q, io.q_bytes).CopyTo(staged, sizes_.q_bytes);
+    if (cache_->geometry().mla) {
+      LayerIo::Input(io.ckv, io.ckv_bytes).CopyTo(staged + sizes_.k_offset, sizes_.k_bytes);
+      LayerIo::Input(io.kpe, io.kpe_bytes).CopyTo(staged + sizes_.v_offset, sizes_.v_bytes);
+      LayerIo::Input(io.q_pe, io.q_pe_bytes)
+          .CopyTo(staged + sizes_.q_pe_offset, sizes_.q_pe_bytes);
+    } else {
+      LayerIo::Input(io.k, io.k_bytes).CopyTo(staged + sizes_.k_offset, sizes_.k_bytes);
+      LayerIo::Input(io.v, io.v_bytes).CopyTo(staged + sizes_.v_offset, sizes_.v_bytes);
+    }
   }
   MarkStage(io.trace, LayerTrace::kStaged);
 
-  absl::StatusOr<OutputPool::Buffer*> output = cache_->outputs().Take(sizes_.out_bytes);
+  absl::StatusOr<OutputPool::Buffer*> output =
+      io.host_registered ? absl::StatusOr<OutputPool::Buffer*>(nullptr)
+                         : cache_->outputs().Take(sizes_.out_bytes);
   slot->output = output.ok() ? *output : nullptr;
   {
     std::lock_guard lock(lane_.submit_mu);
     absl::Status status = output.status();
-    if (status.ok()) status = EnqueueLocked(*slot, io.layer, (*output)->memory.data());
+    if (status.ok()) {
+      status = EnqueueLocked(*slot, io, io.host_registered ? nullptr : (*output)->memory.data());
+    }
     // Recorded even after a failed launch: the slot is reused only once the work that was
     // enqueued before the failure has passed this point.
     const cudaError_t recorded = cudaEventRecord(slot->finished.get(), lane_.d2h.get());
@@ -133,36 +141,75 @@ void CudaStep::Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done) {
   }
 }
 
-absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, int32_t layer, uint8_t* host_out) {
+absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, const LayerIo& io, uint8_t* host_out) {
+  const int32_t layer = io.layer;
   const cudaStream_t h2d = lane_.h2d.get();
   const cudaStream_t compute = lane_.compute.get();
   const cudaStream_t d2h = lane_.d2h.get();
 
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.device_in.data(), slot.host_in.data(), sizes_.in_bytes,
-                                       cudaMemcpyHostToDevice, h2d));
+  if (io.host_registered) {
+    // Straight from the registered ring, one copy per tensor (MLA: q_nope | ckv | kpe | q_pe).
+    uint8_t* device_in = slot.device_in.data();
+    const bool mla = cache_->geometry().mla;
+    const void* second = mla ? io.ckv : io.k;
+    const void* third = mla ? io.kpe : io.v;
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(device_in, io.q, sizes_.q_bytes, cudaMemcpyHostToDevice, h2d));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_in + sizes_.k_offset, second, sizes_.k_bytes,
+                                         cudaMemcpyHostToDevice, h2d));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_in + sizes_.v_offset, third, sizes_.v_bytes,
+                                         cudaMemcpyHostToDevice, h2d));
+    if (mla) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_in + sizes_.q_pe_offset, io.q_pe,
+                                           sizes_.q_pe_bytes, cudaMemcpyHostToDevice, h2d));
+    }
+  } else {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.device_in.data(), slot.host_in.data(),
+                                         sizes_.in_bytes, cudaMemcpyHostToDevice, h2d));
+  }
   CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.inputs_copied.get(), h2d));
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, slot.inputs_copied.get(), 0));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.started.get(), compute));
+  LayerBuffers buffers;
+  uint8_t* device_in = slot.device_in.data();
+  uint8_t* device_out = slot.device_out.data();
+  buffers.q = device_in;
+  buffers.k = device_in + sizes_.k_offset;
+  buffers.v = device_in + sizes_.v_offset;
+  buffers.q_pe = device_in + sizes_.q_pe_offset;
+  buffers.o = device_out;
+  buffers.lse = batch_->options.return_lse
+                    ? reinterpret_cast<float*>(device_out + sizes_.lse_offset)
+                    : nullptr;
   const CudaEvent* attended = nullptr;
-  if (cache_->geometry().mla) {
-    RETURN_IF_ERROR(EnqueueMlaKernels(slot, layer, &attended));
-  } else {
-    RETURN_IF_ERROR(EnqueueMhaKernels(slot, layer, &attended));
-  }
+  RETURN_IF_ERROR(EnqueueKernels(slot, buffers, layer, &attended));
   // The output copy runs on the D2H stream, so the next layer's kernels need not wait for it.
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, attended->get(), 0));
+  if (host_out == nullptr) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(io.o, slot.device_out.data(), sizes_.o_bytes,
+                                         cudaMemcpyDeviceToHost, d2h));
+    if (io.lse != nullptr && sizes_.lse_bytes > 0) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(io.lse, slot.device_out.data() + sizes_.lse_offset,
+                                           sizes_.lse_bytes, cudaMemcpyDeviceToHost, d2h));
+    }
+    return absl::OkStatus();
+  }
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_out, slot.device_out.data(), sizes_.out_bytes,
                                        cudaMemcpyDeviceToHost, d2h));
   return absl::OkStatus();
 }
 
-absl::Status CudaStep::EnqueueMhaKernels(LayerSlot& slot, int32_t layer,
-                                         const CudaEvent** attended_event) {
+absl::Status CudaStep::EnqueueKernels(LayerEvents& slot, const LayerBuffers& buffers,
+                                      int32_t layer, const CudaEvent** attended_event) {
+  return cache_->geometry().mla ? EnqueueMlaKernels(slot, buffers, layer, attended_event)
+                                : EnqueueMhaKernels(slot, buffers, layer, attended_event);
+}
+
+absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, const LayerBuffers& buffers,
+                                         int32_t layer, const CudaEvent** attended_event) {
   const CacheGeometry& g = cache_->geometry();
   const cudaStream_t compute = lane_.compute.get();
   const int64_t tokens = batch_->num_tokens;
-  uint8_t* device_in = slot.device_in.data();
-  uint8_t* device_out = slot.device_out.data();
 
   cuda::AppendKvArgs append;
   append.tokens = tokens_;
@@ -170,10 +217,10 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerSlot& slot, int32_t layer,
   append.rope_style = g.rope.style;
   append.rope_inv_freq = cache_->rope_inv_freq();
   append.rotary_dim = g.rope.style == RopeStyle::kNone ? 0 : g.rope.rotary_dim;
-  append.q_in = Rows(device_in, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+  append.q_in = Rows(buffers.q, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
   append.q_out = Rows(lane_.q_rotated.data(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
-  append.k_in = Rows(device_in + sizes_.k_offset, g.q_dtype, tokens, g.num_kv_heads, g.k_head_dim);
-  append.v_in = Rows(device_in + sizes_.v_offset, g.q_dtype, tokens, g.num_kv_heads, g.v_head_dim);
+  append.k_in = Rows(buffers.k, g.q_dtype, tokens, g.num_kv_heads, g.k_head_dim);
+  append.v_in = Rows(buffers.v, g.q_dtype, tokens, g.num_kv_heads, g.v_head_dim);
   append.k_cache = cache_->Pool(layer, false);
   append.v_cache = cache_->Pool(layer, true);
   append.k_scale = g.k_scale;
@@ -182,10 +229,8 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerSlot& slot, int32_t layer,
   CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.appended.get(), compute));
 
   const TokenHeadsView q = append.q_out;
-  const TokenHeadsView o = Rows(device_out, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
-  float* lse = batch_->options.return_lse
-                   ? reinterpret_cast<float*>(device_out + sizes_.lse_offset)
-                   : nullptr;
+  const TokenHeadsView o = Rows(buffers.o, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
+  float* lse = buffers.lse;
   const CudaEvent* attended = &slot.appended;
   if (plan_->run_decode) {
     cuda::BatchDecodeArgs decode;
@@ -230,15 +275,13 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerSlot& slot, int32_t layer,
 
 // MLA: ckv (K pool) and kpe (V pool, rotated) appended and q_pe rotated in one launch, then the
 // MLA decode kernel over every row of the step, with its merge when the plan splits.
-absl::Status CudaStep::EnqueueMlaKernels(LayerSlot& slot, int32_t layer,
-                                         const CudaEvent** attended_event) {
+absl::Status CudaStep::EnqueueMlaKernels(LayerEvents& slot, const LayerBuffers& buffers,
+                                         int32_t layer, const CudaEvent** attended_event) {
   const CacheGeometry& g = cache_->geometry();
   const cudaStream_t compute = lane_.compute.get();
   const int64_t tokens = batch_->num_tokens;
   const int32_t rank = g.k_head_dim;
   const int32_t rope_dim = g.v_head_dim;
-  uint8_t* device_in = slot.device_in.data();
-  uint8_t* device_out = slot.device_out.data();
 
   cuda::AppendMlaArgs append;
   append.tokens = tokens_;
@@ -246,10 +289,10 @@ absl::Status CudaStep::EnqueueMlaKernels(LayerSlot& slot, int32_t layer,
   append.rope_style = g.rope.style;
   append.rope_inv_freq = cache_->rope_inv_freq();
   append.rotary_dim = g.rope.style == RopeStyle::kNone ? 0 : g.rope.rotary_dim;
-  append.q_pe_in = Rows(device_in + sizes_.q_pe_offset, g.q_dtype, tokens, g.num_qo_heads, rope_dim);
+  append.q_pe_in = Rows(buffers.q_pe, g.q_dtype, tokens, g.num_qo_heads, rope_dim);
   append.q_pe_out = Rows(lane_.q_rotated.data(), g.q_dtype, tokens, g.num_qo_heads, rope_dim);
-  append.ckv_in = Rows(device_in + sizes_.k_offset, g.q_dtype, tokens, 1, rank);
-  append.kpe_in = Rows(device_in + sizes_.v_offset, g.q_dtype, tokens, 1, rope_dim);
+  append.ckv_in = Rows(buffers.k, g.q_dtype, tokens, 1, rank);
+  append.kpe_in = Rows(buffers.v, g.q_dtype, tokens, 1, rope_dim);
   append.ckv_cache = cache_->Pool(layer, false);
   append.kpe_cache = cache_->Pool(layer, true);
   append.ckv_scale = g.k_scale;
@@ -260,17 +303,15 @@ absl::Status CudaStep::EnqueueMlaKernels(LayerSlot& slot, int32_t layer,
   if (!plan_->run_mla) return absl::OkStatus();
 
   cuda::MlaDecodeArgs attention;
-  attention.q_nope = Rows(device_in, g.q_dtype, tokens, g.num_qo_heads, rank);
+  attention.q_nope = Rows(buffers.q, g.q_dtype, tokens, g.num_qo_heads, rank);
   attention.q_pe = append.q_pe_out;
   attention.pages = pages_;
   attention.ckv_cache = append.ckv_cache;
   attention.kpe_cache = append.kpe_cache;
   attention.params = batch_->options.params;  // k_scale dequantises ckv, v_scale kpe
   attention.work = mla_work_;
-  attention.o = Rows(device_out, g.q_dtype, tokens, g.num_qo_heads, rank);
-  attention.lse = batch_->options.return_lse
-                      ? reinterpret_cast<float*>(device_out + sizes_.lse_offset)
-                      : nullptr;
+  attention.o = Rows(buffers.o, g.q_dtype, tokens, g.num_qo_heads, rank);
+  attention.lse = buffers.lse;
   attention.workspace = lane_.decode_workspace.data();
   attention.workspace_bytes = lane_.decode_workspace.capacity();
   RETURN_IF_ERROR(cuda::MlaDecode(attention, compute));
@@ -290,7 +331,9 @@ void CudaStep::Complete(LayerSlot* slot) {
   MarkStage(io.trace, LayerTrace::kDeviceDone);
   auto* output = static_cast<OutputPool::Buffer*>(slot->output);
   slot->output = nullptr;
-  if (status.ok()) {
+  if (status.ok() && io.host_registered) {
+    ReportTimes(*slot, /*copied=*/true);  // the outputs were copied straight into the caller's registered memory
+  } else if (status.ok()) {
     const uint8_t* host_out = output->memory.data();
     if (io.o == nullptr && io.lease != nullptr) {
       io.lease->o = host_out;
@@ -306,7 +349,7 @@ void CudaStep::Complete(LayerSlot* slot) {
         std::memcpy(io.lse, host_out + sizes_.lse_offset, sizes_.lse_bytes);
       }
     }
-    ReportTimes(*slot);
+    ReportTimes(*slot, /*copied=*/true);
   }
   if (output != nullptr) OutputPool::Return(output);
   MarkStage(io.trace, LayerTrace::kCopiedOut);
@@ -328,7 +371,7 @@ void CudaStep::Complete(LayerSlot* slot) {
   Submit(slot, next.io, std::move(next.done));
 }
 
-void CudaStep::ReportTimes(const LayerSlot& slot) const {
+void CudaStep::ReportTimes(const LayerEvents& slot, bool copied) const {
   BackendObserver* observer = cache_->observer();
   if (observer == nullptr) return;
   const std::string_view phase = StepPhaseName(batch_->phase);
@@ -349,6 +392,7 @@ void CudaStep::ReportTimes(const LayerSlot& slot) const {
                        plan_->run_decode ? ElapsedSeconds(slot.attended_first, slot.attended_second)
                                         : ElapsedSeconds(slot.appended, slot.attended_first));
   }
+  if (!copied) return;  // a CUDA_IPC channel layer: nothing crossed the bus
   observer->OnTransfer("h2d", sizes_.q_bytes + sizes_.k_bytes + sizes_.v_bytes + sizes_.q_pe_bytes);
   observer->OnTransfer("d2h", sizes_.o_bytes + sizes_.lse_bytes);
 }

@@ -25,13 +25,24 @@ class CudaStep final : public BackendStep {
  public:
   // `plan` was built for `batch`, whose arrays are in resources->device_arrays at
   // plan->offsets, with the prefill work list at `prefill_work_offset`.
-  CudaStep(CudaCache* cache, int lane, std::shared_ptr<const StepBatch> batch,
+  CudaStep(CudaCache* cache, Lane& lane, std::shared_ptr<const StepBatch> batch,
            std::shared_ptr<const StepPlan> plan, std::unique_ptr<StepResources> resources,
            int64_t prefill_work_offset);
   ~CudaStep() override;
 
   std::string_view KernelName() const override { return plan_->KernelName(); }
   void RunLayer(const LayerIo& io, DoneCallback done) override;
+
+  // For CUDA_IPC channels (cuda_ipc_channel.h): the append and attention kernels of a layer
+  // on the step's lane's compute stream, reading and writing `buffers`; `attended` is the event
+  // recorded after the last of them (the `started` event is the caller's to record). Call with
+  // the lane's submit_mu held. Also reports the layer's kernel times once `events` completed.
+  absl::Status EnqueueKernels(LayerEvents& events, const LayerBuffers& buffers, int32_t layer,
+                              const CudaEvent** attended);
+  void ReportChannelLayer(const LayerEvents& events) const { ReportTimes(events, false); }
+  int64_t num_tokens() const { return batch_->num_tokens; }
+  bool returns_lse() const { return batch_->options.return_lse; }
+  Lane& lane() { return lane_; }
 
  private:
   struct PendingLayer {
@@ -41,14 +52,15 @@ class CudaStep final : public BackendStep {
 
   // Stages and enqueues a layer in `slot`, which the caller took.
   void Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done);
-  absl::Status EnqueueLocked(LayerSlot& slot, int32_t layer, uint8_t* host_out);
-  // The append and attention kernels of a layer on the compute stream; `attended` is the event
-  // recorded after the last of them.
-  absl::Status EnqueueMhaKernels(LayerSlot& slot, int32_t layer, const CudaEvent** attended);
-  absl::Status EnqueueMlaKernels(LayerSlot& slot, int32_t layer, const CudaEvent** attended);
+  // host_out: the output buffer to copy o | lse into; null for registered io (o, lse direct).
+  absl::Status EnqueueLocked(LayerSlot& slot, const LayerIo& io, uint8_t* host_out);
+  absl::Status EnqueueMhaKernels(LayerEvents& events, const LayerBuffers& buffers,
+                                 int32_t layer, const CudaEvent** attended);
+  absl::Status EnqueueMlaKernels(LayerEvents& events, const LayerBuffers& buffers,
+                                 int32_t layer, const CudaEvent** attended);
   // On the completion thread: waits, lends or copies out, reports, frees the slot, calls done.
   void Complete(LayerSlot* slot);
-  void ReportTimes(const LayerSlot& slot) const;
+  void ReportTimes(const LayerEvents& events, bool copied) const;
 
   CudaCache* const cache_;
   Lane& lane_;

@@ -31,13 +31,17 @@ absl::Status StepResources::Init(bool blocking_sync) {
   RETURN_IF_ERROR(arrays_uploaded.Create(/*timing=*/false));
   for (LayerSlot& slot : slots) {
     RETURN_IF_ERROR(slot.inputs_copied.Create(false));
-    RETURN_IF_ERROR(slot.started.Create(true));
-    RETURN_IF_ERROR(slot.appended.Create(true));
-    RETURN_IF_ERROR(slot.attended_first.Create(true));
-    RETURN_IF_ERROR(slot.attended_second.Create(true));
-    RETURN_IF_ERROR(slot.finished.Create(false, blocking_sync));
+    RETURN_IF_ERROR(slot.LayerEvents::Create(blocking_sync));
   }
   return absl::OkStatus();
+}
+
+absl::Status LayerEvents::Create(bool blocking_sync) {
+  RETURN_IF_ERROR(started.Create(true));
+  RETURN_IF_ERROR(appended.Create(true));
+  RETURN_IF_ERROR(attended_first.Create(true));
+  RETURN_IF_ERROR(attended_second.Create(true));
+  return finished.Create(false, blocking_sync);
 }
 
 absl::Status StepResources::Reserve(const LayerSizes& sizes, int64_t array_bytes) {

@@ -38,19 +38,38 @@ struct LayerSizes {
   static LayerSizes Of(const CacheGeometry& geometry, int64_t num_tokens, bool return_lse);
 };
 
-struct LayerSlot {
+// The events of one layer in flight. Timing events on the lane's compute stream: before the
+// append, after it, after the first and the second attention kernel (decode, then prefill, in a
+// step that runs both); `finished` after the layer's last work (its output copy, or for a
+// channel layer its done word).
+struct LayerEvents {
+  CudaEvent started;
+  CudaEvent appended;
+  CudaEvent attended_first;
+  CudaEvent attended_second;
+  CudaEvent finished;
+
+  // blocking_sync: see CudaEvent::Create (for `finished`, which a completion thread waits on).
+  absl::Status Create(bool blocking_sync);
+};
+
+// Device pointers of one layer's tensors for the append and attention kernels. MLA: k is ckv,
+// v is kpe. lse null when the step returns none.
+struct LayerBuffers {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* q_pe = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;
+};
+
+struct LayerSlot : LayerEvents {
   PinnedBuffer host_in;     // q | k | v (| q_pe) as the caller sent them
   DeviceBuffer device_in;   // host_in's layout
   DeviceBuffer device_out;  // o | lse, LayerSizes layout; per slot so that the copy of one
                             // layer's outputs overlaps the next layer's kernels
   CudaEvent inputs_copied;  // on the lane's H2D stream, after host_in -> device_in
-  // Timing events on the lane's compute stream: before the append, after it, after the first
-  // and the second attention kernel (decode, then prefill, in a step that runs both).
-  CudaEvent started;
-  CudaEvent appended;
-  CudaEvent attended_first;
-  CudaEvent attended_second;
-  CudaEvent finished;  // on the D2H stream, after device_out -> the output buffer
 
   // The layer in flight in this slot (set by Submit, cleared by Complete).
   LayerIo io;

@@ -12,8 +12,14 @@ namespace {
 
 constexpr size_t kFinishedStepsKept = 4096;
 
-CacheStatus StatusOf(const CacheEntry& cache) {
+CacheStatus StatusOf(const CacheEntry& cache,
+                     const absl::flat_hash_map<uint64_t, std::shared_ptr<ChannelEntry>>& channels) {
   CacheStatus status;
+  for (const auto& [id, channel] : channels) {
+    if (channel->cache.get() == &cache) status.channels.push_back(ChannelStatusOf(*channel));
+  }
+  std::sort(status.channels.begin(), status.channels.end(),
+            [](const ChannelStatus& a, const ChannelStatus& b) { return a.id < b.id; });
   status.spec = cache.spec;
   status.failed = cache.failed;
   status.failure = cache.failure;
@@ -44,6 +50,8 @@ Engine::~Engine() {
     state_->stopping = true;
   }
   state_->reaper.join();
+  // Channel steps keep their layers in flight until the channel lets go of its waits.
+  CloseAllChannels("server stopping");
   {
     // Backend callbacks of running layers reference the state: let them land first.
     absl::MutexLock lock(&state_->mu);
@@ -62,13 +70,22 @@ Engine::~Engine() {
     for (auto& step : open) state_->EndLocked(step, StepOutcome::kAborted, deferred);
   }
   RunAll(deferred);
+  std::vector<std::shared_ptr<ChannelEntry>> idle;
+  {
+    absl::MutexLock lock(&state_->mu);
+    idle = state_->TakeIdleChannelsLocked();
+  }
+  for (auto& channel : idle) channel->backend.reset();
 }
 
 void Engine::State::ExpireLocked(absl::Time now, Deferred& deferred) {
   std::vector<std::shared_ptr<StepEntry>> expired;
   for (auto& [id, step] : open_steps) {
-    // A step with a layer on the device is active, whatever its last call's age.
-    if (step->in_flight == 0 && now - step->last_activity > options.step_ttl) {
+    // A step with a layer on the device is active, whatever its last call's age; a channel
+    // step's layers are in flight from Plan on, waiting for their ready words, so it expires
+    // when no layer of it has finished for the TTL.
+    const bool idle = step->channel != nullptr || step->in_flight == 0;
+    if (idle && now - step->last_activity > options.step_ttl) {
       expired.push_back(step);
     }
   }
@@ -84,9 +101,13 @@ void Engine::State::ReaperLoop() {
     if (stopping) break;
     Deferred deferred;
     ExpireLocked(absl::Now(), deferred);
-    if (!deferred.empty()) {
+    std::vector<std::shared_ptr<ChannelEntry>> idle = TakeIdleChannelsLocked();
+    if (!deferred.empty() || !idle.empty()) {
       mu.Unlock();
       RunAll(deferred);
+      // Joins the channel's threads: never under the lock.
+      for (auto& channel : idle) channel->backend.reset();
+      idle.clear();
       mu.Lock();
     }
   }
@@ -131,7 +152,14 @@ void Engine::State::EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcom
     finished.erase(finished_order.front());
     finished_order.pop_front();
   }
-  if (step->in_flight == 0) FinalizeLocked(*step, deferred);
+  if (step->in_flight == 0) {
+    FinalizeLocked(*step, deferred);
+  } else if (step->channel != nullptr && outcome == StepOutcome::kAborted) {
+    // Its layers wait on ready words the client may never set: let go of them.
+    deferred.push_back([channel = step->channel, sequence = step->channel_sequence] {
+      if (channel->backend) channel->backend->CancelStep(sequence);
+    });
+  }
 }
 
 void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
@@ -154,6 +182,7 @@ void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
   step.fresh_pages.clear();
   step.changes.clear();
   --cache.open_steps;
+  if (step.channel != nullptr) --step.channel->open_steps;
   PublishPagesLocked(cache);
   if (metrics) metrics->StepEnded(committed, step.decode_tokens, step.prefill_tokens);
   const EndStepResult result{step.outcome, step.layers_done};
@@ -184,7 +213,7 @@ absl::StatusOr<CacheStatus> Engine::CreateCache(const CacheSpec& spec) {
   }
   state_->caches[spec.name] = cache;
   state_->PublishPagesLocked(*cache);
-  return StatusOf(*cache);
+  return StatusOf(*cache, state_->channels);
 }
 
 absl::StatusOr<CacheStatus> Engine::GetCache(const std::string& name) const {
@@ -193,13 +222,13 @@ absl::StatusOr<CacheStatus> Engine::GetCache(const std::string& name) const {
   if (it == state_->caches.end()) {
     return absl::NotFoundError(absl::StrCat("name: no cache named '", name, "'"));
   }
-  return StatusOf(*it->second);
+  return StatusOf(*it->second, state_->channels);
 }
 
 std::vector<CacheStatus> Engine::ListCaches() const {
   absl::MutexLock lock(&state_->mu);
   std::vector<CacheStatus> list;
-  for (const auto& [name, cache] : state_->caches) list.push_back(StatusOf(*cache));
+  for (const auto& [name, cache] : state_->caches) list.push_back(StatusOf(*cache, state_->channels));
   std::sort(list.begin(), list.end(),
             [](const CacheStatus& a, const CacheStatus& b) { return a.spec.name < b.spec.name; });
   return list;
@@ -224,6 +253,13 @@ absl::Status Engine::DeleteCache(const std::string& name, bool force) {
       if (step->cache == cache) open.push_back(step);
     }
     for (auto& step : open) state_->EndLocked(step, StepOutcome::kAborted, deferred);
+    std::vector<std::shared_ptr<ChannelEntry>> channels;
+    for (auto& [id, channel] : state_->channels) {
+      if (channel->cache == cache) channels.push_back(channel);
+    }
+    for (auto& channel : channels) {
+      state_->CloseChannelLocked(channel, absl::StrCat("cache '", name, "' deleted"), deferred);
+    }
     state_->caches.erase(it);
     if (state_->metrics) state_->metrics->RemoveCache(name);
     // The pools go when the last in-flight layer drops its reference to the cache.
@@ -307,6 +343,12 @@ void Engine::EndStep(uint64_t step_id, bool abort,
           deferred.push_back([done, result] { done(result); });
         }
       }
+    } else if (!abort && it->second->channel != nullptr &&
+               it->second->layers_done < static_cast<int32_t>(it->second->layers.size())) {
+      // Its remaining layers wait on ready words (or are about to report): committing now
+      // would let them write the cache after the commit. The step commits after its last
+      // layer, or aborts at the TTL; this answer waits for whichever comes.
+      it->second->end_waiters.push_back(std::move(done));
     } else {
       std::shared_ptr<StepEntry> step = it->second;
       step->end_waiters.push_back(std::move(done));

@@ -58,6 +58,19 @@ class Engine {
   // Aborts every open step planned with this owner (a stream that ended).
   void AbortOwnedSteps(uint64_t owner);
 
+  // Channels (DESIGN 3b). OpenChannel creates the ring on the cache's backend; `on_closed`
+  // runs exactly once, outside the engine's lock, with the reason, whatever closes the channel
+  // (CloseChannel, DeleteCache, shutdown). Closing aborts the channel's open steps; its memory
+  // is freed once no layer of it is in flight.
+  absl::StatusOr<ChannelStatus> OpenChannel(const ChannelOpenSpec& spec,
+                                            std::function<void(std::string reason)> on_closed);
+  // NOT_FOUND for an unknown id or another tenant's channel.
+  absl::Status CloseChannel(uint64_t channel_id, const std::string& tenant,
+                            const std::string& reason);
+  // Closes every channel (shutdown), so that their calls end.
+  void CloseAllChannels(const std::string& reason);
+  int OpenChannels() const;
+
   // Draining: Plan refuses new steps with UNAVAILABLE; open steps may finish.
   void SetDraining(bool draining);
   int OpenSteps() const;
@@ -72,6 +85,9 @@ class Engine {
                          int64_t first_page, std::span<uint8_t> bytes) const;
 
  private:
+  void ForwardThroughChannel(const ForwardArgs& args, ForwardOutputs* outputs,
+                             std::function<void(absl::Status)> done);
+
   struct State;
   std::unique_ptr<State> state_;
 };

@@ -44,6 +44,22 @@ struct SequenceChange {
   int64_t new_length = 0;
 };
 
+// A channel (DESIGN 3b): the backend's ring and the steps planned on it.
+struct ChannelEntry {
+  uint64_t id = 0;
+  std::string tenant;
+  std::shared_ptr<CacheEntry> cache;
+  ChannelSpec spec;
+  std::shared_ptr<const ChannelLayout> layout;
+  std::unique_ptr<BackendChannel> backend;
+  uint32_t last_sequence = 0;
+  int32_t open_steps = 0;  // planned and not yet finalized
+  bool closed = false;
+  std::function<void(std::string)> on_closed;
+  int64_t bytes_in = 0;
+  int64_t bytes_out = 0;
+};
+
 enum class LayerState : uint8_t { kPending, kRunning, kDone };
 
 struct StepEntry {
@@ -65,6 +81,11 @@ struct StepEntry {
   bool ending = false;
   StepOutcome outcome = StepOutcome::kCommitted;
   std::vector<std::function<void(absl::StatusOr<EndStepResult>)>> end_waiters;
+  // Steps on a channel: every layer is in flight from Plan until the channel reports it.
+  std::shared_ptr<ChannelEntry> channel;
+  uint32_t channel_sequence = 0;
+  // Forward{use_channel} calls waiting for their layer, by layer (empty until one comes).
+  std::vector<std::function<void(absl::Status)>> channel_waiters;
 };
 
 // StepBatches of ended steps, reused, so that a step's arrays (the page ids run to MBs for long
@@ -104,6 +125,11 @@ struct Engine::State {
   absl::flat_hash_map<std::string, int32_t> open_steps_by_tenant ABSL_GUARDED_BY(mu);
   std::deque<uint64_t> finished_order ABSL_GUARDED_BY(mu);
   uint64_t next_step_id ABSL_GUARDED_BY(mu) = 1;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<ChannelEntry>> channels ABSL_GUARDED_BY(mu);
+  // Closed channels whose steps still have layers in flight; the reaper frees them.
+  std::vector<std::shared_ptr<ChannelEntry>> closing_channels ABSL_GUARDED_BY(mu);
+  uint64_t next_channel_id ABSL_GUARDED_BY(mu) = 1;
+  int64_t channel_bytes ABSL_GUARDED_BY(mu) = 0;
   bool draining ABSL_GUARDED_BY(mu) = false;
   bool stopping ABSL_GUARDED_BY(mu) = false;
   // Layers running on the backend across all steps; the engine outlives them (destructor waits).
@@ -122,6 +148,21 @@ struct Engine::State {
   // Aborts open steps idle for longer than the TTL.
   void ExpireLocked(absl::Time now, Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void ReaperLoop();
+  // Marks the channel closed, aborts its steps, queues on_closed; the ring goes once idle.
+  // By value: the caller's reference may be the registry's own entry, which this erases.
+  void CloseChannelLocked(std::shared_ptr<ChannelEntry> channel, const std::string& reason,
+                          Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Takes closed channels with no step left out of the engine: their destruction (which joins
+  // backend threads) must run outside the lock, so the caller destroys them.
+  std::vector<std::shared_ptr<ChannelEntry>> TakeIdleChannelsLocked()
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // A channel step's layer reached its end (ChannelLayerDone).
+  void ChannelLayerDone(const std::shared_ptr<StepEntry>& step, int32_t layer,
+                        absl::Status status);
+  // Starts a planned channel step on its channel. Not under the lock.
+  void StartChannelStep(const std::shared_ptr<StepEntry>& step);
 };
+
+ChannelStatus ChannelStatusOf(const ChannelEntry& channel);
 
 }  // namespace attnd

@@ -104,8 +104,84 @@ bool IsDeviceFault(const absl::Status& status) {
 
 }  // namespace
 
+// Forward{use_channel}: the layer's inputs are in its channel slot. Sets the ready word for the
+// client (a no-op when it already did) and answers once the channel reports the layer.
+void Engine::ForwardThroughChannel(const ForwardArgs& args, ForwardOutputs* outputs,
+                                   std::function<void(absl::Status)> done) {
+  absl::Status rejected;
+  std::shared_ptr<ChannelEntry> channel;
+  uint32_t sequence = 0;
+  {
+    absl::MutexLock lock(&state_->mu);
+    auto it = state_->open_steps.find(args.step_id);
+    if (it == state_->open_steps.end() || it->second->tenant != args.tenant) {
+      auto finished = state_->finished.find(args.step_id);
+      if (finished != state_->finished.end() && finished->second.tenant == args.tenant) {
+        rejected = absl::FailedPreconditionError(absl::StrCat(
+            "step_id: step ", args.step_id, " already ",
+            finished->second.result.outcome == StepOutcome::kCommitted ? "committed"
+                                                                       : "aborted"));
+      } else {
+        rejected = absl::NotFoundError(absl::StrCat("step_id: no open step ", args.step_id));
+      }
+    } else {
+      StepEntry& step = *it->second;
+      const CacheGeometry& geometry = step.cache->spec.geometry;
+      if (step.channel == nullptr) {
+        rejected = absl::InvalidArgumentError(absl::StrCat(
+            "use_channel: step ", step.id, " was not planned on a channel (Plan channel_id)"));
+      } else if (args.layer < 0 || args.layer >= geometry.num_layers) {
+        rejected = absl::InvalidArgumentError(absl::StrCat(
+            "layer: expected 0..", geometry.num_layers - 1, ", got ", args.layer));
+      } else if (args.q.present || args.k.present || args.v.present || args.q_pe.present ||
+                 args.ckv.present || args.kpe.present) {
+        rejected = absl::InvalidArgumentError(
+            "use_channel: the inputs are read from the channel slot; set no tensor");
+      } else if (step.layers[args.layer] == LayerState::kDone) {
+        rejected = absl::FailedPreconditionError(absl::StrCat(
+            "layer: layer ", args.layer, " already ran in step ", step.id));
+      } else if (static_cast<size_t>(args.layer) < step.channel_waiters.size() &&
+                 step.channel_waiters[args.layer]) {
+        rejected = absl::FailedPreconditionError(absl::StrCat(
+            "layer: a Forward for layer ", args.layer, " of step ", step.id,
+            " is already waiting"));
+      } else {
+        step.channel_waiters.resize(geometry.num_layers);
+        std::weak_ptr<StepEntry> weak = it->second;
+        State* state = state_.get();
+        step.channel_waiters[args.layer] = [outputs, weak, state,
+                                            done = std::move(done)](absl::Status status) {
+          if (auto step = weak.lock()) {
+            absl::MutexLock lock(&state->mu);
+            outputs->step_committed = step->ending && step->outcome == StepOutcome::kCommitted &&
+                                      step->layers_done ==
+                                          static_cast<int32_t>(step->layers.size());
+          }
+          done(std::move(status));
+        };
+        step.last_activity = absl::Now();
+        outputs->o_shape.clear();
+        outputs->lse_shape.clear();
+        outputs->o_dtype = geometry.q_dtype;
+        outputs->step_committed = false;
+        channel = step.channel;
+        sequence = step.channel_sequence;
+      }
+    }
+  }
+  if (!rejected.ok()) {
+    done(rejected);
+    return;
+  }
+  if (channel->backend) channel->backend->SignalReady(args.layer, sequence);
+}
+
 void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
                      std::function<void(absl::Status)> done) {
+  if (args.use_channel) {
+    ForwardThroughChannel(args, outputs, std::move(done));
+    return;
+  }
   std::shared_ptr<StepEntry> step;
   absl::Status rejected;
   {
@@ -135,6 +211,11 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
       } else if (args.layer < 0 || args.layer >= geometry.num_layers) {
         rejected = absl::InvalidArgumentError(absl::StrCat(
             "layer: expected 0..", geometry.num_layers - 1, ", got ", args.layer));
+      } else if (step->channel != nullptr) {
+        rejected = absl::InvalidArgumentError(absl::StrCat(
+            "use_channel: step ", step->id, " runs through channel ", step->channel->id,
+            ": its inputs come from the channel's slots (Forward with use_channel, or the "
+            "ready words), not from Forward's tensors"));
       } else if (step->layers[args.layer] != LayerState::kPending) {
         rejected = absl::FailedPreconditionError(absl::StrCat(
             "layer: layer ", args.layer, " already ",

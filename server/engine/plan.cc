@@ -1,5 +1,6 @@
 // Engine::Plan: validate a batch against the cache, allocate its slots all-or-nothing, build
 // the StepBatch once and let the backend plan it.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -191,6 +192,25 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   }
   StepOptions options;
   RETURN_IF_ERROR(ResolveOptions(spec.options, cache->spec, options));
+  std::shared_ptr<ChannelEntry> channel;
+  if (spec.channel_id != 0) {
+    auto channel_it = state_->channels.find(spec.channel_id);
+    if (channel_it == state_->channels.end() || channel_it->second->tenant != spec.tenant) {
+      return absl::NotFoundError(
+          absl::StrCat("channel_id: no open channel ", spec.channel_id));
+    }
+    channel = channel_it->second;
+    if (channel->cache != cache) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "channel_id: channel ", spec.channel_id, " belongs to another cache, not '",
+          spec.cache, "'"));
+    }
+    if (options.return_lse && !channel->spec.with_lse) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "options.return_lse: channel ", spec.channel_id,
+          " was opened without lse regions (OpenChannel with_lse)"));
+    }
+  }
 
   // Validate every entry before anything changes.
   const CacheGeometry& geometry = cache->spec.geometry;
@@ -249,6 +269,11 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
                                                    " new tokens exceed the per-step limit of ",
                                                    limits.max_step_tokens,
                                                    " (--max_step_tokens)"));
+  }
+  if (channel != nullptr && num_tokens > channel->spec.max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "entries: ", num_tokens, " new tokens exceed channel ", spec.channel_id,
+        "'s max_tokens of ", channel->spec.max_tokens));
   }
   if (managed && pages_needed > cache->allocator->free_pages()) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -322,7 +347,9 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
         pages == 0 ? 0 : static_cast<int32_t>(kv_len - (pages - 1) * page_size));
   }
 
-  auto backend_step = cache->backend->PrepareStep(batch);
+  auto backend_step = channel != nullptr
+                          ? cache->backend->PrepareChannelStep(batch, channel->backend.get())
+                          : cache->backend->PrepareStep(batch);
   if (!backend_step.ok()) {
     // Undo the allocation: nothing of this step may survive.
     for (const SequenceChange& change : step->changes) {
@@ -348,6 +375,17 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   result.step_id = step->id;
   result.num_tokens = num_tokens;
   result.kernel = std::string(step->backend_step->KernelName());
+  if (channel != nullptr) {
+    // Every layer is in flight from now on, waiting for its ready word on the channel.
+    step->channel = channel;
+    step->channel_sequence = ++channel->last_sequence;
+    ++channel->open_steps;
+    std::fill(step->layers.begin(), step->layers.end(), LayerState::kRunning);
+    step->in_flight = geometry.num_layers;
+    state_->layers_in_flight += geometry.num_layers;
+    result.channel_sequence = step->channel_sequence;
+    state_->StartChannelStep(step);
+  }
   if (state_->metrics) {
     state_->metrics->ObservePlan(absl::ToDoubleSeconds(absl::Now() - started),
                                  step->decode_tokens, step->prefill_tokens);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "channel/channel_layout.h"
 
 namespace attnd {
 
@@ -51,6 +52,8 @@ struct PlanSpec {
   // find the step, and open steps are limited per tenant ("" when tenants are off: unlimited
   // beyond --max_open_steps).
   std::string tenant;
+  // Run the step through this channel (0: none); see Engine::OpenChannel.
+  uint64_t channel_id = 0;
 };
 
 struct PlanEntryResult {
@@ -63,6 +66,7 @@ struct PlanResult {
   std::vector<PlanEntryResult> entries;
   int64_t num_tokens = 0;
   std::string kernel;
+  uint32_t channel_sequence = 0;  // steps on a channel: the value of their ready/done words
 };
 
 // A tensor argument as it came on the wire; `data` points into the request message, or, when
@@ -91,6 +95,9 @@ struct ForwardArgs {
   TensorArg q_pe, ckv, kpe;    // MLA
   std::string tenant;          // must match the step's PlanSpec::tenant
   LayerTrace* trace = nullptr;  // benchmarks only (backend/layer_trace.h)
+  // The step runs through its channel: no tensors here; set the layer's ready word (if the
+  // client has not) and finish once its done word is set.
+  bool use_channel = false;
 };
 
 struct StepEntry;
@@ -123,6 +130,33 @@ struct EndStepResult {
   int32_t layers_run = 0;
 };
 
+struct ChannelOpenSpec {
+  std::string cache;
+  ChannelKind kind = ChannelKind::kHostShm;
+  int32_t max_tokens = 0;
+  int32_t num_slots = 0;  // 0: the default (2, at most num_layers)
+  bool with_lse = false;
+  std::string tenant;
+};
+
+struct ChannelStatus {
+  uint64_t id = 0;
+  std::string cache;
+  ChannelKind kind = ChannelKind::kHostShm;
+  int32_t max_tokens = 0;
+  int32_t num_slots = 0;
+  bool with_lse = false;
+  std::shared_ptr<const ChannelLayout> layout;
+  std::string shm_name;
+  std::string cuda_ipc_handle;
+  std::string pci_bus_id;
+  int32_t device = 0;
+  int32_t open_steps = 0;
+  uint32_t last_sequence = 0;
+  int64_t bytes_in = 0;
+  int64_t bytes_out = 0;
+};
+
 struct CacheStatus {
   CacheSpec spec;
   bool failed = false;
@@ -131,6 +165,7 @@ struct CacheStatus {
   int64_t used_pages = 0;
   int64_t num_sequences = 0;
   int32_t open_steps = 0;
+  std::vector<ChannelStatus> channels;  // sorted by id
 };
 
 }  // namespace attnd

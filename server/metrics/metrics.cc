@@ -92,6 +92,16 @@ Metrics::Metrics(const BuildInfo& build_info, bool cache_labels)
                          .Name("attnd_transfer_bytes_total")
                          .Help("Bytes copied between host and device, by direction (h2d, d2h)")
                          .Register(*registry_);
+  channels_open_ = &prometheus::BuildGauge()
+                        .Name("attnd_channels_open")
+                        .Help("Data-plane channels open (HOST_SHM and CUDA_IPC)")
+                        .Register(*registry_)
+                        .Add({});
+  channel_bytes_ = &prometheus::BuildCounter()
+                        .Name("attnd_channel_bytes_total")
+                        .Help("Layer bytes carried by channels, by kind and direction (in: q/k/v "
+                              "to attnd, out: o/lse back)")
+                        .Register(*registry_);
   errors_ = &prometheus::BuildCounter()
                  .Name("attnd_errors_total")
                  .Help("Failed RPCs and stream messages by error type (status code)")
@@ -128,6 +138,15 @@ void Metrics::OnKernel(std::string_view kernel, std::string_view phase, double s
   auto& totals = kernel_totals_[{std::string(kernel), std::string(phase)}];
   ++totals.first;
   totals.second += seconds;
+}
+
+void Metrics::SetOpenChannels(size_t open) { channels_open_->Set(static_cast<double>(open)); }
+
+void Metrics::ChannelBytes(std::string_view kind, int64_t bytes_in, int64_t bytes_out) {
+  channel_bytes_->Add({{"kind", std::string(kind)}, {"direction", "in"}})
+      .Increment(static_cast<double>(bytes_in));
+  channel_bytes_->Add({{"kind", std::string(kind)}, {"direction", "out"}})
+      .Increment(static_cast<double>(bytes_out));
 }
 
 void Metrics::OnTransfer(std::string_view direction, int64_t bytes) {

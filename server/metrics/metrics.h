@@ -64,6 +64,9 @@ class Metrics : public BackendObserver {
   void StepEnded(bool committed, int64_t decode_tokens, int64_t prefill_tokens);
   void SetCachePages(const std::string& cache, int64_t used_pages, int64_t free_pages);
   void RemoveCache(const std::string& cache);
+  // Channels (DESIGN 3b): how many are open, and the layer bytes they carried.
+  void SetOpenChannels(size_t open);
+  void ChannelBytes(std::string_view kind, int64_t bytes_in, int64_t bytes_out);
 
   StatsSnapshot Snapshot() const;
 
@@ -85,6 +88,8 @@ class Metrics : public BackendObserver {
   prometheus::Family<prometheus::Gauge>* kv_usage_;
   prometheus::Family<prometheus::Counter>* transfer_bytes_;
   prometheus::Family<prometheus::Counter>* errors_;
+  prometheus::Gauge* channels_open_;
+  prometheus::Family<prometheus::Counter>* channel_bytes_;
 
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, std::pair<int64_t, double>> kernel_totals_

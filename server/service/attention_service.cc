@@ -161,6 +161,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
     limits->set_max_plan_entries(context_.limits.max_plan_entries);
     limits->set_max_step_tokens(context_.limits.max_step_tokens);
     limits->set_step_ttl_seconds(absl::ToDoubleSeconds(context_.step_ttl));
+    limits->set_max_channel_bytes(context_.limits.max_channel_bytes);
     return absl::OkStatus();
   });
 }

@@ -45,8 +45,10 @@ using AttentionServiceBase = v1::AttentionService::WithCallbackMethod_GetServerI
                             v1::AttentionService::WithRawCallbackMethod_Forward<
                                 v1::AttentionService::WithCallbackMethod_EndStep<
                                     v1::AttentionService::WithRawCallbackMethod_ForwardStream<
-                                        v1::AttentionService::WithCallbackMethod_GetStats<
-                                            v1::AttentionService::Service>>>>>>>>>>>;
+                                        v1::AttentionService::WithCallbackMethod_OpenChannel<
+                                            v1::AttentionService::WithCallbackMethod_CloseChannel<
+                                                v1::AttentionService::WithCallbackMethod_GetStats<
+                                                    v1::AttentionService::Service>>>>>>>>>>>>>;
 
 class ForwardCallPool;
 
@@ -84,6 +86,11 @@ class AttentionService final : public AttentionServiceBase {
                                     v1::EndStepResponse* response) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardStream(
       grpc::CallbackServerContext* ctx) override;
+  grpc::ServerWriteReactor<v1::OpenChannelResponse>* OpenChannel(
+      grpc::CallbackServerContext* ctx, const v1::OpenChannelRequest* request) override;
+  grpc::ServerUnaryReactor* CloseChannel(grpc::CallbackServerContext* ctx,
+                                         const v1::CloseChannelRequest* request,
+                                         v1::CloseChannelResponse* response) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
                                      const v1::GetStatsRequest* request,
                                      v1::GetStatsResponse* response) override;

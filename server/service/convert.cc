@@ -366,11 +366,16 @@ void CacheStatusToProto(const CacheStatus& status, v1::CacheInfo* info) {
   info->set_used_pages(status.used_pages);
   info->set_num_sequences(status.num_sequences);
   info->set_open_steps(status.open_steps);
+  for (const ChannelStatus& channel : status.channels) {
+    ChannelStatusToProto(channel, info->add_channels());
+    info->mutable_channels()->rbegin()->set_cache(status.spec.name);
+  }
 }
 
 absl::StatusOr<PlanSpec> PlanSpecFromProto(const v1::PlanRequest& request) {
   PlanSpec spec;
   spec.cache = request.cache();
+  spec.channel_id = request.channel_id();
   spec.entries.reserve(request.entries_size());
   for (const v1::PlanEntry& entry : request.entries()) {
     PlanEntrySpec& out = spec.entries.emplace_back();
@@ -404,12 +409,57 @@ void PlanResultToProto(const PlanResult& result, v1::PlanResponse* response) {
   }
   response->set_num_tokens(result.num_tokens);
   response->set_kernel(result.kernel);
+  response->set_channel_sequence(result.channel_sequence);
+}
+
+void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info) {
+  info->set_channel_id(status.id);
+  info->set_cache(status.cache);
+  info->set_kind(status.kind == ChannelKind::kCudaIpc ? v1::CHANNEL_KIND_CUDA_IPC
+                                                      : v1::CHANNEL_KIND_HOST_SHM);
+  info->set_max_tokens(status.max_tokens);
+  info->set_slots(status.num_slots);
+  info->set_shm_name(status.shm_name);
+  info->set_cuda_ipc_handle(status.cuda_ipc_handle);
+  info->set_pci_bus_id(status.pci_bus_id);
+  info->set_device(status.device);
+  info->set_open_steps(status.open_steps);
+  info->set_last_sequence(status.last_sequence);
+  info->set_bytes_in(status.bytes_in);
+  info->set_bytes_out(status.bytes_out);
+  if (status.layout == nullptr) return;
+  const ChannelLayout& layout = *status.layout;
+  v1::ChannelLayout* out = info->mutable_layout();
+  out->set_ring_bytes(layout.ring_bytes);
+  for (const int64_t offset : layout.ready) out->add_ready_offsets(offset);
+  for (const int64_t offset : layout.done) out->add_done_offsets(offset);
+  out->set_aborted_offset(layout.aborted);
+  for (const ChannelSlotLayout& slot : layout.slots) {
+    v1::ChannelSlotLayout* s = out->add_slots();
+    s->set_q_offset(slot.q);
+    s->set_k_offset(slot.k);
+    s->set_v_offset(slot.v);
+    s->set_q_pe_offset(slot.q_pe);
+    s->set_ckv_offset(slot.ckv);
+    s->set_kpe_offset(slot.kpe);
+    s->set_o_offset(slot.o);
+    s->set_lse_offset(slot.lse);
+  }
+  out->set_q_row_bytes(layout.q_row);
+  out->set_k_row_bytes(layout.k_row);
+  out->set_v_row_bytes(layout.v_row);
+  out->set_q_pe_row_bytes(layout.q_pe_row);
+  out->set_ckv_row_bytes(layout.ckv_row);
+  out->set_kpe_row_bytes(layout.kpe_row);
+  out->set_o_row_bytes(layout.o_row);
+  out->set_lse_row_bytes(layout.lse_row);
 }
 
 absl::Status ForwardArgsFromProto(const v1::ForwardRequest& request, ForwardArgs& args,
                                   std::vector<std::string>& scratch) {
   args.step_id = request.step_id();
   args.layer = request.layer();
+  args.use_channel = request.use_channel();
   // Reserve so that converted tensors never move while args point at them.
   scratch.reserve(6);
   const struct {
@@ -456,6 +506,12 @@ absl::Status ForwardArgsFromWire(const WireForward& wire, ForwardArgs& args) {
 
 void ForwardOutputsToProto(ForwardOutputs& outputs, std::string&& lse_bytes,
                            v1::ForwardResponse* response) {
+  if (outputs.o_shape.empty()) {  // use_channel: the outputs are in the channel slot
+    response->clear_o();
+    response->clear_lse();
+    response->set_step_committed(outputs.step_committed);
+    return;
+  }
   v1::Tensor* o = response->mutable_o();
   o->set_dtype(DTypeToProto(outputs.o_dtype));
   for (const int64_t dim : outputs.o_shape) o->add_shape(dim);

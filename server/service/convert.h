@@ -20,6 +20,7 @@ void CacheStatusToProto(const CacheStatus& status, v1::CacheInfo* info);
 
 absl::StatusOr<PlanSpec> PlanSpecFromProto(const v1::PlanRequest& request);
 void PlanResultToProto(const PlanResult& result, v1::PlanResponse* response);
+void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info);
 
 // Decodes ForwardRequest tensors. Tensors sent as `values` are converted into `scratch`
 // (which must outlive `args`); `data` tensors are referenced in place.

@@ -195,7 +195,9 @@ bool ParseForward(SliceReader& reader, WireForward& forward) {
       SliceReader sub(std::span<const grpc::Slice>(), 0);
       if (!reader.ReadLength(length) || !reader.Sub(length, sub)) return false;
       if (!ParseTensor(sub, tensor)) return false;
-    } else if (!reader.SkipField(wire_type)) {
+    } else {
+      // A field this parser does not know (use_channel, or one added later) is left to
+      // protobuf's parser, which knows every field: never dropped here.
       return false;
     }
   }

@@ -25,7 +25,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "attnd/client/channel.h"
 #include "attnd/client/reference_cache.h"
+#include "channel_steps.h"
 #include "fault_server.h"
 #include "status_matchers.h"
 #include "test_steps.h"
@@ -605,6 +607,145 @@ TEST_F(TenantFaultTest, AnotherTenantsFaultsLeaveMyStepAndBytesAlone) {
   EXPECT_TRUE(out1.step_committed());
   reference_->EndStep(false);
   ASSERT_NO_FATAL_FAILURE(ExpectStillServing(alpha.get()));
+}
+
+
+// ---- Channels (DESIGN 3b): a step whose layers run through a HOST_SHM channel, faulted ----
+
+namespace {
+
+absl::Status CloseChannel(client::Client& client, uint64_t channel_id) {
+  auto context = client.NewContext();
+  attnd::v1::CloseChannelRequest request;
+  request.set_channel_id(channel_id);
+  attnd::v1::CloseChannelResponse response;
+  const grpc::Status status = client.stub().CloseChannel(context.get(), request, &response);
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+client::ChannelOptions SmallChannel() {
+  client::ChannelOptions options;
+  options.max_tokens = 8;
+  options.with_lse = true;
+  return options;
+}
+
+}  // namespace
+
+class ChannelTtlFaultTest : public FaultTest {
+ protected:
+  FaultServerOptions Options() const override {
+    FaultServerOptions options;
+    options.step_ttl = absl::Milliseconds(300);
+    return options;
+  }
+};
+
+TEST_F(ChannelTtlFaultTest, ChannelStepWhoseReadyFlagsNeverComeAbortsAtTheTtl) {
+  ASSERT_NO_FATAL_FAILURE(CreateStartingState());
+  const Baseline before = Capture();
+  ASSERT_OK_AND_ASSIGN(auto channel, client::Channel::Open(client(), kCache, SmallChannel()));
+  attnd::v1::PlanRequest plan = MakePlan(kCache, {{kSeqA, 1}, {kSeqNew, 3}});
+  plan.set_channel_id(channel->id());
+  ASSERT_OK_AND_ASSIGN(const attnd::v1::PlanResponse planned, client().Plan(plan));
+  // No ready word is ever set: attnd lets go of its waits at the TTL and rolls the step back
+  // with no byte written, and sets the done words so that no waiter hangs.
+  ASSERT_NO_FATAL_FAILURE(ExpectRestored(before, /*max_written_slots=*/0));
+  EXPECT_ERROR(channel->WaitDone(0, planned.channel_sequence(), absl::Seconds(10)),
+               Code::kAborted, "aborted");
+  EXPECT_TRUE(channel->Aborted(planned.channel_sequence()));
+  ASSERT_OK_AND_ASSIGN(auto ended, client().EndStep(planned.step_id(), /*abort=*/false));
+  EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_ABORTED);
+  EXPECT_EQ(ended.layers_run(), 0);
+
+  // The channel itself stays open and carries the next step.
+  attnd::v1::PlanRequest next = MakePlan(kCache, {{kSeqA, 1}});
+  next.set_channel_id(channel->id());
+  ASSERT_OK_AND_ASSIGN(const attnd::v1::PlanResponse second, client().Plan(next));
+  EXPECT_EQ(second.channel_sequence(), planned.channel_sequence() + 1);
+  for (int32_t layer = 0; layer < cache_.config().num_layers(); ++layer) {
+    ASSERT_OK(ForwardThroughChannel(*channel, second.channel_sequence(),
+                                    RandomLayer(rng_, cache_.config(), 1, layer), cache_.config(),
+                                    1, true)
+                  .status());
+  }
+  ASSERT_OK_AND_ASSIGN(auto committed, client().EndStep(second.step_id(), /*abort=*/false));
+  EXPECT_EQ(committed.outcome(), attnd::v1::STEP_OUTCOME_COMMITTED);
+}
+
+TEST_F(FaultTest, ClosingAChannelMidStepAbortsItsStep) {
+  ASSERT_NO_FATAL_FAILURE(CreateStartingState());
+  const Baseline before = Capture();
+  ASSERT_OK_AND_ASSIGN(auto channel, client::Channel::Open(client(), kCache, SmallChannel()));
+  attnd::v1::PlanRequest plan = MakePlan(kCache, {{kSeqA, 2}, {kSeqNew, 2}});
+  plan.set_channel_id(channel->id());
+  ASSERT_OK_AND_ASSIGN(const attnd::v1::PlanResponse planned, client().Plan(plan));
+  ASSERT_OK(ForwardThroughChannel(*channel, planned.channel_sequence(),
+                                  RandomLayer(rng_, cache_.config(), 4, 0), cache_.config(), 4,
+                                  true)
+                .status());
+  ASSERT_OK(CloseChannel(client(), channel->id()));
+  ASSERT_NO_FATAL_FAILURE(ExpectRestored(before, /*max_written_slots=*/4));
+  ASSERT_OK_AND_ASSIGN(auto ended, client().EndStep(planned.step_id(), /*abort=*/true));
+  EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_ABORTED);
+  EXPECT_EQ(ended.layers_run(), 1);
+  ASSERT_OK_AND_ASSIGN(auto info, client().GetCache(kCache));
+  EXPECT_EQ(info.channels_size(), 0);
+  // The OpenChannel call ended with the reason; a second close finds nothing.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (channel->closed_reason().empty() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_THAT(channel->closed_reason(), HasSubstr("CloseChannel"));
+  EXPECT_ERROR(CloseChannel(client(), channel->id()), Code::kNotFound, "channel_id");
+  ASSERT_NO_FATAL_FAILURE(ExpectStillServing());
+}
+
+TEST_F(FaultTest, ChannelClientKilledMidStepLosesItsChannelAndStep) {
+  ASSERT_NO_FATAL_FAILURE(CreateStartingState());
+  const Baseline before = Capture();
+  // The client runs in another process; it maps the ring, plans a 3-token step of sequence 7,
+  // runs layer 0 through the channel and is then killed.
+  const std::string command =
+      absl::StrCat(CHANNEL_TEST_CLIENT, " hang ", server().address(), " ", kCache);
+  FILE* child = popen(absl::StrCat("exec ", command).c_str(), "r");
+  ASSERT_NE(child, nullptr);
+  char line[256] = {};
+  ASSERT_NE(std::fgets(line, sizeof(line), child), nullptr) << "the client printed nothing";
+  ASSERT_THAT(std::string(line), HasSubstr("hanging")) << line;
+  ASSERT_OK_AND_ASSIGN(auto mid, client().GetCache(kCache));
+  EXPECT_EQ(mid.channels_size(), 1);
+  EXPECT_EQ(mid.open_steps(), 1);
+  std::system("pkill -KILL -f 'channel_test_client hang' >/dev/null 2>&1");
+  pclose(child);
+  // Its OpenChannel call ends with the connection: the channel closes and the step rolls back.
+  ASSERT_NO_FATAL_FAILURE(ExpectRestored(before, /*max_written_slots=*/3));
+  ASSERT_OK_AND_ASSIGN(auto after, client().GetCache(kCache));
+  EXPECT_EQ(after.channels_size(), 0);
+  EXPECT_EQ(server().engine().OpenChannels(), 0);
+  ASSERT_NO_FATAL_FAILURE(ExpectStillServing());
+}
+
+TEST_F(TenantFaultTest, AnotherTenantsChannelIsNotFound) {
+  auto alpha = server().NewClient(kAlphaToken);
+  auto beta = server().NewClient(kBetaToken);
+  ASSERT_NO_FATAL_FAILURE(CreateStartingState(256, alpha.get()));
+  ASSERT_OK(beta->CreateCache(kCache, SmallConfig(64)));
+  ASSERT_OK_AND_ASSIGN(auto channel, client::Channel::Open(*alpha, kCache, SmallChannel()));
+  // Beta cannot plan on alpha's channel, close it, or see it.
+  attnd::v1::PlanRequest plan = MakePlan(kCache, {{kSeqA, 1}});
+  plan.set_channel_id(channel->id());
+  EXPECT_ERROR(beta->Plan(plan), Code::kNotFound, "channel_id");
+  EXPECT_ERROR(CloseChannel(*beta, channel->id()), Code::kNotFound, "channel_id");
+  ASSERT_OK_AND_ASSIGN(auto beta_info, beta->GetCache(kCache));
+  EXPECT_EQ(beta_info.channels_size(), 0);
+  ASSERT_OK_AND_ASSIGN(auto alpha_info, alpha->GetCache(kCache));
+  ASSERT_EQ(alpha_info.channels_size(), 1);
+  EXPECT_EQ(alpha_info.channels(0).cache(), kCache);  // in the tenant's own names
+  // Alpha's plan on it works.
+  ASSERT_OK_AND_ASSIGN(auto planned, alpha->Plan(plan));
+  EXPECT_GT(planned.channel_sequence(), 0u);
+  ASSERT_OK(alpha->EndStep(planned.step_id(), /*abort=*/true).status());
 }
 
 }  // namespace

@@ -101,8 +101,8 @@ TEST(ForwardWireTest, ReadsAUnaryRequestWithNegativeLayerAndMlaTensors) {
   ExpectSameForward(forward, request);
 }
 
-// Hand-written encodings protobuf accepts: unknown fields, unpacked shape, fields out of order,
-// an empty tensor present.
+// Hand-written encodings protobuf accepts: unknown fields inside a tensor, unpacked shape,
+// fields out of order, an empty tensor present.
 TEST(ForwardWireTest, ReadsUnusualButUnambiguousEncodings) {
   std::string bytes;
   google::protobuf::io::StringOutputStream stream(&bytes);
@@ -126,9 +126,6 @@ TEST(ForwardWireTest, ReadsUnusualButUnambiguousEncodings) {
     }
     out.WriteTag((2 << 3) | 0);  // layer before step_id
     out.WriteVarint32(3);
-    out.WriteTag((20 << 3) | 2);  // unknown length-delimited field
-    out.WriteVarint32(2);
-    out.WriteRaw("??", 2);
     out.WriteTag((3 << 3) | 2);  // q
     out.WriteVarint32(static_cast<uint32_t>(tensor.size()));
     out.WriteRaw(tensor.data(), static_cast<int>(tensor.size()));
@@ -149,6 +146,23 @@ TEST(ForwardWireTest, ReadsUnusualButUnambiguousEncodings) {
 TEST(ForwardWireTest, DeclinesWhatProtobufShouldRead) {
   WireForward forward;
   uint64_t tag;
+  {
+    // A ForwardRequest field the fast parser does not know is never dropped: protobuf reads it.
+    v1::ForwardRequest channel;
+    channel.set_step_id(3);
+    channel.set_use_channel(true);
+    EXPECT_FALSE(ParseForwardRequest(Slices(channel.SerializeAsString(), 16), forward));
+    v1::StreamRequest streamed;
+    *streamed.mutable_forward() = channel;
+    EXPECT_EQ(ParseStreamRequest(Slices(streamed.SerializeAsString(), 16), tag, forward),
+              WireKind::kOther);
+    std::string unknown = channel.SerializeAsString();
+    v1::ForwardRequest plain;
+    plain.set_step_id(3);
+    unknown = plain.SerializeAsString() + std::string("\xa2\x01\x02??", 5);  // field 20, 2 bytes
+    ASSERT_TRUE(v1::ForwardRequest().ParseFromString(unknown));
+    EXPECT_FALSE(ParseForwardRequest(Slices(unknown, 16), forward));
+  }
   {
     v1::StreamRequest plan;
     plan.set_tag(1);

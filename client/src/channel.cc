@@ -1,0 +1,217 @@
+#include "attnd/client/channel.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "attnd/client/client.h"
+#include "attnd/client/status.h"
+#include "attnd/status_macros.h"
+#include "channel_cuda.h"
+
+namespace attnd::client {
+namespace {
+
+bool Reached(uint32_t flag, uint32_t sequence) {
+  return static_cast<int32_t>(flag - sequence) >= 0;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(Client& client, std::string_view cache,
+                                                       const ChannelOptions& options) {
+  std::unique_ptr<Channel> channel(new Channel());
+  attnd::v1::OpenChannelRequest request;
+  request.set_cache(std::string(cache));
+  request.set_kind(options.kind);
+  request.set_max_tokens(options.max_tokens);
+  request.set_slots(options.slots);
+  request.set_with_lse(options.with_lse);
+  // The call lives as long as the channel: no deadline.
+  channel->call_ = client.NewContext(/*with_deadline=*/false);
+  channel->reader_ = client.stub().OpenChannel(channel->call_.get(), request);
+  attnd::v1::OpenChannelResponse first;
+  if (!channel->reader_->Read(&first)) {
+    absl::Status status = FromGrpcStatus(channel->reader_->Finish());
+    channel->reader_.reset();
+    if (status.ok()) status = absl::UnavailableError("OpenChannel ended without a channel");
+    return status;
+  }
+  channel->info_ = first.channel();
+  if (absl::Status mapped = channel->Map(); !mapped.ok()) {
+    channel->call_->TryCancel();
+    attnd::v1::OpenChannelResponse rest;
+    while (channel->reader_->Read(&rest)) {
+    }
+    channel->reader_->Finish().error_code();
+    channel->reader_.reset();
+    return mapped;
+  }
+  channel->reader_thread_ = std::thread([raw = channel.get()] { raw->ReadUntilClosed(); });
+  return channel;
+}
+
+void Channel::ReadUntilClosed() {
+  attnd::v1::OpenChannelResponse message;
+  std::string reason;
+  while (reader_->Read(&message)) {
+    if (!message.closed().empty()) reason = message.closed();
+  }
+  const grpc::Status status = reader_->Finish();
+  if (reason.empty()) {
+    reason = status.ok() ? "closed" : absl::StrCat("OpenChannel call ended: ",
+                                                   status.error_message());
+  }
+  std::lock_guard lock(mu_);
+  closed_reason_ = reason;
+  closed_ = true;
+}
+
+Channel::~Channel() {
+  if (call_ != nullptr) call_->TryCancel();
+  if (reader_thread_.joinable()) reader_thread_.join();
+  Unmap();
+}
+
+std::string Channel::closed_reason() const {
+  std::lock_guard lock(mu_);
+  return closed_reason_;
+}
+
+absl::Status Channel::Map() {
+  ring_bytes_ = info_.layout().ring_bytes();
+  if (info_.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+    ASSIGN_OR_RETURN(ring_, internal::OpenIpcRing(info_.cuda_ipc_handle(), info_.pci_bus_id(),
+                                                  &cuda_device_));
+    return absl::OkStatus();
+  }
+  const int fd = shm_open(info_.shm_name().c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shm_open(", info_.shm_name(), "): ", std::strerror(errno),
+        " (HOST_SHM channels need the client on attnd's host, as the same user)"));
+  }
+  void* mapped = mmap(nullptr, ring_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int error = errno;
+  close(fd);
+  if (mapped == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat("mmap(", info_.shm_name(), "): ",
+                                                     std::strerror(error)));
+  }
+  ring_ = static_cast<uint8_t*>(mapped);
+  return absl::OkStatus();
+}
+
+void Channel::Unmap() {
+  if (ring_ == nullptr) return;
+  if (info_.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+    internal::CloseIpcRing(ring_, cuda_device_);
+  } else {
+    munmap(ring_, ring_bytes_);
+  }
+  ring_ = nullptr;
+}
+
+ChannelSlot Channel::Slot(int32_t layer) const {
+  const attnd::v1::ChannelLayout& layout = info_.layout();
+  const attnd::v1::ChannelSlotLayout& slot = layout.slots(layer % layout.slots_size());
+  auto at = [&](int64_t offset, int64_t row_bytes) -> void* {
+    return row_bytes > 0 ? ring_ + offset : nullptr;
+  };
+  ChannelSlot out;
+  out.q = at(slot.q_offset(), layout.q_row_bytes());
+  out.k = at(slot.k_offset(), layout.k_row_bytes());
+  out.v = at(slot.v_offset(), layout.v_row_bytes());
+  out.q_pe = at(slot.q_pe_offset(), layout.q_pe_row_bytes());
+  out.ckv = at(slot.ckv_offset(), layout.ckv_row_bytes());
+  out.kpe = at(slot.kpe_offset(), layout.kpe_row_bytes());
+  out.o = at(slot.o_offset(), layout.o_row_bytes());
+  out.lse = static_cast<float*>(at(slot.lse_offset(), layout.lse_row_bytes()));
+  return out;
+}
+
+uint32_t Channel::ReadFlag(int64_t offset) const {
+  if (info_.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+    return internal::ReadDeviceFlag(ring_ + offset);
+  }
+  return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(ring_ + offset))
+      .load(std::memory_order_acquire);
+}
+
+void Channel::WriteFlag(int64_t offset, uint32_t value) {
+  if (info_.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+    internal::WriteDeviceFlag(ring_ + offset, value);
+    return;
+  }
+  auto* word = reinterpret_cast<uint32_t*>(ring_ + offset);
+  std::atomic_ref<uint32_t>(*word).store(value, std::memory_order_release);
+  syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+void Channel::SetReady(int32_t layer, uint32_t sequence) {
+  WriteFlag(info_.layout().ready_offsets(layer), sequence);
+}
+
+bool Channel::Aborted(uint32_t sequence) const {
+  const uint32_t aborted = ReadFlag(info_.layout().aborted_offset());
+  return aborted != 0 && Reached(aborted, sequence);
+}
+
+absl::Status Channel::WaitDone(int32_t layer, uint32_t sequence, absl::Duration timeout) {
+  const int64_t offset = info_.layout().done_offsets(layer);
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + absl::ToChronoNanoseconds(timeout);
+  const bool host = info_.kind() != attnd::v1::CHANNEL_KIND_CUDA_IPC;
+  for (;;) {
+    const uint32_t seen = ReadFlag(offset);
+    if (Reached(seen, sequence)) {
+      if (Aborted(sequence)) {
+        return absl::AbortedError(absl::StrCat("channel step ", sequence,
+                                               " was aborted by attnd; o means nothing"));
+      }
+      return absl::OkStatus();
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (closed_) {
+      return absl::UnavailableError(absl::StrCat("channel closed: ", closed_reason()));
+    }
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("done[", layer, "] did not reach ",
+                                                      sequence, " within ",
+                                                      absl::FormatDuration(timeout)));
+    }
+    if (now - start < std::chrono::microseconds(200)) continue;  // spin first
+    if (host) {
+      timespec slice{0, 1000000};  // 1 ms, re-checking the deadline and the channel
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(ring_ + offset), FUTEX_WAIT, seen, &slice,
+              nullptr, 0);
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+}
+
+absl::Status Channel::SetReadyOnStream(int32_t layer, uint32_t sequence, void* stream) {
+  if (info_.kind() != attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+    return absl::FailedPreconditionError("SetReadyOnStream: only CUDA_IPC channels");
+  }
+  return internal::StreamWriteFlag(stream, ring_ + info_.layout().ready_offsets(layer), sequence);
+}
+
+absl::Status Channel::WaitDoneOnStream(int32_t layer, uint32_t sequence, void* stream) {
+  if (info_.kind() != attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+    return absl::FailedPreconditionError("WaitDoneOnStream: only CUDA_IPC channels");
+  }
+  return internal::StreamWaitFlag(stream, ring_ + info_.layout().done_offsets(layer), sequence);
+}
+
+}  // namespace attnd::client

@@ -1,0 +1,20 @@
+// Client channels in a build without CUDA: CUDA_IPC is not available.
+#include "channel_cuda.h"
+
+namespace attnd::client::internal {
+
+absl::StatusOr<uint8_t*> OpenIpcRing(const std::string&, const std::string&, int*) {
+  return absl::UnimplementedError(
+      "CUDA_IPC channels need a client built with CUDA (this one was not); use HOST_SHM");
+}
+void CloseIpcRing(uint8_t*, int) {}
+uint32_t ReadDeviceFlag(const uint8_t*) { return 0; }
+void WriteDeviceFlag(uint8_t*, uint32_t) {}
+absl::Status StreamWriteFlag(void*, uint8_t*, uint32_t) {
+  return absl::UnimplementedError("CUDA_IPC channels need a client built with CUDA");
+}
+absl::Status StreamWaitFlag(void*, uint8_t*, uint32_t) {
+  return absl::UnimplementedError("CUDA_IPC channels need a client built with CUDA");
+}
+
+}  // namespace attnd::client::internal

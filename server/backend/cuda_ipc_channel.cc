@@ -1,0 +1,214 @@
+#include "backend/cuda_ipc_channel.h"
+
+#include <cuda_runtime_api.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/stream_flags.h"
+#include "attnd/status_macros.h"
+#include "backend/cuda_step.h"
+#include "cuda/cuda_check.h"
+
+namespace attnd::cuda_backend {
+namespace {
+
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaIpcChannel>> CudaIpcChannel::Create(CudaCache* cache,
+                                                                        const ChannelSpec& spec,
+                                                                        int device) {
+  std::unique_ptr<CudaIpcChannel> channel(new CudaIpcChannel(cache, spec, device));
+  RETURN_IF_ERROR(channel->Init());
+  return channel;
+}
+
+CudaIpcChannel::CudaIpcChannel(CudaCache* cache, const ChannelSpec& spec, int device)
+    : cache_(cache),
+      geometry_(cache->geometry()),
+      layout_(MakeChannelLayout(cache->geometry(), spec.max_tokens, spec.num_slots,
+                                spec.with_lse)),
+      device_(device),
+      with_lse_(spec.with_lse) {}
+
+absl::Status CudaIpcChannel::Init() {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  RETURN_IF_ERROR(lane_.CreateStreams());
+  RETURN_IF_ERROR(signal_.Create());
+  RETURN_IF_ERROR(ring_.Reserve(layout_.ring_bytes));
+  // Zeroed: flags start at 0 (no step's sequence), slots hold zeros, not stale bytes.
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(ring_.data(), 0, layout_.ring_bytes, lane_.compute.get()));
+  const int32_t q_dim = geometry_.mla ? geometry_.v_head_dim : geometry_.k_head_dim;
+  RETURN_IF_ERROR(lane_.q_rotated.Reserve(int64_t{layout_.max_tokens} * geometry_.num_qo_heads *
+                                          q_dim * DTypeBytes(geometry_.q_dtype)));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(lane_.compute.get()));
+  cudaIpcMemHandle_t handle;
+  CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, ring_.data()));
+  ipc_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  char bus_id[64] = {};
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device_));
+  pci_bus_id_ = bus_id;
+  const bool blocking = cache_->completion_wait() == CompletionWait::kBlockingSync;
+  for (LayerEvents& events : events_) {
+    RETURN_IF_ERROR(events.Create(blocking));
+    free_events_.push_back(&events);
+  }
+  const int device = device_;
+  lane_.completions = std::make_unique<CompletionQueue>([device] { cudaSetDevice(device); });
+  enqueuer_ = std::thread([this] { EnqueueLoop(); });
+  return absl::OkStatus();
+}
+
+CudaIpcChannel::~CudaIpcChannel() {
+  // The engine destroys a channel only once no layer of it is in flight.
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (enqueuer_.joinable()) enqueuer_.join();
+  if (lane_.completions) lane_.completions->Shutdown();
+  for (const CudaStream* stream : {&lane_.compute, &signal_}) {
+    if (stream->get() != nullptr) cudaStreamSynchronize(stream->get());
+  }
+  for (uint8_t* retired : lane_.retired) cudaFree(retired);
+}
+
+absl::Status CudaIpcChannel::WriteFlag(int64_t offset, uint32_t value) {
+  return cuda::StreamWriteFlag(signal_.get(), ring_.data() + offset, value);
+}
+
+void CudaIpcChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t /*num_tokens*/,
+                               ChannelLayerDone layer_done) {
+  auto active = std::make_shared<ActiveStep>();
+  active->step = static_cast<CudaStep*>(step);
+  active->sequence = sequence;
+  active->layer_done = std::move(layer_done);
+  active->completed.assign(geometry_.num_layers, 0);
+  {
+    std::lock_guard lock(mu_);
+    steps_.push_back(std::move(active));
+  }
+  wake_.notify_all();
+}
+
+void CudaIpcChannel::CancelStep(uint32_t sequence) {
+  std::lock_guard lock(mu_);
+  for (auto& active : steps_) {
+    if (active->sequence != sequence) continue;
+    active->cancelled = true;
+    // Layers already on the device wait for ready words the client may never set: set them.
+    // Their kernels then run on whatever the slot holds, into the step's own pages, which the
+    // abort rolls back.
+    for (int32_t layer = 0; layer < active->next_layer; ++layer) {
+      if (!active->completed[layer]) WriteFlag(layout_.ready[layer], sequence).IgnoreError();
+    }
+  }
+  wake_.notify_all();
+}
+
+void CudaIpcChannel::SignalReady(int32_t layer, uint32_t sequence) {
+  WriteFlag(layout_.ready[layer], sequence).IgnoreError();
+}
+
+void CudaIpcChannel::Skip(const ActiveStep& active, int32_t layer) {
+  WriteFlag(layout_.aborted, active.sequence).IgnoreError();
+  WriteFlag(layout_.done[layer], active.sequence).IgnoreError();
+  active.layer_done(layer, absl::CancelledError(absl::StrCat(
+                               "layer ", layer, " of channel step ", active.sequence,
+                               " did not run: the step was aborted")));
+}
+
+void CudaIpcChannel::EnqueueLoop() {
+  cudaSetDevice(device_);
+  const int32_t num_layers = geometry_.num_layers;
+  std::unique_lock lock(mu_);
+  for (;;) {
+    wake_.wait(lock, [&] {
+      if (stopping_ || steps_.empty()) return stopping_;
+      const ActiveStep& front = *steps_.front();
+      return front.cancelled || front.next_layer >= num_layers || !free_events_.empty();
+    });
+    if (steps_.empty()) return;  // stopping
+    std::shared_ptr<ActiveStep> active = steps_.front();
+    if (active->cancelled || stopping_) {
+      const int32_t first = active->next_layer;
+      active->next_layer = num_layers;
+      steps_.pop_front();
+      lock.unlock();
+      for (int32_t layer = first; layer < num_layers; ++layer) Skip(*active, layer);
+      lock.lock();
+      continue;
+    }
+    if (active->next_layer >= num_layers) {
+      steps_.pop_front();
+      continue;
+    }
+    const int32_t layer = active->next_layer++;
+    LayerEvents* events = free_events_.back();
+    free_events_.pop_back();
+    lock.unlock();
+    Enqueue(active, layer, events);
+    lock.lock();
+  }
+}
+
+void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t layer,
+                             LayerEvents* events) {
+  CudaStep& step = *active->step;
+  const cudaStream_t compute = lane_.compute.get();
+  const ChannelSlotLayout& slot = layout_.slots[layout_.SlotOf(layer)];
+  uint8_t* ring = ring_.data();
+  std::lock_guard lock(lane_.submit_mu);
+  absl::Status status = [&]() -> absl::Status {
+    RETURN_IF_ERROR(cuda::StreamWaitFlag(compute, ring + layout_.ready[layer], active->sequence));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events->started.get(), compute));
+    // Timing events the kernels would record, recorded here when a step has no rows.
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events->appended.get(), compute));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events->attended_first.get(), compute));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events->attended_second.get(), compute));
+    if (step.num_tokens() > 0) {
+      LayerBuffers buffers;
+      buffers.q = ring + slot.q;
+      buffers.k = ring + (geometry_.mla ? slot.ckv : slot.k);
+      buffers.v = ring + (geometry_.mla ? slot.kpe : slot.v);
+      buffers.q_pe = ring + slot.q_pe;
+      buffers.o = ring + slot.o;
+      buffers.lse = step.returns_lse() ? reinterpret_cast<float*>(ring + slot.lse) : nullptr;
+      CUDA_RETURN_IF_ERROR(cudaEventRecord(events->started.get(), compute));
+      const CudaEvent* attended = nullptr;
+      RETURN_IF_ERROR(step.EnqueueKernels(*events, buffers, layer, &attended));
+    }
+    return cuda::StreamWriteFlag(compute, ring + layout_.done[layer], active->sequence);
+  }();
+  // Recorded even after a failed enqueue: the events are reused only once the work that was
+  // enqueued has passed this point.
+  const cudaError_t recorded = cudaEventRecord(events->finished.get(), compute);
+  if (status.ok() && recorded != cudaSuccess) {
+    status = cuda::CudaErrorToStatus(recorded, "cudaEventRecord(finished)", __FILE__, __LINE__);
+  }
+  lane_.completions->Post([this, active, layer, events, status = std::move(status)]() mutable {
+    Complete(active, layer, events, std::move(status));
+  });
+}
+
+void CudaIpcChannel::Complete(const std::shared_ptr<ActiveStep>& active, int32_t layer,
+                              LayerEvents* events, absl::Status status) {
+  const cudaError_t waited = cudaEventSynchronize(events->finished.get());
+  if (status.ok() && waited != cudaSuccess) {
+    status = cuda::CudaErrorToStatus(waited, "cudaEventSynchronize(channel layer)", __FILE__,
+                                     __LINE__);
+  }
+  if (status.ok() && active->step->num_tokens() > 0) active->step->ReportChannelLayer(*events);
+  {
+    std::lock_guard lock(mu_);
+    active->completed[layer] = 1;
+    free_events_.push_back(events);
+  }
+  wake_.notify_all();
+  // May end the step (and destroy the CudaStep): nothing of it is touched after this.
+  active->layer_done(layer, std::move(status));
+}
+
+}  // namespace attnd::cuda_backend

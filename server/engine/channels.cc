@@ -1,0 +1,252 @@
+// Engine channels (DESIGN 3b): open, close, and the steps that run through them. A channel step
+// has every layer in flight from Plan on: the backend's channel waits for each layer's ready
+// word and reports the layer through ChannelLayerDone, which does what a Forward's completion
+// does (count the layer, commit after the last) and answers a Forward{use_channel} waiting for it.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "engine/engine.h"
+#include "engine/engine_state.h"
+
+namespace attnd {
+namespace {
+
+constexpr int32_t kDefaultChannelSlots = 2;
+
+void RunAll(std::vector<std::function<void()>>& deferred) {
+  for (auto& callback : deferred) callback();
+}
+
+bool IsDeviceFault(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kInternal ||
+         status.code() == absl::StatusCode::kUnknown ||
+         status.code() == absl::StatusCode::kDataLoss;
+}
+
+}  // namespace
+
+const char* ChannelKindName(ChannelKind kind) {
+  return kind == ChannelKind::kCudaIpc ? "CUDA_IPC" : "HOST_SHM";
+}
+
+ChannelStatus ChannelStatusOf(const ChannelEntry& channel) {
+  ChannelStatus status;
+  status.id = channel.id;
+  status.cache = channel.cache->spec.name;
+  status.kind = channel.spec.kind;
+  status.max_tokens = channel.spec.max_tokens;
+  status.num_slots = channel.spec.num_slots;
+  status.with_lse = channel.spec.with_lse;
+  status.layout = channel.layout;
+  if (channel.backend != nullptr) {
+    status.shm_name = channel.backend->shm_name();
+    status.cuda_ipc_handle = channel.backend->cuda_ipc_handle();
+    status.pci_bus_id = channel.backend->pci_bus_id();
+    status.device = channel.backend->device();
+  }
+  status.open_steps = channel.open_steps;
+  status.last_sequence = channel.last_sequence;
+  status.bytes_in = channel.bytes_in;
+  status.bytes_out = channel.bytes_out;
+  return status;
+}
+
+absl::StatusOr<ChannelStatus> Engine::OpenChannel(
+    const ChannelOpenSpec& spec, std::function<void(std::string reason)> on_closed) {
+  absl::MutexLock lock(&state_->mu);
+  if (state_->draining) {
+    return absl::UnavailableError("server is draining: no new channels are accepted");
+  }
+  auto cache_it = state_->caches.find(spec.cache);
+  if (cache_it == state_->caches.end()) {
+    return absl::NotFoundError(absl::StrCat("cache: no cache named '", spec.cache, "'"));
+  }
+  const std::shared_ptr<CacheEntry> cache = cache_it->second;
+  if (cache->failed) {
+    return absl::InternalError(
+        absl::StrCat("cache '", spec.cache, "' failed: ", cache->failure, "; delete it"));
+  }
+  const ServerLimitsOptions& limits = state_->options.limits;
+  const CacheGeometry& geometry = cache->spec.geometry;
+  if (spec.max_tokens < 1 || spec.max_tokens > limits.max_step_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_tokens: expected 1..", limits.max_step_tokens, " (--max_step_tokens), got ",
+        spec.max_tokens));
+  }
+  int32_t slots = spec.num_slots;
+  if (slots == 0) slots = std::min(kDefaultChannelSlots, geometry.num_layers);
+  if (slots < 1 || slots > geometry.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("slots: expected 1..", geometry.num_layers,
+                                                   " (the cache's num_layers; 0 = ",
+                                                   kDefaultChannelSlots, "), got ",
+                                                   spec.num_slots));
+  }
+  if (static_cast<int32_t>(state_->channels.size()) >= limits.max_channels) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "channels: ", state_->channels.size(), " are open, the limit (--max_channels)"));
+  }
+  ChannelSpec backend_spec;
+  backend_spec.kind = spec.kind;
+  backend_spec.id = state_->next_channel_id;
+  backend_spec.max_tokens = spec.max_tokens;
+  backend_spec.num_slots = slots;
+  backend_spec.with_lse = spec.with_lse;
+  auto layout = std::make_shared<const ChannelLayout>(
+      MakeChannelLayout(geometry, spec.max_tokens, slots, spec.with_lse));
+  if (state_->channel_bytes + layout->ring_bytes > limits.max_channel_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_tokens: the ring needs ", layout->ring_bytes, " bytes (", slots, " slots of ",
+        spec.max_tokens, " tokens) but open channels hold ", state_->channel_bytes, " of the ",
+        limits.max_channel_bytes, " allowed (--max_channel_bytes)"));
+  }
+  // The ring is allocated under the lock: an allocation, not a device wait.
+  absl::StatusOr<std::unique_ptr<BackendChannel>> backend =
+      cache->backend->CreateChannel(backend_spec);
+  if (!backend.ok()) {
+    return absl::Status(backend.status().code(),
+                        absl::StrCat("open ", ChannelKindName(spec.kind), " channel on cache '",
+                                     spec.cache, "': ", backend.status().message()));
+  }
+  auto channel = std::make_shared<ChannelEntry>();
+  channel->id = state_->next_channel_id++;
+  channel->tenant = spec.tenant;
+  channel->cache = cache;
+  channel->spec = backend_spec;
+  channel->layout = layout;
+  channel->backend = std::move(backend).value();
+  channel->on_closed = std::move(on_closed);
+  state_->channels[channel->id] = channel;
+  state_->channel_bytes += layout->ring_bytes;
+  if (state_->metrics) state_->metrics->SetOpenChannels(state_->channels.size());
+  return ChannelStatusOf(*channel);
+}
+
+void Engine::State::CloseChannelLocked(std::shared_ptr<ChannelEntry> channel,
+                                       const std::string& reason, Deferred& deferred) {
+  if (channel->closed) return;
+  channel->closed = true;
+  channels.erase(channel->id);
+  std::vector<std::shared_ptr<StepEntry>> steps;
+  for (auto& [id, step] : open_steps) {
+    if (step->channel == channel) steps.push_back(step);
+  }
+  for (auto& step : steps) EndLocked(step, StepOutcome::kAborted, deferred);
+  closing_channels.push_back(channel);
+  if (metrics) metrics->SetOpenChannels(channels.size());
+  if (channel->on_closed) {
+    deferred.push_back([on_closed = std::move(channel->on_closed), reason] { on_closed(reason); });
+    channel->on_closed = nullptr;
+  }
+}
+
+std::vector<std::shared_ptr<ChannelEntry>> Engine::State::TakeIdleChannelsLocked() {
+  std::vector<std::shared_ptr<ChannelEntry>> idle;
+  auto busy = std::partition(closing_channels.begin(), closing_channels.end(),
+                             [](const std::shared_ptr<ChannelEntry>& channel) {
+                               return channel->open_steps > 0;
+                             });
+  for (auto it = busy; it != closing_channels.end(); ++it) {
+    channel_bytes -= (*it)->layout->ring_bytes;
+    idle.push_back(std::move(*it));
+  }
+  closing_channels.erase(busy, closing_channels.end());
+  return idle;
+}
+
+absl::Status Engine::CloseChannel(uint64_t channel_id, const std::string& tenant,
+                                  const std::string& reason) {
+  State::Deferred deferred;
+  {
+    absl::MutexLock lock(&state_->mu);
+    auto it = state_->channels.find(channel_id);
+    if (it == state_->channels.end() || it->second->tenant != tenant) {
+      return absl::NotFoundError(absl::StrCat("channel_id: no open channel ", channel_id));
+    }
+    state_->CloseChannelLocked(it->second, reason, deferred);
+  }
+  RunAll(deferred);
+  return absl::OkStatus();
+}
+
+void Engine::CloseAllChannels(const std::string& reason) {
+  State::Deferred deferred;
+  {
+    absl::MutexLock lock(&state_->mu);
+    std::vector<std::shared_ptr<ChannelEntry>> open;
+    for (auto& [id, channel] : state_->channels) open.push_back(channel);
+    for (auto& channel : open) state_->CloseChannelLocked(channel, reason, deferred);
+  }
+  RunAll(deferred);
+}
+
+int Engine::OpenChannels() const {
+  absl::MutexLock lock(&state_->mu);
+  return static_cast<int>(state_->channels.size());
+}
+
+void Engine::State::StartChannelStep(const std::shared_ptr<StepEntry>& step) {
+  ChannelEntry& channel = *step->channel;
+  State* state = this;
+  channel.backend->StartStep(step->backend_step.get(), step->channel_sequence,
+                             step->batch->num_tokens,
+                             [state, step](int32_t layer, absl::Status status) {
+                               state->ChannelLayerDone(step, layer, std::move(status));
+                             });
+}
+
+void Engine::State::ChannelLayerDone(const std::shared_ptr<StepEntry>& step, int32_t layer,
+                                     absl::Status status) {
+  Deferred deferred;
+  {
+    absl::MutexLock lock(&mu);
+    --step->in_flight;
+    --layers_in_flight;
+    step->last_activity = absl::Now();
+    if (status.ok()) {
+      step->layers[layer] = LayerState::kDone;
+      ++step->layers_done;
+      ChannelEntry& channel = *step->channel;
+      channel.bytes_in += channel.layout->InputBytes(step->batch->num_tokens);
+      channel.bytes_out +=
+          channel.layout->OutputBytes(step->batch->num_tokens, step->batch->options.return_lse);
+      if (metrics) {
+        metrics->ChannelBytes(ChannelKindName(channel.spec.kind),
+                              channel.layout->InputBytes(step->batch->num_tokens),
+                              channel.layout->OutputBytes(step->batch->num_tokens,
+                                                          step->batch->options.return_lse));
+      }
+      if (step->layers_done == static_cast<int32_t>(step->layers.size()) && !step->ending) {
+        EndLocked(step, StepOutcome::kCommitted, deferred);
+      }
+    } else {
+      step->layers[layer] = LayerState::kPending;
+      if (IsDeviceFault(status)) {
+        CacheEntry& cache = *step->cache;
+        cache.failed = true;
+        cache.failure = std::string(status.message());
+        status = absl::InternalError(absl::StrCat("cache '", cache.spec.name,
+                                                  "' failed in layer ", layer, ": ",
+                                                  status.message()));
+        if (!step->ending) EndLocked(step, StepOutcome::kAborted, deferred);
+      }
+    }
+    if (static_cast<size_t>(layer) < step->channel_waiters.size() &&
+        step->channel_waiters[layer]) {
+      auto waiter = std::move(step->channel_waiters[layer]);
+      step->channel_waiters[layer] = nullptr;
+      const bool aborted = step->ending && step->outcome == StepOutcome::kAborted;
+      absl::Status answer = status;
+      if (answer.ok() && aborted) {
+        answer = absl::AbortedError(absl::StrCat("step_id: step ", step->id,
+                                                 " was aborted while layer ", layer, " ran"));
+      }
+      deferred.push_back([waiter = std::move(waiter), answer] { waiter(answer); });
+    }
+    if (step->ending && step->in_flight == 0 && step->backend_step) {
+      FinalizeLocked(*step, deferred);
+    }
+  }
+  RunAll(deferred);
+}
+
+}  // namespace attnd

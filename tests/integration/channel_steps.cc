@@ -1,0 +1,120 @@
+#include "channel_steps.h"
+
+#include <cstring>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "attnd/client/tensor.h"
+#include "attnd/client/client.h"
+#include "attnd/status_macros.h"
+#include "test_steps.h"
+
+namespace attnd::integration {
+
+absl::StatusOr<attnd::v1::ForwardResponse> ForwardThroughChannel(
+    client::Channel& channel, uint32_t sequence, const attnd::v1::ForwardRequest& request,
+    const attnd::v1::CacheConfig& config, int64_t rows, bool with_lse) {
+  const int32_t layer = request.layer();
+  const client::ChannelSlot slot = channel.Slot(layer);
+  std::memcpy(slot.q, request.q().data().data(), request.q().data().size());
+  std::memcpy(slot.k, request.k().data().data(), request.k().data().size());
+  std::memcpy(slot.v, request.v().data().data(), request.v().data().size());
+  channel.SetReady(layer, sequence);
+  RETURN_IF_ERROR(channel.WaitDone(layer, sequence, absl::Seconds(30)));
+  attnd::v1::ForwardResponse response;
+  attnd::v1::Tensor* o = response.mutable_o();
+  o->set_dtype(config.q_dtype());
+  o->add_shape(rows);
+  o->add_shape(config.num_qo_heads());
+  o->add_shape(config.head_dim());
+  ASSIGN_OR_RETURN(const DType dtype, client::FromProto(config.q_dtype()));
+  o->set_data(std::string(static_cast<const char*>(slot.o),
+                          rows * config.num_qo_heads() * config.head_dim() * DTypeBytes(dtype)));
+  if (with_lse) {
+    attnd::v1::Tensor* lse = response.mutable_lse();
+    lse->set_dtype(attnd::v1::DTYPE_FLOAT32);
+    lse->add_shape(rows);
+    lse->add_shape(config.num_qo_heads());
+    lse->set_data(std::string(reinterpret_cast<const char*>(slot.lse),
+                              rows * config.num_qo_heads() * sizeof(float)));
+  }
+  return response;
+}
+
+std::string DiffOutputs(const attnd::v1::ForwardResponse& expected,
+                        const attnd::v1::ForwardResponse& actual) {
+  if (expected.o().data() != actual.o().data()) {
+    const std::string& a = expected.o().data();
+    const std::string& b = actual.o().data();
+    if (a.size() != b.size()) return absl::StrCat("o: ", a.size(), " vs ", b.size(), " bytes");
+    size_t first = 0;
+    while (first < a.size() && a[first] == b[first]) ++first;
+    return absl::StrCat("o differs from byte ", first, " of ", a.size());
+  }
+  if (expected.lse().data() != actual.lse().data()) return "lse differs";
+  return "";
+}
+
+absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& prefix,
+                                    attnd::v1::ChannelKind kind,
+                                    const attnd::v1::CacheConfig& config, int decode_steps,
+                                    uint64_t seed) {
+  const std::string grpc_cache = prefix + "-grpc";
+  const std::string channel_cache = prefix + "-channel";
+  RETURN_IF_ERROR(client.CreateCache(grpc_cache, config).status());
+  RETURN_IF_ERROR(client.CreateCache(channel_cache, config).status());
+  client::ChannelOptions options;
+  options.kind = kind;
+  options.max_tokens = 64;
+  options.with_lse = true;
+  ASSIGN_OR_RETURN(std::unique_ptr<client::Channel> channel,
+                   client::Channel::Open(client, channel_cache, options));
+  std::mt19937_64 rng(seed);
+  std::vector<Entries> steps = {{{1, 5}, {2, 9}, {3, 1}}};
+  for (int i = 0; i < decode_steps; ++i) steps.push_back({{1, 1}, {9, 0}, {2, 1}, {3, 1}});
+  for (size_t s = 0; s < steps.size(); ++s) {
+    ASSIGN_OR_RETURN(const attnd::v1::PlanResponse grpc_plan,
+                     client.Plan(MakePlan(grpc_cache, steps[s], /*return_lse=*/true)));
+    attnd::v1::PlanRequest channel_request = MakePlan(channel_cache, steps[s], true);
+    channel_request.set_channel_id(channel->id());
+    ASSIGN_OR_RETURN(const attnd::v1::PlanResponse channel_plan, client.Plan(channel_request));
+    if (channel_plan.channel_sequence() == 0) {
+      return absl::InternalError("Plan on a channel answered no channel_sequence");
+    }
+    for (int32_t layer = 0; layer < config.num_layers(); ++layer) {
+      attnd::v1::ForwardRequest request = RandomLayer(rng, config, grpc_plan.num_tokens(), layer);
+      request.set_step_id(grpc_plan.step_id());
+      ASSIGN_OR_RETURN(const attnd::v1::ForwardResponse expected, client.Forward(request));
+      ASSIGN_OR_RETURN(const attnd::v1::ForwardResponse actual,
+                       ForwardThroughChannel(*channel, channel_plan.channel_sequence(), request,
+                                             config, channel_plan.num_tokens(), true));
+      if (const std::string diff = DiffOutputs(expected, actual); !diff.empty()) {
+        return absl::InternalError(
+            absl::StrCat("step ", s, " layer ", layer, ": channel vs Forward: ", diff));
+      }
+    }
+    // The channel step committed after its last layer, as the Forward one did.
+    ASSIGN_OR_RETURN(const attnd::v1::EndStepResponse ended,
+                     client.EndStep(channel_plan.step_id(), false));
+    if (ended.outcome() != attnd::v1::STEP_OUTCOME_COMMITTED ||
+        ended.layers_run() != config.num_layers()) {
+      return absl::InternalError(absl::StrCat("channel step ", s, " ended ",
+                                              ended.ShortDebugString()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+int PortFromServingLine(const std::string& line) {
+  const size_t at = line.find("on port ");
+  if (at == std::string::npos) return 0;
+  const size_t begin = at + 8;
+  size_t end = begin;
+  while (end < line.size() && line[end] >= '0' && line[end] <= '9') ++end;
+  int port = 0;
+  if (!absl::SimpleAtoi(line.substr(begin, end - begin), &port)) return 0;
+  return port;
+}
+
+}  // namespace attnd::integration

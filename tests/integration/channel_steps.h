@@ -1,0 +1,38 @@
+// Running a step's layers through a HOST_SHM channel from the test side: the layer's tensors
+// copied into its slot, ready set, done awaited, o and lse read back into a ForwardResponse of
+// the same shape the gRPC path answers with, so the two paths can be compared byte for byte.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attnd/client/channel.h"
+#include "attnd/v1/attnd.pb.h"
+
+namespace attnd::integration {
+
+// Runs `layer` of the channel step with `sequence` from `request`'s tensors (MHA q/k/v).
+absl::StatusOr<attnd::v1::ForwardResponse> ForwardThroughChannel(
+    client::Channel& channel, uint32_t sequence, const attnd::v1::ForwardRequest& request,
+    const attnd::v1::CacheConfig& config, int64_t rows, bool with_lse);
+
+// Compares two answers byte for byte; "" when equal, else what differs.
+std::string DiffOutputs(const attnd::v1::ForwardResponse& expected,
+                        const attnd::v1::ForwardResponse& actual);
+
+// Creates caches "<prefix>-grpc" and "<prefix>-channel" of `config` (with num_pages pages)
+// and runs the same steps in both: a prefill of three sequences of different lengths, then
+// `decode_steps` decode steps of all three plus a padding entry, random inputs from `seed`;
+// the first cache through Forward, the second through a channel of `kind`. OK when every
+// layer's o and lse are bitwise equal; the error names the first difference.
+absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& prefix,
+                                    attnd::v1::ChannelKind kind,
+                                    const attnd::v1::CacheConfig& config, int decode_steps,
+                                    uint64_t seed);
+
+// The attnd child process's gRPC port from its "serving ... on port N" log line; 0 if absent.
+int PortFromServingLine(const std::string& line);
+
+}  // namespace attnd::integration

@@ -1,0 +1,223 @@
+// Channels (DESIGN 3b) through the real server: HOST_SHM steps equal to the gRPC path byte for
+// byte (in this process and with the client in another), the RPC-completed mode, what GetCache
+// and GetServerInfo say, and refusals that name their field. Faults (TTL, close mid-step, a
+// killed client, tenants) are in fault_test.cc.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <random>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "attnd/client/channel.h"
+#include "channel_steps.h"
+#include "status_matchers.h"
+#include "test_server.h"
+#include "test_steps.h"
+
+namespace attnd::integration {
+namespace {
+
+using Code = absl::StatusCode;
+using ::testing::HasSubstr;
+
+client::ChannelOptions HostShm(int32_t max_tokens, bool with_lse = true) {
+  client::ChannelOptions options;
+  options.kind = attnd::v1::CHANNEL_KIND_HOST_SHM;
+  options.max_tokens = max_tokens;
+  options.with_lse = with_lse;
+  return options;
+}
+
+class ChannelTest : public IntegrationTest {};
+
+TEST_F(ChannelTest, HostShmStepsMatchForwardBitwise) {
+  ASSERT_OK(CompareChannelWithGrpc(client(), "same-process", attnd::v1::CHANNEL_KIND_HOST_SHM,
+                                   SmallConfig(256), /*decode_steps=*/4, /*seed=*/3));
+}
+
+TEST_F(ChannelTest, ClientInAnotherProcessMatchesForwardBitwise) {
+  const std::string command = absl::StrCat("timeout -k 5 60 ", CHANNEL_TEST_CLIENT, " compare ",
+                                           address(), " other-process 2>&1");
+  FILE* child = popen(command.c_str(), "r");
+  ASSERT_NE(child, nullptr);
+  std::string output;
+  char buffer[512];
+  while (std::fgets(buffer, sizeof(buffer), child) != nullptr) output += buffer;
+  const int status = pclose(child);
+  EXPECT_EQ(status, 0) << output;
+  EXPECT_THAT(output, HasSubstr("PASS"));
+}
+
+TEST_F(ChannelTest, ForwardWithUseChannelRunsTheLayerFromTheSlot) {
+  const attnd::v1::CacheConfig config = SmallConfig(64);
+  ASSERT_OK(client().CreateCache("grpc", config).status());
+  ASSERT_OK(client().CreateCache("chan", config).status());
+  ASSERT_OK_AND_ASSIGN(auto channel, client::Channel::Open(client(), "chan", HostShm(8)));
+  ASSERT_OK_AND_ASSIGN(auto grpc_plan, client().Plan(MakePlan("grpc", {{1, 3}})));
+  attnd::v1::PlanRequest request = MakePlan("chan", {{1, 3}});
+  request.set_channel_id(channel->id());
+  ASSERT_OK_AND_ASSIGN(auto channel_plan, client().Plan(request));
+  std::mt19937_64 rng(7);
+  for (int32_t layer = 0; layer < config.num_layers(); ++layer) {
+    attnd::v1::ForwardRequest inputs = RandomLayer(rng, config, 3, layer);
+    inputs.set_step_id(grpc_plan.step_id());
+    ASSERT_OK_AND_ASSIGN(auto expected, client().Forward(inputs));
+    // The inputs go into the slot; the Forward carries no tensor and sets ready itself.
+    const client::ChannelSlot slot = channel->Slot(layer);
+    std::memcpy(slot.q, inputs.q().data().data(), inputs.q().data().size());
+    std::memcpy(slot.k, inputs.k().data().data(), inputs.k().data().size());
+    std::memcpy(slot.v, inputs.v().data().data(), inputs.v().data().size());
+    attnd::v1::ForwardRequest through;
+    through.set_step_id(channel_plan.step_id());
+    through.set_layer(layer);
+    through.set_use_channel(true);
+    ASSERT_OK_AND_ASSIGN(auto answered, client().Forward(through));
+    EXPECT_FALSE(answered.has_o()) << "o stays in the slot";
+    EXPECT_EQ(answered.step_committed(), layer + 1 == config.num_layers());
+    ASSERT_OK(channel->WaitDone(layer, channel_plan.channel_sequence(), absl::Seconds(1)));
+    EXPECT_EQ(std::string(static_cast<const char*>(slot.o), expected.o().data().size()),
+              expected.o().data())
+        << "layer " << layer;
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(slot.lse), expected.lse().data().size()),
+              expected.lse().data());
+    // A second Forward of the same layer finds it done (or, after the last, the step).
+    EXPECT_ERROR(client().Forward(through), Code::kFailedPrecondition,
+                 layer + 1 == config.num_layers() ? "step_id" : "layer");
+  }
+}
+
+TEST_F(ChannelTest, GetCacheListsTheChannelAndServerInfoTheKind) {
+  ASSERT_OK(client().CreateCache("c", SmallConfig(64)).status());
+  ASSERT_OK_AND_ASSIGN(auto info, client().GetServerInfo());
+  EXPECT_THAT(info.extensions(), ::testing::Contains("channel_host_shm"));
+  EXPECT_GT(info.limits().max_channel_bytes(), 0);
+  ASSERT_OK_AND_ASSIGN(auto channel, client::Channel::Open(client(), "c", HostShm(16)));
+  const attnd::v1::ChannelInfo& opened = channel->info();
+  EXPECT_GT(opened.channel_id(), 0u);
+  EXPECT_EQ(opened.cache(), "c");
+  EXPECT_EQ(opened.slots(), 2);  // the default
+  EXPECT_THAT(opened.shm_name(), HasSubstr("attnd-"));
+  const attnd::v1::ChannelLayout& layout = opened.layout();
+  ASSERT_EQ(layout.ready_offsets_size(), 2);
+  ASSERT_EQ(layout.done_offsets_size(), 2);
+  ASSERT_EQ(layout.slots_size(), 2);
+  // bf16, 4 query / 2 KV heads of 64: rows of 512 and 256 bytes; lse 16.
+  EXPECT_EQ(layout.q_row_bytes(), 512);
+  EXPECT_EQ(layout.k_row_bytes(), 256);
+  EXPECT_EQ(layout.o_row_bytes(), 512);
+  EXPECT_EQ(layout.lse_row_bytes(), 16);
+  EXPECT_EQ(layout.slots(1).q_offset() % 256, 0);
+  EXPECT_LE(layout.slots(1).lse_offset() + 16 * 16, layout.ring_bytes());
+  ASSERT_OK_AND_ASSIGN(auto cache, client().GetCache("c"));
+  ASSERT_EQ(cache.channels_size(), 1);
+  EXPECT_EQ(cache.channels(0).channel_id(), opened.channel_id());
+  EXPECT_EQ(cache.channels(0).kind(), attnd::v1::CHANNEL_KIND_HOST_SHM);
+  // Closing the client's Channel object closes the channel on the server.
+  channel.reset();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    ASSERT_OK_AND_ASSIGN(cache, client().GetCache("c"));
+    if (cache.channels_size() == 0) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(cache.channels_size(), 0);
+}
+
+TEST_F(ChannelTest, BadOpensAreRefusedByField) {
+  ASSERT_OK(client().CreateCache("c", SmallConfig(64)).status());
+  EXPECT_ERROR(client::Channel::Open(client(), "c", HostShm(0)), Code::kInvalidArgument,
+               "max_tokens");
+  EXPECT_ERROR(client::Channel::Open(client(), "c", HostShm(1 << 30)), Code::kInvalidArgument,
+               "max_tokens");
+  client::ChannelOptions slots = HostShm(8);
+  slots.slots = 3;  // the cache has 2 layers
+  EXPECT_ERROR(client::Channel::Open(client(), "c", slots), Code::kInvalidArgument, "slots");
+  slots.slots = -1;
+  EXPECT_ERROR(client::Channel::Open(client(), "c", slots), Code::kInvalidArgument, "slots");
+  client::ChannelOptions kind = HostShm(8);
+  kind.kind = attnd::v1::CHANNEL_KIND_UNSPECIFIED;
+  EXPECT_ERROR(client::Channel::Open(client(), "c", kind), Code::kInvalidArgument, "kind");
+  kind.kind = static_cast<attnd::v1::ChannelKind>(77);
+  EXPECT_ERROR(client::Channel::Open(client(), "c", kind), Code::kInvalidArgument, "kind");
+  EXPECT_ERROR(client::Channel::Open(client(), "missing", HostShm(8)), Code::kNotFound, "cache");
+  if (TestBackendName() == "cpu") {
+    client::ChannelOptions ipc = HostShm(8);
+    ipc.kind = attnd::v1::CHANNEL_KIND_CUDA_IPC;
+    EXPECT_ERROR(client::Channel::Open(client(), "c", ipc), Code::kUnimplemented, "kind");
+  }
+  ASSERT_OK_AND_ASSIGN(auto cache, client().GetCache("c"));
+  EXPECT_EQ(cache.channels_size(), 0) << "a refused open left a channel behind";
+}
+
+TEST_F(ChannelTest, PlanChecksTheChannel) {
+  ASSERT_OK(client().CreateCache("c", SmallConfig(64)).status());
+  ASSERT_OK(client().CreateCache("other", SmallConfig(64)).status());
+  ASSERT_OK_AND_ASSIGN(auto channel, client::Channel::Open(client(), "c", HostShm(4, false)));
+  attnd::v1::PlanRequest plan = MakePlan("c", {{1, 2}}, /*return_lse=*/false);
+  plan.set_channel_id(channel->id() + 1000);
+  EXPECT_ERROR(client().Plan(plan), Code::kNotFound, "channel_id");
+  plan.set_channel_id(channel->id());
+  plan.set_cache("other");
+  EXPECT_ERROR(client().Plan(plan), Code::kInvalidArgument, "channel_id");
+  plan = MakePlan("c", {{1, 3}, {2, 2}}, false);
+  plan.set_channel_id(channel->id());
+  EXPECT_ERROR(client().Plan(plan), Code::kInvalidArgument, "max_tokens");
+  plan = MakePlan("c", {{1, 2}}, /*return_lse=*/true);
+  plan.set_channel_id(channel->id());
+  EXPECT_ERROR(client().Plan(plan), Code::kInvalidArgument, "return_lse");
+  ASSERT_OK_AND_ASSIGN(auto cache, client().GetCache("c"));
+  EXPECT_EQ(cache.open_steps(), 0);
+  EXPECT_EQ(cache.used_pages(), 0) << "a refused plan allocated pages";
+
+  // A step on the channel takes no tensors through Forward, and a plain step no use_channel.
+  plan = MakePlan("c", {{1, 2}}, false);
+  plan.set_channel_id(channel->id());
+  ASSERT_OK_AND_ASSIGN(auto planned, client().Plan(plan));
+  std::mt19937_64 rng(1);
+  attnd::v1::ForwardRequest layer = RandomLayer(rng, SmallConfig(64), 2, 0);
+  layer.set_step_id(planned.step_id());
+  EXPECT_ERROR(client().Forward(layer), Code::kInvalidArgument, "channel");
+  layer.set_use_channel(true);
+  EXPECT_ERROR(client().Forward(layer), Code::kInvalidArgument, "use_channel");
+  ASSERT_OK(client().EndStep(planned.step_id(), /*abort=*/true).status());
+  ASSERT_OK_AND_ASSIGN(auto plain, client().Plan(MakePlan("c", {{1, 2}}, false)));
+  attnd::v1::ForwardRequest through;
+  through.set_step_id(plain.step_id());
+  through.set_use_channel(true);
+  EXPECT_ERROR(client().Forward(through), Code::kInvalidArgument, "use_channel");
+  ASSERT_OK(client().EndStep(plain.step_id(), /*abort=*/true).status());
+}
+
+class ChannelBudgetTest : public IntegrationTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = TestServerOptions();
+    options.limits.max_channel_bytes = 1 << 20;
+    return options;
+  }
+};
+
+TEST_F(ChannelBudgetTest, RingsBeyondTheBudgetAreRefused) {
+  ASSERT_OK(client().CreateCache("c", SmallConfig(64)).status());
+  // 2 slots x 600 tokens x (512 + 256 + 256 + 512 + 16) bytes: about 1.8 MiB > 1 MiB.
+  EXPECT_ERROR(client::Channel::Open(client(), "c", HostShm(600)), Code::kResourceExhausted,
+               "max_channel_bytes");
+  ASSERT_OK_AND_ASSIGN(auto first, client::Channel::Open(client(), "c", HostShm(200)));
+  EXPECT_ERROR(client::Channel::Open(client(), "c", HostShm(200)), Code::kResourceExhausted,
+               "max_channel_bytes");
+  // Closing one gives its bytes back.
+  first.reset();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  absl::StatusOr<std::unique_ptr<client::Channel>> second;
+  do {
+    second = client::Channel::Open(client(), "c", HostShm(200));
+    if (second.ok()) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  } while (absl::Now() < deadline);
+  EXPECT_OK(second.status());
+}
+
+}  // namespace
+}  // namespace attnd::integration

@@ -1,0 +1,69 @@
+// A client process for the channel tests (channel_test.cc), so attnd and the client that maps
+// the ring are different processes, as in deployment:
+//   channel_test_client compare HOST:PORT PREFIX   runs CompareChannelWithGrpc; prints PASS
+//   channel_test_client hang HOST:PORT CACHE       opens a HOST_SHM channel, plans a 3-token step
+//                                                  of sequence 7, runs layer 0, prints
+//                                                  "hanging <channel id> <step id>" and waits to
+//                                                  be killed
+#include <unistd.h>
+
+#include <cstdio>
+#include <random>
+#include <string>
+
+#include "attnd/client/channel.h"
+#include "attnd/client/client.h"
+#include "channel_steps.h"
+#include "test_steps.h"
+
+namespace {
+
+int Fail(const std::string& what) {
+  std::printf("FAIL %s\n", what.c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace attnd;
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: %s compare|hang HOST:PORT NAME\n", argv[0]);
+    return 2;
+  }
+  const std::string mode = argv[1];
+  client::ClientOptions options;
+  options.address = argv[2];
+  auto connected = client::Client::Connect(options);
+  if (!connected.ok()) return Fail(connected.status().ToString());
+  client::Client& client = **connected;
+  const attnd::v1::CacheConfig config = integration::SmallConfig(256);
+  if (mode == "compare") {
+    const absl::Status status = integration::CompareChannelWithGrpc(
+        client, argv[3], attnd::v1::CHANNEL_KIND_HOST_SHM, config, /*decode_steps=*/6, 11);
+    if (!status.ok()) return Fail(status.ToString());
+    std::printf("PASS\n");
+    return 0;
+  }
+  if (mode == "hang") {
+    client::ChannelOptions channel_options;
+    channel_options.max_tokens = 8;
+    channel_options.with_lse = true;
+    auto channel = client::Channel::Open(client, argv[3], channel_options);
+    if (!channel.ok()) return Fail(channel.status().ToString());
+    attnd::v1::PlanRequest request = integration::MakePlan(argv[3], {{7, 3}}, true);
+    request.set_channel_id((*channel)->id());
+    auto plan = client.Plan(request);
+    if (!plan.ok()) return Fail(plan.status().ToString());
+    std::mt19937_64 rng(5);
+    auto layer = integration::ForwardThroughChannel(
+        **channel, plan->channel_sequence(), integration::RandomLayer(rng, config, 3, 0), config,
+        3, true);
+    if (!layer.ok()) return Fail(layer.status().ToString());
+    std::printf("hanging %llu %llu\n", static_cast<unsigned long long>((*channel)->id()),
+                static_cast<unsigned long long>(plan->step_id()));
+    std::fflush(stdout);
+    for (;;) pause();
+  }
+  return Fail("unknown mode " + mode);
+}
