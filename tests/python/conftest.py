@@ -134,5 +134,11 @@ def cache_name(client, request):
         pass
 
 
-def have_channels(client, kind="channel_host_shm"):
-    return kind in client.server_info().extensions
+def require_extension(client, extension):
+    """Skips a test when attnd lacks `extension`; under CI (where attnd is built from this very
+    checkout) that is a failure, so the channel tests cannot go quiet."""
+    if extension in client.server_info().extensions:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"attnd lacks extension {extension}")
+    pytest.skip(f"this attnd has no {extension}")

@@ -7,6 +7,7 @@ import pytest
 
 import attnd
 from attnd.v1 import attnd_pb2 as pb
+from conftest import require_extension
 from reference import attention, rope_neox
 
 LAYERS, HQ, HKV, DIM = 3, 4, 2, 64
@@ -15,8 +16,7 @@ LAYERS, HQ, HKV, DIM = 3, 4, 2, 64
 @pytest.fixture
 def caches(client, cache_name):
     """Two identical caches: one driven through a channel, one over gRPC."""
-    if "channel_host_shm" not in client.server_info().extensions:
-        pytest.skip("this attnd has no HOST_SHM channels (extension channel_host_shm)")
+    require_extension(client, "channel_host_shm")
     names = [cache_name, cache_name + "-grpc"]
     for name in names:
         client.create_cache(name, num_layers=LAYERS, num_qo_heads=HQ, num_kv_heads=HKV,

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, require_extension
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(REPO, "client", "python", "examples"))
@@ -101,8 +101,8 @@ class TinyLlama(torch.nn.Module):
 @pytest.mark.parametrize("transport", ["stream", "host_shm"])
 def test_llama_logits_match_with_attention_served_by_attnd(client, cache_name, q_dtype,
                                                            tolerance, transport):
-    if transport == "host_shm" and "channel_host_shm" not in client.server_info().extensions:
-        pytest.skip("this attnd has no HOST_SHM channels")
+    if transport == "host_shm":
+        require_extension(client, "channel_host_shm")
     client.create_cache(cache_name, num_layers=LAYERS, num_qo_heads=HEADS,
                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, q_dtype=q_dtype,
                         page_size=16, num_pages=64, rope={"style": "neox", "theta": THETA})
