@@ -5,10 +5,15 @@
 set -euo pipefail
 
 # openssl: the trust tests make throwaway certificates with its CLI at test time.
+# python3-*: the Python client (client/python) and its tests (tests/python): Debian's grpcio
+# and protobuf, numpy, pytest, venv (the pip-install test), and torch (CPU) for the Llama model
+# whose attention attnd serves in CI.
 packages=(
   build-essential cmake ninja-build ccache pkg-config curl ca-certificates openssl
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
+  python3 python3-grpcio python3-protobuf python3-numpy python3-pytest python3-venv
+  python3-pip python3-setuptools python3-torch
 )
 # Tools of the end-to-end tests (tests/e2e), with ATTND_E2E_DEPS=1 (scripts/test.sh sets it):
 # a real Prometheus (and promtool), npm to install buf, docker-compose to validate

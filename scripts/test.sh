@@ -10,6 +10,8 @@ start=$(date +%s)
 scripts/build.sh
 echo "test.sh: build took $(( $(date +%s) - start )) s" >&2
 build_dir=${ATTND_BUILD_DIR:-build}
+# ctest runs every suite, the Python client's too (label python: tests/python, pytest against
+# the built attnd; `ctest -L python` runs them alone).
 ctest --test-dir "$build_dir" --output-on-failure -j "${ATTND_TEST_JOBS:-$(nproc)}" --timeout 600
 echo "test.sh: build and tests took $(( $(date +%s) - start )) s" >&2
 
