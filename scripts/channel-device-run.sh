@@ -2,7 +2,7 @@
 # Channels (DESIGN 3b) on the GPU machine in one device call, every step bounded:
 #   scripts/channel-device-run.sh pack   (here: builds with CUDA, bundles the binaries into
 #                                         .gpu-pack/channels.tar.xz, git-ignored)
-#   scripts/channel-device-run.sh run [tests|bench|sanitize|all]
+#   scripts/channel-device-run.sh run [tests|bench|sanitize|all|python]
 #        on the device: channel_tests and the integration suite against the CUDA backend
 #        (HOST_SHM through registered memory, CUDA_IPC with the client in a second process,
 #        bitwise against Forward), cuda_backend_test, then the e2e shape of PERFORMANCE.md over
@@ -143,6 +143,37 @@ case ${1:-} in
         esac
       done
     fi
+    if [[ $what == python ]]; then
+      # The Python client's transformers examples (issue 13) against the CUDA backend, over
+      # gRPC and CUDA_IPC (under MPS, as the README recommends for CUDA_IPC on one GPU).
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+      mkdir -p /tmp/mps-pipe /tmp/mps-log
+      timeout -k 2 10 nvidia-cuda-mps-control -d
+      port=50791
+      setsid "$B/run" attnd --backend=cuda --listen_address=127.0.0.1:$port --metrics_address= \
+        --exit_grace=2s --drain_grace=2s > "$logs/attnd_python.log" 2>&1 &
+      pid=$!
+      for _ in $(seq 1 150); do
+        timeout -k 2 5 "$B/run" attnctl --server=127.0.0.1:$port health >/dev/null 2>&1 && break
+        sleep 0.2
+      done
+      say "python: $(python3 -c 'import google.protobuf, grpc, torch, transformers; print("protobuf", google.protobuf.__version__, "grpcio", grpc.__version__, "torch", torch.__version__, "transformers", transformers.__version__)' 2>&1 | tail -1)"
+      export PYTHONPATH=$PWD/client/python PYTHONUNBUFFERED=1
+      for example in ${ATTND_PY_EXAMPLES:-llama:grpc llama:cuda_ipc deepseek:grpc deepseek:cuda_ipc llama:stream}; do
+        model=${example%%:*}; transport=${example##*:}
+        script=client/python/examples/llama_transformers.py
+        [[ $model == deepseek ]] && script=client/python/examples/deepseek_mla_transformers.py
+        pack_logs
+        timeout -k 5 150 python3 "$script" --target 127.0.0.1:$port --transport "$transport" \
+          > "$logs/py_${model}_${transport}.log" 2>&1
+        say "python $model $transport rc=$? $(grep -E 'PASS|FAIL|tokens/s' "$logs/py_${model}_${transport}.log" | tail -3 | tr '\n' ' ')"
+        tail -5 "$logs/py_${model}_${transport}.log" >> "$OUT/summary.txt"
+      done
+      kill -TERM $pid 2>/dev/null
+      for _ in $(seq 1 50); do kill -0 $pid 2>/dev/null || break; sleep 0.2; done
+      kill -KILL $pid 2>/dev/null
+      echo quit | timeout -k 2 10 nvidia-cuda-mps-control
+    fi
     if [[ $what == all || $what == sanitize ]]; then
       if command -v compute-sanitizer >/dev/null || [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
         cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -156,7 +187,7 @@ case ${1:-} in
     pack_logs
     ;;
   *)
-    echo "usage: $0 pack | run [tests|bench|sanitize|all]" >&2
+    echo "usage: $0 pack | run [tests|bench|sanitize|all|python]" >&2
     exit 2
     ;;
 esac

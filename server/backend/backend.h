@@ -235,7 +235,10 @@ class BackendCache {
   // A channel on this cache (the ring sized by its layout); RESOURCE_EXHAUSTED when the memory
   // cannot be had, UNIMPLEMENTED for a kind this backend does not have.
   virtual absl::StatusOr<std::unique_ptr<BackendChannel>> CreateChannel(
-      const ChannelSpec& spec) = 0;
+      const ChannelSpec& spec) {
+    (void)spec;
+    return absl::UnimplementedError("kind: this backend has no channels");
+  }
   // Copies raw bytes of one layer's pool (K when !v_pool) pages [first_page, first_page +
   // bytes.size() / page bytes) to host. Waits for queued work. For tests and diagnostics.
   virtual absl::Status ReadPages(int32_t layer, bool v_pool, int64_t first_page,

@@ -1,5 +1,6 @@
 #include "channel/host_shm_channel.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -58,6 +59,8 @@ void HostShmChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t num
   active->sequence = sequence;
   active->num_tokens = num_tokens;
   active->layer_done = std::move(layer_done);
+  active->started.assign(geometry_.num_layers, 0);
+  active->remaining = geometry_.num_layers;
   {
     std::lock_guard lock(mu_);
     steps_.push_back(std::move(active));
@@ -120,47 +123,67 @@ void HostShmChannel::SkipLayer(const ActiveStep& active, int32_t layer) {
 void HostShmChannel::PumpLoop() {
   const int32_t num_layers = geometry_.num_layers;
   std::unique_lock lock(mu_);
-  auto spin_started = std::chrono::steady_clock::now();
-  int32_t spinning_for = -1;  // layer (of the front step) the spin budget belongs to
+  auto idle_since = std::chrono::steady_clock::now();
   for (;;) {
     wake_.wait(lock, [&] { return stopping_ || !steps_.empty(); });
     if (steps_.empty()) return;  // stopping with nothing started
-    std::shared_ptr<ActiveStep> active = steps_.front();
-    if (active->cancelled || stopping_) {
-      const int32_t first = active->next_layer;
-      active->next_layer = num_layers;
-      steps_.pop_front();
+    // Cancelled steps: every layer not yet started is skipped (done set, reported CANCELLED).
+    for (auto it = steps_.begin(); it != steps_.end();) {
+      std::shared_ptr<ActiveStep> active = *it;
+      if (!active->cancelled && !stopping_) {
+        ++it;
+        continue;
+      }
+      it = steps_.erase(it);
+      std::vector<int32_t> skipped;
+      for (int32_t layer = 0; layer < num_layers; ++layer) {
+        if (!active->started[layer]) skipped.push_back(layer);
+        active->started[layer] = 1;
+      }
+      active->remaining = 0;
       lock.unlock();
-      for (int32_t layer = first; layer < num_layers; ++layer) SkipLayer(*active, layer);
+      for (const int32_t layer : skipped) SkipLayer(*active, layer);
       lock.lock();
-      continue;
+      it = steps_.begin();  // the list may have changed meanwhile
     }
-    const int32_t layer = active->next_layer;
-    if (layer >= num_layers) {
-      steps_.pop_front();
-      continue;
+    if (steps_.empty()) continue;
+    // Ready layers of any started step, in step and layer order.
+    std::shared_ptr<ActiveStep> ready_step;
+    int32_t ready_layer = -1;
+    int64_t watch_offset = -1;  // the first pending layer's ready word, to sleep on
+    uint32_t watch_seen = 0;
+    for (const auto& active : steps_) {
+      for (int32_t layer = 0; layer < num_layers && ready_layer < 0; ++layer) {
+        if (active->started[layer]) continue;
+        const uint32_t seen = LoadFlag(ring(), layout_.ready[layer]);
+        if (SequenceReached(seen, active->sequence)) {
+          ready_step = active;
+          ready_layer = layer;
+        } else if (watch_offset < 0) {
+          watch_offset = layout_.ready[layer];
+          watch_seen = seen;
+        }
+      }
+      if (ready_layer >= 0) break;
     }
-    const int64_t ready_offset = layout_.ready[layer];
-    const uint32_t seen = LoadFlag(ring(), ready_offset);
-    if (SequenceReached(seen, active->sequence)) {
-      ++active->next_layer;
-      spinning_for = -1;
+    if (ready_layer >= 0) {
+      ready_step->started[ready_layer] = 1;
+      if (--ready_step->remaining == 0) {
+        steps_.erase(std::find(steps_.begin(), steps_.end(), ready_step));
+      }
       lock.unlock();
-      RunLayer(*active, layer);
+      RunLayer(*ready_step, ready_layer);
       lock.lock();
+      idle_since = std::chrono::steady_clock::now();
       continue;
-    }
-    if (spinning_for != layer) {
-      spinning_for = layer;
-      spin_started = std::chrono::steady_clock::now();
     }
     lock.unlock();
-    if (std::chrono::steady_clock::now() - spin_started < kSpin) {
+    if (std::chrono::steady_clock::now() - idle_since < kSpin) {
 #if defined(__x86_64__)
       __builtin_ia32_pause();
 #endif
-    } else {
-      SleepOnFlag(ring(), ready_offset, seen, kSleepSlice);
+    } else if (watch_offset >= 0) {
+      SleepOnFlag(ring(), watch_offset, watch_seen, kSleepSlice);
     }
     lock.lock();
   }

@@ -1,9 +1,11 @@
 // HostShmChannel: a HOST_SHM channel, the same on every backend. The ring is a POSIX
-// shared-memory object (ShmRing); a pump thread watches the ready word of the next layer of the
-// oldest started step, spinning briefly and then sleeping on the word's futex, and hands each
-// ready layer to the step's RunLayer with pointers into the ring (so the backend reads inputs
-// from and writes o/lse into the client's memory; a GPU backend registers the ring and copies
-// straight between it and the device). The layer's completion sets done[l] and wakes it.
+// shared-memory object (ShmRing); a pump thread watches the ready words of every layer not yet
+// started of every started step (layers and steps in any order: a client may signal them as it
+// likes), spinning briefly and then sleeping on the futex of the lowest such layer's word, and
+// hands each ready layer to the step's RunLayer with pointers into the ring (so the backend
+// reads inputs from and writes o/lse into the client's memory; a GPU backend registers the ring
+// and copies straight between it and the device). The layer's completion sets done[l] and
+// wakes it.
 #pragma once
 
 #include <condition_variable>
@@ -13,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
@@ -49,7 +52,8 @@ class HostShmChannel final : public BackendChannel {
     uint32_t sequence = 0;
     int64_t num_tokens = 0;
     ChannelLayerDone layer_done;
-    int32_t next_layer = 0;  // the first layer not yet handed to the backend
+    std::vector<uint8_t> started;  // [num_layers] handed to the backend (or skipped)
+    int32_t remaining = 0;         // layers not yet handed over
     bool cancelled = false;
   };
 

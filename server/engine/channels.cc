@@ -165,7 +165,17 @@ absl::Status Engine::CloseChannel(uint64_t channel_id, const std::string& tenant
     state_->CloseChannelLocked(it->second, reason, deferred);
   }
   RunAll(deferred);
+  ReapIdleChannels();
   return absl::OkStatus();
+}
+
+void Engine::ReapIdleChannels() {
+  std::vector<std::shared_ptr<ChannelEntry>> idle;
+  {
+    absl::MutexLock lock(&state_->mu);
+    idle = state_->TakeIdleChannelsLocked();
+  }
+  for (auto& channel : idle) channel->backend.reset();
 }
 
 void Engine::CloseAllChannels(const std::string& reason) {
@@ -177,6 +187,7 @@ void Engine::CloseAllChannels(const std::string& reason) {
     for (auto& channel : open) state_->CloseChannelLocked(channel, reason, deferred);
   }
   RunAll(deferred);
+  ReapIdleChannels();
 }
 
 int Engine::OpenChannels() const {

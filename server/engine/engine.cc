@@ -121,6 +121,7 @@ void Engine::ExpireSteps(absl::Time now) {
     state_->ExpireLocked(now, deferred);
   }
   RunAll(deferred);
+  ReapIdleChannels();
 }
 
 void Engine::State::PublishPagesLocked(const CacheEntry& cache) {
@@ -265,6 +266,7 @@ absl::Status Engine::DeleteCache(const std::string& name, bool force) {
     // The pools go when the last in-flight layer drops its reference to the cache.
   }
   RunAll(deferred);
+  ReapIdleChannels();
   return absl::OkStatus();
 }
 

@@ -87,6 +87,9 @@ class Engine {
  private:
   void ForwardThroughChannel(const ForwardArgs& args, ForwardOutputs* outputs,
                              std::function<void(absl::Status)> done);
+  // Frees closed channels with no step left (joins their threads: callers are API calls, never
+  // a backend callback). The reaper thread does the same periodically.
+  void ReapIdleChannels();
 
   struct State;
   std::unique_ptr<State> state_;

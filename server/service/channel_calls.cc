@@ -20,32 +20,17 @@ class OpenChannelReactor final : public grpc::ServerWriteReactor<v1::OpenChannel
   OpenChannelReactor(const ServiceContext& context, Tenant tenant,
                      const v1::OpenChannelRequest& request)
       : context_(context), tenant_(std::move(tenant)) {
-    ChannelOpenSpec spec;
-    spec.cache = tenant_.CacheKey(request.cache());
-    spec.tenant = tenant_.name;
-    spec.max_tokens = request.max_tokens();
-    spec.num_slots = request.slots();
-    spec.with_lse = request.with_lse();
-    absl::Status status;
-    switch (request.kind()) {
-      case v1::CHANNEL_KIND_HOST_SHM:
-        spec.kind = ChannelKind::kHostShm;
-        break;
-      case v1::CHANNEL_KIND_CUDA_IPC:
-        spec.kind = ChannelKind::kCudaIpc;
-        break;
-      default:
-        status = absl::InvalidArgumentError(absl::StrCat(
-            "kind: expected CHANNEL_KIND_HOST_SHM or CHANNEL_KIND_CUDA_IPC, got ",
-            v1::ChannelKind_Name(request.kind()).empty()
-                ? absl::StrCat(static_cast<int>(request.kind()))
-                : v1::ChannelKind_Name(request.kind())));
+    absl::StatusOr<ChannelOpenSpec> spec = ChannelOpenSpecFromProto(request);
+    absl::Status status = spec.status();
+    if (spec.ok()) {
+      spec->cache = tenant_.CacheKey(request.cache());
+      spec->tenant = tenant_.name;
     }
     if (status.ok()) {
       // Held across the open: a close from another thread waits until the first write is out.
       std::lock_guard lock(mu_);
       absl::StatusOr<ChannelStatus> opened =
-          context_.engine->OpenChannel(spec, [this](std::string reason) { OnClosed(reason); });
+          context_.engine->OpenChannel(*spec, [this](std::string reason) { OnClosed(reason); });
       if (opened.ok()) {
         channel_id_ = opened->id;
         ChannelStatusToProto(*opened, first_.mutable_channel());

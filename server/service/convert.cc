@@ -424,6 +424,28 @@ void PlanResultToProto(const PlanResult& result, v1::PlanResponse* response) {
   response->set_channel_sequence(result.channel_sequence);
 }
 
+absl::StatusOr<ChannelOpenSpec> ChannelOpenSpecFromProto(const v1::OpenChannelRequest& request) {
+  ChannelOpenSpec spec;
+  spec.cache = request.cache();
+  spec.max_tokens = request.max_tokens();
+  spec.num_slots = request.slots();
+  spec.with_lse = request.with_lse();
+  switch (request.kind()) {
+    case v1::CHANNEL_KIND_HOST_SHM:
+      spec.kind = ChannelKind::kHostShm;
+      return spec;
+    case v1::CHANNEL_KIND_CUDA_IPC:
+      spec.kind = ChannelKind::kCudaIpc;
+      return spec;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kind: expected CHANNEL_KIND_HOST_SHM or CHANNEL_KIND_CUDA_IPC, got ",
+          v1::ChannelKind_Name(request.kind()).empty()
+              ? absl::StrCat(static_cast<int>(request.kind()), " (not a defined value)")
+              : v1::ChannelKind_Name(request.kind())));
+  }
+}
+
 void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info) {
   info->set_channel_id(status.id);
   info->set_cache(status.cache);

@@ -21,6 +21,9 @@ void CacheStatusToProto(const CacheStatus& status, v1::CacheInfo* info);
 absl::StatusOr<PlanSpec> PlanSpecFromProto(const v1::PlanRequest& request);
 void PlanResultToProto(const PlanResult& result, v1::PlanResponse* response);
 void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info);
+// The request's fields as the engine takes them (cache and tenant left for the caller); the
+// kind must be a defined one.
+absl::StatusOr<ChannelOpenSpec> ChannelOpenSpecFromProto(const v1::OpenChannelRequest& request);
 
 // Decodes ForwardRequest tensors. Tensors sent as `values` are converted into `scratch`
 // (which must outlive `args`); `data` tensors are referenced in place.

@@ -177,6 +177,45 @@ void WriteAll(SeedWriter& out) {
     m.Forward(6, 0, rng);
     out.Write("invalid_plans", m.fuzz_case);
   }
+  {  // A channel: steps on it run through Forward{use_channel} in any layer order; a second
+     // step aborted, the channel closed with a third open, bad opens refused.
+    Managed m;
+    attnd::v1::OpenChannelRequest open;
+    open.set_cache("fuzz");
+    open.set_kind(attnd::v1::CHANNEL_KIND_HOST_SHM);
+    open.set_max_tokens(8);
+    open.set_with_lse(true);
+    Action open_action;
+    *open_action.mutable_open_channel() = open;
+    *m.fuzz_case.add_actions() = open_action;
+    attnd::v1::PlanRequest plan = ManagedPlan("fuzz", {{1, 3}, {2, 1}});
+    plan.mutable_options()->set_return_lse(true);
+    plan.set_channel_id(1);
+    *m.fuzz_case.add_actions() = PlanAction(plan);
+    for (const int32_t layer : {1, 0}) {
+      attnd::v1::ForwardRequest through;
+      through.set_step_id(1);
+      through.set_layer(layer);
+      through.set_use_channel(true);
+      *m.fuzz_case.add_actions() = ForwardAction(through);
+    }
+    plan = ManagedPlan("fuzz", {{1, 1}});
+    plan.set_channel_id(1);
+    *m.fuzz_case.add_actions() = PlanAction(plan);
+    m.End(2, /*abort=*/true);
+    *m.fuzz_case.add_actions() = PlanAction(plan);
+    Action close;
+    close.mutable_close_channel()->set_channel_id(1);
+    *m.fuzz_case.add_actions() = close;
+    open.set_max_tokens(0);
+    *open_action.mutable_open_channel() = open;
+    *m.fuzz_case.add_actions() = open_action;
+    open.set_max_tokens(4);
+    open.set_kind(attnd::v1::CHANNEL_KIND_CUDA_IPC);
+    *open_action.mutable_open_channel() = open;
+    *m.fuzz_case.add_actions() = open_action;
+    out.Write("channel_steps", m.fuzz_case);
+  }
   {  // Forwards the validation must refuse, then the same layer right.
     Managed m;
     m.Plan({{1, 2}, {2, 1}});

@@ -42,6 +42,8 @@ namespace {
 constexpr char kFallbackCache[] = "fuzz";
 // Step ids 1..kCaseStepIds in a case name its plans in order (see fuzz_case.proto).
 constexpr uint64_t kCaseStepIds = 16;
+// Channel ids 1..kCaseChannelIds name the case's channels in order.
+constexpr uint64_t kCaseChannelIds = 8;
 // Layers whose attention would take longer than this many multiply-adds are not sent: an
 // EXTERNAL entry's kv_len may reach the whole pool, and several entries may share its pages,
 // and the point here is the request path, not the kernels' speed (the harness must stay fast
@@ -99,6 +101,7 @@ struct RequestHarness::State {
   uint64_t owner_base = 0;
   std::set<uint64_t> owners;
   std::vector<StepRecord> steps;
+  std::vector<uint64_t> channels;  // engine ids of the channels this case opened (0: refused)
   std::map<std::string, std::set<uint64_t>> sequences;  // MANAGED ids planned, per cache
 
   absl::Mutex mu;
@@ -116,6 +119,10 @@ struct RequestHarness::State {
 
   uint64_t MapStepId(uint64_t id) const {
     if (id >= 1 && id <= kCaseStepIds && id <= steps.size()) return steps[id - 1].id;
+    return id;
+  }
+  uint64_t MapChannelId(uint64_t id) const {
+    if (id >= 1 && id <= kCaseChannelIds && id <= channels.size()) return channels[id - 1];
     return id;
   }
   const StepRecord* FindStep(uint64_t engine_id) const {
@@ -140,7 +147,9 @@ struct RequestHarness::State {
     return absl::OkStatus();
   }
 
-  ActionResult Plan(const attnd::v1::PlanRequest& request, uint64_t owner) {
+  ActionResult Plan(const attnd::v1::PlanRequest& original, uint64_t owner) {
+    attnd::v1::PlanRequest request = original;
+    request.set_channel_id(MapChannelId(original.channel_id()));
     StepRecord record;
     record.cache = request.cache();
     record.request = request;
@@ -278,6 +287,15 @@ struct RequestHarness::State {
 
   void CheckForwardResponse(const StepRecord& step, const attnd::v1::ForwardRequest& request,
                             const attnd::v1::ForwardResponse& response) {
+    if (request.use_channel()) {
+      HARNESS_CHECK(step.request.channel_id() != 0,
+                    "Forward{use_channel} succeeded for a step planned on no channel");
+      HARNESS_CHECK(!response.has_o() && !response.has_lse(),
+                    "Forward{use_channel} answered tensors; they belong in the slot");
+      return;
+    }
+    HARNESS_CHECK(step.request.channel_id() == 0,
+                  "a Forward with tensors succeeded for a step planned on a channel");
     auto cache = engine->GetCache(step.cache);
     if (!cache.ok()) return;  // force-deleted meanwhile
     const CacheGeometry& g = cache->spec.geometry;
@@ -392,6 +410,26 @@ struct RequestHarness::State {
       case Action::kExpireSteps:
         engine->ExpireSteps(absl::Now() + kStepTtl + absl::Seconds(1));
         return {true, false, std::nullopt, "ExpireSteps"};
+      case Action::kOpenChannel: {
+        auto spec = ChannelOpenSpecFromProto(action.open_channel());
+        absl::StatusOr<ChannelStatus> opened =
+            spec.ok() ? engine->OpenChannel(*spec, [](std::string) {})
+                      : absl::StatusOr<ChannelStatus>(spec.status());
+        if (channels.size() < kCaseChannelIds) channels.push_back(opened.ok() ? opened->id : 0);
+        if (opened.ok()) {
+          HARNESS_CHECK(opened->layout != nullptr &&
+                            opened->layout->ring_bytes > 0 &&
+                            static_cast<int32_t>(opened->layout->slots.size()) ==
+                                opened->num_slots,
+                        "an open channel without a consistent layout");
+        }
+        return {opened.ok(), false, std::nullopt, "OpenChannel"};
+      }
+      case Action::kCloseChannel: {
+        const absl::Status closed = engine->CloseChannel(
+            MapChannelId(action.close_channel().channel_id()), tenant.name, "fuzz");
+        return {closed.ok(), false, std::nullopt, "CloseChannel"};
+      }
       case Action::kListCaches: {
         attnd::v1::ListCachesResponse response;
         for (const CacheStatus& status : engine->ListCaches()) {
@@ -582,8 +620,11 @@ struct RequestHarness::State {
     }
     HARNESS_CHECK(backend->KvFreeBytes() == kHarnessKvBudgetBytes, "KV budget leaked: ",
                   backend->KvFreeBytes(), " of ", kHarnessKvBudgetBytes, " bytes free");
+    HARNESS_CHECK(engine->OpenChannels() == 0, engine->OpenChannels(),
+                  " channels open after every cache was deleted");
     owners.clear();
     steps.clear();
+    channels.clear();
     sequences.clear();
   }
 };
@@ -602,6 +643,9 @@ RequestHarness::RequestHarness() : state_(std::make_unique<State>()) {
   engine_options.limits.max_plan_entries = 32;
   engine_options.limits.max_step_tokens = 256;
   engine_options.limits.max_open_steps = 8;
+  // Rings of a few channels at most: the fuzzer opens them in every other case.
+  engine_options.limits.max_channel_bytes = int64_t{16} << 20;
+  engine_options.limits.max_channels = 4;
   s.engine = std::make_unique<Engine>(engine_options, s.backend.get(), s.metrics.get());
   s.context.engine = s.engine.get();
   s.context.backend = s.backend.get();
