@@ -69,14 +69,31 @@ void HostShmChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t num
 }
 
 void HostShmChannel::CancelStep(uint32_t sequence) {
+  // Skipped here, on the caller's thread, rather than by the pump: the step's layers that never
+  // started are reported before this returns, so an abort's rollback lands with it (a layer
+  // already handed to the backend reports when it finishes, as any running layer).
+  std::shared_ptr<ActiveStep> cancelled;
+  std::vector<int32_t> skipped;
   {
     std::lock_guard lock(mu_);
-    for (auto& active : steps_) {
-      if (active->sequence == sequence) active->cancelled = true;
+    for (auto it = steps_.begin(); it != steps_.end(); ++it) {
+      if ((*it)->sequence != sequence) continue;
+      cancelled = *it;
+      steps_.erase(it);
+      break;
+    }
+    if (cancelled != nullptr) {
+      cancelled->cancelled = true;
+      for (int32_t layer = 0; layer < geometry_.num_layers; ++layer) {
+        if (!cancelled->started[layer]) skipped.push_back(layer);
+        cancelled->started[layer] = 1;
+      }
+      cancelled->remaining = 0;
     }
   }
-  wake_.notify_all();
+  for (const int32_t layer : skipped) SkipLayer(*cancelled, layer);
   // The pump may be asleep on a ready word that will never be set.
+  wake_.notify_all();
   for (const int64_t offset : layout_.ready) WakeFlag(ring(), offset);
 }
 

@@ -79,7 +79,8 @@ class CudaDriver:
         if len(handle_bytes) != 64:
             raise ValueError(f"cuda_ipc_handle: expected 64 bytes, got {len(handle_bytes)}")
         handle = _IpcHandle()
-        ctypes.memmove(handle.reserved, handle_bytes, 64)
+        # handle.reserved would be a copy (ctypes returns char arrays as bytes): write the struct.
+        ctypes.memmove(ctypes.addressof(handle), handle_bytes, 64)
         pointer = ctypes.c_uint64()
         function = self._function("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")
         self._check(function(ctypes.byref(pointer), handle,

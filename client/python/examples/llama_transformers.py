@@ -28,7 +28,7 @@ def build_model(seed, device):
     config = LlamaConfig(
         vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
         num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         attention_bias=False, tie_word_embeddings=False)

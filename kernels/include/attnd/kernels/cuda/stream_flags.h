@@ -19,7 +19,7 @@ namespace stream_flags_internal {
 // CUresult / CUstream / CUdeviceptr as the driver API spells them (cuda.h not needed).
 using DriverResult = int;
 using WaitOrWrite = DriverResult (*)(cudaStream_t, unsigned long long, unsigned int, unsigned int);
-inline constexpr unsigned int kWaitGeq = 0x1;       // CU_STREAM_WAIT_VALUE_GEQ
+inline constexpr unsigned int kWaitGeq = 0x0;       // CU_STREAM_WAIT_VALUE_GEQ (0x1 is EQ)
 inline constexpr unsigned int kWriteDefault = 0x0;  // CU_STREAM_WRITE_VALUE_DEFAULT (a barrier)
 
 inline WaitOrWrite Lookup(const char* symbol) {
