@@ -187,6 +187,9 @@ void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
   PublishPagesLocked(cache);
   if (metrics) metrics->StepEnded(committed, step.decode_tokens, step.prefill_tokens);
   const EndStepResult result{step.outcome, step.layers_done};
+  // Layers that were running when the step's fate was decided have landed by now: a later
+  // EndStep reports them too.
+  if (auto done = finished.find(step.id); done != finished.end()) done->second.result = result;
   for (auto& waiter : step.end_waiters) {
     deferred.push_back([waiter = std::move(waiter), result] { waiter(result); });
   }

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,9 @@ struct SignalCase {
   int signal_number;
   std::vector<std::string> bench_flags;
 };
+
+// ctest and gtest print the case by name, not as raw bytes that change between builds.
+void PrintTo(const SignalCase& signal_case, std::ostream* out) { *out << signal_case.name; }
 
 class AttnctlSignalTest : public ::testing::TestWithParam<SignalCase> {};
 

@@ -634,9 +634,11 @@ client::ChannelOptions SmallChannel() {
 
 class ChannelTtlFaultTest : public FaultTest {
  protected:
+  // Short enough to wait for, long enough that the second step's layers (run back to back
+  // from here) never come near it, also under ASan on a loaded machine.
   FaultServerOptions Options() const override {
     FaultServerOptions options;
-    options.step_ttl = absl::Milliseconds(300);
+    options.step_ttl = absl::Seconds(1);
     return options;
   }
 };
