@@ -129,12 +129,15 @@ case ${1:-} in
           grpc_stream) e2e grpc_stream --stream --window=1 ;;
           shm) e2e shm --transport=shm ;;
           cuda_ipc) e2e cuda_ipc --transport=cuda_ipc ;;
-          cuda_ipc_mps)
+          cuda_ipc_mps|cuda_ipc_mps_mb2|cuda_ipc_mps_mb4)
             if command -v nvidia-cuda-mps-control >/dev/null; then
               export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
               mkdir -p /tmp/mps-pipe /tmp/mps-log
               timeout -k 2 10 nvidia-cuda-mps-control -d
-              e2e cuda_ipc_mps --transport=cuda_ipc
+              mb=1
+              [[ $case == *_mb2 ]] && mb=2
+              [[ $case == *_mb4 ]] && mb=4
+              e2e "$case" --transport=cuda_ipc --micro_batches=$mb
               echo quit | timeout -k 2 10 nvidia-cuda-mps-control
               unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
             else
@@ -172,6 +175,14 @@ case ${1:-} in
       kill -TERM $pid 2>/dev/null
       for _ in $(seq 1 50); do kill -0 $pid 2>/dev/null || break; sleep 0.2; done
       kill -KILL $pid 2>/dev/null
+      # The package's CUDA_IPC tests (tests/python/test_cuda_ipc.py) against a CUDA attnd.
+      if [[ ${ATTND_PY_PYTEST:-1} == 1 ]]; then
+        pack_logs
+        LD_LIBRARY_PATH=$B/lib timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider \
+          tests/python/test_cuda_ipc.py --attnd "$B/bin/attnd" --backend cuda \
+          > "$logs/pytest_cuda_ipc.log" 2>&1
+        say "pytest test_cuda_ipc.py rc=$? $(tail -1 "$logs/pytest_cuda_ipc.log")"
+      fi
       echo quit | timeout -k 2 10 nvidia-cuda-mps-control
     fi
     if [[ $what == all || $what == sanitize ]]; then

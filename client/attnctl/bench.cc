@@ -547,6 +547,7 @@ int RunBench(const Args& args) {
     channel_settings.prompt_tokens = settings.prompt_tokens;
     channel_settings.max_step_tokens = info->limits().max_step_tokens();
     channel_settings.first_id = first_id;
+    channel_settings.micro_batches = settings.micro_batches;
     const int code = RunChannelBench(
         **client, cache, channel_settings,
         transport == "shm" ? attnd::v1::CHANNEL_KIND_HOST_SHM : attnd::v1::CHANNEL_KIND_CUDA_IPC);

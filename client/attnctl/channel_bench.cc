@@ -29,6 +29,7 @@
 #include "attnd/client/reference_cache.h"
 #include "attnd/client/tensor.h"
 #include "attnd/kernels/dtype.h"
+#include "attnd/status_macros.h"
 #include "channel_bench.h"
 #include "commands.h"
 #include "emulator.h"
@@ -150,6 +151,12 @@ class ChannelBench {
     const double p99 = absl::ToDoubleMicroseconds(latency_.Percentile(99));
     const double steps_per_second = settings_.steps / absl::ToDoubleSeconds(wall);
     const double kernel_rate = kernels > 0 ? settings_.steps / kernels : 0;
+    Pipelined pipelined;
+    if (stream_ && settings_.micro_batches > 1) {
+      absl::StatusOr<Pipelined> ran = RunPipelined(settings_.micro_batches);
+      if (!ran.ok()) return Fail("pipelined micro-batches", ran.status());
+      pipelined = *ran;
+    }
     const char* transport = kind_ == attnd::v1::CHANNEL_KIND_CUDA_IPC ? "cuda_ipc" : "shm";
     absl::PrintF("transport %s: %d sequences x %d layers, %d timed decode steps\n", transport,
                  settings_.sequences, shape_.num_layers(), settings_.steps);
@@ -160,6 +167,14 @@ class ChannelBench {
     absl::PrintF("  steps/s %.1f, kernels-only %.1f (%.0f%%)\n", steps_per_second, kernel_rate,
                  kernel_rate > 0 ? 100.0 * steps_per_second / kernel_rate : 0.0);
     if (stream_) absl::PrintF("  emulator fill: %.1f us/layer\n", absl::ToDoubleMicroseconds(fill_us_.Mean()));
+    if (pipelined.rounds > 0) {
+      absl::PrintF("  %d micro-batches pipelined (own channel and stream each): %.1f steps/s, "
+                   "kernels-only %.1f (%.0f%%)\n",
+                   settings_.micro_batches, pipelined.steps_per_second, pipelined.kernel_rate,
+                   pipelined.kernel_rate > 0
+                       ? 100.0 * pipelined.steps_per_second / pipelined.kernel_rate
+                       : 0.0);
+    }
     if (prompt_tokens > 0) {
       absl::PrintF("  prompt step: %d tokens in %.3f ms, kernels %.3f ms (%.2fx)%s\n",
                    prompt_tokens, absl::ToDoubleMilliseconds(prompt_wall), prompt_kernels * 1e3,
@@ -176,15 +191,112 @@ class ChannelBench {
         "RESULT transport=%s sequences=%d layers=%d steps=%d layer_p50_us=%.1f "
         "layer_p99_us=%.1f kernel_us_per_layer=%.1f overhead_p50_us=%.1f overhead_p99_us=%.1f "
         "steps_per_s=%.1f kernels_only_steps_per_s=%.1f prompt_tokens=%d prompt_ms=%.3f "
-        "prompt_kernel_ms=%.3f checked=%s\n",
+        "prompt_kernel_ms=%.3f checked=%s micro_batches=%d pipelined_steps_per_s=%.1f "
+        "pipelined_kernels_only_steps_per_s=%.1f\n",
         transport, settings_.sequences, shape_.num_layers(), settings_.steps, p50, p99, kernel_us,
         p50 - kernel_us, p99 - kernel_us, steps_per_second, kernel_rate, prompt_tokens,
         absl::ToDoubleMilliseconds(prompt_wall), prompt_kernels * 1e3,
-        checked_ > 0 ? (check_failures_ == 0 ? "PASS" : "FAIL") : "off");
+        checked_ > 0 ? (check_failures_ == 0 ? "PASS" : "FAIL") : "off",
+        settings_.micro_batches, pipelined.steps_per_second, pipelined.kernel_rate);
     return check_failures_ == 0 ? kExitOk : kExitFailure;
   }
 
  private:
+  struct Pipelined {
+    int32_t rounds = 0;
+    double steps_per_second = 0;
+    double kernel_rate = 0;
+  };
+
+  // A micro-batch of the pipelined phase: its sequences, channel, stream and open step.
+  struct MicroBatch {
+    Entries entries;
+    std::unique_ptr<client::Channel> channel;
+    std::unique_ptr<EmulatorStream> stream;
+    uint64_t open_step = 0;
+  };
+
+  // Plans micro-batch `batch`'s next step and enqueues its layers on its stream (no wait).
+  absl::Status BeginMicroStep(MicroBatch& batch) {
+    const int64_t step = step_count_++;
+    attnd::v1::PlanRequest plan;
+    plan.set_cache(cache_.name());
+    plan.set_channel_id(batch.channel->id());
+    for (const auto& [id, tokens] : batch.entries) {
+      auto* entry = plan.add_entries();
+      entry->set_sequence_id(id);
+      entry->set_num_new_tokens(tokens);
+    }
+    ASSIGN_OR_RETURN(const attnd::v1::PlanResponse planned, client_.Plan(plan));
+    batch.open_step = planned.step_id();
+    const int64_t rows = planned.num_tokens();
+    void* stream = batch.stream->stream();
+    for (int32_t layer = 0; layer < shape_.num_layers(); ++layer) {
+      const client::ChannelSlot slot = batch.channel->Slot(layer);
+      const int variant = VariantOf(step, layer);
+      RETURN_IF_ERROR(FillOnStream(slot.q, rows * q_row_, SeedOf(variant, 0), bf16_, stream));
+      RETURN_IF_ERROR(FillOnStream(slot.k, rows * kv_row_, SeedOf(variant, 1), bf16_, stream));
+      RETURN_IF_ERROR(FillOnStream(slot.v, rows * kv_row_, SeedOf(variant, 2), bf16_, stream));
+      RETURN_IF_ERROR(batch.channel->SetReadyOnStream(layer, planned.channel_sequence(), stream));
+      RETURN_IF_ERROR(batch.channel->WaitDoneOnStream(layer, planned.channel_sequence(), stream));
+    }
+    return absl::OkStatus();
+  }
+
+  // Waits for micro-batch `batch`'s open step on its stream and for its commit.
+  absl::Status FinishMicroStep(MicroBatch& batch) {
+    if (batch.open_step == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(batch.stream->Synchronize());
+    ASSIGN_OR_RETURN(const attnd::v1::EndStepResponse ended,
+                     client_.EndStep(batch.open_step, /*abort=*/false));
+    batch.open_step = 0;
+    if (ended.outcome() != attnd::v1::STEP_OUTCOME_COMMITTED) {
+      return absl::InternalError(absl::StrCat("micro-batch step ended ", ended.ShortDebugString()));
+    }
+    return absl::OkStatus();
+  }
+
+  // The sequences in `count` micro-batches, each with its own channel and stream; while one
+  // micro-batch's layers run on the GPU the host commits and plans the next one's step, as an
+  // engine pipelines them. One round = every micro-batch one step (every sequence one token).
+  absl::StatusOr<Pipelined> RunPipelined(int32_t count) {
+    std::vector<MicroBatch> batches(count);
+    for (int32_t k = 0; k < count; ++k) {
+      for (int32_t s = k * settings_.sequences / count; s < (k + 1) * settings_.sequences / count;
+           ++s) {
+        batches[k].entries.push_back({settings_.first_id + s, 1});
+      }
+      client::ChannelOptions options;
+      options.kind = kind_;
+      options.max_tokens = static_cast<int32_t>(std::max<size_t>(1, batches[k].entries.size()));
+      ASSIGN_OR_RETURN(batches[k].channel,
+                       client::Channel::Open(client_, cache_.name(), options));
+      ASSIGN_OR_RETURN(batches[k].stream,
+                       EmulatorStream::Create(batches[k].channel->info().device(), 1));
+    }
+    auto round = [&]() -> absl::Status {
+      for (MicroBatch& batch : batches) {
+        RETURN_IF_ERROR(FinishMicroStep(batch));
+        RETURN_IF_ERROR(BeginMicroStep(batch));
+      }
+      return absl::OkStatus();
+    };
+    for (int i = 0; i < 3; ++i) RETURN_IF_ERROR(round());  // warm-up
+    for (MicroBatch& batch : batches) RETURN_IF_ERROR(FinishMicroStep(batch));
+    ASSIGN_OR_RETURN(const attnd::v1::GetStatsResponse before, client_.GetStats());
+    const absl::Time start = absl::Now();
+    for (int32_t i = 0; i < settings_.steps; ++i) RETURN_IF_ERROR(round());
+    for (MicroBatch& batch : batches) RETURN_IF_ERROR(FinishMicroStep(batch));
+    const absl::Duration wall = absl::Now() - start;
+    ASSIGN_OR_RETURN(const attnd::v1::GetStatsResponse after, client_.GetStats());
+    const double kernels = SecondsOfKernels(after) - SecondsOfKernels(before);
+    Pipelined result;
+    result.rounds = settings_.steps;
+    result.steps_per_second = settings_.steps / absl::ToDoubleSeconds(wall);
+    result.kernel_rate = kernels > 0 ? settings_.steps / kernels : 0;
+    return result;
+  }
+
   int Fail(const std::string& what, const absl::Status& status) {
     PrintError(absl::StrCat("bench ", what), status);
     return kExitFailure;

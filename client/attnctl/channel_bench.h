@@ -14,6 +14,9 @@ struct ChannelBenchSettings {
   int32_t prompt_tokens = 0;
   int64_t max_step_tokens = 0;  // the server's limit
   uint64_t first_id = 1;        // sequence ids first_id .. first_id + sequences - 1
+  // CUDA_IPC: > 1 adds a pipelined phase: the sequences split into this many micro-batches,
+  // each on its own channel and stream, one planned and enqueued while the others run.
+  int32_t micro_batches = 1;
 };
 
 int RunChannelBench(client::Client& client, const attnd::v1::CacheInfo& cache,
