@@ -34,7 +34,9 @@ CudaIpcChannel::CudaIpcChannel(CudaCache* cache, const ChannelSpec& spec, int de
 
 absl::Status CudaIpcChannel::Init() {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  RETURN_IF_ERROR(lane_.CreateStreams());
+  // Only the compute stream: a CUDA_IPC layer copies nothing, and every stream takes one of
+  // the GPU's hardware queues (see CUDA_DEVICE_MAX_CONNECTIONS in main.cc).
+  RETURN_IF_ERROR(lane_.compute.Create());
   RETURN_IF_ERROR(signal_.Create());
   RETURN_IF_ERROR(ring_.Reserve(layout_.ring_bytes));
   // Zeroed: flags start at 0 (no step's sequence), slots hold zeros, not stale bytes.
