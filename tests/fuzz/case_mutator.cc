@@ -281,7 +281,14 @@ void BreakTensor(attnd::v1::ForwardRequest& forward, Rng& rng) {
     case 0:
       if (tensor.shape_size() > 0) {
         const int dim = static_cast<int>(rng() % tensor.shape_size());
-        tensor.set_shape(dim, tensor.shape(dim) + (Chance(rng, 50) ? 1 : -1));
+        // One off, without overflowing a dimension an earlier mutation set to an edge value.
+        const int64_t current = tensor.shape(dim);
+        const bool up = Chance(rng, 50);
+        if (up && current < std::numeric_limits<int64_t>::max()) {
+          tensor.set_shape(dim, current + 1);
+        } else if (!up && current > std::numeric_limits<int64_t>::min()) {
+          tensor.set_shape(dim, current - 1);
+        }
       }
       break;
     case 1:
