@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/status_macros.h"
 #include "engine/engine.h"
 #include "engine/engine_state.h"
 
@@ -15,12 +16,6 @@ constexpr int32_t kDefaultChannelSlots = 2;
 
 void RunAll(std::vector<std::function<void()>>& deferred) {
   for (auto& callback : deferred) callback();
-}
-
-bool IsDeviceFault(const absl::Status& status) {
-  return status.code() == absl::StatusCode::kInternal ||
-         status.code() == absl::StatusCode::kUnknown ||
-         status.code() == absl::StatusCode::kDataLoss;
 }
 
 }  // namespace
@@ -57,15 +52,7 @@ absl::StatusOr<ChannelStatus> Engine::OpenChannel(
   if (state_->draining) {
     return absl::UnavailableError("server is draining: no new channels are accepted");
   }
-  auto cache_it = state_->caches.find(spec.cache);
-  if (cache_it == state_->caches.end()) {
-    return absl::NotFoundError(absl::StrCat("cache: no cache named '", spec.cache, "'"));
-  }
-  const std::shared_ptr<CacheEntry> cache = cache_it->second;
-  if (cache->failed) {
-    return absl::InternalError(
-        absl::StrCat("cache '", spec.cache, "' failed: ", cache->failure, "; delete it"));
-  }
+  ASSIGN_OR_RETURN(const std::shared_ptr<CacheEntry> cache, state_->UsableCacheLocked(spec.cache));
   const ServerLimitsOptions& limits = state_->options.limits;
   const CacheGeometry& geometry = cache->spec.geometry;
   if (spec.max_tokens < 1 || spec.max_tokens > limits.max_step_tokens) {
@@ -210,36 +197,20 @@ void Engine::State::ChannelLayerDone(const std::shared_ptr<StepEntry>& step, int
   Deferred deferred;
   {
     absl::MutexLock lock(&mu);
-    --step->in_flight;
-    --layers_in_flight;
-    step->last_activity = absl::Now();
     if (status.ok()) {
-      step->layers[layer] = LayerState::kDone;
-      ++step->layers_done;
       ChannelEntry& channel = *step->channel;
-      channel.bytes_in += channel.layout->InputBytes(step->batch->num_tokens);
-      channel.bytes_out +=
+      const int64_t in = channel.layout->InputBytes(step->batch->num_tokens);
+      const int64_t out =
           channel.layout->OutputBytes(step->batch->num_tokens, step->batch->options.return_lse);
-      if (metrics) {
-        metrics->ChannelBytes(ChannelKindName(channel.spec.kind),
-                              channel.layout->InputBytes(step->batch->num_tokens),
-                              channel.layout->OutputBytes(step->batch->num_tokens,
-                                                          step->batch->options.return_lse));
-      }
-      if (step->layers_done == static_cast<int32_t>(step->layers.size()) && !step->ending) {
-        EndLocked(step, StepOutcome::kCommitted, deferred);
-      }
-    } else {
-      step->layers[layer] = LayerState::kPending;
-      if (IsDeviceFault(status)) {
-        CacheEntry& cache = *step->cache;
-        cache.failed = true;
-        cache.failure = std::string(status.message());
-        status = absl::InternalError(absl::StrCat("cache '", cache.spec.name,
-                                                  "' failed in layer ", layer, ": ",
-                                                  status.message()));
-        if (!step->ending) EndLocked(step, StepOutcome::kAborted, deferred);
-      }
+      channel.bytes_in += in;
+      channel.bytes_out += out;
+      if (metrics) metrics->ChannelBytes(ChannelKindName(channel.spec.kind), in, out);
+    }
+    const bool faulted = !status.ok() && !step->ending;
+    status = LayerLandedLocked(step, layer, std::move(status), deferred);
+    // A device fault ends the step: its other layers would wait on ready words for nothing.
+    if (faulted && status.code() == absl::StatusCode::kInternal && !step->ending) {
+      EndLocked(step, StepOutcome::kAborted, deferred);
     }
     if (static_cast<size_t>(layer) < step->channel_waiters.size() &&
         step->channel_waiters[layer]) {

@@ -124,6 +124,57 @@ void Engine::ExpireSteps(absl::Time now) {
   ReapIdleChannels();
 }
 
+absl::StatusOr<std::shared_ptr<CacheEntry>> Engine::State::UsableCacheLocked(
+    const std::string& name) const {
+  auto it = caches.find(name);
+  if (it == caches.end()) {
+    return absl::NotFoundError(absl::StrCat("cache: no cache named '", name, "'"));
+  }
+  if (it->second->failed) {
+    return absl::InternalError(
+        absl::StrCat("cache '", name, "' failed: ", it->second->failure, "; delete it"));
+  }
+  return it->second;
+}
+
+absl::Status Engine::State::NotOpenLocked(uint64_t step_id, const std::string& tenant) const {
+  auto it = finished.find(step_id);
+  if (it != finished.end() && it->second.tenant == tenant) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step_id: step ", step_id, " already ",
+        it->second.result.outcome == StepOutcome::kCommitted ? "committed" : "aborted"));
+  }
+  return absl::NotFoundError(absl::StrCat("step_id: no open step ", step_id));
+}
+
+absl::Status Engine::State::LayerLandedLocked(const std::shared_ptr<StepEntry>& step,
+                                              int32_t layer, absl::Status status,
+                                              Deferred& deferred) {
+  --step->in_flight;
+  --layers_in_flight;
+  step->last_activity = absl::Now();
+  if (status.ok()) {
+    step->layers[layer] = LayerState::kDone;
+    ++step->layers_done;
+    if (step->layers_done == static_cast<int32_t>(step->layers.size()) && !step->ending) {
+      EndLocked(step, StepOutcome::kCommitted, deferred);
+    }
+    return status;
+  }
+  step->layers[layer] = LayerState::kPending;
+  // Only device faults poison a cache; a backend refusing an input (or a cancelled channel
+  // layer) leaves it usable.
+  const bool fault = status.code() == absl::StatusCode::kInternal ||
+                     status.code() == absl::StatusCode::kUnknown ||
+                     status.code() == absl::StatusCode::kDataLoss;
+  if (!fault) return status;
+  CacheEntry& cache = *step->cache;
+  cache.failed = true;
+  cache.failure = std::string(status.message());
+  return absl::InternalError(absl::StrCat("cache '", cache.spec.name, "' failed in layer ",
+                                          layer, ": ", status.message()));
+}
+
 void Engine::State::PublishPagesLocked(const CacheEntry& cache) {
   if (metrics == nullptr || cache.allocator == nullptr) return;
   // A step of a deleted cache finalises when its running layer lands, after the delete took

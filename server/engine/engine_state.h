@@ -161,6 +161,19 @@ struct Engine::State {
                         absl::Status status);
   // Starts a planned channel step on its channel. Not under the lock.
   void StartChannelStep(const std::shared_ptr<StepEntry>& step);
+
+  // The cache a new step or channel may use: NOT_FOUND, or INTERNAL when it failed.
+  absl::StatusOr<std::shared_ptr<CacheEntry>> UsableCacheLocked(const std::string& name) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Why `step_id` is not an open step of `tenant`: FAILED_PRECONDITION when it ended recently
+  // (saying how), else NOT_FOUND.
+  absl::Status NotOpenLocked(uint64_t step_id, const std::string& tenant) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // A layer of `step` finished on the device with `status`: counts it (committing the step
+  // after its last layer) or, on a device fault, fails the cache. Returns the status to report.
+  absl::Status LayerLandedLocked(const std::shared_ptr<StepEntry>& step, int32_t layer,
+                                 absl::Status status, Deferred& deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
 
 ChannelStatus ChannelStatusOf(const ChannelEntry& channel);

@@ -95,13 +95,6 @@ InputBytes PiecesOf(const TensorArg& tensor) {
   return bytes;
 }
 
-// Only device faults poison a cache; a backend refusing an input leaves it usable.
-bool IsDeviceFault(const absl::Status& status) {
-  return status.code() == absl::StatusCode::kInternal ||
-         status.code() == absl::StatusCode::kUnknown ||
-         status.code() == absl::StatusCode::kDataLoss;
-}
-
 }  // namespace
 
 // Forward{use_channel}: the layer's inputs are in its channel slot. Sets the ready word for the
@@ -115,15 +108,7 @@ void Engine::ForwardThroughChannel(const ForwardArgs& args, ForwardOutputs* outp
     absl::MutexLock lock(&state_->mu);
     auto it = state_->open_steps.find(args.step_id);
     if (it == state_->open_steps.end() || it->second->tenant != args.tenant) {
-      auto finished = state_->finished.find(args.step_id);
-      if (finished != state_->finished.end() && finished->second.tenant == args.tenant) {
-        rejected = absl::FailedPreconditionError(absl::StrCat(
-            "step_id: step ", args.step_id, " already ",
-            finished->second.result.outcome == StepOutcome::kCommitted ? "committed"
-                                                                       : "aborted"));
-      } else {
-        rejected = absl::NotFoundError(absl::StrCat("step_id: no open step ", args.step_id));
-      }
+      rejected = state_->NotOpenLocked(args.step_id, args.tenant);
     } else {
       StepEntry& step = *it->second;
       const CacheGeometry& geometry = step.cache->spec.geometry;
@@ -191,15 +176,7 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
       it = state_->open_steps.end();  // another tenant's step does not exist for this caller
     }
     if (it == state_->open_steps.end()) {
-      auto finished = state_->finished.find(args.step_id);
-      if (finished != state_->finished.end() && finished->second.tenant == args.tenant) {
-        rejected = absl::FailedPreconditionError(absl::StrCat(
-            "step_id: step ", args.step_id, " already ",
-            finished->second.result.outcome == StepOutcome::kCommitted ? "committed"
-                                                                       : "aborted"));
-      } else {
-        rejected = absl::NotFoundError(absl::StrCat("step_id: no open step ", args.step_id));
-      }
+      rejected = state_->NotOpenLocked(args.step_id, args.tenant);
     } else {
       step = it->second;
       const CacheEntry& cache = *step->cache;
@@ -291,27 +268,11 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
     State::Deferred deferred;
     {
       absl::MutexLock lock(&state->mu);
-      --step->in_flight;
-      --state->layers_in_flight;
-      step->last_activity = absl::Now();
-      if (status.ok()) {
-        step->layers[layer] = LayerState::kDone;
-        ++step->layers_done;
-        if (step->layers_done == static_cast<int32_t>(step->layers.size()) && !step->ending) {
-          outputs->step_committed = true;
-          state->EndLocked(step, StepOutcome::kCommitted, deferred);
-        }
-      } else {
-        step->layers[layer] = LayerState::kPending;
-        if (IsDeviceFault(status)) {
-          CacheEntry& cache = *step->cache;
-          cache.failed = true;
-          cache.failure = std::string(status.message());
-          status = absl::InternalError(absl::StrCat("cache '", cache.spec.name,
-                                                    "' failed in layer ", layer, ": ",
-                                                    status.message()));
-        }
-      }
+      const bool was_ending = step->ending;
+      status = state->LayerLandedLocked(step, layer, std::move(status), deferred);
+      // This layer committed the step when it was its last and the step was not ending yet.
+      outputs->step_committed = status.ok() && !was_ending && step->ending &&
+                                step->outcome == StepOutcome::kCommitted;
       if (step->ending && step->in_flight == 0 && step->backend_step) {
         state->FinalizeLocked(*step, deferred);
       }

@@ -240,15 +240,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   if (state_->draining) {
     return absl::UnavailableError("server is draining: no new steps are accepted");
   }
-  auto cache_it = state_->caches.find(spec.cache);
-  if (cache_it == state_->caches.end()) {
-    return absl::NotFoundError(absl::StrCat("cache: no cache named '", spec.cache, "'"));
-  }
-  const std::shared_ptr<CacheEntry> cache = cache_it->second;
-  if (cache->failed) {
-    return absl::InternalError(
-        absl::StrCat("cache '", spec.cache, "' failed: ", cache->failure, "; delete it"));
-  }
+  ASSIGN_OR_RETURN(const std::shared_ptr<CacheEntry> cache, state_->UsableCacheLocked(spec.cache));
   const ServerLimitsOptions& limits = state_->options.limits;
   if (static_cast<int64_t>(spec.entries.size()) > limits.max_plan_entries) {
     return absl::InvalidArgumentError(absl::StrCat("entries: at most ", limits.max_plan_entries,
