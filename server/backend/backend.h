@@ -216,6 +216,9 @@ class BackendChannel {
   virtual void CancelStep(uint32_t sequence) = 0;
   // Sets ready[layer] to `sequence` for the client (Forward with use_channel).
   virtual void SignalReady(int32_t layer, uint32_t sequence) = 0;
+  // Whether ready[layer] has reached `sequence` (the client signalled that layer). May read
+  // device memory: never call it under a daemon-wide lock.
+  virtual bool ReadyReached(int32_t layer, uint32_t sequence) = 0;
 };
 
 // A cache's pools. Destroyed only when no step of it has a layer in flight.

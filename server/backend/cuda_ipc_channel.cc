@@ -110,6 +110,18 @@ void CudaIpcChannel::CancelStep(uint32_t sequence) {
   wake_.notify_all();
 }
 
+bool CudaIpcChannel::ReadyReached(int32_t layer, uint32_t sequence) {
+  // On the signal stream, which only ever carries attnd's own short flag writes.
+  uint32_t value = 0;
+  if (cudaMemcpyAsync(&value, ring_.data() + layout_.ready[layer], sizeof(value),
+                      cudaMemcpyDeviceToHost, signal_.get()) != cudaSuccess ||
+      cudaStreamSynchronize(signal_.get()) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return static_cast<int32_t>(value - sequence) >= 0;
+}
+
 void CudaIpcChannel::SignalReady(int32_t layer, uint32_t sequence) {
   WriteFlag(layout_.ready[layer], sequence).IgnoreError();
 }

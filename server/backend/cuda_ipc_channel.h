@@ -53,6 +53,7 @@ class CudaIpcChannel final : public BackendChannel {
                  ChannelLayerDone layer_done) override;
   void CancelStep(uint32_t sequence) override;
   void SignalReady(int32_t layer, uint32_t sequence) override;
+  bool ReadyReached(int32_t layer, uint32_t sequence) override;
 
   Lane& lane() { return lane_; }
 

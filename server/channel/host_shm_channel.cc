@@ -97,6 +97,10 @@ void HostShmChannel::CancelStep(uint32_t sequence) {
   for (const int64_t offset : layout_.ready) WakeFlag(ring(), offset);
 }
 
+bool HostShmChannel::ReadyReached(int32_t layer, uint32_t sequence) {
+  return SequenceReached(LoadFlag(ring(), layout_.ready[layer]), sequence);
+}
+
 void HostShmChannel::SignalReady(int32_t layer, uint32_t sequence) {
   StoreFlagAndWake(ring(), layout_.ready[layer], sequence);
 }

@@ -43,6 +43,7 @@ class HostShmChannel final : public BackendChannel {
                  ChannelLayerDone layer_done) override;
   void CancelStep(uint32_t sequence) override;
   void SignalReady(int32_t layer, uint32_t sequence) override;
+  bool ReadyReached(int32_t layer, uint32_t sequence) override;
 
   uint8_t* ring() const { return ring_->data(); }
 

@@ -370,6 +370,38 @@ absl::StatusOr<int64_t> Engine::FreeSequences(const std::string& cache_name,
 void Engine::EndStep(uint64_t step_id, bool abort,
                      std::function<void(absl::StatusOr<EndStepResult>)> done,
                      const std::string& tenant) {
+  // A commit of a channel step whose layers have not all finished: it may wait for them only if
+  // the client has signalled every one of them (they are on their way; the client may well
+  // have seen their done words before attnd counted them); otherwise they might never come.
+  // The ready words are read outside the lock (on CUDA_IPC they are device memory).
+  std::shared_ptr<ChannelEntry> channel;
+  uint32_t sequence = 0;
+  std::vector<int32_t> unfinished;
+  if (!abort) {
+    absl::MutexLock lock(&state_->mu);
+    auto it = state_->open_steps.find(step_id);
+    if (it != state_->open_steps.end() && it->second->tenant == tenant &&
+        it->second->channel != nullptr) {
+      const StepEntry& step = *it->second;
+      for (size_t layer = 0; layer < step.layers.size(); ++layer) {
+        if (step.layers[layer] != LayerState::kDone) {
+          unfinished.push_back(static_cast<int32_t>(layer));
+        }
+      }
+      channel = step.channel;
+      sequence = step.channel_sequence;
+    }
+  }
+  int32_t unsignalled = -1;
+  if (channel != nullptr && channel->backend != nullptr) {
+    for (const int32_t layer : unfinished) {
+      if (!channel->backend->ReadyReached(layer, sequence)) {
+        unsignalled = layer;
+        break;
+      }
+    }
+  }
+
   State::Deferred deferred;
   {
     absl::MutexLock lock(&state_->mu);
@@ -395,10 +427,18 @@ void Engine::EndStep(uint64_t step_id, bool abort,
       }
     } else if (!abort && it->second->channel != nullptr &&
                it->second->layers_done < static_cast<int32_t>(it->second->layers.size())) {
-      // Its remaining layers wait on ready words (or are about to report): committing now
-      // would let them write the cache after the commit. The step commits after its last
-      // layer, or aborts at the TTL; this answer waits for whichever comes.
-      it->second->end_waiters.push_back(std::move(done));
+      if (unsignalled >= 0) {
+        deferred.push_back([done, step_id, unsignalled] {
+          done(absl::FailedPreconditionError(absl::StrCat(
+              "step_id: step ", step_id, " runs through a channel and its layer ", unsignalled,
+              " has not been signalled (ready word); it commits after its last layer: signal "
+              "the rest, or abort")));
+        });
+      } else {
+        // Every remaining layer was signalled: they are running, and the step commits after
+        // the last of them (or aborts at the TTL); this answer waits for it.
+        it->second->end_waiters.push_back(std::move(done));
+      }
     } else {
       std::shared_ptr<StepEntry> step = it->second;
       step->end_waiters.push_back(std::move(done));

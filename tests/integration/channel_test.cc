@@ -214,6 +214,29 @@ TEST_F(ChannelTest, PlanChecksTheChannel) {
   ASSERT_OK(client().EndStep(plain.step_id(), /*abort=*/true).status());
 }
 
+TEST_F(ChannelTest, CommitBeforeTheLayersAreSignalledIsRefusedAndChangesNothing) {
+  const attnd::v1::CacheConfig config = SmallConfig(64);
+  ASSERT_OK(client().CreateCache("c", config).status());
+  ASSERT_OK_AND_ASSIGN(auto channel, client::Channel::Open(client(), "c", HostShm(8)));
+  attnd::v1::PlanRequest plan = MakePlan("c", {{1, 3}});
+  plan.set_channel_id(channel->id());
+  ASSERT_OK_AND_ASSIGN(auto planned, client().Plan(plan));
+  // No ready word set: a commit now would never see its layers; it is refused at once.
+  EXPECT_ERROR(client().EndStep(planned.step_id(), /*abort=*/false), Code::kFailedPrecondition,
+               "step_id");
+  // Once every layer was signalled, a commit waits for them and reports COMMITTED.
+  std::mt19937_64 rng(3);
+  for (int32_t layer = 0; layer < config.num_layers(); ++layer) {
+    ASSERT_OK(ForwardThroughChannel(*channel, planned.channel_sequence(),
+                                    RandomLayer(rng, config, 3, layer), config, 3, true)
+                  .status());
+  }
+  ASSERT_OK_AND_ASSIGN(auto ended, client().EndStep(planned.step_id(), /*abort=*/false));
+  EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_COMMITTED);
+  EXPECT_EQ(ended.layers_run(), config.num_layers());
+  EXPECT_EQ(ProbeLength(client(), "c", 1), 3);
+}
+
 class ChannelBudgetTest : public IntegrationTest {
  protected:
   ServerOptions Options() const override {
