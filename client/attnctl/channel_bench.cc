@@ -232,15 +232,21 @@ class ChannelBench {
     const int64_t rows = planned.num_tokens();
     void* stream = batch.stream->stream();
     for (int32_t layer = 0; layer < shape_.num_layers(); ++layer) {
-      const client::ChannelSlot slot = batch.channel->Slot(layer);
-      const int variant = VariantOf(step, layer);
-      RETURN_IF_ERROR(FillOnStream(slot.q, rows * q_row_, SeedOf(variant, 0), bf16_, stream));
-      RETURN_IF_ERROR(FillOnStream(slot.k, rows * kv_row_, SeedOf(variant, 1), bf16_, stream));
-      RETURN_IF_ERROR(FillOnStream(slot.v, rows * kv_row_, SeedOf(variant, 2), bf16_, stream));
+      RETURN_IF_ERROR(FillLayer(*batch.channel, stream, step, layer, rows));
       RETURN_IF_ERROR(batch.channel->SetReadyOnStream(layer, planned.channel_sequence(), stream));
       RETURN_IF_ERROR(batch.channel->WaitDoneOnStream(layer, planned.channel_sequence(), stream));
     }
     return absl::OkStatus();
+  }
+
+  // The emulator's q, k and v of (step, layer) written into the layer's slot on `stream`.
+  absl::Status FillLayer(client::Channel& channel, void* stream, int64_t step, int32_t layer,
+                         int64_t rows) const {
+    const client::ChannelSlot slot = channel.Slot(layer);
+    const int variant = VariantOf(step, layer);
+    RETURN_IF_ERROR(FillOnStream(slot.q, rows * q_row_, SeedOf(variant, 0), bf16_, stream));
+    RETURN_IF_ERROR(FillOnStream(slot.k, rows * kv_row_, SeedOf(variant, 1), bf16_, stream));
+    return FillOnStream(slot.v, rows * kv_row_, SeedOf(variant, 2), bf16_, stream);
   }
 
   // Waits for micro-batch `batch`'s open step on its stream and for its commit.
@@ -384,9 +390,7 @@ class ChannelBench {
         void* stream = stream_->stream();
         const bool time_fill = latency != nullptr && layer == 0;
         if (time_fill) status.Update(stream_->Record(num_layers + 1));
-        status.Update(FillOnStream(slot.q, rows * q_row_, SeedOf(VariantOf(step, layer), 0), bf16_, stream));
-        status.Update(FillOnStream(slot.k, rows * kv_row_, SeedOf(VariantOf(step, layer), 1), bf16_, stream));
-        status.Update(FillOnStream(slot.v, rows * kv_row_, SeedOf(VariantOf(step, layer), 2), bf16_, stream));
+        status.Update(FillLayer(*channel_, stream, step, layer, rows));
         if (time_fill) status.Update(stream_->Record(num_layers + 2));
         status.Update(channel_->SetReadyOnStream(layer, sequence, stream));
         status.Update(channel_->WaitDoneOnStream(layer, sequence, stream));

@@ -177,11 +177,7 @@ void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t 
   std::lock_guard lock(lane_.submit_mu);
   absl::Status status = [&]() -> absl::Status {
     RETURN_IF_ERROR(cuda::StreamWaitFlag(compute, ring + layout_.ready[layer], active->sequence));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(events->started.get(), compute));
-    // Timing events the kernels would record, recorded here when a step has no rows.
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(events->appended.get(), compute));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(events->attended_first.get(), compute));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(events->attended_second.get(), compute));
+    // A step with no rows runs no kernel (and reports no kernel time, see Complete).
     if (step.num_tokens() > 0) {
       LayerBuffers buffers;
       buffers.q = ring + slot.q;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <utility>
+#include <vector>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "attnd/status_macros.h"
@@ -68,6 +70,16 @@ void HostShmChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t num
   wake_.notify_all();
 }
 
+std::vector<int32_t> HostShmChannel::TakeUnstartedLocked(ActiveStep& active) {
+  std::vector<int32_t> unstarted;
+  for (int32_t layer = 0; layer < geometry_.num_layers; ++layer) {
+    if (!active.started[layer]) unstarted.push_back(layer);
+    active.started[layer] = 1;
+  }
+  active.remaining = 0;
+  return unstarted;
+}
+
 void HostShmChannel::CancelStep(uint32_t sequence) {
   // Skipped here, on the caller's thread, rather than by the pump: the step's layers that never
   // started are reported before this returns, so an abort's rollback lands with it (a layer
@@ -76,19 +88,12 @@ void HostShmChannel::CancelStep(uint32_t sequence) {
   std::vector<int32_t> skipped;
   {
     std::lock_guard lock(mu_);
-    for (auto it = steps_.begin(); it != steps_.end(); ++it) {
-      if ((*it)->sequence != sequence) continue;
+    auto it = std::find_if(steps_.begin(), steps_.end(),
+                           [&](const auto& active) { return active->sequence == sequence; });
+    if (it != steps_.end()) {
       cancelled = *it;
       steps_.erase(it);
-      break;
-    }
-    if (cancelled != nullptr) {
-      cancelled->cancelled = true;
-      for (int32_t layer = 0; layer < geometry_.num_layers; ++layer) {
-        if (!cancelled->started[layer]) skipped.push_back(layer);
-        cancelled->started[layer] = 1;
-      }
-      cancelled->remaining = 0;
+      skipped = TakeUnstartedLocked(*cancelled);
     }
   }
   for (const int32_t layer : skipped) SkipLayer(*cancelled, layer);
@@ -147,27 +152,17 @@ void HostShmChannel::PumpLoop() {
   auto idle_since = std::chrono::steady_clock::now();
   for (;;) {
     wake_.wait(lock, [&] { return stopping_ || !steps_.empty(); });
-    if (steps_.empty()) return;  // stopping with nothing started
-    // Cancelled steps: every layer not yet started is skipped (done set, reported CANCELLED).
-    for (auto it = steps_.begin(); it != steps_.end();) {
-      std::shared_ptr<ActiveStep> active = *it;
-      if (!active->cancelled && !stopping_) {
-        ++it;
-        continue;
-      }
-      it = steps_.erase(it);
-      std::vector<int32_t> skipped;
-      for (int32_t layer = 0; layer < num_layers; ++layer) {
-        if (!active->started[layer]) skipped.push_back(layer);
-        active->started[layer] = 1;
-      }
-      active->remaining = 0;
+    if (stopping_) {
+      // The engine frees a channel only with no step left; anything still here never runs.
+      std::vector<std::pair<std::shared_ptr<ActiveStep>, std::vector<int32_t>>> left;
+      for (const auto& active : steps_) left.emplace_back(active, TakeUnstartedLocked(*active));
+      steps_.clear();
       lock.unlock();
-      for (const int32_t layer : skipped) SkipLayer(*active, layer);
-      lock.lock();
-      it = steps_.begin();  // the list may have changed meanwhile
+      for (const auto& [active, skipped] : left) {
+        for (const int32_t layer : skipped) SkipLayer(*active, layer);
+      }
+      return;
     }
-    if (steps_.empty()) continue;
     // Ready layers of any started step, in step and layer order.
     std::shared_ptr<ActiveStep> ready_step;
     int32_t ready_layer = -1;

@@ -55,7 +55,6 @@ class HostShmChannel final : public BackendChannel {
     ChannelLayerDone layer_done;
     std::vector<uint8_t> started;  // [num_layers] handed to the backend (or skipped)
     int32_t remaining = 0;         // layers not yet handed over
-    bool cancelled = false;
   };
 
   HostShmChannel(const CacheGeometry& geometry, ChannelLayout layout,
@@ -63,6 +62,8 @@ class HostShmChannel final : public BackendChannel {
   void PumpLoop();
   // Hands layer `layer` of `active` to the backend.
   void RunLayer(const ActiveStep& active, int32_t layer);
+  // Marks every layer of `active` not yet started as started; returns them.
+  std::vector<int32_t> TakeUnstartedLocked(ActiveStep& active);
   // Sets done[layer] and the aborted word for a layer that will not run, and reports it.
   void SkipLayer(const ActiveStep& active, int32_t layer);
 

@@ -206,10 +206,10 @@ void Engine::State::ChannelLayerDone(const std::shared_ptr<StepEntry>& step, int
       channel.bytes_out += out;
       if (metrics) metrics->ChannelBytes(ChannelKindName(channel.spec.kind), in, out);
     }
-    const bool faulted = !status.ok() && !step->ending;
     status = LayerLandedLocked(step, layer, std::move(status), deferred);
-    // A device fault ends the step: its other layers would wait on ready words for nothing.
-    if (faulted && status.code() == absl::StatusCode::kInternal && !step->ending) {
+    // A device fault (INTERNAL after landing) ends the step: its other layers would wait on
+    // ready words for nothing.
+    if (status.code() == absl::StatusCode::kInternal && !step->ending) {
       EndLocked(step, StepOutcome::kAborted, deferred);
     }
     if (static_cast<size_t>(layer) < step->channel_waiters.size() &&

@@ -145,6 +145,7 @@ void Engine::ForwardThroughChannel(const ForwardArgs& args, ForwardOutputs* outp
           done(std::move(status));
         };
         step.last_activity = absl::Now();
+        outputs->in_channel = true;
         outputs->o_shape.clear();
         outputs->lse_shape.clear();
         outputs->o_dtype = geometry.q_dtype;
@@ -220,6 +221,7 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
   const int64_t tokens = step->batch->num_tokens;
   const int32_t o_dim = geometry.k_head_dim;  // MHA head_dim; MLA kv_lora_rank
   const bool want_lse = step->batch->options.return_lse;
+  outputs->in_channel = false;
   outputs->o_dtype = geometry.q_dtype;
   outputs->o_shape.assign({tokens, geometry.num_qo_heads, o_dim});
   if (want_lse) {

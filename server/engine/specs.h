@@ -115,6 +115,8 @@ struct ForwardOutputs {
   std::vector<int64_t> lse_shape;
   DType o_dtype = DType::kBFloat16;
   bool step_committed = false;
+  // Forward{use_channel}: o and lse are in the channel slot; nothing to send.
+  bool in_channel = false;
 
   // The engine's own state while the layer runs (kept here so that its completion callback
   // needs no allocation); not for the caller.

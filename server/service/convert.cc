@@ -540,7 +540,7 @@ absl::Status ForwardArgsFromWire(const WireForward& wire, ForwardArgs& args) {
 
 void ForwardOutputsToProto(ForwardOutputs& outputs, std::string&& lse_bytes,
                            v1::ForwardResponse* response) {
-  if (outputs.o_shape.empty()) {  // use_channel: the outputs are in the channel slot
+  if (outputs.in_channel) {  // use_channel: the outputs are in the channel slot
     response->clear_o();
     response->clear_lse();
     response->set_step_committed(outputs.step_committed);
