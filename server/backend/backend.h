@@ -61,6 +61,14 @@ struct StepOptions {
 };
 
 enum class StepPhase { kEmpty, kDecode, kPrefill, kMixed };
+
+// Copy-on-write of one page (managed mode, ForkSequence): before a step's first write into a
+// partial last page that other sequences share, the page's bytes (K and V, per layer) are copied
+// to a fresh page, which takes the shared page's place in the writer's page table.
+struct PageCopy {
+  int32_t source = 0;
+  int32_t destination = 0;
+};
 std::string_view StepPhaseName(StepPhase phase);  // "none", "decode", "prefill", "mixed"
 
 // A step's batch in the form the kernels take, built once by the engine at Plan and shared,
@@ -77,6 +85,10 @@ struct StepBatch {
   std::vector<int32_t> last_page_len;   // [batch_size]
   std::vector<int32_t> token_batch_indices;  // [num_tokens] entry of each row
   std::vector<int32_t> token_positions;      // [num_tokens] position in its sequence
+  // Pages to copy before this step's append, in every layer the step runs (each layer copies
+  // its own K and V regions on the cache's stream before its append kernel). The destination
+  // pages are fresh and already in the page table above.
+  std::vector<PageCopy> page_copies;
   StepOptions options;
   StepPhase phase = StepPhase::kEmpty;
 
@@ -246,6 +258,33 @@ class BackendCache {
   // bytes.size() / page bytes) to host. Waits for queued work. For tests and diagnostics.
   virtual absl::Status ReadPages(int32_t layer, bool v_pool, int64_t first_page,
                                  std::span<uint8_t> bytes) = 0;
+
+  // Sequence lifecycle (ForkSequence, ExportSequence, ImportSequence). Synchronous: each returns
+  // once the bytes are in place. The engine guarantees that no step writes these pages
+  // meanwhile; page ids are checked against the pool. Both backends implement them (the
+  // defaults are for test doubles).
+  //
+  // Copies layer `layer`'s K and V regions of each copy's source page to its destination: the
+  // copy-on-write of a step that committed before running this layer (called under the engine's
+  // lock, a rare path, so the sequence is never seen with the copy missing).
+  virtual absl::Status CopyPages(int32_t layer, std::span<const PageCopy> copies) {
+    (void)layer, (void)copies;
+    return absl::UnimplementedError("this backend cannot copy pages");
+  }
+  // Gathers one layer's pool (K when !v_pool) pages `pages`, in that order, into `bytes`
+  // (pages.size() pages of KPageBytes/VPageBytes each, the cache's dtype and layout). Waits for
+  // nothing else: the engine reads only pages no running step writes.
+  virtual absl::Status ReadPageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                                    std::span<uint8_t> bytes) {
+    (void)layer, (void)v_pool, (void)pages, (void)bytes;
+    return absl::UnimplementedError("this backend cannot export pages");
+  }
+  // The inverse: scatters `bytes` into those pages (visible to every later step on return).
+  virtual absl::Status WritePageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                                     std::span<const uint8_t> bytes) {
+    (void)layer, (void)v_pool, (void)pages, (void)bytes;
+    return absl::UnimplementedError("this backend cannot import pages");
+  }
 };
 
 struct BackendInfo {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/status_macros.h"
 #include "channel/host_shm_channel.h"
 #include "reference/append.h"
 #include "reference/attention.h"
@@ -109,6 +110,53 @@ class CpuCache final : public BackendCache {
     return absl::OkStatus();
   }
 
+  absl::Status CopyPages(int32_t layer, std::span<const PageCopy> copies) override {
+    if (layer < 0 || layer >= geometry_.num_layers) {
+      return absl::OutOfRangeError("CopyPages: layer outside the cache");
+    }
+    for (const PageCopy& copy : copies) {
+      if (!ValidPage(copy.source) || !ValidPage(copy.destination)) {
+        return absl::OutOfRangeError("CopyPages: page outside the pool");
+      }
+    }
+    CopyLayerPages(layer, copies);
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadPageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                            std::span<uint8_t> bytes) override {
+    const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+    RETURN_IF_ERROR(CheckPageList(layer, pages, static_cast<int64_t>(bytes.size()), page_bytes));
+    const uint8_t* pool = static_cast<const uint8_t*>(Pool(layer, v_pool).data);
+    for (size_t i = 0; i < pages.size(); ++i) {
+      std::memcpy(bytes.data() + i * page_bytes, pool + pages[i] * page_bytes, page_bytes);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status WritePageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                             std::span<const uint8_t> bytes) override {
+    const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+    RETURN_IF_ERROR(CheckPageList(layer, pages, static_cast<int64_t>(bytes.size()), page_bytes));
+    uint8_t* pool = static_cast<uint8_t*>(Pool(layer, v_pool).data);
+    for (size_t i = 0; i < pages.size(); ++i) {
+      std::memcpy(pool + pages[i] * page_bytes, bytes.data() + i * page_bytes, page_bytes);
+    }
+    return absl::OkStatus();
+  }
+
+  // Copy-on-write of one layer: each copy's K and V page bytes, source to destination.
+  void CopyLayerPages(int32_t layer, std::span<const PageCopy> copies) const {
+    for (const bool v_pool : {false, true}) {
+      const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+      uint8_t* pool = static_cast<uint8_t*>(Pool(layer, v_pool).data);
+      for (const PageCopy& copy : copies) {
+        std::memcpy(pool + copy.destination * page_bytes, pool + copy.source * page_bytes,
+                    page_bytes);
+      }
+    }
+  }
+
   PagedKvView Pool(int32_t layer, bool v_pool) const {
     const int64_t layer_bytes = geometry_.num_pages * (geometry_.KPageBytes() + geometry_.VPageBytes());
     uint8_t* base = storage_.get() + layer * layer_bytes;
@@ -125,6 +173,24 @@ class CpuCache final : public BackendCache {
   }
 
   WorkerPool* workers() const { return workers_; }
+
+ private:
+  bool ValidPage(int32_t page) const { return page >= 0 && page < geometry_.num_pages; }
+  absl::Status CheckPageList(int32_t layer, std::span<const int32_t> pages, int64_t bytes,
+                             int64_t page_bytes) const {
+    if (layer < 0 || layer >= geometry_.num_layers) {
+      return absl::OutOfRangeError("page list: layer outside the cache");
+    }
+    if (bytes != static_cast<int64_t>(pages.size()) * page_bytes) {
+      return absl::OutOfRangeError("page list: byte count is not one page per id");
+    }
+    for (const int32_t page : pages) {
+      if (!ValidPage(page)) return absl::OutOfRangeError("page list: page outside the pool");
+    }
+    return absl::OkStatus();
+  }
+
+ public:
   BackendObserver* observer() const { return observer_; }
   std::span<const float> inv_freq() const { return inv_freq_; }
 
@@ -234,6 +300,8 @@ void CpuStep::Run(const CpuCache& cache, const StepBatch& batch, const LayerIo& 
   std::vector<uint8_t> rotated_q(tokens * g.num_qo_heads * q_dim * DTypeBytes(g.q_dtype));
 
   auto start = std::chrono::steady_clock::now();
+  // Copy-on-write before the append: this layer's shared partial pages into their fresh copies.
+  cache.CopyLayerPages(io.layer, batch.page_copies);
   if (!g.mla) {
     reference::AppendArgs append;
     append.tokens = batch.AppendIndex();

@@ -44,6 +44,7 @@ absl::Status Lane::CreateStreams() {
 absl::Status CudaCache::Init(int device) {
   device_ = device;
   for (Lane& lane : lanes_) RETURN_IF_ERROR(lane.CreateStreams());
+  RETURN_IF_ERROR(transfer_.Create());
   const cudaStream_t stream = lanes_[0].compute.get();
   // Zeroed so that a slot never written reads as 0 (as the CPU backend's calloc'd pools do).
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(pool_, 0, geometry_.PoolBytes(), stream));
@@ -93,6 +94,7 @@ CudaCache::~CudaCache() {
       if (stream->get() != nullptr) cudaStreamSynchronize(stream->get());
     }
   }
+  if (transfer_.get() != nullptr) cudaStreamSynchronize(transfer_.get());
   free_resources_.clear();
   if (release_pool_) release_pool_();
 }
@@ -278,6 +280,109 @@ absl::Status CudaCache::ReadPages(int32_t layer, bool v_pool, int64_t first_page
   for (Lane& lane : lanes_) CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(lane.compute.get()));
   CUDA_RETURN_IF_ERROR(cudaMemcpy(bytes.data(), pool + first_page * page_bytes, bytes.size(),
                                   cudaMemcpyDeviceToHost));
+  return absl::OkStatus();
+}
+
+absl::Status CudaCache::EnqueuePageCopies(int32_t layer, std::span<const PageCopy> copies,
+                                          cudaStream_t stream) const {
+  for (const bool v_pool : {false, true}) {
+    const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+    uint8_t* pool = static_cast<uint8_t*>(Pool(layer, v_pool).data);
+    for (const PageCopy& copy : copies) {
+      if (copy.source < 0 || copy.source >= geometry_.num_pages || copy.destination < 0 ||
+          copy.destination >= geometry_.num_pages) {
+        return absl::OutOfRangeError("page copy: page outside the pool");
+      }
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pool + copy.destination * page_bytes,
+                                           pool + copy.source * page_bytes, page_bytes,
+                                           cudaMemcpyDeviceToDevice, stream));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaCache::CopyPages(int32_t layer, std::span<const PageCopy> copies) {
+  if (layer < 0 || layer >= geometry_.num_layers) {
+    return absl::OutOfRangeError("CopyPages: layer outside the cache");
+  }
+  std::lock_guard lock(transfer_mu_);
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  RETURN_IF_ERROR(EnqueuePageCopies(layer, copies, transfer_.get()));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(transfer_.get()));
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Calls copy(first_index, count) for each run of consecutive page ids in `pages`: one copy per
+// run instead of one per page (a sequence's pages are mostly allocated in order).
+template <typename CopyRun>
+absl::Status ForEachPageRun(std::span<const int32_t> pages, CopyRun&& copy) {
+  size_t first = 0;
+  while (first < pages.size()) {
+    size_t end = first + 1;
+    while (end < pages.size() && pages[end] == pages[end - 1] + 1) ++end;
+    RETURN_IF_ERROR(copy(first, end - first));
+    first = end;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CudaCache::ReadPageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                                     std::span<uint8_t> bytes) {
+  const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+  if (layer < 0 || layer >= geometry_.num_layers ||
+      static_cast<int64_t>(bytes.size()) != static_cast<int64_t>(pages.size()) * page_bytes) {
+    return absl::OutOfRangeError("ReadPageList: layer or byte count outside the cache");
+  }
+  for (const int32_t page : pages) {
+    if (page < 0 || page >= geometry_.num_pages) {
+      return absl::OutOfRangeError("ReadPageList: page outside the pool");
+    }
+  }
+  const uint8_t* pool = static_cast<const uint8_t*>(Pool(layer, v_pool).data);
+  std::lock_guard lock(transfer_mu_);
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  const cudaStream_t stream = transfer_.get();
+  RETURN_IF_ERROR(ForEachPageRun(pages, [&](size_t first, size_t count) -> absl::Status {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(bytes.data() + first * page_bytes,
+                                         pool + pages[first] * page_bytes, count * page_bytes,
+                                         cudaMemcpyDeviceToHost, stream));
+    return absl::OkStatus();
+  }));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  if (observer_ != nullptr) observer_->OnTransfer("d2h", static_cast<int64_t>(bytes.size()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaCache::WritePageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                                      std::span<const uint8_t> bytes) {
+  const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+  if (layer < 0 || layer >= geometry_.num_layers ||
+      static_cast<int64_t>(bytes.size()) != static_cast<int64_t>(pages.size()) * page_bytes) {
+    return absl::OutOfRangeError("WritePageList: layer or byte count outside the cache");
+  }
+  for (const int32_t page : pages) {
+    if (page < 0 || page >= geometry_.num_pages) {
+      return absl::OutOfRangeError("WritePageList: page outside the pool");
+    }
+  }
+  uint8_t* pool = static_cast<uint8_t*>(Pool(layer, v_pool).data);
+  std::lock_guard lock(transfer_mu_);
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  const cudaStream_t stream = transfer_.get();
+  RETURN_IF_ERROR(ForEachPageRun(pages, [&](size_t first, size_t count) -> absl::Status {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pool + pages[first] * page_bytes,
+                                         bytes.data() + first * page_bytes, count * page_bytes,
+                                         cudaMemcpyHostToDevice, stream));
+    return absl::OkStatus();
+  }));
+  // Later steps run on the lanes' streams: the bytes must have landed before the import
+  // commits (a synchronised stream orders before any later launch).
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  if (observer_ != nullptr) observer_->OnTransfer("h2d", static_cast<int64_t>(bytes.size()));
   return absl::OkStatus();
 }
 

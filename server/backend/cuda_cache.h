@@ -89,6 +89,16 @@ class CudaCache final : public BackendCache {
   absl::StatusOr<std::unique_ptr<BackendChannel>> CreateChannel(const ChannelSpec& spec) override;
   absl::StatusOr<std::unique_ptr<BackendStep>> PrepareChannelStep(
       std::shared_ptr<const StepBatch> batch, BackendChannel* channel) override;
+  // Sequence lifecycle transfers, on the cache's transfer stream, each waited for.
+  absl::Status CopyPages(int32_t layer, std::span<const PageCopy> copies) override;
+  absl::Status ReadPageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                            std::span<uint8_t> bytes) override;
+  absl::Status WritePageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                             std::span<const uint8_t> bytes) override;
+  // Enqueues one layer's copy-on-write (K and V of each copy) on `stream`, ahead of the
+  // append that writes the destination pages. Page ids come from the engine's allocator.
+  absl::Status EnqueuePageCopies(int32_t layer, std::span<const PageCopy> copies,
+                                 cudaStream_t stream) const;
 
   // For the cache's steps (cuda_step.cc).
   PagedKvView Pool(int32_t layer, bool v_pool) const;
@@ -129,6 +139,10 @@ class CudaCache final : public BackendCache {
   PodMode pod_mode_ = PodMode::kOff;  // ATTND_POD, read at creation (pod_choice.h)
   plan::PodWaveSizes pod_ctas_per_wave_;
   int32_t mla_ctas_per_wave_ = 0;  // MLA caches only
+
+  // Export/import and late copy-on-write copies; one transfer at a time (transfer_mu_).
+  std::mutex transfer_mu_;
+  CudaStream transfer_;
 
   PlanCache plans_;
   std::shared_ptr<OutputPool> outputs_ = OutputPool::Create();

@@ -201,6 +201,11 @@ absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, const LayerIo& io, uint8_t
 
 absl::Status CudaStep::EnqueueKernels(LayerEvents& slot, const LayerBuffers& buffers,
                                       int32_t layer, const CudaEvent** attended_event) {
+  // Copy-on-write (ForkSequence): shared partial pages into their fresh copies, on the compute
+  // stream ahead of the append that writes the copies. Timed as part of the append.
+  if (!batch_->page_copies.empty()) {
+    RETURN_IF_ERROR(cache_->EnqueuePageCopies(layer, batch_->page_copies, lane_.compute.get()));
+  }
   return cache_->geometry().mla ? EnqueueMlaKernels(slot, buffers, layer, attended_event)
                                 : EnqueueMhaKernels(slot, buffers, layer, attended_event);
 }

@@ -25,6 +25,7 @@ CacheStatus StatusOf(const CacheEntry& cache,
   status.failure = cache.failure;
   status.pool_bytes = cache.spec.geometry.PoolBytes();
   status.used_pages = cache.allocator ? cache.allocator->used_pages() : 0;
+  status.shared_pages = cache.allocator ? cache.allocator->shared_pages() : 0;
   status.num_sequences = static_cast<int64_t>(cache.sequences.size());
   status.open_steps = cache.open_steps;
   return status;
@@ -225,11 +226,11 @@ void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
     if (committed) {
       sequence.length = change.new_length;
     } else {
-      sequence.pages.resize(change.old_num_pages);
-      sequence.length = change.old_length;
+      RestoreSequence(sequence, change);
       if (sequence.length == 0 && sequence.pages.empty()) cache.sequences.erase(it);
     }
   }
+  if (committed && cache.allocator) CommitCopies(cache, step);
   if (!committed && cache.allocator) cache.allocator->Free(step.fresh_pages);
   step.fresh_pages.clear();
   step.changes.clear();
@@ -359,8 +360,7 @@ absl::StatusOr<int64_t> Engine::FreeSequences(const std::string& cache_name,
   int64_t freed = 0;
   for (const uint64_t id : sequence_ids) {
     auto sequence = cache.sequences.find(id);
-    freed += static_cast<int64_t>(sequence->second.pages.size());
-    cache.allocator->Free(sequence->second.pages);
+    freed += cache.allocator->Free(sequence->second.pages);  // shared pages stay
     cache.sequences.erase(sequence);
   }
   state_->PublishPagesLocked(cache);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
@@ -31,6 +32,8 @@ struct CacheEntry {
   std::unique_ptr<BackendCache> backend;
   std::unique_ptr<PageAllocator> allocator;  // MANAGED mode only
   absl::flat_hash_map<uint64_t, Sequence> sequences;
+  // Ids reserved by imports in progress (SequenceImport): not yet sequences, not plannable.
+  absl::flat_hash_set<uint64_t> importing;
   int32_t open_steps = 0;
   bool failed = false;
   std::string failure;
@@ -42,6 +45,10 @@ struct SequenceChange {
   int64_t old_length = 0;
   size_t old_num_pages = 0;
   int64_t new_length = 0;
+  // Copy-on-write: the shared page that a fresh copy replaced at pages[old_num_pages - 1]
+  // (-1: none). The step holds its reference until it ends: commit drops it, abort puts the
+  // page back.
+  int32_t replaced_page = -1;
 };
 
 // A channel (DESIGN 3b): the backend's ring and the steps planned on it.
@@ -177,5 +184,21 @@ struct Engine::State {
 };
 
 ChannelStatus ChannelStatusOf(const ChannelEntry& channel);
+
+// Copy-on-write at Plan (lifecycle.cc). Pages a step appending `new_tokens` to `sequence` must
+// allocate for copies: 1 when it writes into a partial last page that others hold, else 0.
+int64_t CopyOnWritePagesNeeded(const CacheEntry& cache, const Sequence& sequence,
+                               int32_t new_tokens);
+// Replaces such a page in `sequence` by a fresh copy (a fresh page of `step`, a copy of
+// `batch`), noting it in `change`. Call before the step's other pages are allocated; the pool
+// holds the page (checked by CopyOnWritePagesNeeded).
+void CopyOnWrite(CacheEntry& cache, Sequence& sequence, SequenceChange& change, StepEntry& step,
+                 StepBatch& batch);
+// Undoes `change` on `sequence` (abort, or Plan failing after allocation): length and pages as
+// they were, the replaced page back in place. The step's fresh pages are freed by the caller.
+void RestoreSequence(Sequence& sequence, const SequenceChange& change);
+// A committing step lets go of the pages its copies replaced, and makes the copies of layers it
+// never ran (an early commit) so the copied prefix is whole in every layer. Under State::mu.
+void CommitCopies(CacheEntry& cache, StepEntry& step);
 
 }  // namespace attnd

@@ -218,6 +218,7 @@ std::shared_ptr<StepBatch> StepBatchPool::Take() {
           &batch->token_positions}) {
       array->clear();
     }
+    batch->page_copies.clear();
     batch->batch_size = 0;
     batch->num_tokens = 0;
     batch->options = StepOptions();
@@ -325,6 +326,11 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
       }
       length = it->second.length;
       pages_held = static_cast<int64_t>(it->second.pages.size());
+      pages_needed += CopyOnWritePagesNeeded(*cache, it->second, entry.num_new_tokens);
+    } else if (cache->importing.contains(entry.sequence_id)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "entries[", i, "].sequence_id: sequence ", entry.sequence_id,
+          " is being imported (ImportSequence); plan it once the import has finished"));
     }
     if (length + entry.num_new_tokens > kMaxSequenceTokens) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -399,6 +405,9 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
       Sequence& sequence = cache->sequences[entry.sequence_id];
       SequenceChange change{entry.sequence_id, sequence.length, sequence.pages.size(),
                             sequence.length + new_tokens};
+      if (CopyOnWritePagesNeeded(*cache, sequence, new_tokens) > 0) {
+        CopyOnWrite(*cache, sequence, change, *step, *batch);
+      }
       const int64_t more = PagesFor(change.new_length, page_size) -
                            static_cast<int64_t>(sequence.pages.size());
       const size_t fresh_begin = sequence.pages.size();
@@ -441,7 +450,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
     // Undo the allocation: nothing of this step may survive.
     for (const SequenceChange& change : step->changes) {
       Sequence& sequence = cache->sequences[change.sequence_id];
-      sequence.pages.resize(change.old_num_pages);
+      RestoreSequence(sequence, change);
       sequence.open_step = 0;
       if (sequence.length == 0 && sequence.pages.empty()) cache->sequences.erase(change.sequence_id);
     }

@@ -159,12 +159,25 @@ struct ChannelStatus {
   int64_t bytes_out = 0;
 };
 
+struct ForkSpec {
+  std::string cache;
+  uint64_t source_id = 0;
+  uint64_t new_id = 0;
+  int64_t num_tokens = 0;  // 0: the source's whole length
+};
+
+struct ForkResult {
+  int64_t num_tokens = 0;
+  int64_t shared_pages = 0;
+};
+
 struct CacheStatus {
   CacheSpec spec;
   bool failed = false;
   std::string failure;
   int64_t pool_bytes = 0;
   int64_t used_pages = 0;
+  int64_t shared_pages = 0;  // of used_pages, those held more than once
   int64_t num_sequences = 0;
   int32_t open_steps = 0;
   std::vector<ChannelStatus> channels;  // sorted by id

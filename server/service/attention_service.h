@@ -41,6 +41,9 @@ using AttentionServiceBase = v1::AttentionService::WithCallbackMethod_GetServerI
             v1::AttentionService::WithCallbackMethod_ListCaches<
                 v1::AttentionService::WithCallbackMethod_DeleteCache<
                     v1::AttentionService::WithCallbackMethod_FreeSequences<
+                    v1::AttentionService::WithCallbackMethod_ForkSequence<
+                    v1::AttentionService::WithCallbackMethod_ExportSequence<
+                    v1::AttentionService::WithCallbackMethod_ImportSequence<
                         v1::AttentionService::WithCallbackMethod_Plan<
                             v1::AttentionService::WithRawCallbackMethod_Forward<
                                 v1::AttentionService::WithCallbackMethod_EndStep<
@@ -48,7 +51,7 @@ using AttentionServiceBase = v1::AttentionService::WithCallbackMethod_GetServerI
                                         v1::AttentionService::WithCallbackMethod_OpenChannel<
                                             v1::AttentionService::WithCallbackMethod_CloseChannel<
                                                 v1::AttentionService::WithCallbackMethod_GetStats<
-                                                    v1::AttentionService::Service>>>>>>>>>>>>>;
+                                                    v1::AttentionService::Service>>>>>>>>>>>>>>>>;
 
 class ForwardCallPool;
 
@@ -75,6 +78,13 @@ class AttentionService final : public AttentionServiceBase {
   grpc::ServerUnaryReactor* FreeSequences(grpc::CallbackServerContext* ctx,
                                           const v1::FreeSequencesRequest* request,
                                           v1::FreeSequencesResponse* response) override;
+  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx,
+                                         const v1::ForkSequenceRequest* request,
+                                         v1::ForkSequenceResponse* response) override;
+  grpc::ServerWriteReactor<v1::ExportSequenceResponse>* ExportSequence(
+      grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* request) override;
+  grpc::ServerReadReactor<v1::ImportSequenceRequest>* ImportSequence(
+      grpc::CallbackServerContext* ctx, v1::ImportSequenceResponse* response) override;
   grpc::ServerUnaryReactor* Plan(grpc::CallbackServerContext* ctx,
                                  const v1::PlanRequest* request,
                                  v1::PlanResponse* response) override;

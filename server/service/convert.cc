@@ -376,6 +376,7 @@ void CacheStatusToProto(const CacheStatus& status, v1::CacheInfo* info) {
   info->set_pool_bytes(status.pool_bytes);
   info->set_num_pages(g.num_pages);
   info->set_used_pages(status.used_pages);
+  info->set_shared_pages(status.shared_pages);
   info->set_num_sequences(status.num_sequences);
   info->set_open_steps(status.open_steps);
   for (const ChannelStatus& channel : status.channels) {
