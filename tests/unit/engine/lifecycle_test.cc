@@ -1,7 +1,8 @@
 // ForkSequence (copy-on-write prefix pages), ExportSequence and ImportSequence on the engine,
-// over the CPU backend. The property users rely on: a forked (or imported) sequence attends
-// bitwise like a sequence that was prefilled with the same tokens, and nothing done to one
-// sequence changes another's bytes.
+// over the CPU backend, and, built as tests/kernels' cuda_lifecycle_test with
+// ATTND_LIFECYCLE_ON_CUDA, over the CUDA backend (skipped without a device). The property users
+// rely on: a forked (or imported) sequence attends bitwise like a sequence that was prefilled
+// with the same tokens, and nothing done to one sequence changes another's bytes.
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -11,6 +12,9 @@
 
 #include "engine/engine.h"
 #include "engine_test_util.h"
+#ifdef ATTND_LIFECYCLE_ON_CUDA
+#include "backend/cuda_backend.h"
+#endif
 
 namespace attnd::testing {
 namespace {
@@ -127,13 +131,37 @@ absl::StatusOr<ForkResult> Fork(Engine& engine, const std::string& cache, uint64
   return engine.ForkSequence(spec);
 }
 
+// The backend under test: the CPU backend, or the CUDA backend when built for it (null
+// without a device: the test skips).
+std::unique_ptr<Backend> BackendUnderTest() {
+#ifdef ATTND_LIFECYCLE_ON_CUDA
+  if (CudaDeviceCount() == 0) return nullptr;
+  CudaBackendOptions options;
+  options.kv_budget_bytes = 64 << 20;
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeCudaBackend(options);
+  return backend.ok() ? *std::move(backend) : nullptr;
+#else
+  CpuBackendOptions options;
+  options.kv_budget_bytes = 64 << 20;
+  options.num_workers = 2;
+  return MakeCpuBackend(options);
+#endif
+}
+
 class LifecycleTest : public ::testing::Test {
  protected:
-  EngineFixture fixture;
-  Engine& engine = *fixture.engine;
+  std::unique_ptr<Backend> backend = BackendUnderTest();
+  // Without the backend (no device) the engine runs on a CPU backend that no test reaches.
+  std::unique_ptr<Backend> unused = backend ? nullptr : MakeCpuBackend({});
+  std::unique_ptr<Engine> owned_engine =
+      std::make_unique<Engine>(EngineOptions(), backend ? backend.get() : unused.get(), nullptr);
+  Engine& engine = *owned_engine;
   const CacheSpec spec = SmallCache("c", /*num_pages=*/32, /*page_size=*/4);
   const CacheGeometry& g = spec.geometry;
-  void SetUp() override { ASSERT_TRUE(engine.CreateCache(spec).ok()); }
+  void SetUp() override {
+    if (backend == nullptr) GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(engine.CreateCache(spec).ok());
+  }
 };
 
 // Fork of `source` (prefilled with `rows`) at `fork_tokens` vs a sequence prefilled with the
