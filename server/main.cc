@@ -1,4 +1,5 @@
 // attnd: flags -> ServerOptions -> Server. Nothing else reads flags.
+#include <algorithm>
 #include <cstdlib>
 #include <csignal>
 #include <cstdio>
@@ -6,10 +7,13 @@
 #include <string>
 #include <vector>
 
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "server.h"
 #include "util/exit_watchdog.h"
@@ -19,8 +23,12 @@ ABSL_FLAG(std::string, listen_address, "0.0.0.0:50051", "gRPC listen address (ho
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9400",
           "Prometheus /metrics listen address (host:port); empty disables it");
 ABSL_FLAG(std::string, backend, "auto", "auto (CUDA when a GPU is present), cuda or cpu");
+ABSL_FLAG(std::string, devices, "",
+          "Devices to place caches on, comma-separated CUDA ordinals (0,1,...); empty = every "
+          "visible GPU. With the CPU backend: devices to pretend to have (default one, 0)");
 ABSL_FLAG(int64_t, kv_memory_bytes, 0,
-          "KV budget in bytes; 0 = kv_memory_fraction of free GPU memory (CUDA) or 1 GiB (CPU)");
+          "KV budget in bytes per device; 0 = kv_memory_fraction of free GPU memory (CUDA) or "
+          "1 GiB (CPU)");
 ABSL_FLAG(double, kv_memory_fraction, 0.9, "Fraction of free GPU memory reserved for KV pools");
 ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "Largest gRPC message received or sent");
 ABSL_FLAG(int32_t, max_plan_entries, 4096, "Most entries in one Plan");
@@ -119,6 +127,20 @@ int main(int argc, char** argv) {
   } else {
     std::fprintf(stderr, "attnd: --backend: expected auto, cuda or cpu, got '%s'\n", backend.c_str());
     return 2;
+  }
+  for (const absl::string_view ordinal :
+       absl::StrSplit(absl::GetFlag(FLAGS_devices), ',', absl::SkipEmpty())) {
+    int32_t parsed = 0;
+    if (!absl::SimpleAtoi(ordinal, &parsed) || parsed < 0) {
+      std::fprintf(stderr, "attnd: --devices: expected device ordinals >= 0 separated by commas, "
+                   "got '%s'\n", absl::GetFlag(FLAGS_devices).c_str());
+      return 2;
+    }
+    if (std::find(options.devices.begin(), options.devices.end(), parsed) != options.devices.end()) {
+      std::fprintf(stderr, "attnd: --devices: device %d is listed twice\n", parsed);
+      return 2;
+    }
+    options.devices.push_back(parsed);
   }
   options.kv_memory_bytes = absl::GetFlag(FLAGS_kv_memory_bytes);
   options.kv_memory_fraction = absl::GetFlag(FLAGS_kv_memory_fraction);

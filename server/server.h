@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -56,7 +57,11 @@ struct ServerOptions {
   // Prometheus exposer address ("" disables it); port 0 picks a free port.
   std::string metrics_address = "0.0.0.0:9400";
   BackendKind backend = BackendKind::kAuto;
-  // KV budget: bytes, or when 0 a fraction of free device memory (CUDA) / 1 GiB (CPU).
+  // Devices to place caches on (--devices): CUDA ordinals; empty = every visible GPU. The CPU
+  // backend pretends to have these devices (default one, 0), each with its own KV budget.
+  std::vector<int32_t> devices;
+  // KV budget per device: bytes, or when 0 a fraction of free device memory (CUDA) / 1 GiB
+  // (CPU).
   int64_t kv_memory_bytes = 0;
   double kv_memory_fraction = 0.9;
   ServerLimitsOptions limits;

@@ -238,6 +238,8 @@ class BackendCache {
  public:
   virtual ~BackendCache() = default;
   virtual const CacheGeometry& geometry() const = 0;
+  // The ordinal of the device holding the pools.
+  virtual int32_t device() const { return 0; }
   // Builds the kernel plan of a step and uploads it. The batch outlives the returned step.
   virtual absl::StatusOr<std::unique_ptr<BackendStep>> PrepareStep(
       std::shared_ptr<const StepBatch> batch) = 0;
@@ -287,24 +289,45 @@ class BackendCache {
   }
 };
 
+// One device a backend places caches on. The CPU backend can pretend to have several (each
+// with its own KV budget) so that multi-device placement is testable without GPUs.
+struct DeviceInfo {
+  int32_t ordinal = 0;  // the CUDA device ordinal (--devices); the CPU backend's own numbering
+  std::string name;
+  int32_t num_sms = 0;
+  int64_t memory_bytes = 0;
+  int64_t kv_budget_bytes = 0;
+};
+
 struct BackendInfo {
   std::string name;    // "cuda" or "cpu"
-  std::string device;  // device or CPU model name
-  int32_t num_sms = 0;
-  int64_t device_memory_bytes = 0;
-  int64_t kv_budget_bytes = 0;
+  std::string device;  // device or CPU model name (the first device's)
+  int32_t num_sms = 0;            // the first device's
+  int64_t device_memory_bytes = 0;  // the first device's
+  int64_t kv_budget_bytes = 0;    // over every device
   std::vector<std::string> extensions;
+  std::vector<DeviceInfo> devices;  // every device served, in --devices order; at least one
 };
 
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual BackendInfo Info() const = 0;
-  // Bytes of the KV budget not held by any cache.
+  // Bytes of the KV budget not held by any cache, over every device.
   virtual int64_t KvFreeBytes() const = 0;
-  // Carves a cache's pools out of the KV budget; RESOURCE_EXHAUSTED when it does not fit.
+  // The same on one device (an ordinal of Info().devices); 0 for one that is not served.
+  virtual int64_t KvFreeBytesOn(int32_t device) const {
+    return device == 0 ? KvFreeBytes() : 0;
+  }
+  // Carves a cache's pools out of the KV budget of `device` (an ordinal of Info().devices), or
+  // with kAnyDevice of the device with the most free KV budget; RESOURCE_EXHAUSTED when it
+  // does not fit, INVALID_ARGUMENT for a device not served.
+  static constexpr int32_t kAnyDevice = -1;
   virtual absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(
-      const CacheGeometry& geometry) = 0;
+      const CacheGeometry& geometry, int32_t device) = 0;
+  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(const CacheGeometry& geometry) {
+    return CreateCache(geometry, kAnyDevice);
+  }
 };
 
 }  // namespace attnd

@@ -15,6 +15,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions
     const bool have_gpu = CudaDeviceCount() > 0;
     if (have_gpu) {
       CudaBackendOptions cuda;
+      cuda.devices = options.devices;
       cuda.kv_budget_bytes = options.kv_memory_bytes;
       cuda.kv_memory_fraction = options.kv_memory_fraction;
       cuda.observer = options.observer;
@@ -40,6 +41,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions
   }
 #endif
   CpuBackendOptions cpu;
+  cpu.devices = options.devices;
   cpu.kv_budget_bytes = options.kv_memory_bytes > 0 ? options.kv_memory_bytes : int64_t{1} << 30;
   cpu.observer = options.observer;
   return MakeCpuBackend(cpu);

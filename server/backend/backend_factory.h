@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
@@ -12,7 +13,8 @@ namespace attnd {
 
 struct BackendFactoryOptions {
   BackendKind kind = BackendKind::kAuto;
-  int64_t kv_memory_bytes = 0;  // 0: a fraction of free device memory (CUDA) / 1 GiB (CPU)
+  std::vector<int32_t> devices;  // empty: every visible GPU (CUDA) / one device (CPU)
+  int64_t kv_memory_bytes = 0;  // per device; 0: a fraction of free memory (CUDA) / 1 GiB (CPU)
   double kv_memory_fraction = 0.9;
   BackendObserver* observer = nullptr;
 };

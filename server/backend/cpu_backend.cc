@@ -73,16 +73,18 @@ struct FreeDeleter {
 class CpuCache final : public BackendCache {
  public:
   CpuCache(const CacheGeometry& geometry, uint8_t* storage, std::atomic<int64_t>* budget_used,
-           WorkerPool* workers, BackendObserver* observer)
+           int32_t device, WorkerPool* workers, BackendObserver* observer)
       : geometry_(geometry),
         storage_(storage),
         budget_used_(budget_used),
+        device_(device),
         workers_(workers),
         observer_(observer),
         inv_freq_(RopeInverseFrequencies(geometry.rope)) {}
   ~CpuCache() override { budget_used_->fetch_sub(geometry_.PoolBytes()); }
 
   const CacheGeometry& geometry() const override { return geometry_; }
+  int32_t device() const override { return device_; }
 
   absl::StatusOr<std::unique_ptr<BackendStep>> PrepareStep(
       std::shared_ptr<const StepBatch> batch) override;
@@ -198,6 +200,7 @@ class CpuCache final : public BackendCache {
   CacheGeometry geometry_;
   std::unique_ptr<uint8_t, FreeDeleter> storage_;
   std::atomic<int64_t>* budget_used_;
+  int32_t device_;
   WorkerPool* workers_;
   BackendObserver* observer_;
   std::vector<float> inv_freq_;
@@ -386,42 +389,96 @@ class CpuBackend final : public Backend {
       : options_(options),
         workers_(options.num_workers > 0
                      ? options.num_workers
-                     : std::max(2u, std::thread::hardware_concurrency())) {}
+                     : std::max(2u, std::thread::hardware_concurrency())) {
+    const std::vector<int32_t> ordinals =
+        options.devices.empty() ? std::vector<int32_t>{0} : options.devices;
+    for (const int32_t ordinal : ordinals) {
+      devices_.push_back(std::make_unique<Device>());
+      devices_.back()->ordinal = ordinal;
+    }
+  }
 
   BackendInfo Info() const override {
     BackendInfo info;
     info.name = "cpu";
     info.device = CpuModelName();
-    info.kv_budget_bytes = options_.kv_budget_bytes;
+    info.kv_budget_bytes = options_.kv_budget_bytes * static_cast<int64_t>(devices_.size());
     info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index", "channel_host_shm"};
+    for (const auto& device : devices_) {
+      info.devices.push_back({device->ordinal, info.device, 0, 0, options_.kv_budget_bytes});
+    }
     return info;
   }
 
-  int64_t KvFreeBytes() const override { return options_.kv_budget_bytes - budget_used_.load(); }
+  int64_t KvFreeBytes() const override {
+    int64_t free = 0;
+    for (const auto& device : devices_) free += options_.kv_budget_bytes - device->used.load();
+    return free;
+  }
 
-  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(
-      const CacheGeometry& geometry) override {
+  int64_t KvFreeBytesOn(int32_t ordinal) const override {
+    const Device* device = Find(ordinal);
+    return device == nullptr ? 0 : options_.kv_budget_bytes - device->used.load();
+  }
+
+  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(const CacheGeometry& geometry,
+                                                            int32_t ordinal) override {
+    Device* device = nullptr;
+    if (ordinal == kAnyDevice) {
+      // The device with the most free budget; ties go to the first listed.
+      for (const auto& candidate : devices_) {
+        if (device == nullptr || candidate->used.load() < device->used.load()) {
+          device = candidate.get();
+        }
+      }
+    } else {
+      device = Find(ordinal);
+      if (device == nullptr) return absl::InvalidArgumentError(UnknownDevice(ordinal));
+    }
     const int64_t bytes = geometry.PoolBytes();
-    int64_t used = budget_used_.load();
+    int64_t used = device->used.load();
     do {
       if (used + bytes > options_.kv_budget_bytes) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "the cache needs ", bytes, " bytes but ", options_.kv_budget_bytes - used,
-            " of the KV budget (", options_.kv_budget_bytes, " bytes) are free"));
+            " of device ", device->ordinal, "'s KV budget (", options_.kv_budget_bytes,
+            " bytes) are free"));
       }
-    } while (!budget_used_.compare_exchange_weak(used, used + bytes));
+    } while (!device->used.compare_exchange_weak(used, used + bytes));
     auto* storage = static_cast<uint8_t*>(std::calloc(static_cast<size_t>(bytes), 1));
     if (storage == nullptr) {
-      budget_used_.fetch_sub(bytes);
+      device->used.fetch_sub(bytes);
       return absl::ResourceExhaustedError(absl::StrCat("host allocation of ", bytes, " bytes failed"));
     }
-    return std::make_unique<CpuCache>(geometry, storage, &budget_used_, &workers_,
-                                      options_.observer);
+    return std::make_unique<CpuCache>(geometry, storage, &device->used, device->ordinal,
+                                      &workers_, options_.observer);
   }
 
  private:
+  // A pretend device: only a KV budget of its own.
+  struct Device {
+    int32_t ordinal = 0;
+    std::atomic<int64_t> used{0};
+  };
+
+  Device* Find(int32_t ordinal) const {
+    for (const auto& device : devices_) {
+      if (device->ordinal == ordinal) return device.get();
+    }
+    return nullptr;
+  }
+
+  std::string UnknownDevice(int32_t ordinal) const {
+    std::string served;
+    for (const auto& device : devices_) {
+      absl::StrAppend(&served, served.empty() ? "" : ", ", device->ordinal);
+    }
+    return absl::StrCat("device: this server places caches on device(s) ", served, " (--devices), not ",
+                        ordinal);
+  }
+
   CpuBackendOptions options_;
-  std::atomic<int64_t> budget_used_{0};
+  std::vector<std::unique_ptr<Device>> devices_;
   WorkerPool workers_;
 };
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
@@ -19,8 +20,10 @@
 namespace attnd {
 
 struct CudaBackendOptions {
-  int64_t kv_budget_bytes = 0;      // > 0: reserve exactly this; 0: kv_memory_fraction of free
-  double kv_memory_fraction = 0.9;  // of the device memory free at start, in (0, 1]
+  // Device ordinals to serve (--devices); empty: every visible device.
+  std::vector<int32_t> devices;
+  int64_t kv_budget_bytes = 0;      // per device; > 0: reserve exactly this; 0: the fraction
+  double kv_memory_fraction = 0.9;  // of each device's memory free at start, in (0, 1]
   BackendObserver* observer = nullptr;  // may be null; must outlive the backend
   // How the completion threads wait for a layer's outputs (cuda_cache.h, CompletionWait):
   // "blocking" or "spin". Empty: the environment variable ATTND_CUDA_COMPLETION when set (for
@@ -35,8 +38,9 @@ int CudaDeviceCount();
 // CUDA-capable device is detected (cudaErrorNoDevice)"); empty when a device is visible.
 std::string CudaUnavailableReason();
 
-// Uses device 0 (set CUDA_VISIBLE_DEVICES to pick another). RESOURCE_EXHAUSTED when the
-// reservation fails, FAILED_PRECONDITION without a device.
+// Reserves a KV budget on each device of options.devices (every visible one by default); each
+// cache lives on one of them. RESOURCE_EXHAUSTED when a reservation fails, FAILED_PRECONDITION
+// without a device, INVALID_ARGUMENT for a device not visible.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options);
 
 }  // namespace attnd

@@ -87,6 +87,8 @@ absl::Status CudaCache::Init(int device) {
 }
 
 CudaCache::~CudaCache() {
+  // May run on any thread (the last reference can sit in a layer's callback).
+  cudaSetDevice(device_);
   // No layer is in flight (the engine's contract), so the queues are empty.
   for (Lane& lane : lanes_) {
     if (lane.completions) lane.completions->Shutdown();
@@ -165,6 +167,7 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
 
 absl::StatusOr<std::unique_ptr<BackendChannel>> CudaCache::CreateChannel(
     const ChannelSpec& spec) {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   if (spec.kind == ChannelKind::kCudaIpc) {
     return CudaIpcChannel::Create(this, spec, device_);
   }
@@ -187,6 +190,8 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareChannelStep(
 
 absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStepOn(
     std::shared_ptr<const StepBatch> batch, Lane& lane, bool channel_lane) {
+  // Callers' threads (gRPC, the engine) may have another device current.
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   StepPlanContext context;
   context.geometry = &geometry_;
   context.decode_supported = decode_supported_;
@@ -275,6 +280,7 @@ absl::Status CudaCache::ReadPages(int32_t layer, bool v_pool, int64_t first_page
     return absl::OutOfRangeError("ReadPages: layer or page range outside the pool");
   }
   if (bytes.empty()) return absl::OkStatus();
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   const uint8_t* pool = static_cast<const uint8_t*>(Pool(layer, v_pool).data);
   // After every layer already enqueued on any lane.
   for (Lane& lane : lanes_) CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(lane.compute.get()));

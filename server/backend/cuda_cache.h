@@ -20,7 +20,8 @@
 // outputs, reports kernel times (from events recorded around each kernel) and bytes to the
 // observer, and calls `done`. The gRPC thread never waits for the GPU.
 //
-// Thread safety: PrepareStep, ReadPages and steps' RunLayer may be called from any threads.
+// Thread safety: PrepareStep, ReadPages and steps' RunLayer may be called from any threads;
+// each makes the cache's device current on its thread first (a host may serve several GPUs).
 #pragma once
 
 #include <array>
@@ -82,6 +83,7 @@ class CudaCache final : public BackendCache {
   ~CudaCache() override;
 
   const CacheGeometry& geometry() const override { return geometry_; }
+  int32_t device() const override { return device_; }
   absl::StatusOr<std::unique_ptr<BackendStep>> PrepareStep(
       std::shared_ptr<const StepBatch> batch) override;
   absl::Status ReadPages(int32_t layer, bool v_pool, int64_t first_page,

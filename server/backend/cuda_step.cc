@@ -78,6 +78,9 @@ CudaStep::~CudaStep() {
 }
 
 void CudaStep::RunLayer(const LayerIo& io, DoneCallback done) {
+  // The caller's thread (gRPC, a channel's pump) may have another device current; a failure
+  // here shows up as the launch's own error below.
+  cudaSetDevice(cache_->device());
   if (batch_->num_tokens == 0) {
     // Nothing to compute, but `done` still comes from a backend thread, never the caller's.
     lane_.completions->Post([done = std::move(done)] { done(absl::OkStatus()); });

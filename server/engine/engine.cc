@@ -43,6 +43,15 @@ Engine::Engine(const EngineOptions& options, Backend* backend, Metrics* metrics)
   state_->backend = backend;
   state_->metrics = metrics;
   state_->reaper = std::thread([state = state_.get()] { state->ReaperLoop(); });
+  state_->PublishDevices();
+}
+
+void Engine::State::PublishDevices() const {
+  if (metrics == nullptr) return;
+  for (const DeviceInfo& device : backend->Info().devices) {
+    const int64_t free = backend->KvFreeBytesOn(device.ordinal);
+    metrics->SetDeviceKvBytes(device.ordinal, device.kv_budget_bytes - free, free);
+  }
 }
 
 Engine::~Engine() {
@@ -255,7 +264,7 @@ absl::StatusOr<CacheStatus> Engine::CreateCache(const CacheSpec& spec) {
   if (state_->caches.contains(spec.name)) {
     return absl::AlreadyExistsError(absl::StrCat("name: a cache named '", spec.name, "' exists"));
   }
-  auto backend_cache = state_->backend->CreateCache(spec.geometry);
+  auto backend_cache = state_->backend->CreateCache(spec.geometry, spec.device);
   if (!backend_cache.ok()) {
     return absl::Status(backend_cache.status().code(),
                         absl::StrCat("create cache '", spec.name, "': ",
@@ -264,11 +273,13 @@ absl::StatusOr<CacheStatus> Engine::CreateCache(const CacheSpec& spec) {
   auto cache = std::make_shared<CacheEntry>();
   cache->spec = spec;
   cache->backend = std::move(backend_cache).value();
+  cache->spec.device = cache->backend->device();
   if (!spec.external_pages) {
     cache->allocator = std::make_unique<PageAllocator>(spec.geometry.num_pages);
   }
   state_->caches[spec.name] = cache;
   state_->PublishPagesLocked(*cache);
+  state_->PublishDevices();
   return StatusOf(*cache, state_->channels);
 }
 
@@ -322,6 +333,7 @@ absl::Status Engine::DeleteCache(const std::string& name, bool force) {
   }
   RunAll(deferred);
   ReapIdleChannels();
+  state_->PublishDevices();
   return absl::OkStatus();
 }
 

@@ -152,6 +152,9 @@ struct Engine::State {
   // Applies a decided outcome: commit lengths or roll back pages. Requires in_flight == 0.
   void FinalizeLocked(StepEntry& step, Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void PublishPagesLocked(const CacheEntry& cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // attnd_device_kv_bytes of every device (at start, and when a cache is created or deleted; a
+  // deleted cache whose last layer is still landing frees its budget a moment later).
+  void PublishDevices() const;
   // Aborts open steps idle for longer than the TTL.
   void ExpireLocked(absl::Time now, Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void ReaperLoop();

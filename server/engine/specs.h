@@ -20,6 +20,9 @@ namespace attnd {
 struct CacheSpec {
   std::string name;
   CacheGeometry geometry;
+  // The device to place the pools on (CreateCacheRequest.device); Backend::kAnyDevice: the
+  // device with the most free KV budget. After creation: the device chosen.
+  int32_t device = Backend::kAnyDevice;
   bool external_pages = false;  // PAGE_TABLE_MODE_EXTERNAL
   bool separate_kv = false;     // PAGE_TABLE_FORM_SEPARATE_KV (EXTERNAL only)
 };

@@ -156,6 +156,15 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
     response->set_kv_budget_bytes(info.kv_budget_bytes);
     response->set_kv_free_bytes(context_.backend->KvFreeBytes());
     for (const std::string& extension : info.extensions) response->add_extensions(extension);
+    for (const DeviceInfo& device : info.devices) {
+      v1::DeviceInfo* out = response->add_devices();
+      out->set_ordinal(device.ordinal);
+      out->set_name(device.name);
+      out->set_num_sms(device.num_sms);
+      out->set_memory_bytes(device.memory_bytes);
+      out->set_kv_budget_bytes(device.kv_budget_bytes);
+      out->set_kv_free_bytes(context_.backend->KvFreeBytesOn(device.ordinal));
+    }
     v1::ServerLimits* limits = response->mutable_limits();
     limits->set_max_message_bytes(context_.limits.max_message_bytes);
     limits->set_max_plan_entries(context_.limits.max_plan_entries);

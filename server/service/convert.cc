@@ -304,6 +304,13 @@ absl::StatusOr<CacheSpec> CacheSpecFromProto(const v1::CreateCacheRequest& reque
     return Invalid("name", "1..128 characters of [A-Za-z0-9._-]",
                    absl::StrCat("'", spec.name.substr(0, 160), "'"));
   }
+  if (request.has_device()) {
+    if (request.device() < 0) {
+      return Invalid("device", "a device ordinal >= 0 (unset: the least used device)",
+                     absl::StrCat(request.device()));
+    }
+    spec.device = request.device();
+  }
   const v1::CacheConfig& config = request.config();
   RETURN_IF_ERROR(GeometryFromProto(config, spec.geometry));
   switch (config.page_table_mode()) {
@@ -377,6 +384,7 @@ void CacheStatusToProto(const CacheStatus& status, v1::CacheInfo* info) {
   info->set_num_pages(g.num_pages);
   info->set_used_pages(status.used_pages);
   info->set_shared_pages(status.shared_pages);
+  info->set_device(status.spec.device);
   info->set_num_sequences(status.num_sequences);
   info->set_open_steps(status.open_steps);
   for (const ChannelStatus& channel : status.channels) {

@@ -159,10 +159,14 @@ class Client:
     def server_info(self):
         return self._call("GetServerInfo", pb.GetServerInfoRequest())
 
-    def create_cache(self, name, config=None, **fields):
+    def create_cache(self, name, config=None, device=None, **fields):
         """Creates a cache; `config` is a CacheConfig, or give its fields as keywords (see
-        attnd.config.cache_config). Returns the CacheInfo with every default resolved."""
+        attnd.config.cache_config). `device`: the device ordinal to place it on (None: the least
+        used; server_info().devices lists them). Returns the CacheInfo with every default
+        resolved."""
         request = pb.CreateCacheRequest(name=name, config=cfg.cache_config(config, **fields))
+        if device is not None:
+            request.device = int(device)
         info = self._call("CreateCache", request).cache
         self._configs[name] = info.config
         return info
