@@ -112,8 +112,11 @@ class KvReservation {
   KvReservation(int device, uint8_t* base, int64_t bytes)
       : device_(device), base_(base), ranges_(bytes, cuda_backend::kBufferAlignment) {}
   ~KvReservation() {
+    int previous_device = device_;
+    cudaGetDevice(&previous_device);
     cudaSetDevice(device_);
     cudaFree(base_);
+    cudaSetDevice(previous_device);
   }
 
   uint8_t* base() const { return base_; }

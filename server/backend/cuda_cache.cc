@@ -87,7 +87,10 @@ absl::Status CudaCache::Init(int device) {
 }
 
 CudaCache::~CudaCache() {
-  // May run on any thread (the last reference can sit in a layer's callback).
+  // May run on any thread (the last reference can sit in a layer's callback): the cache's
+  // device for the teardown, the thread's own again after it.
+  int previous_device = device_;
+  cudaGetDevice(&previous_device);
   cudaSetDevice(device_);
   // No layer is in flight (the engine's contract), so the queues are empty.
   for (Lane& lane : lanes_) {
@@ -99,6 +102,7 @@ CudaCache::~CudaCache() {
   if (transfer_.get() != nullptr) cudaStreamSynchronize(transfer_.get());
   free_resources_.clear();
   if (release_pool_) release_pool_();
+  cudaSetDevice(previous_device);
 }
 
 PagedKvView CudaCache::Pool(int32_t layer, bool v_pool) const {

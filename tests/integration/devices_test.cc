@@ -1,7 +1,9 @@
 // Several devices (--devices): the CPU backend pretends to have two, each with its own KV
 // budget; caches are placed on the one asked for or the least used, GetServerInfo lists both,
-// and a sequence moves between devices by export and import. On a GPU machine
-// (ATTND_TEST_BACKEND=cuda) the one GPU it has is listed and used alone.
+// and a sequence moves between devices by export and import. With ATTND_TEST_BACKEND=cuda the
+// server serves GPU 0 alone (the placement tests skip), or GPUs 0 and 1 with
+// ATTND_TEST_TWO_GPUS=1 on a host that has them.
+#include <cstdlib>
 #include <optional>
 #include <random>
 
@@ -22,10 +24,12 @@ class TwoDevicesTest : public IntegrationTest {
  protected:
   ServerOptions Options() const override {
     ServerOptions options = TestServerOptions();
-    if (TestBackendName() == "cpu") options.devices = {0, 1};
+    options.devices = two() ? std::vector<int32_t>{0, 1} : std::vector<int32_t>{0};
     return options;
   }
-  bool two() const { return TestBackendName() == "cpu"; }
+  static bool two() {
+    return TestBackendName() == "cpu" || std::getenv("ATTND_TEST_TWO_GPUS") != nullptr;
+  }
   attnd::v1::CreateCacheRequest Request(const std::string& name, std::optional<int32_t> device,
                                         int64_t pages = 64) {
     attnd::v1::CreateCacheRequest request;
@@ -63,7 +67,7 @@ TEST_F(TwoDevicesTest, ServerInfoListsEveryDeviceWithItsBudget) {
 }
 
 TEST_F(TwoDevicesTest, CachesGoWhereAskedOrToTheLeastUsedDevice) {
-  if (!two()) GTEST_SKIP() << "one GPU: placement across devices needs two";
+  if (!two()) GTEST_SKIP() << "one GPU served: placement across devices needs two (ATTND_TEST_TWO_GPUS=1)";
   ASSERT_OK_AND_ASSIGN(auto on_one, Create(Request("one", 1)));
   EXPECT_EQ(on_one.device(), 1);
   ASSERT_OK_AND_ASSIGN(auto any, Create(Request("any", std::nullopt)));
@@ -96,7 +100,7 @@ TEST_F(TwoDevicesTest, CachesGoWhereAskedOrToTheLeastUsedDevice) {
 }
 
 TEST_F(TwoDevicesTest, SequenceMovesBetweenDevicesByExportAndImport) {
-  if (!two()) GTEST_SKIP() << "one GPU: moving between devices needs two";
+  if (!two()) GTEST_SKIP() << "one GPU served: moving between devices needs two (ATTND_TEST_TWO_GPUS=1)";
   ASSERT_OK(Create(Request("a", 0)).status());
   ASSERT_OK(Create(Request("b", 1)).status());
   ASSERT_OK_AND_ASSIGN(auto a, client().GetCache("a"));
