@@ -517,5 +517,30 @@ TEST_F(LifecycleTest, ImportRefusesWhatDoesNotFit) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(LifecycleTest, CacheDeletedDuringTransfersEndsThemCleanly) {
+  const Rows rows = RandomRows(g, 6, 20);
+  RunStep(engine, g, "c", {{1, &rows}});
+  CacheSpec other = spec;
+  other.name = "d";
+  ASSERT_TRUE(engine.CreateCache(other).ok());
+  absl::StatusOr<std::unique_ptr<SequenceExport>> exported = engine.ExportSequence("c", 1);
+  ASSERT_TRUE(exported.ok());
+  absl::StatusOr<std::unique_ptr<SequenceImport>> imported = engine.ImportSequence("d", 1, 6, g);
+  ASSERT_TRUE(imported.ok());
+  ASSERT_TRUE(engine.DeleteCache("c", false).ok());
+  ASSERT_TRUE(engine.DeleteCache("d", false).ok());
+  // The export still reads its snapshot (the pools live while it does); the import cannot
+  // publish into a cache that is gone.
+  std::vector<uint8_t> bytes(2 * g.KPageBytes());
+  EXPECT_TRUE((*exported)->Read(0, false, 0, 2, bytes).ok());
+  EXPECT_TRUE((*imported)->Write(0, false, 0, 2, bytes).ok());
+  EXPECT_EQ((*imported)->Commit().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(engine.CreateCache(other).ok());  // a new "d" is not the import's
+  EXPECT_EQ(Status(engine, "d").num_sequences, 0);
+  exported->reset();
+  imported->reset();
+  EXPECT_EQ(Status(engine, "d").used_pages, 0);
+}
+
 }  // namespace
 }  // namespace attnd::testing
