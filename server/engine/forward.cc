@@ -275,9 +275,7 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
       // This layer committed the step when it was its last and the step was not ending yet.
       outputs->step_committed = status.ok() && !was_ending && step->ending &&
                                 step->outcome == StepOutcome::kCommitted;
-      if (step->ending && step->in_flight == 0 && step->backend_step) {
-        state->FinalizeLocked(*step, deferred);
-      }
+      state->TryFinalizeLocked(step, deferred);
     }
     // The step (and with it the backend step) may end here, outside the lock.
     step.reset();
