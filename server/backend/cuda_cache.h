@@ -123,8 +123,10 @@ class CudaCache final : public BackendCache {
   std::array<Lane, kLanesPerCache> lanes_;
   std::atomic<uint32_t> next_lane_{0};
   DeviceBuffer rope_inv_freq_;  // [rotary_dim / 2] float
-  bool decode_supported_ = false;
+  bool decode_cuda_core_supported_ = false;
   int32_t decode_ctas_per_wave_ = 0;
+  bool decode_tensor_core_supported_ = false;
+  int32_t decode_tensor_core_ctas_per_wave_ = 0;
   plan::PrefillWaveSizes prefill_ctas_per_wave_;
   PodMode pod_mode_ = PodMode::kOff;  // ATTND_POD, read at creation (pod_choice.h)
   plan::PodWaveSizes pod_ctas_per_wave_;
