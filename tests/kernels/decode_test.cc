@@ -6,7 +6,8 @@
 // cache slots no request owns hold NaN, so a read past a sequence's end or an unwritten output
 // shows. Tolerances (normwise relative error of o against the float64 reference, whose o is
 // kept in float32): 4e-3 for bf16 o, 6e-4 for fp16 o (the outputs' own rounding is ~1.1e-3 and
-// ~1.4e-4); lse within 1e-4 + 1e-5 |lse|. Deterministic mode is checked bitwise.
+// ~1.4e-4; 1e-3 for fp16 on the tensor-core kernel, which also rounds P); lse within
+// 1e-4 + 1e-5 |lse|. Deterministic mode is checked bitwise.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
@@ -273,7 +274,12 @@ ReferenceOutput RunReference(DecodeProblem& problem) {
   return ref;
 }
 
-double Tolerance(DType o_dtype) { return o_dtype == DType::kBFloat16 ? 4e-3 : 6e-4; }
+// The tensor-core kernel also rounds P to the MMA type before P V (~1.1e-3 normwise for bf16,
+// ~2.8e-4 for fp16 on these inputs, on top of o's own rounding): fp16 gets 1e-3 there.
+double Tolerance(DType o_dtype, DecodeKernel kernel) {
+  if (o_dtype == DType::kBFloat16) return 4e-3;
+  return kernel == DecodeKernel::kTensorCore ? 1e-3 : 6e-4;
+}
 
 void ExpectMatchesReference(const DecodeProblem& problem, const DecodeOutput& gpu,
                             const ReferenceOutput& ref) {
@@ -281,7 +287,7 @@ void ExpectMatchesReference(const DecodeProblem& problem, const DecodeOutput& gp
   const int64_t rows = int64_t{problem.num_rows} * problem.num_qo_heads;
   const double error = kernel_test::NormwiseRelativeError(c.q_dtype, gpu.o, DType::kFloat32, ref.o,
                                                           rows * c.head_dim);
-  EXPECT_LE(error, Tolerance(c.q_dtype)) << "normwise relative error of o";
+  EXPECT_LE(error, Tolerance(c.q_dtype, gpu.plan.kernel)) << "normwise relative error of o";
   int lse_failures = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const float expected = ref.lse[r];
