@@ -78,6 +78,10 @@ absl::StatusOr<int32_t> TensorCoreDecodeCtasPerWave(const DecodeKernelConfig& co
   int ctas_per_sm = 0;
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  int max_smem_bytes = 0;
+  CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&max_smem_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (kernel.smem_bytes > max_smem_bytes) return 0;  // e.g. head_dim 256 on an A100
   CUDA_RETURN_IF_ERROR(Prepare(kernel));
   CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &ctas_per_sm, reinterpret_cast<const void*>(kernel.function), decode_tc::kThreads,

@@ -67,9 +67,9 @@ absl::Status CudaCache::Init(int device) {
     if (decode_cuda_core_supported_) {
       ASSIGN_OR_RETURN(decode_ctas_per_wave_, cuda::DecodeCtasPerWave(config));
     }
-    decode_tensor_core_supported_ = cuda::TensorCoreDecodeSupports(config);
-    if (decode_tensor_core_supported_) {
+    if (cuda::TensorCoreDecodeSupports(config)) {
       ASSIGN_OR_RETURN(decode_tensor_core_ctas_per_wave_, cuda::TensorCoreDecodeCtasPerWave(config));
+      decode_tensor_core_supported_ = decode_tensor_core_ctas_per_wave_ > 0;
     }
     ASSIGN_OR_RETURN(prefill_ctas_per_wave_,
                      cuda::BatchPrefillCtasPerWave(geometry_.k_head_dim, geometry_.q_dtype,

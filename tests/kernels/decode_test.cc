@@ -180,12 +180,14 @@ bool RunGpuDecode(DecodeProblem& problem, DecodeOutput* out) {
     if (!ctas.ok()) return false;
     options.ctas_per_wave = *ctas;
   }
-  options.tensor_core_supported = cuda::TensorCoreDecodeSupports(config);
-  if (options.tensor_core_supported) {
+  if (cuda::TensorCoreDecodeSupports(config)) {
     auto ctas = cuda::TensorCoreDecodeCtasPerWave(config);
     EXPECT_TRUE(ctas.ok()) << ctas.status();
     if (!ctas.ok()) return false;
     options.tensor_core_ctas_per_wave = *ctas;
+    options.tensor_core_supported = *ctas > 0;
+    // Every tested shape fits an H100's shared memory.
+    EXPECT_GT(*ctas, 0) << "the tensor-core kernel does not fit this device";
   }
   options.kernel_choice = c.kernel;
   options.window_left = c.window_left;

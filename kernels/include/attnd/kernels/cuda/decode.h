@@ -41,7 +41,9 @@ absl::StatusOr<int32_t> DecodeCtasPerWave(const DecodeKernelConfig& config);
 
 // The tensor-core kernel (plans with kernel kTensorCore): q and cache of one 16-bit type
 // (fp16 or bf16), head_dim 64/128/256, group_size 4..16. fp8 and mixed-type caches stay on the
-// CUDA-core kernel. Its wave goes to plan::DecodePlanOptions::tensor_core_ctas_per_wave.
+// CUDA-core kernel. Its wave goes to plan::DecodePlanOptions::tensor_core_ctas_per_wave; it is 0
+// where the device cannot hold one of its CTAs (head_dim 256 needs 200 KB of shared memory, more
+// than an A100 gives): then the kernel is not to be used there.
 bool TensorCoreDecodeSupports(const DecodeKernelConfig& config);
 absl::StatusOr<int32_t> TensorCoreDecodeCtasPerWave(const DecodeKernelConfig& config);
 
