@@ -47,6 +47,8 @@ struct StepPlanContext {
   int32_t decode_ctas_per_wave = 0;
   bool decode_tensor_core_supported = false;
   int32_t decode_tensor_core_ctas_per_wave = 0;
+  // ATTND_DECODE_KERNEL (decode_choice.h), already reduced to a kernel the cache has.
+  plan::DecodeKernelChoice decode_kernel_choice = plan::DecodeKernelChoice::kAuto;
   plan::PrefillWaveSizes prefill_ctas_per_wave;  // attnd::cuda::BatchPrefillCtasPerWave
   int32_t mla_ctas_per_wave = 0;  // attnd::cuda::MlaDecodeCtasPerWave (MLA caches)
   PodMode pod_mode = PodMode::kOff;      // pod_choice.h: when a mixed step runs POD
