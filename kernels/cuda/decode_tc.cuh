@@ -386,9 +386,11 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
     weight[w] = FastExp2(merge_m[w * kRows + row] - subtract);
     sum += weight[w] * merge_d[w * kRows + row];
   }
-  // A row that saw no key has d = 0 and o = 0: it stores 0 and lse = -inf.
-  const float inverse = sum > 0.0f ? params.v_scale / sum : 0.0f;
-  const float lse = sum > 0.0f ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
+  // A row that saw no key (every warp's m = -inf) stores o = 0 and lse = -inf. Tested on m, as
+  // the CUDA-core kernel does, so that a NaN score (NaN in q or K) reaches o and lse.
+  const bool saw_key = merged_max != -INFINITY;
+  const float inverse = saw_key ? params.v_scale / sum : 0.0f;
+  const float lse = saw_key ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
   const int32_t partial = params.work.item_partial[item];
   const int64_t head = static_cast<int64_t>(kv_head) * group + row;
 #pragma unroll
