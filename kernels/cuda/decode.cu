@@ -16,6 +16,7 @@
 #include "attnd/kernels/cuda/merge.h"
 #include "attnd/status_macros.h"
 #include "cuda_check.h"
+#include "decode_tc_launch.h"
 #include "vec.cuh"
 
 namespace attnd::cuda {
@@ -474,6 +475,10 @@ absl::Status ValidateDecode(const BatchDecodeArgs& args, int* log2_page_size) {
   return absl::OkStatus();
 }
 
+// Merges a split plan's partials into o and lse (nothing when the plan does not split).
+absl::Status MergePartials(const BatchDecodeArgs& args, float* partial_o, float* partial_lse,
+                           cudaStream_t stream);
+
 }  // namespace
 
 bool DecodeSupports(const DecodeKernelConfig& config) { return PickDecodeKernel(config) != nullptr; }
@@ -505,6 +510,18 @@ absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream) {
   int log2_page_size = 0;
   RETURN_IF_ERROR(ValidateDecode(args, &log2_page_size));
   if (args.work.num_items == 0) return absl::OkStatus();
+  if (args.work.kernel == plan::DecodeKernel::kTensorCore) {
+    float* partial_o = nullptr;
+    float* partial_lse = nullptr;
+    if (args.work.num_partials > 0) {
+      uint8_t* workspace = static_cast<uint8_t*>(args.workspace);
+      partial_o = reinterpret_cast<float*>(workspace);
+      partial_lse = reinterpret_cast<float*>(
+          workspace + PartialLseOffsetBytes(args.work.num_partials, args.q.num_heads, args.q.head_dim));
+    }
+    RETURN_IF_ERROR(LaunchTensorCoreDecode(args, log2_page_size, partial_o, partial_lse, stream));
+    return MergePartials(args, partial_o, partial_lse, stream);
+  }
 
   const DecodeKernelConfig config{args.q.dtype, args.k_cache.dtype, args.q.head_dim,
                                   args.q.num_heads / args.k_cache.num_heads};
@@ -558,11 +575,17 @@ absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream) {
                                         dim3(static_cast<unsigned>(int64_t{args.work.num_items} * k.num_heads)),
                                         dim3(kDecodeThreads),
                                         kernel_args, 0, stream));
-  if (args.work.num_merge_rows == 0) return absl::OkStatus();
+  return MergePartials(args, params.partial_o, params.partial_lse, stream);
+}
 
+namespace {
+
+absl::Status MergePartials(const BatchDecodeArgs& args, float* partial_o, float* partial_lse,
+                           cudaStream_t stream) {
+  if (args.work.num_merge_rows == 0) return absl::OkStatus();
   MergeStatesArgs merge;
-  merge.partial_o = params.partial_o;
-  merge.partial_lse = params.partial_lse;
+  merge.partial_o = partial_o;
+  merge.partial_lse = partial_lse;
   merge.indptr = args.work.merge_indptr;
   merge.out_rows = args.work.merge_q_row;
   merge.num_rows = args.work.num_merge_rows;
@@ -573,4 +596,5 @@ absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream) {
   return MergeStates(merge, stream);
 }
 
+}  // namespace
 }  // namespace attnd::cuda
