@@ -33,8 +33,9 @@ struct ServiceContext {
 };
 
 // The callback service with Forward and ForwardStream taking raw messages (grpc::ByteBuffer):
-// the hot path parses and writes them itself (attnd/wire/forward_wire.h) so that tensor bytes are copied
-// once each way between gRPC's slices and pinned memory. The other RPCs stay typed.
+// the hot path reads and writes them with the wire codec (attnd/wire/forward_wire.h) so that
+// tensor bytes are copied once each way between gRPC's slices and pinned memory. The other
+// RPCs stay typed.
 using AttentionServiceBase = v1::AttentionService::WithCallbackMethod_GetServerInfo<
     v1::AttentionService::WithCallbackMethod_CreateCache<
         v1::AttentionService::WithCallbackMethod_GetCache<

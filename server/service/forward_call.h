@@ -1,5 +1,6 @@
 // One Forward on the hot path, unary or on a ForwardStream: the received message as slices,
-// its fast decode (attnd/wire/forward_wire.h), the engine's arguments and outputs, and the encoded reply.
+// its decode by the wire codec (attnd/wire/forward_wire.h), the engine's arguments and outputs,
+// and the encoded reply.
 // The tensors' bytes are never copied here: the backend copies them from the slices straight
 // into pinned staging, and the reply's o is the backend's lent pinned buffer. Calls are pooled
 // and reused, so a Forward allocates nothing of attnd's own once its pool is warm (gRPC's
