@@ -118,6 +118,7 @@ class ChannelBench {
         return kExitFailure;
       }
       const absl::Duration wall = last_step_wall_;
+      if (first == 0) prompt_plan_ = last_plan_wall_;
       auto after = client_.GetStats();
       absl::FPrintF(stderr, "bench: prompt step of %d sequences in %.3f ms\n", entries.size(),
                     absl::ToDoubleMilliseconds(wall));
@@ -133,6 +134,17 @@ class ChannelBench {
     for (int32_t i = 0; i < settings_.warmup_steps; ++i) {
       if (!RunStep(decode, i == 0 && checked_ > 0 ? kCheck : kPlain, nullptr)) {
         return kExitFailure;
+      }
+    }
+    if (stream_) {
+      // What the client's own kernel costs per layer, to tell it apart from attnd's overhead.
+      absl::StatusOr<double> fill = MeasureFillUs(settings_.sequences);
+      if (!fill.ok()) return Fail("timing the emulator's fill", fill.status());
+      fill_us_ = *fill;
+      if (prompt_tokens > 0) {
+        fill = MeasureFillUs(prompt_tokens);
+        if (!fill.ok()) return Fail("timing the emulator's fill", fill.status());
+        prompt_fill_us_ = *fill;
       }
     }
     auto before = client_.GetStats();
@@ -173,11 +185,14 @@ class ChannelBench {
                  p99 - kernel_us);
     absl::PrintF("  steps/s %.1f, kernels-only %.1f (%.0f%%)\n", steps_per_second, kernel_rate,
                  kernel_rate > 0 ? 100.0 * steps_per_second / kernel_rate : 0.0);
-    const double fill_us = absl::ToDoubleMicroseconds(fill_us_.Mean());
+    const double fill_us = fill_us_;
     // The GPU work of a step either way: attnd's kernels and the emulator's fill of every layer.
     const double gpu_rate =
         kernels > 0 ? settings_.steps / (kernels + 1e-6 * fill_us * layers) : 0;
-    if (stream_) absl::PrintF("  emulator fill: %.1f us/layer\n", fill_us);
+    if (stream_) {
+      absl::PrintF("  emulator fill (GPU time): %.1f us/layer decode, %.1f us/layer prompt\n",
+                   fill_us, prompt_fill_us_);
+    }
     if (chained.steps > 0) {
       absl::PrintF("  chained (step N+1 planned while step N runs): %.1f steps/s, %.0f%% of "
                    "kernels-only %.1f, %.0f%% of kernels + emulator fill %.1f\n",
@@ -196,10 +211,16 @@ class ChannelBench {
                        : 0.0);
     }
     if (prompt_tokens > 0) {
-      absl::PrintF("  prompt step: %d tokens in %.3f ms, kernels %.3f ms (%.2fx)%s\n",
-                   prompt_tokens, absl::ToDoubleMilliseconds(prompt_wall), prompt_kernels * 1e3,
-                   prompt_kernels > 0 ? absl::ToDoubleSeconds(prompt_wall) / prompt_kernels : 0,
-                   "");
+      const double prompt_ms = absl::ToDoubleMilliseconds(prompt_wall);
+      const double prompt_fill_ms = 1e-3 * prompt_fill_us_ * shape_.num_layers();
+      absl::PrintF("  prompt step: %d tokens in %.3f ms (Plan %.3f ms), kernels %.3f ms "
+                   "(%.2fx); without the emulator's fill (%.3f ms) %.3f ms (%.2fx)\n",
+                   prompt_tokens, prompt_ms, absl::ToDoubleMilliseconds(prompt_plan_),
+                   prompt_kernels * 1e3,
+                   prompt_kernels > 0 ? prompt_ms / (prompt_kernels * 1e3) : 0, prompt_fill_ms,
+                   prompt_ms - prompt_fill_ms,
+                   prompt_kernels > 0 ? (prompt_ms - prompt_fill_ms) / (prompt_kernels * 1e3)
+                                      : 0);
     }
     if (kind_ == attnd::v1::CHANNEL_KIND_HOST_SHM) {
       const double bytes = static_cast<double>(
@@ -214,13 +235,15 @@ class ChannelBench {
         "prompt_kernel_ms=%.3f checked=%s micro_batches=%d pipelined_steps_per_s=%.1f "
         "pipelined_kernels_only_steps_per_s=%.1f chained_steps_per_s=%.1f "
         "chained_kernels_only_steps_per_s=%.1f fill_us_per_layer=%.1f "
-        "kernels_and_fill_steps_per_s=%.1f\n",
+        "kernels_and_fill_steps_per_s=%.1f prompt_fill_us_per_layer=%.1f "
+        "prompt_plan_ms=%.3f\n",
         transport, settings_.sequences, shape_.num_layers(), settings_.steps, p50, p99, kernel_us,
         p50 - kernel_us, p99 - kernel_us, steps_per_second, kernel_rate, prompt_tokens,
         absl::ToDoubleMilliseconds(prompt_wall), prompt_kernels * 1e3,
         checked_ > 0 ? (check_failures_ == 0 ? "PASS" : "FAIL") : "off",
         settings_.micro_batches, pipelined.steps_per_second, pipelined.kernel_rate,
-        chained.steps_per_second, chained.kernel_rate, fill_us, gpu_rate);
+        chained.steps_per_second, chained.kernel_rate, fill_us, gpu_rate, prompt_fill_us_,
+        absl::ToDoubleMilliseconds(prompt_plan_));
     return check_failures_ == 0 ? kExitOk : kExitFailure;
   }
 
@@ -246,6 +269,23 @@ class ChannelBench {
       RETURN_IF_ERROR(channel_->WaitDoneOnStream(layer, planned.channel_sequence(), stream));
     }
     return absl::OkStatus();
+  }
+
+  // The GPU time of the emulator's fill of one layer of `rows` rows: fills of kRepeats layers
+  // enqueued behind a 5 ms hold of the stream (so the host's launch rate is not timed), between
+  // two events.
+  absl::StatusOr<double> MeasureFillUs(int64_t rows) {
+    constexpr int32_t kRepeats = 32;
+    const int first = shape_.num_layers() + 5;
+    RETURN_IF_ERROR(stream_->Synchronize());
+    RETURN_IF_ERROR(stream_->Sleep(5000));
+    RETURN_IF_ERROR(stream_->Record(first));
+    for (int32_t i = 0; i < kRepeats; ++i) {
+      RETURN_IF_ERROR(FillLayer(*channel_, stream_->stream(), /*step=*/i, i, rows));
+    }
+    RETURN_IF_ERROR(stream_->Record(first + 1));
+    RETURN_IF_ERROR(stream_->Synchronize());
+    return stream_->ElapsedMs(first, first + 1) * 1e3 / kRepeats;
   }
 
   absl::Status EndCommitted(uint64_t step_id) {
@@ -451,6 +491,7 @@ class ChannelBench {
       entry->set_num_new_tokens(tokens);
     }
     auto planned = client_.Plan(plan);
+    last_plan_wall_ = absl::Now() - started;
     if (!planned.ok()) {
       Fail("Plan", planned.status());
       return false;
@@ -479,10 +520,7 @@ class ChannelBench {
       absl::Status status;
       if (stream_) {
         void* stream = stream_->stream();
-        const bool time_fill = latency != nullptr && layer == 0;
-        if (time_fill) status.Update(stream_->Record(num_layers + 1));
         status.Update(FillLayer(*channel_, stream, step, layer, rows));
-        if (time_fill) status.Update(stream_->Record(num_layers + 2));
         status.Update(channel_->SetReadyOnStream(layer, sequence, stream));
         status.Update(channel_->WaitDoneOnStream(layer, sequence, stream));
         status.Update(stream_->Record(layer));
@@ -509,11 +547,9 @@ class ChannelBench {
         return false;
       }
       if (latency != nullptr) {
-        const double fill_ms = stream_->ElapsedMs(num_layers + 1, num_layers + 2);
-        fill_us_.Record(absl::Microseconds(fill_ms * 1e3));
         for (int32_t layer = 0; layer < num_layers; ++layer) {
           const double ms = stream_->ElapsedMs(layer == 0 ? num_layers : layer - 1, layer);
-          latency->Record(absl::Microseconds((ms - fill_ms) * 1e3));
+          latency->Record(absl::Microseconds(ms * 1e3 - fill_us_));
         }
       }
     }
@@ -584,8 +620,11 @@ class ChannelBench {
   int64_t step_count_ = 0;
   std::map<std::pair<int, int64_t>, attnd::v1::ForwardRequest> host_inputs_;
   absl::Duration last_step_wall_;
+  absl::Duration last_plan_wall_;
+  absl::Duration prompt_plan_;
   LatencyRecorder latency_;
-  LatencyRecorder fill_us_;
+  double fill_us_ = 0;         // GPU time of the emulator's fill of a decode layer
+  double prompt_fill_us_ = 0;  // and of a prompt step's layer
 };
 
 }  // namespace

@@ -73,6 +73,8 @@ class EmulatorStream {
   void* stream() const { return stream_; }
   absl::Status Record(int event);
   absl::Status Synchronize();
+  // Holds the stream on the GPU for about `microseconds`.
+  absl::Status Sleep(int64_t microseconds);
   // Waits on the host until the work before `event`'s last record has run.
   absl::Status WaitEvent(int event);
   // Milliseconds between two recorded (and completed) events.

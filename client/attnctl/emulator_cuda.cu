@@ -27,6 +27,17 @@ __global__ void FillKernel(uint16_t* out, int64_t count, uint64_t seed, bool bf1
   }
 }
 
+// Holds the stream for `ns` nanoseconds (so that what is enqueued behind it is timed on the GPU
+// alone, not at the host's launch rate).
+__global__ void SleepKernel(uint64_t ns) {
+  uint64_t start = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (uint64_t now = start; now - start < ns;) {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  }
+}
+
 }  // namespace
 
 absl::Status FillOnStream(void* device, int64_t count, uint64_t seed, bool bf16, void* stream) {
@@ -78,6 +89,16 @@ absl::Status EmulatorStream::Record(int event) {
   if (cudaEventRecord(static_cast<cudaEvent_t>(events_[event]),
                       static_cast<cudaStream_t>(stream_)) != cudaSuccess) {
     return absl::InternalError("cudaEventRecord failed");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EmulatorStream::Sleep(int64_t microseconds) {
+  SleepKernel<<<1, 1, 0, static_cast<cudaStream_t>(stream_)>>>(
+      static_cast<uint64_t>(microseconds) * 1000);
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) {
+    return absl::InternalError(std::string("sleep kernel: ") + cudaGetErrorString(error));
   }
   return absl::OkStatus();
 }

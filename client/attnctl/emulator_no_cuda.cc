@@ -17,6 +17,7 @@ EmulatorStream::~EmulatorStream() = default;
 absl::Status EmulatorStream::Record(int) { return absl::UnimplementedError("no CUDA"); }
 absl::Status EmulatorStream::Synchronize() { return absl::UnimplementedError("no CUDA"); }
 absl::Status EmulatorStream::WaitEvent(int) { return absl::UnimplementedError("no CUDA"); }
+absl::Status EmulatorStream::Sleep(int64_t) { return absl::UnimplementedError("no CUDA"); }
 double EmulatorStream::ElapsedMs(int, int) const { return 0; }
 
 }  // namespace attnd::attnctl
