@@ -38,12 +38,14 @@ struct DecodePlanOptions {
   int32_t tensor_core_ctas_per_wave = 0;
   DecodeKernelChoice kernel_choice = DecodeKernelChoice::kAuto;
   // kAuto picks the tensor-core kernel (when both exist) for batches of at least this many
-  // requests with at least this many keys in all: the CUDA-core kernel is kept for batch 1 and
-  // short KV, where its smaller CTAs win (the choice FlashInfer's benchmarks make, issue 14).
+  // requests with at least this many keys in all. Measured on an H100 (docs/benchmarks.md,
+  // Hq 32 / Hkv 8 / D 128 bf16, page 16) it won on every shape of issue 14 from batch 1 x 4096
+  // keys up (12.5 vs 14.9 us there); below 4096 keys in all the CUDA-core kernel is kept
+  // (not measured yet).
   // Deterministic plans always take the CUDA-core kernel when it exists: the kernel must not
   // depend on the rest of the batch.
-  int32_t tensor_core_min_requests = 8;
-  int64_t tensor_core_min_total_kv_tokens = 32768;
+  int32_t tensor_core_min_requests = 1;
+  int64_t tensor_core_min_total_kv_tokens = 4096;
   // Floor of the chunk. DESIGN 4.2 suggests ~128; 64 measured 21% faster for one request of
   // 1024 keys on an H100 (docs/benchmarks.md).
   int32_t min_chunk_tokens = 64;

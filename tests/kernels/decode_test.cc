@@ -586,8 +586,8 @@ std::vector<DecodeCase> TensorCoreCases() {
     c.seed = seed++;
     cases.push_back(c);
   }
-  // The planner's choice: a large batch goes to tensor cores, batch 1 and short KV stay on CUDA
-  // cores, group 16 (no CUDA-core kernel) always goes to tensor cores, and deterministic plans
+  // The planner's choice: a large batch and batch 1 of 8192 keys go to tensor cores, fewer than
+  // 4096 keys in all stay on CUDA cores, group 16 (no CUDA-core kernel) always goes to tensor cores, and deterministic plans
   // stay on CUDA cores.
   {
     DecodeCase large;
@@ -599,7 +599,7 @@ std::vector<DecodeCase> TensorCoreCases() {
     cases.push_back(large);
     DecodeCase single = large;
     single.lengths = {8192};
-    single.expect_kernel = DecodeKernel::kCudaCore;
+    single.expect_kernel = DecodeKernel::kTensorCore;
     single.seed = seed++;
     cases.push_back(single);
     DecodeCase short_kv = large;
