@@ -53,7 +53,9 @@ struct TileShape {
   static constexpr int kKvElements = kTileKv * kHeadDim;
   static constexpr int kRawBytes = kRawKvBytes * kKvElements;  // per raw tile (K, V)
   static constexpr int kTableBytes = 8 * 2 * 2 * kTileKv;  // KvOffsetTable, two tiles
-  static constexpr int kLoopBytes = 2 * (kQElements + 2 * kKvElements) + 2 * kRawBytes + kTableBytes;
+  static constexpr int kFlagBytes = kTileKv;               // V rows with a non-finite element
+  static constexpr int kLoopBytes =
+      2 * (kQElements + 2 * kKvElements) + 2 * kRawBytes + kTableBytes + kFlagBytes;
   // Cross-warp merge of the 1 x 4 layout: o [4][16][D + 8] floats (padded against bank
   // conflicts), then m and d [4][16].
   static constexpr int kMergeStride = kHeadDim + 8;
@@ -142,6 +144,8 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
   uint8_t* k_raw = reinterpret_cast<uint8_t*>(v_tile + Shape::kKvElements);
   uint8_t* v_raw = k_raw + Shape::kRawBytes;
   int64_t* offset_table = reinterpret_cast<int64_t*>(v_raw + Shape::kRawBytes);  // KvOffsetTable
+  // [kTileKv]: 1 where the V row of a key of the current masked tile held a non-finite value.
+  uint8_t* v_flags = reinterpret_cast<uint8_t*>(offset_table) + Shape::kTableBytes;
 
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
@@ -270,6 +274,10 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
   const uint32_t q_z = (lane / 16) ^ (lane % 8);
   const uint32_t k_z = ((lane / 8) % 2) ^ (lane % 8);
   const uint32_t v_z = q_z;
+  auto masked = [&](int key, int position) {
+    return key >= kv_end || (params.causal && key > position) ||
+           (params.window_left >= 0 && key < position - params.window_left);
+  };
 
   for (int tile = 0; tile < num_kv_tiles; ++tile) {
     const int tile_start = kv_begin + tile * kTileKv;
@@ -310,6 +318,18 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
       }
     });
 
+    // Non-finite inputs (q, or a key's k) make a score NaN or +-inf: s * 0 + s turns both into
+    // NaN and leaves finite scores unchanged, before the cap could map inf to a finite value and
+    // before -inf could read as a masked key. Masking below overwrites the scores of keys a row
+    // does not see; a NaN left makes p, the row's sum and o NaN (reported at the end).
+#pragma unroll
+    for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+      for (int jb = 0; jb < kMmaKv; ++jb) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s[mq][jb][e] = fmaf(s[mq][jb][e], 0.0f, s[mq][jb][e]);
+      }
+    }
     if (soft_cap) {
 #pragma unroll
       for (int mq = 0; mq < kMmaQ; ++mq) {
@@ -333,10 +353,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             const int key = tile_start + warp_key_base + jb * 16 + (e / 4) * 8 + 2 * (lane % 4) + (e % 2);
-            const int position = row_position[mq][(e / 2) % 2];
-            const bool masked = key >= kv_end || (params.causal && key > position) ||
-                                (params.window_left >= 0 && key < position - params.window_left);
-            if (masked) s[mq][jb][e] = -INFINITY;
+            if (masked(key, row_position[mq][(e / 2) % 2])) s[mq][jb][e] = -INFINITY;
           }
         }
       }
@@ -408,9 +425,35 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
     if (has_next) Table::StoreOffsets(next_table, next_ids, params, tile_start + kTileKv);
     CpAsyncWait<0>();  // this V tile (the only group in flight)
     Loader::Convert(v_tile, v_raw);
+    // P V multiplies every row's p by every key's v: a key masked for a row has p = 0, and
+    // 0 * NaN = NaN. In a masked tile, non-finite V values are zeroed and flagged per key; a row
+    // that sees a flagged key is made NaN through its sum below.
+    // (Keys past kv_end need not: their V rows are zero-filled.)
+    const bool hides_keys = (params.causal && tile_end - 1 > first_position) ||
+                            (params.window_left >= 0 && tile_start < last_position - params.window_left);
+    if (hides_keys) Loader::ZeroNonFinite(v_tile, v_flags);
     __syncthreads();
     if (has_next) Loader::Issue(k_tile, k_raw, k_pool, next_table);
     CpAsyncCommit();
+    if (hides_keys) {
+#pragma unroll
+      for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          bool sees_bad_v = false;
+#pragma unroll
+          for (int jb = 0; jb < kMmaKv; ++jb) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int e = 2 * h + (i % 2) + 4 * (i / 2);  // row h's elements: keys 2t, 2t+1, +8
+              const int offset = warp_key_base + jb * 16 + (e / 4) * 8 + 2 * (lane % 4) + (e % 2);
+              sees_bad_v |= v_flags[offset] != 0 && !masked(tile_start + offset, row_position[mq][h]);
+            }
+          }
+          if (sees_bad_v) row_sum[mq][h] = NAN;
+        }
+      }
+    }
 
     // O += P V.
 #pragma unroll
@@ -439,6 +482,17 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
   CpAsyncWait<0>();
   __syncthreads();  // the loop's tiles are free for the epilogue
 
+  // A non-finite v of a key a row saw in an unmasked tile left a NaN or inf in its o: o * 0 adds
+  // NaN to the row's sum then, and exactly 0 otherwise. From here on a NaN sum means the row
+  // read a non-finite input (NaN in, NaN out: o and lse NaN); 0 means it saw no key.
+#pragma unroll
+  for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+    for (int db = 0; db < kMmaD; ++db) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) row_sum[mq][(e / 2) % 2] = fmaf(o[mq][db][e], 0.0f, row_sum[mq][(e / 2) % 2]);
+    }
+  }
   // Row sums over the quad, in a fixed order.
 #pragma unroll
   for (int mq = 0; mq < kMmaQ; ++mq) {
@@ -463,7 +517,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float sum = row_sum[mq][h];
-          const float inverse = sum > 0.0f ? params.v_scale / sum : 0.0f;
+          const float inverse = sum != 0.0f ? params.v_scale / sum : 0.0f;
           const int packed_row = row_start + warp_q * 16 * kMmaQ + mq * 16 + h * 8 + lane / 4;
           if (packed_row < row_end) {
             const int token = packed_row / group;
@@ -481,7 +535,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
               }
             }
             if (lane % 4 == 0) {
-              params.partial_lse[slot_row] = sum > 0.0f ? (row_max[mq][h] + FastLog2(sum)) * kLn2 : -INFINITY;
+              params.partial_lse[slot_row] = sum != 0.0f ? (row_max[mq][h] + FastLog2(sum)) * kLn2 : -INFINITY;
             }
           }
         }
@@ -497,7 +551,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float sum = row_sum[mq][h];
-        const float inverse = sum > 0.0f ? params.v_scale / sum : 0.0f;
+        const float inverse = sum != 0.0f ? params.v_scale / sum : 0.0f;
         const int row = warp_q * 16 * kMmaQ + mq * 16 + h * 8 + lane / 4;
 #pragma unroll
         for (int db = 0; db < kMmaD; ++db) {
@@ -514,7 +568,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
           const int token = packed_row / group;
           const int head = kv_head * group + (packed_row - token * group);
           params.lse[static_cast<int64_t>(qo_start + token) * params.num_qo_heads + head] =
-              sum > 0.0f ? (row_max[mq][h] + FastLog2(sum)) * kLn2 : -INFINITY;
+              sum != 0.0f ? (row_max[mq][h] + FastLog2(sum)) * kLn2 : -INFINITY;
         }
       }
     }
@@ -572,7 +626,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
       weight[w] = FastExp2(merge_m[w * 16 + row] - subtract);
       sum += weight[w] * merge_d[w * 16 + row];
     }
-    const float inverse = sum > 0.0f ? params.v_scale / sum : 0.0f;
+    const float inverse = sum != 0.0f ? params.v_scale / sum : 0.0f;
     const int packed_row = row_start + row;
     if (packed_row < row_end && partial_first >= 0) {
       const int token = packed_row / group;
@@ -594,7 +648,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
         }
         *reinterpret_cast<float4*>(out + 4 * c) = make_float4(value[0], value[1], value[2], value[3]);
       }
-      if (threadIdx.x % 8 == 0) params.partial_lse[slot_row] = sum > 0.0f ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
+      if (threadIdx.x % 8 == 0) params.partial_lse[slot_row] = sum != 0.0f ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
     } else if (packed_row < row_end) {
       const int token = packed_row / group;
       const int head = kv_head * group + (packed_row - token * group);
@@ -619,7 +673,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
             make_uint4(words[0], words[1], words[2], words[3]);
       }
       if (params.lse != nullptr && threadIdx.x % 8 == 0) {
-        params.lse[out_row] = sum > 0.0f ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
+        params.lse[out_row] = sum != 0.0f ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
       }
     }
   }
