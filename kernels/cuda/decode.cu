@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (DecodeTraits<kHeadDim, KvT, k
       for (int e = 0; e < 8; ++e) out[e] = fmaf(weight, row[e], out[e]);
     }
     // denominator: 0 when the row saw no key (o 0, lse -inf), NaN when an input it saw was not
-    // finite (o NaN in every dim, lse NaN: DESIGN 4, NaN in, NaN out).
+    // finite (o NaN in every dim, lse NaN: NaN in, NaN out, ForwardResponse.o in the proto).
     if (denominator != 0.0f) {
       const float factor = params.v_scale / denominator;
 #pragma unroll

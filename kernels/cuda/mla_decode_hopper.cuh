@@ -347,7 +347,7 @@ __device__ __forceinline__ void Consume(const MlaParams& params, const HopperWor
   const int last_position = work.position_offset + (work.row_end - 1) / num_heads;
   auto zero_non_finite_v = [&](int tile) {
     const int tile_start = work.kv_begin + tile * kTile;
-    const bool hides_keys = (params.causal && tile_start + kTile - 1 > first_position) ||
+    const bool hides_keys = (params.causal && min(tile_start + kTile, work.kv_end) - 1 > first_position) ||
                             (params.window_left >= 0 && tile_start < last_position - params.window_left);
     if (!hides_keys) return;
     constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;

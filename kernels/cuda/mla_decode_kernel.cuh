@@ -486,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, 1) MlaDecodeKernel(const __grid_cons
     // kv_end are zero-filled already.
     {
       const int tile_start = kv_begin + tile * kTile;
-      const bool hides_keys = (params.causal && tile_start + kTile - 1 > first_position) ||
+      const bool hides_keys = (params.causal && min(tile_start + kTile, kv_end) - 1 > first_position) ||
                               (params.window_left >= 0 && tile_start < last_position - params.window_left);
       if (hides_keys) {
         constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;

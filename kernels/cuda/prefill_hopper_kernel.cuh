@@ -234,7 +234,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   // values and flagged their rows (ProduceKv); a row that sees a flagged key gets a NaN sum.
   auto mark_bad_v = [&](int tile) {
     const int tile_start = work.kv_begin + tile * kTileKv;
-    const bool hides_keys = (params.causal && tile_start + kTileKv - 1 > work.first_position) ||
+    const bool hides_keys = (params.causal && min(tile_start + kTileKv, work.kv_end) - 1 > work.first_position) ||
                             (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
     if (!hides_keys) return;
     const uint8_t* flags = smem_generic + Shape::kFlagOffset + ((first + tile) % kStages) * kTileKv;

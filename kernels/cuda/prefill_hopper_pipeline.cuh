@@ -157,7 +157,7 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
     // zero-filled already), wait for this thread's copies, zero the non-finite values (exponent
     // all ones) and flag the rows; the consumers make the rows that see a flagged key NaN.
     const bool hides_keys =
-        flags != 0 && ((params.causal && tile_start + kTileKv - 1 > work.first_position) ||
+        flags != 0 && ((params.causal && min(tile_start + kTileKv, work.kv_end) - 1 > work.first_position) ||
                        (params.window_left >= 0 && tile_start < work.last_position - params.window_left));
     if (!hides_keys) {
       CpAsyncArriveNoinc(full);

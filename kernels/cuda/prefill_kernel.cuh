@@ -426,10 +426,10 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
     CpAsyncWait<0>();  // this V tile (the only group in flight)
     Loader::Convert(v_tile, v_raw);
     // P V multiplies every row's p by every key's v: a key masked for a row has p = 0, and
-    // 0 * NaN = NaN. In a masked tile, non-finite V values are zeroed and flagged per key; a row
+    // 0 * NaN = NaN. In a tile where some row does not see some key (causal, window; keys past
+    // kv_end are zero-filled already), non-finite V values are zeroed and flagged per key; a row
     // that sees a flagged key is made NaN through its sum below.
-    // (Keys past kv_end need not: their V rows are zero-filled.)
-    const bool hides_keys = (params.causal && tile_end - 1 > first_position) ||
+    const bool hides_keys = (params.causal && min(tile_end, kv_end) - 1 > first_position) ||
                             (params.window_left >= 0 && tile_start < last_position - params.window_left);
     if (hides_keys) Loader::ZeroNonFinite(v_tile, v_flags);
     __syncthreads();
