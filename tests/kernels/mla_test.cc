@@ -437,10 +437,10 @@ TEST_P(MlaNonFiniteTest, NaNRowsAreExactlyThoseThatReadANonFiniteInput) {
   MlaProblem poisoned = clean;
   // Requests (a padding slot sits at index 1): 0: 300 keys, 2: 1029, 3: 45, 4: 7; 4 tokens each.
   ASSERT_EQ(poisoned.qo_indptr.size(), 6u);
-  const int32_t q_len = c.q_lens[0];
+  auto q_len = [&](int32_t request) { return poisoned.qo_indptr[request + 1] - poisoned.qo_indptr[request]; };
   std::vector<bool> marked(int64_t{poisoned.num_rows} * c.num_heads, false);
   auto sees = [&](int32_t request, int32_t i, int64_t key) {
-    const int64_t position = poisoned.table.KvLength(request) - q_len + i;
+    const int64_t position = poisoned.table.KvLength(request) - q_len(request) + i;
     return !c.causal || key <= position;
   };
   auto poison_q = [&](std::vector<uint8_t>& q, int32_t dim, int32_t request, int32_t i, int32_t head, int32_t d,
@@ -455,7 +455,7 @@ TEST_P(MlaNonFiniteTest, NaNRowsAreExactlyThoseThatReadANonFiniteInput) {
     const PagedKvView pool = ckv ? poisoned.CkvPool(poisoned.ckv_pool.data()) : poisoned.KpePool(poisoned.kpe_pool.data());
     const int32_t page = ckv ? poisoned.table.k_indices[slot] : poisoned.table.v_indices[slot];
     kernel_test::StoreNonFinite(c.kv_dtype, pool.data, pool.Offset(page, entry, 0) + d, value);
-    for (int32_t i = 0; i < q_len; ++i) {
+    for (int32_t i = 0; i < q_len(request); ++i) {
       if (!sees(request, i, token)) continue;
       for (int32_t h = 0; h < c.num_heads; ++h) marked[int64_t{poisoned.qo_indptr[request] + i} * c.num_heads + h] = true;
     }
