@@ -127,13 +127,15 @@ struct KvTileLoader {
   }
 
   // After Convert, in tiles where some row does not see some key: zeroes the non-finite values
-  // (exponent all ones) of the chunks this thread loaded, and sets flags[row] to 1 where any
-  // lane of the row found one, else 0. A row's kLoadsPerRow lanes are adjacent in one warp.
-  __device__ __forceinline__ static void ZeroNonFinite(T* tile, uint8_t* flags) {
+  // (exponent all ones) of the chunks this thread loaded, sets flags[row] to 1 where any lane
+  // of the row found one, else 0, and returns whether this thread found one. A row's
+  // kLoadsPerRow lanes are adjacent in one warp.
+  __device__ __forceinline__ static bool ZeroNonFinite(T* tile, uint8_t* flags) {
     constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
     constexpr int kChunksPerLoad = kNarrow ? 2 : 1;
     const int load = threadIdx.x % kLoadsPerRow;
     const int first_row = threadIdx.x / kLoadsPerRow;
+    bool found_any = false;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int row = first_row + pass * kRowsPerPass;
@@ -149,10 +151,12 @@ struct KvTileLoader {
         if (any != 0) *chunk = make_uint4(bits.x & ~bad[0], bits.y & ~bad[1], bits.z & ~bad[2], bits.w & ~bad[3]);
         found |= any;
       }
+      found_any |= found != 0;
 #pragma unroll
       for (int offset = kLoadsPerRow / 2; offset >= 1; offset /= 2) found |= __shfl_xor_sync(0xffffffffu, found, offset);
       if (load == 0) flags[row] = found != 0 ? 1 : 0;
     }
+    return found_any;
   }
 };
 
