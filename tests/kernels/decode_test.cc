@@ -628,6 +628,81 @@ INSTANTIATE_TEST_SUITE_P(Sweep, TensorCoreDecodeSweepTest, ::testing::ValuesIn(T
                            return CaseName(info.param) + "_" + std::to_string(info.index);
                          });
 
+// Non-finite inputs (NaN in, NaN out): NaN/inf in one q element, one cached k element and one
+// cached v element make exactly the rows that read them NaN (o in every dim, lse), as the CPU
+// reference marks them; every other row is bitwise the run without the poison. Split and
+// unsplit plans: a poisoned partial must make its merged row NaN, never masked.
+class DecodeNonFiniteTest : public ::testing::TestWithParam<DecodeCase> {};
+
+TEST_P(DecodeNonFiniteTest, NaNRowsAreExactlyThoseThatReadANonFiniteInput) {
+  ATTND_SKIP_WITHOUT_GPU();
+  const DecodeCase& c = GetParam();
+  DecodeProblem clean = MakeProblem(c);
+  DecodeProblem poisoned = clean;
+  // Requests (MakeProblem inserts a padding slot at index 1): 0: 300 keys, 2: 1029, 3: 45, 4: 7.
+  ASSERT_EQ(poisoned.qo_indptr.size(), 6u);
+  const int32_t hq = poisoned.num_qo_heads;
+  auto q_index = [&](int32_t request, int32_t head, int32_t d) {
+    return (int64_t{poisoned.qo_indptr[request]} * hq + head) * c.head_dim + d;
+  };
+  const PagedKvView k = poisoned.Pool(poisoned.k_pool);
+  const PagedKvView v = poisoned.Pool(poisoned.v_pool);
+  auto pool_index = [&](const PagedKvView& pool, int32_t request, int64_t token, int32_t kv_head, int32_t d) {
+    const int32_t slot = poisoned.table.indptr[request] + static_cast<int32_t>(token / c.page_size);
+    const int32_t page = pool.data == k.data ? poisoned.table.k_indices[slot] : poisoned.table.v_indices[slot];
+    return pool.Offset(page, static_cast<int32_t>(token % c.page_size), kv_head) + d;
+  };
+  StoreFromFloat(c.q_dtype, poisoned.q.data(), q_index(0, 3, 5), NAN);
+  StoreFromFloat(c.q_dtype, poisoned.q.data(), q_index(4, hq - 2, 0), -INFINITY);
+  // A key late in request 2 (its last split chunk) and an early one of request 3.
+  kernel_test::StoreNonFinite(c.kv_dtype, k.data, pool_index(k, 2, 1000, 1, 7), INFINITY);
+  kernel_test::StoreNonFinite(c.kv_dtype, v.data, pool_index(v, 3, 10, 0, c.head_dim - 1), -INFINITY);
+  kernel_test::StoreNonFinite(c.kv_dtype, v.data, pool_index(v, 2, 3, 1, 0), NAN);  // same rows as the k
+  // The padding slot's keys: no query row reads them.
+  kernel_test::StoreNonFinite(c.kv_dtype, k.data, pool_index(k, 1, 3, 0, 0), NAN);
+
+  DecodeOutput gpu_clean, gpu;
+  ASSERT_TRUE(RunGpuDecode(clean, &gpu_clean));
+  ASSERT_TRUE(RunGpuDecode(poisoned, &gpu));
+  if (c.split == Split::kFixed) {
+    ASSERT_TRUE(gpu.plan.split_kv) << gpu.plan.DebugString();
+  }
+  const ReferenceOutput reference = RunReference(poisoned);
+  const int64_t rows = int64_t{poisoned.num_rows} * hq;
+  // q: one row each; k and v: every head of the KV head's group of one request.
+  kernel_test::ExpectNonFiniteRows(c.q_dtype, rows, c.head_dim, reference.lse, gpu.o, gpu.lse, gpu_clean.o,
+                                   gpu_clean.lse, 2 + 2 * c.group);
+}
+
+std::vector<DecodeCase> NonFiniteCases() {
+  std::vector<DecodeCase> cases;
+  uint32_t seed = 1200;
+  for (DType kv_dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3}) {
+    for (Split split : {Split::kFixed, Split::kDisabled}) {
+      DecodeCase c;
+      c.q_dtype = kv_dtype == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
+      c.kv_dtype = kv_dtype;
+      c.split = split;
+      c.lengths = {300, 1029, 45, 7};
+      c.seed = seed++;
+      cases.push_back(c);
+    }
+  }
+  DecodeCase capped;  // tanh(inf) is finite: the check must come before the cap
+  capped.soft_cap = 30.0f;
+  capped.split = Split::kFixed;
+  capped.head_dim = 64;
+  capped.group = 8;
+  capped.lengths = {300, 1029, 45, 7};
+  cases.push_back(capped);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(NonFinite, DecodeNonFiniteTest, ::testing::ValuesIn(NonFiniteCases()),
+                         [](const ::testing::TestParamInfo<DecodeCase>& info) {
+                           return CaseName(info.param);
+                         });
+
 // A small sweep for compute-sanitizer (run with --gtest_filter='Sanitizer*').
 class SanitizerDecodeTest : public ::testing::TestWithParam<DecodeCase> {};
 
