@@ -288,8 +288,11 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int key = 8 * (e / 4) + 2 * (lane & 3) + (e & 1);
-      const float score = soft_cap ? params.cap_log2 * AccurateTanh(s[e] * params.cap_input_scale)
-                                   : s[e] * scale_log2;
+      // Non-finite scores (NaN or inf in q or K) become NaN before the cap (tanh(inf) is
+      // finite), so they reach the row's sum and o: NaN in, NaN out (one FFMA).
+      const float raw = s[e] * 0.0f + s[e];
+      const float score = soft_cap ? params.cap_log2 * AccurateTanh(raw * params.cap_input_scale)
+                                   : raw * scale_log2;
       s[e] = key < valid_keys ? score : -INFINITY;
     }
 
@@ -386,9 +389,25 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
     weight[w] = FastExp2(merge_m[w * kRows + row] - subtract);
     sum += weight[w] * merge_d[w * kRows + row];
   }
-  // A row that saw no key (every warp's m = -inf) stores o = 0 and lse = -inf. Tested on m, as
-  // the CUDA-core kernel does, so that a NaN score (NaN in q or K) reaches o and lse.
-  const bool saw_key = merged_max != -INFINITY;
+  // A non-finite V value the row saw left a non-finite o dim: folded into the sum (x * 0 is NaN
+  // for inf and NaN), over the row's 8 threads, so the whole row and its lse become NaN.
+  float poison = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+#pragma unroll
+    for (int d = 0; d < kDimsPerThread; ++d) {
+      poison += merge_o[(w * kRows + row) * kStride + dim_begin + d] * 0.0f;
+    }
+  }
+  // Rows are whole groups of 8 lanes (rows past the group returned together).
+  const unsigned row_lanes = 0xFFu << (lane & 24);
+  poison += __shfl_xor_sync(row_lanes, poison, 1);
+  poison += __shfl_xor_sync(row_lanes, poison, 2);
+  poison += __shfl_xor_sync(row_lanes, poison, 4);
+  sum += poison;
+  // A row that saw no key (every weight 0) stores o = 0 and lse = -inf; NaN scores (every m
+  // -inf but the sum NaN) and poisoned rows (sum NaN) store NaN o and lse.
+  const bool saw_key = sum != 0.0f;
   const float inverse = saw_key ? params.v_scale / sum : 0.0f;
   const float lse = saw_key ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
   const int32_t partial = params.work.item_partial[item];

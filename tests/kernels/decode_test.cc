@@ -695,6 +695,21 @@ std::vector<DecodeCase> NonFiniteCases() {
   capped.group = 8;
   capped.lengths = {300, 1029, 45, 7};
   cases.push_back(capped);
+  // The tensor-core kernel (16-bit caches), split and not, capped.
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    for (Split split : {Split::kFixed, Split::kDisabled}) {
+      DecodeCase c;
+      c.kernel = DecodeKernelChoice::kTensorCore;
+      c.q_dtype = c.kv_dtype = dtype;
+      c.split = split;
+      c.lengths = {300, 1029, 45, 7};
+      c.seed = seed++;
+      cases.push_back(c);
+    }
+  }
+  DecodeCase tc_capped = capped;
+  tc_capped.kernel = DecodeKernelChoice::kTensorCore;
+  cases.push_back(tc_capped);
   return cases;
 }
 
