@@ -224,8 +224,10 @@ class BackendChannel {
                          ChannelLayerDone layer_done) = 0;
   // Ends the waits of the step started with `sequence`: layers not yet started complete as
   // CANCELLED (or, where their wait is already on the device, run on whatever the slot holds);
-  // every remaining done word is set and the aborted word is set to `sequence`.
-  virtual void CancelStep(uint32_t sequence) = 0;
+  // every remaining done word is set and, with `mark_aborted`, the aborted word is set to
+  // `sequence` (it reads as "every step up to here aborted": not for a step the client aborted
+  // on top of one that still runs, see Engine::EndStep).
+  virtual void CancelStep(uint32_t sequence, bool mark_aborted) = 0;
   // Sets ready[layer] to `sequence` for the client (Forward with use_channel).
   virtual void SignalReady(int32_t layer, uint32_t sequence) = 0;
   // Whether ready[layer] has reached `sequence` (the client signalled that layer). May read

@@ -14,6 +14,7 @@ target_sources(attnd_server_lib PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/cuda_step.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_step_plan.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_step_resources.cc
+  ${CMAKE_CURRENT_LIST_DIR}/decode_choice.cc
   ${CMAKE_CURRENT_LIST_DIR}/pod_choice.cc)
 target_link_libraries(attnd_server_lib
   PUBLIC attnd_cuda_kernels attnd_prefill_kernels attnd_pod_kernels attnd_mla_kernels attnd_plan CUDA::cudart)

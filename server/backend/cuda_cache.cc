@@ -9,6 +9,7 @@
 #include "attnd/kernels/cuda/prefill.h"
 #include "attnd/status_macros.h"
 #include "backend/cuda_ipc_channel.h"
+#include "backend/decode_choice.h"
 #include "backend/cuda_step.h"
 #include "channel/host_shm_channel.h"
 #include "backend/cuda_step_plan.h"
@@ -64,10 +65,17 @@ absl::Status CudaCache::Init(int device) {
     const cuda::DecodeKernelConfig config{geometry_.q_dtype, geometry_.kv_dtype,
                                           geometry_.k_head_dim,
                                           geometry_.num_qo_heads / geometry_.num_kv_heads};
-    decode_supported_ = cuda::DecodeSupports(config);
-    if (decode_supported_) {
+    decode_cuda_core_supported_ = cuda::DecodeSupports(config);
+    if (decode_cuda_core_supported_) {
       ASSIGN_OR_RETURN(decode_ctas_per_wave_, cuda::DecodeCtasPerWave(config));
     }
+    if (cuda::TensorCoreDecodeSupports(config)) {
+      ASSIGN_OR_RETURN(decode_tensor_core_ctas_per_wave_, cuda::TensorCoreDecodeCtasPerWave(config));
+      decode_tensor_core_supported_ = decode_tensor_core_ctas_per_wave_ > 0;
+    }
+    ASSIGN_OR_RETURN(const plan::DecodeKernelChoice requested, DecodeKernelChoiceFromEnvironment());
+    decode_kernel_choice_ = EffectiveDecodeKernelChoice(requested, decode_cuda_core_supported_,
+                                                        decode_tensor_core_supported_);
     ASSIGN_OR_RETURN(prefill_ctas_per_wave_,
                      cuda::BatchPrefillCtasPerWave(geometry_.k_head_dim, geometry_.q_dtype,
                                                    geometry_.kv_dtype));
@@ -198,8 +206,12 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStepOn(
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   StepPlanContext context;
   context.geometry = &geometry_;
-  context.decode_supported = decode_supported_;
+  context.decode_supported = decode_cuda_core_supported_ || decode_tensor_core_supported_;
+  context.decode_cuda_core_supported = decode_cuda_core_supported_;
   context.decode_ctas_per_wave = decode_ctas_per_wave_;
+  context.decode_tensor_core_supported = decode_tensor_core_supported_;
+  context.decode_tensor_core_ctas_per_wave = decode_tensor_core_ctas_per_wave_;
+  context.decode_kernel_choice = decode_kernel_choice_;
   context.prefill_ctas_per_wave = prefill_ctas_per_wave_;
   context.mla_ctas_per_wave = mla_ctas_per_wave_;
   context.pod_mode = pod_mode_;

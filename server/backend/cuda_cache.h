@@ -39,6 +39,7 @@
 #include "backend/cuda_plan_cache.h"
 #include "backend/cuda_step_resources.h"
 #include "backend/pod_choice.h"
+#include "plan/decode_plan.h"
 #include "plan/pod_plan.h"
 #include "plan/prefill_plan.h"
 
@@ -135,8 +136,11 @@ class CudaCache final : public BackendCache {
   std::array<Lane, kLanesPerCache> lanes_;
   std::atomic<uint32_t> next_lane_{0};
   DeviceBuffer rope_inv_freq_;  // [rotary_dim / 2] float
-  bool decode_supported_ = false;
+  bool decode_cuda_core_supported_ = false;
   int32_t decode_ctas_per_wave_ = 0;
+  bool decode_tensor_core_supported_ = false;
+  int32_t decode_tensor_core_ctas_per_wave_ = 0;
+  plan::DecodeKernelChoice decode_kernel_choice_ = plan::DecodeKernelChoice::kAuto;  // ATTND_DECODE_KERNEL
   plan::PrefillWaveSizes prefill_ctas_per_wave_;
   PodMode pod_mode_ = PodMode::kOff;  // ATTND_POD, read at creation (pod_choice.h)
   plan::PodWaveSizes pod_ctas_per_wave_;

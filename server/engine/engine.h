@@ -97,8 +97,10 @@ class Engine {
   // own reaper thread; public for tests.
   void ExpireSteps(absl::Time now);
 
-  // For tests and diagnostics: the committed length of a managed sequence.
-  absl::StatusOr<int64_t> SequenceLength(const std::string& cache, uint64_t sequence_id) const;
+  // For tests and diagnostics: the committed length of a managed sequence or, with `pending`,
+  // the length after its open steps (where a step planned now starts).
+  absl::StatusOr<int64_t> SequenceLength(const std::string& cache, uint64_t sequence_id,
+                                         bool pending = false) const;
   // For tests: raw bytes of a cache's pool pages (see BackendCache::ReadPages).
   absl::Status ReadPages(const std::string& cache, int32_t layer, bool v_pool,
                          int64_t first_page, std::span<uint8_t> bytes) const;

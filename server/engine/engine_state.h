@@ -1,5 +1,5 @@
-// Internal state of the Engine, shared by engine.cc (caches, plan) and step_runner.cc (forward,
-// commit, rollback). Everything here is guarded by State::mu.
+// Internal state of the Engine, shared by engine.cc (caches, step end), plan.cc, forward.cc and
+// channels.cc. Everything here is guarded by State::mu.
 #pragma once
 
 #include <cstdint>
@@ -21,10 +21,15 @@
 
 namespace attnd {
 
+struct StepEntry;
+
 struct Sequence {
-  std::vector<int32_t> pages;  // page ids covering [0, length) plus an open step's new tokens
+  std::vector<int32_t> pages;  // page ids covering [0, pending_length)
   int64_t length = 0;          // committed tokens
-  uint64_t open_step = 0;      // 0 when in no open step
+  int64_t pending_length = 0;  // length plus the new tokens of its open steps
+  int32_t open_steps = 0;      // open (not yet finalized) steps with tokens of it
+  // The latest of those steps: a chained Plan (DESIGN 3b) goes on top of it.
+  std::weak_ptr<StepEntry> last_step;
 };
 
 struct CacheEntry {
@@ -42,9 +47,10 @@ struct CacheEntry {
 // How a managed sequence changes if the step commits; undone on abort.
 struct SequenceChange {
   uint64_t sequence_id = 0;
-  int64_t old_length = 0;
+  int64_t old_length = 0;  // pending length before the step: its first new position
   size_t old_num_pages = 0;
   int64_t new_length = 0;
+  std::weak_ptr<StepEntry> previous_step;  // the sequence's last_step before this one
   // Copy-on-write: the shared page that a fresh copy replaced at pages[old_num_pages - 1]
   // (-1: none). The step holds its reference until it ends: commit drops it, abort puts the
   // page back.
@@ -93,6 +99,12 @@ struct StepEntry {
   uint32_t channel_sequence = 0;
   // Forward{use_channel} calls waiting for their layer, by layer (empty until one comes).
   std::vector<std::function<void(absl::Status)>> channel_waiters;
+  // Chained steps (DESIGN 3b): the open steps this one was planned on top of (its sequences'
+  // previous new tokens are theirs) and the steps planned on top of it. A step commits only
+  // after its parents have; an aborting step aborts its children and rolls back after them.
+  std::vector<std::shared_ptr<StepEntry>> parents;  // released when this step is finalized
+  std::vector<std::weak_ptr<StepEntry>> children;
+  bool finalized = false;
 };
 
 // StepBatches of ended steps, reused, so that a step's arrays (the page ids run to MBs for long
@@ -149,7 +161,12 @@ struct Engine::State {
   // Decides the step's fate; applies it now if nothing is in flight. Returns callbacks to run.
   void EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcome outcome, Deferred& deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Applies a decided outcome: commit lengths or roll back pages. Requires in_flight == 0.
+  // Applies a decided outcome once it can: nothing of the step in flight, and (commit) its
+  // parents finalized or (abort) its children finalized; then does the same for the steps that
+  // were waiting for this one.
+  void TryFinalizeLocked(const std::shared_ptr<StepEntry>& step, Deferred& deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Commits lengths or rolls back pages. Called by TryFinalizeLocked only.
   void FinalizeLocked(StepEntry& step, Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void PublishPagesLocked(const CacheEntry& cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // attnd_device_kv_bytes of every device (at start, and when a cache is created or deleted; a

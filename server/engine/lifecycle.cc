@@ -80,8 +80,12 @@ std::string ShapeMismatch(const CacheGeometry& target, const CacheGeometry& sour
 int64_t CopyOnWritePagesNeeded(const CacheEntry& cache, const Sequence& sequence,
                                int32_t new_tokens) {
   const int32_t page_size = cache.spec.geometry.page_size;
-  if (new_tokens <= 0 || sequence.length % page_size == 0 || sequence.pages.empty()) return 0;
-  // The first new token lands in the last page, which holds committed tokens of this sequence.
+  if (new_tokens <= 0 || sequence.pending_length % page_size == 0 || sequence.pages.empty()) {
+    return 0;
+  }
+  // The first new token lands in the last page, which holds earlier tokens of this sequence.
+  // Only the first step of a chain can find it shared: a sequence in an open step is neither
+  // forked nor exported, and its open steps' pages are their own.
   return cache.allocator->holders(sequence.pages.back()) > 1 ? 1 : 0;
 }
 
@@ -97,9 +101,13 @@ void CopyOnWrite(CacheEntry& cache, Sequence& sequence, SequenceChange& change, 
 }
 
 void RestoreSequence(Sequence& sequence, const SequenceChange& change) {
-  sequence.pages.resize(change.old_num_pages);
-  if (change.replaced_page >= 0) sequence.pages.back() = change.replaced_page;
-  sequence.length = change.old_length;
+  // Steps chained on top of this one rolled back first; a parent rolling back later shrinks
+  // more: rollback only shrinks.
+  sequence.pages.resize(std::min(sequence.pages.size(), change.old_num_pages));
+  sequence.pending_length = std::min(sequence.pending_length, change.old_length);
+  if (change.replaced_page >= 0 && sequence.pages.size() == change.old_num_pages) {
+    sequence.pages.back() = change.replaced_page;
+  }
 }
 
 void CommitCopies(CacheEntry& cache, StepEntry& step) {
@@ -134,10 +142,11 @@ absl::StatusOr<ForkResult> Engine::ForkSequence(const ForkSpec& spec) {
     return absl::NotFoundError(absl::StrCat("source_id: cache '", spec.cache,
                                             "' has no sequence ", spec.source_id));
   }
-  if (source->second.open_step != 0) {
+  if (source->second.open_steps != 0) {
+    const std::shared_ptr<StepEntry> step = source->second.last_step.lock();
     return absl::FailedPreconditionError(absl::StrCat(
-        "source_id: sequence ", spec.source_id, " is in open step ", source->second.open_step,
-        "; fork it once the step has ended"));
+        "source_id: sequence ", spec.source_id, " is in open step ", step ? step->id : 0,
+        "; fork it once its steps have ended"));
   }
   if (cache->sequences.contains(spec.new_id) || cache->importing.contains(spec.new_id)) {
     return absl::AlreadyExistsError(absl::StrCat("new_id: cache '", spec.cache,
@@ -157,6 +166,7 @@ absl::StatusOr<ForkResult> Engine::ForkSequence(const ForkSpec& spec) {
   Sequence fork;
   fork.pages.assign(shared.begin(), shared.end());
   fork.length = tokens;
+  fork.pending_length = tokens;
   cache->sequences.emplace(spec.new_id, std::move(fork));
   state_->PublishPagesLocked(*cache);
   return ForkResult{tokens, pages};
@@ -175,10 +185,11 @@ absl::StatusOr<std::unique_ptr<SequenceExport>> Engine::ExportSequence(const std
     return absl::NotFoundError(absl::StrCat("sequence_id: cache '", name, "' has no sequence ",
                                             sequence_id));
   }
-  if (sequence->second.open_step != 0) {
+  if (sequence->second.open_steps != 0) {
+    const std::shared_ptr<StepEntry> step = sequence->second.last_step.lock();
     return absl::FailedPreconditionError(absl::StrCat(
-        "sequence_id: sequence ", sequence_id, " is in open step ", sequence->second.open_step,
-        "; export it once the step has ended"));
+        "sequence_id: sequence ", sequence_id, " is in open step ", step ? step->id : 0,
+        "; export it once its steps have ended"));
   }
   std::unique_ptr<SequenceExport> exported(new SequenceExport());
   exported->state_ = state_.get();
@@ -287,6 +298,7 @@ absl::Status SequenceImport::Commit() {
   Sequence& sequence = cache_->sequences[sequence_id_];
   sequence.pages = pages_;
   sequence.length = num_tokens_;
+  sequence.pending_length = num_tokens_;
   committed_ = true;
   return absl::OkStatus();
 }

@@ -72,18 +72,16 @@ struct PlanResult {
   uint32_t channel_sequence = 0;  // steps on a channel: the value of their ready/done words
 };
 
-// A tensor argument as it came on the wire; `data` points into the request message, or, when
-// `pieces` is not empty, the bytes are the concatenation of the pieces (the received message's
-// slices, which the backend copies straight into staging).
+// A tensor argument as it came on the wire, in one form: its bytes are the concatenation of
+// `pieces` (views into the received message's slices, which the backend copies straight into
+// staging; a contiguous tensor is one piece). The pieces belong to the caller.
 struct TensorArg {
   bool present = false;
   DType dtype = DType::kBFloat16;
   std::vector<int64_t> shape;
-  std::string_view data;
   std::span<const std::string_view> pieces = {};
 
   int64_t size_bytes() const {
-    if (pieces.empty()) return static_cast<int64_t>(data.size());
     int64_t bytes = 0;
     for (const std::string_view piece : pieces) bytes += static_cast<int64_t>(piece.size());
     return bytes;

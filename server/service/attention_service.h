@@ -33,8 +33,9 @@ struct ServiceContext {
 };
 
 // The callback service with Forward and ForwardStream taking raw messages (grpc::ByteBuffer):
-// the hot path parses and writes them itself (forward_wire.h) so that tensor bytes are copied
-// once each way between gRPC's slices and pinned memory. The other RPCs stay typed.
+// the hot path reads and writes them with the wire codec (attnd/wire/forward_wire.h) so that
+// tensor bytes are copied once each way between gRPC's slices and pinned memory. The other
+// RPCs stay typed.
 using AttentionServiceBase = v1::AttentionService::WithCallbackMethod_GetServerInfo<
     v1::AttentionService::WithCallbackMethod_CreateCache<
         v1::AttentionService::WithCallbackMethod_GetCache<
@@ -129,7 +130,7 @@ void HandleEndStep(const ServiceContext& context, const Tenant& tenant,
 
 // A stream of `tenant`, which presented `token`: each message re-checks the token, so a
 // token revoked by a reload stops working on open streams too. Messages are raw StreamRequest
-// bytes (forward_wire.h).
+// bytes (attnd/wire/forward_wire.h).
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewForwardStreamReactor(
     const ServiceContext& context, uint64_t owner, Tenant tenant, std::string token);
 // A stream refused before it starts (authentication failed): finishes with `status`.

@@ -190,7 +190,10 @@ struct RequestHarness::State {
     const bool check_starts = managed && AsyncInFlight() == 0;
     if (check_starts) {
       for (const attnd::v1::PlanEntry& entry : request.entries()) {
-        auto length = engine->SequenceLength(request.cache(), entry.sequence_id());
+        // Where a step planned now starts: after the open steps' tokens (a chained plan, on
+        // the same channel) or, when it has none, after the committed ones.
+        auto length = engine->SequenceLength(request.cache(), entry.sequence_id(),
+                                             /*pending=*/true);
         lengths.push_back(length.ok() ? *length : -1);
       }
     }
