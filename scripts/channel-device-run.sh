@@ -5,7 +5,8 @@
 #   scripts/channel-device-run.sh run [tests|bench|sanitize|all|python]
 #        on the device: channel_tests and the integration suite against the CUDA backend
 #        (HOST_SHM through registered memory, CUDA_IPC with the client in a second process,
-#        bitwise against Forward), cuda_backend_test, then the e2e shape of PERFORMANCE.md over
+#        bitwise against Forward), cuda_backend_test, prefill_tests, cuda_lifecycle_test (fork,
+#        copy-on-write, export/import on the GPU), then the e2e shape of PERFORMANCE.md over
 #        gRPC (stream), HOST_SHM and CUDA_IPC against one fresh daemon each, then
 #        compute-sanitizer memcheck on the channel tests.
 # Logs land in $OUT/logs.tgz, repacked before every step (a call cut short still returns them);
@@ -19,7 +20,7 @@ build_dir=${ATTND_BUILD_DIR:-build}
 case ${1:-} in
   pack)
     targets=(attnd attnctl channel_tests channel_test_client integration_tests cuda_backend_test
-             prefill_tests)
+             prefill_tests cuda_lifecycle_test)
     cmake --build "$build_dir" -j "${ATTND_JOBS:-$(nproc)}" --target "${targets[@]}" >/dev/null ||
       exit 1
     rm -rf .gpu-pack/channels && mkdir -p .gpu-pack
@@ -29,7 +30,8 @@ case ${1:-} in
       "$build_dir/tests/integration/channel_test_client" \
       "$build_dir/tests/integration/integration_tests" \
       "$build_dir/tests/kernels/cuda_backend_test" \
-      "$build_dir/tests/kernels/prefill_tests" || exit 1
+      "$build_dir/tests/kernels/prefill_tests" \
+      "$build_dir/tests/kernels/cuda_lifecycle_test" || exit 1
     tar -C .gpu-pack -cf - channels | xz -T"$(nproc)" -6 > .gpu-pack/channels.tar.xz
     rm -rf .gpu-pack/channels
     echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
@@ -91,6 +93,7 @@ case ${1:-} in
       gtest integration_"$backend" 300 env ATTND_TEST_BACKEND="$backend" "$B/run" integration_tests
       gtest cuda_backend_test 300 "$B/run" cuda_backend_test
       gtest prefill_tests 240 "$B/run" prefill_tests
+      gtest cuda_lifecycle_test 120 "$B/run" cuda_lifecycle_test
     fi
     if [[ $what == all || $what == bench ]]; then
       shape=(--sequences=128 --layers=32 --qo_heads=32 --kv_heads=8 --head_dim=128
