@@ -247,7 +247,9 @@ absl::StatusOr<int64_t> DecodeHeader(int32_t dtype, const Dims& shape, absl::str
   arg.shape.clear();
   int i = 0;
   for (const int64_t dim : shape) {
-    if (dim < 0 || dim > kMaxTensorElements || elements * std::max<int64_t>(dim, 1) > kMaxTensorElements) {
+    // elements <= kMaxTensorElements: compared by division, as the product could overflow.
+    if (dim < 0 || dim > kMaxTensorElements ||
+        (elements > 0 && std::max<int64_t>(dim, 1) > kMaxTensorElements / elements)) {
       return Invalid(absl::StrCat(field, ".shape[", i, "]"), "a dimension in [0, 2^36)", dim);
     }
     elements *= dim;
