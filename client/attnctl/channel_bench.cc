@@ -274,13 +274,27 @@ class ChannelBench {
     double kernel_rate = 0;
   };
 
-  // Enqueues every layer of a planned step on the bench stream: fill, ready, wait for done.
-  absl::Status EnqueueStep(const attnd::v1::PlanResponse& planned, int64_t step) {
-    void* stream = stream_->stream();
+  // A Plan of `entries` (sequence id, new tokens) through `channel`.
+  attnd::v1::PlanRequest PlanThrough(const client::Channel& channel, const Entries& entries) const {
+    attnd::v1::PlanRequest request;
+    request.set_cache(cache_.name());
+    request.set_channel_id(channel.id());
+    for (const auto& [id, tokens] : entries) {
+      auto* entry = request.add_entries();
+      entry->set_sequence_id(id);
+      entry->set_num_new_tokens(tokens);
+    }
+    return request;
+  }
+
+  // Enqueues every layer of a planned step on `stream`: fill, ready, wait for done (no host
+  // wait).
+  absl::Status EnqueueStep(client::Channel& channel, void* stream,
+                           const attnd::v1::PlanResponse& planned, int64_t step) const {
     for (int32_t layer = 0; layer < shape_.num_layers(); ++layer) {
-      RETURN_IF_ERROR(FillLayer(*channel_, stream, step, layer, planned.num_tokens()));
-      RETURN_IF_ERROR(channel_->SetReadyOnStream(layer, planned.channel_sequence(), stream));
-      RETURN_IF_ERROR(channel_->WaitDoneOnStream(layer, planned.channel_sequence(), stream));
+      RETURN_IF_ERROR(FillLayer(channel, stream, step, layer, planned.num_tokens()));
+      RETURN_IF_ERROR(channel.SetReadyOnStream(layer, planned.channel_sequence(), stream));
+      RETURN_IF_ERROR(channel.WaitDoneOnStream(layer, planned.channel_sequence(), stream));
     }
     return absl::OkStatus();
   }
@@ -314,19 +328,12 @@ class ChannelBench {
   // top of step N and its layers enqueued while step N's run on the GPU; step N's EndStep (an
   // outcome query by then) follows once the stream has passed it. The GPU never waits for Plan.
   absl::StatusOr<Chained> RunChained(const Entries& entries, int32_t steps) {
-    attnd::v1::PlanRequest request;
-    request.set_cache(cache_.name());
-    request.set_channel_id(channel_->id());
-    for (const auto& [id, tokens] : entries) {
-      auto* entry = request.add_entries();
-      entry->set_sequence_id(id);
-      entry->set_num_new_tokens(tokens);
-    }
+    const attnd::v1::PlanRequest request = PlanThrough(*channel_, entries);
     const int event = shape_.num_layers() + 3;  // two events after those of RunStep
     ASSIGN_OR_RETURN(const attnd::v1::GetStatsResponse before, client_.GetStats());
     const absl::Time start = absl::Now();
     ASSIGN_OR_RETURN(attnd::v1::PlanResponse previous, client_.Plan(request));
-    RETURN_IF_ERROR(EnqueueStep(previous, step_count_++));
+    RETURN_IF_ERROR(EnqueueStep(*channel_, stream_->stream(), previous, step_count_++));
     RETURN_IF_ERROR(stream_->Record(event));
     for (int32_t i = 1; i < steps; ++i) {
       ASSIGN_OR_RETURN(const attnd::v1::PlanResponse current, client_.Plan(request));
@@ -335,7 +342,7 @@ class ChannelBench {
             "a chained step starts at ", current.entries(0).start_position(),
             ", not after the open step's token at ", previous.entries(0).start_position()));
       }
-      RETURN_IF_ERROR(EnqueueStep(current, step_count_++));
+      RETURN_IF_ERROR(EnqueueStep(*channel_, stream_->stream(), current, step_count_++));
       RETURN_IF_ERROR(stream_->Record(event + i % 2));
       RETURN_IF_ERROR(stream_->WaitEvent(event + (i - 1) % 2));
       RETURN_IF_ERROR(EndCommitted(previous.step_id()));
@@ -363,25 +370,10 @@ class ChannelBench {
 
   // Plans micro-batch `batch`'s next step and enqueues its layers on its stream (no wait).
   absl::Status BeginMicroStep(MicroBatch& batch) {
-    const int64_t step = step_count_++;
-    attnd::v1::PlanRequest plan;
-    plan.set_cache(cache_.name());
-    plan.set_channel_id(batch.channel->id());
-    for (const auto& [id, tokens] : batch.entries) {
-      auto* entry = plan.add_entries();
-      entry->set_sequence_id(id);
-      entry->set_num_new_tokens(tokens);
-    }
-    ASSIGN_OR_RETURN(const attnd::v1::PlanResponse planned, client_.Plan(plan));
+    ASSIGN_OR_RETURN(const attnd::v1::PlanResponse planned,
+                     client_.Plan(PlanThrough(*batch.channel, batch.entries)));
     batch.open_step = planned.step_id();
-    const int64_t rows = planned.num_tokens();
-    void* stream = batch.stream->stream();
-    for (int32_t layer = 0; layer < shape_.num_layers(); ++layer) {
-      RETURN_IF_ERROR(FillLayer(*batch.channel, stream, step, layer, rows));
-      RETURN_IF_ERROR(batch.channel->SetReadyOnStream(layer, planned.channel_sequence(), stream));
-      RETURN_IF_ERROR(batch.channel->WaitDoneOnStream(layer, planned.channel_sequence(), stream));
-    }
-    return absl::OkStatus();
+    return EnqueueStep(*batch.channel, batch.stream->stream(), planned, step_count_++);
   }
 
   // The emulator's q, k and v of (step, layer) written into the layer's slot on `stream`.
@@ -496,14 +488,7 @@ class ChannelBench {
     const bool replay = mode != kPlain;
     const int64_t step = step_count_++;
     const absl::Time started = absl::Now();
-    attnd::v1::PlanRequest plan;
-    plan.set_cache(cache_.name());
-    plan.set_channel_id(channel_->id());
-    for (const auto& [id, tokens] : entries) {
-      auto* entry = plan.add_entries();
-      entry->set_sequence_id(id);
-      entry->set_num_new_tokens(tokens);
-    }
+    const attnd::v1::PlanRequest plan = PlanThrough(*channel_, entries);
     auto planned = client_.Plan(plan);
     last_plan_wall_ = absl::Now() - started;
     if (!planned.ok()) {
