@@ -288,20 +288,8 @@ void Engine::State::TryFinalizeLocked(const std::shared_ptr<StepEntry>& step,
 void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
   CacheEntry& cache = *step.cache;
   const bool committed = step.outcome == StepOutcome::kCommitted;
-  for (SequenceChange& change : step.changes) {
-    auto it = cache.sequences.find(change.sequence_id);
-    if (it == cache.sequences.end()) continue;
-    Sequence& sequence = it->second;
-    --sequence.open_steps;
-    if (sequence.last_step.lock().get() == &step) sequence.last_step = change.previous_step;
-    if (committed) {
-      sequence.length = change.new_length;
-    } else {
-      RestoreSequence(sequence, change);
-      if (sequence.open_steps == 0 && sequence.length == 0 && sequence.pages.empty()) {
-        cache.sequences.erase(it);
-      }
-    }
+  for (const SequenceChange& change : step.changes) {
+    EndSequenceChange(cache, step, change, committed);
   }
   if (committed && cache.allocator) CommitCopies(cache, step);
   if (!committed && cache.allocator) cache.allocator->Free(step.fresh_pages);

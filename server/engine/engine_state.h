@@ -217,6 +217,12 @@ void CopyOnWrite(CacheEntry& cache, Sequence& sequence, SequenceChange& change, 
 // Undoes `change` on `sequence` (abort, or Plan failing after allocation): length and pages as
 // they were, the replaced page back in place. The step's fresh pages are freed by the caller.
 void RestoreSequence(Sequence& sequence, const SequenceChange& change);
+// `step` lets go of the sequence `change` names: it leaves the sequence's open steps (its
+// latest open step reverts to the one before), and the sequence's length moves to the step's
+// end (`committed`) or the change is undone (RestoreSequence), the sequence erased when nothing
+// of it is left. Used by Finalize and by a Plan that fails after allocating.
+void EndSequenceChange(CacheEntry& cache, const StepEntry& step, const SequenceChange& change,
+                       bool committed);
 // A committing step lets go of the pages its copies replaced, and makes the copies of layers it
 // never ran (an early commit) so the copied prefix is whole in every layer. Under State::mu.
 void CommitCopies(CacheEntry& cache, StepEntry& step);

@@ -110,6 +110,23 @@ void RestoreSequence(Sequence& sequence, const SequenceChange& change) {
   }
 }
 
+void EndSequenceChange(CacheEntry& cache, const StepEntry& step, const SequenceChange& change,
+                       bool committed) {
+  auto it = cache.sequences.find(change.sequence_id);
+  if (it == cache.sequences.end()) return;
+  Sequence& sequence = it->second;
+  --sequence.open_steps;
+  if (sequence.last_step.lock().get() == &step) sequence.last_step = change.previous_step;
+  if (committed) {
+    sequence.length = change.new_length;
+    return;
+  }
+  RestoreSequence(sequence, change);
+  if (sequence.open_steps == 0 && sequence.length == 0 && sequence.pages.empty()) {
+    cache.sequences.erase(it);
+  }
+}
+
 void CommitCopies(CacheEntry& cache, StepEntry& step) {
   if (step.batch == nullptr || step.batch->page_copies.empty()) return;
   for (size_t layer = 0; layer < step.layers.size(); ++layer) {

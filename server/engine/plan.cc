@@ -470,13 +470,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   if (!backend_step.ok()) {
     // Undo the allocation: nothing of this step may survive.
     for (const SequenceChange& change : step->changes) {
-      Sequence& sequence = cache->sequences[change.sequence_id];
-      RestoreSequence(sequence, change);
-      --sequence.open_steps;
-      sequence.last_step = change.previous_step;
-      if (sequence.open_steps == 0 && sequence.length == 0 && sequence.pages.empty()) {
-        cache->sequences.erase(change.sequence_id);
-      }
+      EndSequenceChange(*cache, *step, change, /*committed=*/false);
     }
     cache->allocator->Free(step->fresh_pages);
     return absl::Status(backend_step.status().code(),
