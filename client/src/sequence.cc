@@ -75,8 +75,15 @@ absl::StatusOr<attnd::v1::ImportSequenceResponse> ImportSequence(Client& client,
     absl::StatusOr<bool> more = source(message);
     if (!more.ok()) {
       sourced = more.status();
-      // The daemon must not publish a partial sequence: cancel rather than half-close.
-      context->TryCancel();
+      // The daemon must not publish a partial sequence, and the id must be free again when
+      // this returns: an abort message (a cancel would be cleaned up after Finish returned).
+      request.Clear();
+      if (first) {
+        request.set_cache(std::string(cache));
+        request.set_sequence_id(sequence_id);
+      }
+      request.set_abort(true);
+      writer->Write(request);  // false when the daemon already finished: Finish says why
       break;
     }
     if (!*more) break;

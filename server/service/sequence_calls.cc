@@ -220,7 +220,10 @@ SequenceImporter::SequenceImporter(const ServiceContext& context, Tenant tenant)
 absl::Status SequenceImporter::Receive(const v1::ImportSequenceRequest& request) {
   ++messages_;
   absl::Status status;
-  if (import_ == nullptr) {
+  if (request.item_case() == v1::ImportSequenceRequest::kAbort) {
+    status = absl::AbortedError(
+        absl::StrCat("abort: the client gave up the import at message ", messages_));
+  } else if (import_ == nullptr) {
     status = Begin(request);
   } else if (request.item_case() != v1::ImportSequenceRequest::kChunk) {
     status = absl::InvalidArgumentError(absl::StrCat(

@@ -221,6 +221,39 @@ TEST_F(ExportImportTest, MalformedStreamsAreRefusedByField) {
   }
 }
 
+TEST_F(ExportImportTest, AbortMessageFreesTheImportBeforeTheAnswer) {
+  std::vector<attnd::v1::ExportSequenceResponse> messages = ExportAll(client(), "a", 1);
+  ASSERT_GE(messages.size(), 3u);
+  for (const size_t sent : {size_t{0}, size_t{1}, size_t{2}}) {
+    SCOPED_TRACE(sent);
+    auto context = client().NewContext(/*with_deadline=*/false);
+    attnd::v1::ImportSequenceResponse response;
+    auto writer = client().stub().ImportSequence(context.get(), &response);
+    attnd::v1::ImportSequenceRequest request;
+    for (size_t i = 0; i < sent; ++i) {
+      request.Clear();
+      if (i == 0) {
+        request.set_cache("b");
+        request.set_sequence_id(1);
+        *request.mutable_header() = messages[0].header();
+      } else {
+        *request.mutable_chunk() = messages[i].chunk();
+      }
+      ASSERT_TRUE(writer->Write(request));
+    }
+    request.Clear();
+    if (sent == 0) request.set_cache("b");
+    request.set_abort(true);
+    writer->Write(request);
+    writer->WritesDone();
+    const grpc::Status status = writer->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr("abort"));
+    // No wait: the id and pages are free once the answer is in.
+    ExpectTargetUntouched();
+  }
+}
+
 TEST_F(ExportImportTest, ImportThatDoesNotFitIsResourceExhausted) {
   ASSERT_OK(client().CreateCache("tiny", SmallConfig(3)).status());
   absl::StatusOr<attnd::v1::ImportSequenceResponse> imported =
