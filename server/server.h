@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "plan/pod_choice.h"
 
 namespace attnd {
 
@@ -59,6 +60,10 @@ struct ServerOptions {
   // KV budget: bytes, or when 0 a fraction of free device memory (CUDA) / 1 GiB (CPU).
   int64_t kv_memory_bytes = 0;
   double kv_memory_fraction = 0.9;
+  // CUDA backend: when a mixed step runs as one POD launch (plan/pod_choice.h), and how the
+  // completion threads wait for a layer ("blocking" or "spin"; "" = blocking).
+  plan::PodMode pod_mode = plan::PodMode::kAuto;
+  std::string cuda_completion_wait;
   ServerLimitsOptions limits;
   TlsServerOptions tls;
   KeepaliveServerOptions keepalive;

@@ -15,7 +15,7 @@
 #include "attnd/kernels/cuda/decode.h"
 #include "attnd/kernels/cuda/merge.h"
 #include "attnd/status_macros.h"
-#include "cuda_check.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "vec.cuh"
 
 namespace attnd::cuda {

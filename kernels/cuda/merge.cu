@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/cuda/merge.h"
-#include "cuda_check.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "vec.cuh"
 
 namespace attnd::cuda {

@@ -8,7 +8,7 @@
 #include "attnd/kernels/cuda/merge.h"
 #include "attnd/kernels/cuda/mla_decode.h"
 #include "attnd/status_macros.h"
-#include "cuda_check.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "mla_decode_kernel.cuh"
 
 namespace attnd::cuda {

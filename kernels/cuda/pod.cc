@@ -6,7 +6,7 @@
 #include <string>
 
 #include "attnd/status_macros.h"
-#include "cuda_check.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "pod_params.h"
 #include "prefill_launch.h"
 

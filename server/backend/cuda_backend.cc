@@ -11,15 +11,15 @@
 #include "attnd/status_macros.h"
 #include "backend/cuda_cache.h"
 #include "backend/cuda_memory.h"
-#include "backend/cuda_range_allocator.h"
-#include "backend/pod_choice.h"
-#include "cuda/cuda_check.h"
+#include "plan/range_allocator.h"
+#include "plan/pod_choice.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 
 namespace attnd {
 namespace {
 
 using cuda_backend::CudaCache;
-using cuda_backend::RangeAllocator;
+using plan::RangeAllocator;
 
 // Kernels are loaded when the CUDA context is created rather than at their first launch (the
 // runtime's default is lazy loading, which made the first layer of the first step take 5.5 ms
@@ -171,11 +171,7 @@ class CudaBackend final : public Backend {
 };
 
 absl::StatusOr<cuda_backend::CompletionWait> CompletionWaitOf(const CudaBackendOptions& options) {
-  std::string name = options.completion_wait;
-  if (name.empty()) {
-    const char* from_environment = std::getenv("ATTND_CUDA_COMPLETION");
-    name = from_environment != nullptr ? from_environment : "";
-  }
+  const std::string& name = options.completion_wait;
   if (name.empty() || name == "blocking") return cuda_backend::CompletionWait::kBlockingSync;
   if (name == "spin") return cuda_backend::CompletionWait::kSpin;
   return absl::InvalidArgumentError(
@@ -227,9 +223,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   info.device_memory_bytes = static_cast<int64_t>(properties.totalGlobalMem);
   info.kv_budget_bytes = budget;
   info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index", "channel_host_shm", "channel_cuda_ipc"};
-  // Mixed steps may run as one POD launch unless ATTND_POD=off (pod_choice.h).
-  const absl::StatusOr<cuda_backend::PodMode> pod_mode = cuda_backend::PodModeFromEnvironment();
-  if (!pod_mode.ok() || *pod_mode != cuda_backend::PodMode::kOff) info.extensions.push_back("pod");
+  // Mixed steps may run as one POD launch unless --pod=off (pod_choice.h).
+  if (options.pod_mode != plan::PodMode::kOff) info.extensions.push_back("pod");
   return std::unique_ptr<CudaBackend>(new CudaBackend(
       options, info,
       std::make_shared<KvReservation>(static_cast<uint8_t*>(reservation), budget), wait));
@@ -243,7 +238,7 @@ absl::StatusOr<std::unique_ptr<BackendCache>> CudaBackend::CreateCache(
     reservation->Free(offset, bytes);
   };
   auto cache = CudaCache::Create(geometry, reservation_->base() + offset, device_, wait_,
-                                 options_.observer, release);
+                                 options_.pod_mode, options_.observer, release);
   if (!cache.ok()) {  // the failed cache gave its range back
     return absl::Status(cache.status().code(),
                         absl::StrCat("set up the cache on the GPU: ", cache.status().message()));

@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
+#include "plan/pod_choice.h"
 
 namespace attnd {
 
@@ -23,9 +24,10 @@ struct CudaBackendOptions {
   double kv_memory_fraction = 0.9;  // of the device memory free at start, in (0, 1]
   BackendObserver* observer = nullptr;  // may be null; must outlive the backend
   // How the completion threads wait for a layer's outputs (cuda_cache.h, CompletionWait):
-  // "blocking" or "spin". Empty: the environment variable ATTND_CUDA_COMPLETION when set (for
-  // measuring both), else "blocking".
+  // "blocking" or "spin" (attnd's --cuda_completion, for measuring both). Empty: "blocking".
   std::string completion_wait;
+  // When a mixed step runs as one POD launch (plan/pod_choice.h; attnd's --pod).
+  plan::PodMode pod_mode = plan::PodMode::kAuto;
 };
 
 // Visible CUDA devices; 0 on any error (no driver, no device), so callers can fall back.
