@@ -125,7 +125,7 @@ bool IsSplitPlanned(int32_t rows) { return rows <= kMlaSplitMaxQueryTokens; }
 bool IsUnsplit(int32_t rows) { return rows > kMlaSplitMaxQueryTokens; }
 
 // Every row of an MLA step in one plan: the short requests planned with KV-split as the options
-// say, the long ones unsplit (cuda_step_plan.h), their units first (the longest CTAs lead the
+// say, the long ones unsplit (step_plan.h), their units first (the longest CTAs lead the
 // launch order, as the planner orders its own).
 absl::StatusOr<MlaPlan> PlanMla(const StepBatch& batch, const StepPlanContext& context,
                                       bool any_unsplit) {

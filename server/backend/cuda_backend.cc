@@ -7,13 +7,13 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/mla_decode.h"
 #include "attnd/status_macros.h"
 #include "backend/cuda_cache.h"
 #include "backend/cuda_memory.h"
-#include "plan/range_allocator.h"
 #include "plan/pod_choice.h"
-#include "attnd/kernels/cuda/cuda_check.h"
+#include "plan/range_allocator.h"
 
 namespace attnd {
 namespace {
@@ -32,7 +32,7 @@ bool IsPowerOfTwo(int64_t value) { return value > 0 && (value & (value - 1)) == 
 // What the CUDA kernels take; the service validates most of this already, so a refusal here
 // names the limit of this backend rather than of the API.
 // MLA caches: one latent "head" (ckv in the K pool, kpe in the V pool), served by the MLA
-// decode kernel for every row (cuda_step_plan.h).
+// decode kernel for every row (plan/step_plan.h).
 absl::Status CheckMlaSupported(const CacheGeometry& g) {
   auto unsupported = [](absl::string_view what) {
     return absl::UnimplementedError(

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/decode.h"
 #include "attnd/kernels/cuda/mla_decode.h"
 #include "attnd/kernels/cuda/pod.h"
@@ -12,7 +13,6 @@
 #include "backend/cuda_step.h"
 #include "channel/host_shm_channel.h"
 #include "plan/step_plan.h"
-#include "attnd/kernels/cuda/cuda_check.h"
 
 namespace attnd::cuda_backend {
 
@@ -56,7 +56,7 @@ absl::Status CudaCache::Init(int device, plan::PodMode pod_mode) {
                                          cudaMemcpyHostToDevice, stream));
   }
   if (geometry_.mla) {
-    // Every MLA row runs the MLA decode kernel (cuda_step_plan.h); no MHA kernel is set up.
+    // Every MLA row runs the MLA decode kernel (plan/step_plan.h); no MHA kernel is set up.
     ASSIGN_OR_RETURN(mla_ctas_per_wave_,
                      cuda::MlaDecodeCtasPerWave({geometry_.q_dtype, geometry_.kv_dtype,
                                                  geometry_.k_head_dim, geometry_.v_head_dim}));

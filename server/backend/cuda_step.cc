@@ -6,12 +6,12 @@
 #include <cuda_runtime_api.h>
 
 #include "attnd/kernels/cuda/append.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/decode.h"
-#include "attnd/kernels/cuda/pod.h"
 #include "attnd/kernels/cuda/mla_decode.h"
+#include "attnd/kernels/cuda/pod.h"
 #include "attnd/kernels/cuda/prefill.h"
 #include "attnd/status_macros.h"
-#include "attnd/kernels/cuda/cuda_check.h"
 
 namespace attnd::cuda_backend {
 namespace {

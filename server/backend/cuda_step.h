@@ -16,8 +16,8 @@
 
 #include "backend/backend.h"
 #include "backend/cuda_cache.h"
-#include "plan/step_plan.h"
 #include "backend/cuda_step_resources.h"
+#include "plan/step_plan.h"
 
 namespace attnd::cuda_backend {
 

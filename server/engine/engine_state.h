@@ -1,5 +1,5 @@
-// Internal state of the Engine, shared by engine.cc (caches, plan) and step_runner.cc (forward,
-// commit, rollback). Everything here is guarded by State::mu.
+// Internal state of the Engine, shared by engine.cc (caches, commit, rollback), plan.cc (Plan),
+// forward.cc (Forward, EndStep) and channels.cc (channel steps). Everything here is guarded by State::mu.
 #pragma once
 
 #include <cstdint>

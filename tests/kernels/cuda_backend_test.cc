@@ -31,9 +31,9 @@
 #include "backend/backend_factory.h"
 #include "backend/cpu_backend.h"
 #include "backend/cuda_backend.h"
-#include "plan/pod_choice.h"
 #include "cuda_backend_test_util.h"
 #include "gtest/gtest.h"
+#include "plan/pod_choice.h"
 
 namespace attnd {
 namespace {
@@ -493,10 +493,6 @@ std::vector<LayerInputs> RandomMlaInputs(const CacheGeometry& g, int64_t tokens,
   }
   return inputs;
 }
-
-// gtest prints a parameter in test listings and failures; without this, as raw bytes
-// (padding included), which change from build to build.
-void PrintTo(const MlaCacheConfig& c, std::ostream* os) { *os << c.name; }
 
 class CudaBackendMlaVsCpuTest : public ::testing::TestWithParam<MlaCacheConfig> {};
 

@@ -21,6 +21,7 @@
 #include "plan/prefill_plan.h"
 #include "prefill_test_util.h"
 #include "reference/attention.h"
+#include "step_batch_test_util.h"  // Input (tests/unit/plan)
 
 namespace attnd {
 namespace {
@@ -549,16 +550,7 @@ TEST(BatchPrefillTest, SanitizerSweep) {
 
 // --- Launcher argument checks (no GPU) ----------------------------------------------------
 
-plan::PrefillPlanInput Input(std::span<const int32_t> qo_indptr, std::span<const int32_t> kv_lengths,
-                             int32_t num_qo_heads, int32_t num_kv_heads, int32_t head_dim) {
-  plan::PrefillPlanInput input;
-  input.qo_indptr = qo_indptr;
-  input.kv_lengths = kv_lengths;
-  input.num_qo_heads = num_qo_heads;
-  input.num_kv_heads = num_kv_heads;
-  input.head_dim = head_dim;
-  return input;
-}
+using testing::Input;
 
 TEST(BatchPrefillArgsTest, RejectsMismatchedViewsBeforeTouchingTheDevice) {
   const std::vector<int32_t> qo_indptr = {0, 4};

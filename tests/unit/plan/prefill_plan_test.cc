@@ -9,20 +9,12 @@
 
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
+#include "step_batch_test_util.h"  // Input
 
 namespace attnd {
 namespace {
 
-plan::PrefillPlanInput Input(std::span<const int32_t> qo_indptr, std::span<const int32_t> kv_lengths,
-                             int32_t num_qo_heads, int32_t num_kv_heads, int32_t head_dim) {
-  plan::PrefillPlanInput input;
-  input.qo_indptr = qo_indptr;
-  input.kv_lengths = kv_lengths;
-  input.num_qo_heads = num_qo_heads;
-  input.num_kv_heads = num_kv_heads;
-  input.head_dim = head_dim;
-  return input;
-}
+using testing::Input;
 
 TEST(PrefillPlanTest, PicksTheQueryTilePerRequestFromItsOwnLength) {
   EXPECT_EQ(plan::PrefillQueryTileRows(1, 128), 16);

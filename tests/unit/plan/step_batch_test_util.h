@@ -1,5 +1,5 @@
 // Steps built the way the engine builds them, for the planner tests (tests/unit/plan) and the
-// CUDA backend's GPU tests (tests/kernels/cuda_backend_test_util.h). Plain C++: no backend.
+// GPU tests (tests/kernels/: the CUDA backend's and the prefill launcher's). Plain C++.
 #pragma once
 
 #include <algorithm>
@@ -8,13 +8,16 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <ostream>
 #include <random>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "attnd/kernels/cache_geometry.h"
 #include "attnd/kernels/step_batch.h"
+#include "plan/prefill_plan.h"
 
 namespace attnd::testing {
 
@@ -114,6 +117,10 @@ struct MlaCacheConfig {
   int32_t num_layers = 3;
 };
 
+// gtest prints a parameter in test listings and failures; without this, as raw bytes
+// (padding included), which change from build to build. Beside the type, for ADL.
+inline void PrintTo(const MlaCacheConfig& c, std::ostream* os) { *os << c.name; }
+
 inline CacheGeometry MlaGeometryOf(const MlaCacheConfig& config) {
   CacheGeometry g;
   g.mla = true;
@@ -142,6 +149,18 @@ inline StepOptions MlaOptions(const CacheGeometry& g) {
   options.params.v_scale = g.v_scale;
   options.return_lse = true;
   return options;
+}
+
+// The prefill planner's input over these arrays (which must outlive it), no wave sizes.
+inline plan::PrefillPlanInput Input(std::span<const int32_t> qo_indptr, std::span<const int32_t> kv_lengths,
+                             int32_t num_qo_heads, int32_t num_kv_heads, int32_t head_dim) {
+  plan::PrefillPlanInput input;
+  input.qo_indptr = qo_indptr;
+  input.kv_lengths = kv_lengths;
+  input.num_qo_heads = num_qo_heads;
+  input.num_kv_heads = num_kv_heads;
+  input.head_dim = head_dim;
+  return input;
 }
 
 }  // namespace attnd::testing

@@ -5,6 +5,10 @@
 
 namespace attnd {
 
+const char* ChannelKindName(ChannelKind kind) {
+  return kind == ChannelKind::kCudaIpc ? "CUDA_IPC" : "HOST_SHM";
+}
+
 void InputBytes::CopyTo(void* destination, int64_t bytes) const {
   auto* out = static_cast<uint8_t*>(destination);
   if (pieces.empty()) {
