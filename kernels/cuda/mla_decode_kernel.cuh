@@ -282,8 +282,10 @@ __global__ void __launch_bounds__(kThreads, 1) MlaDecodeKernel(const __grid_cons
       T* tile_base = mma_tile(stage);
       auto convert_chunk = [&](int row, int raw_byte, int first_chunk) {
         const uint4 bits = *reinterpret_cast<const uint4*>(raw + row * kDim + raw_byte);
-        ConvertFp8x16<T, Stored>(bits, *reinterpret_cast<uint4*>(tile_base + Swizzle<kDim>(row, first_chunk)),
-                                 *reinterpret_cast<uint4*>(tile_base + Swizzle<kDim>(row, first_chunk + 1)));
+        uint4 low, high;
+        ConvertFp8x16<T, Stored>(bits, low, high);
+        *reinterpret_cast<uint4*>(tile_base + Swizzle<kDim>(row, first_chunk)) = low;
+        *reinterpret_cast<uint4*>(tile_base + Swizzle<kDim>(row, first_chunk + 1)) = high;
       };
       constexpr int kRawCkvChunks = kRank / 16;
       constexpr int kCkvLoads = kTile * kRawCkvChunks / kThreads;

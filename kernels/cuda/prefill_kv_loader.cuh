@@ -106,9 +106,10 @@ struct KvTileLoader {
         const uint4 bits = *reinterpret_cast<const uint4*>(RawChunk(tile, raw, row, load));
         if constexpr (kNarrow) {
           // 16 fp8 values -> chunks 2 * load and 2 * load + 1.
-          ConvertFp8x16<T, Stored>(bits,
-                                   *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, 2 * load)),
-                                   *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, 2 * load + 1)));
+          uint4 low, high;
+          ConvertFp8x16<T, Stored>(bits, low, high);
+          *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, 2 * load)) = low;
+          *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, 2 * load + 1)) = high;
         } else {
           const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
           *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, load)) =

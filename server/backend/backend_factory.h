@@ -7,8 +7,8 @@
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
+#include "options.h"
 #include "plan/pod_choice.h"
-#include "server.h"
 
 namespace attnd {
 
