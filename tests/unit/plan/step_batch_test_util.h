@@ -10,6 +10,7 @@
 #include <numeric>
 #include <ostream>
 #include <random>
+#include <stdexcept>
 #include <span>
 #include <string>
 #include <utility>
@@ -90,6 +91,7 @@ class SequenceBook {
     int64_t length = 0;
   };
   static int32_t Take(std::vector<int32_t>& free) {
+    if (free.empty()) throw std::length_error("SequenceBook: the geometry's pages ran out");
     const int32_t page = free.back();
     free.pop_back();
     return page;

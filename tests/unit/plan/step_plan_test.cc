@@ -160,7 +160,8 @@ TEST(MlaStepPlanTest, CoversEveryRowOnceAndNeverSplitsPrefillRows) {
 TEST(MlaStepPlanTest, DeterministicChunkingDependsOnTheRequestAlone) {
   MlaCacheConfig config;
   config.num_heads = 128;
-  const CacheGeometry g = MlaGeometryOf(config);
+  CacheGeometry g = MlaGeometryOf(config);
+  g.num_pages = 256;  // sequences of 5000 and 3000 keys: 127 pages of 64 tokens
   const plan::StepPlanContext context = MlaContext(g);
   StepOptions options = MlaOptions(g);
   options.deterministic = true;
