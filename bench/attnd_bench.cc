@@ -6,9 +6,12 @@
 // with events (median of the replays, divided by N). Each case reports its time and the
 // fraction of the device-to-device copy bandwidth measured at the start of the same run.
 //
-//   attnd_bench [--decode] [--append] [--quick] [--variants] [--csv=PATH]
+//   attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14]
+//               [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH]
 // (no case flag: both). --quick runs a reduced sweep; --variants adds decode cases with pinned
-// chunk sizes next to the planner's choice.
+// chunk sizes next to the planner's choice; --issue14 runs only the decode shapes of issue 14's
+// table. --decode-kernel forces the decode kernel (default auto: the planner's choice); "all"
+// runs every case with each of auto, cuda_core and tensor_core (names suffixed _auto, _cc, _tc).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -89,6 +92,13 @@ struct DecodeSpec {
   std::string name;
   std::vector<int64_t> lengths;
   int32_t fixed_split_tokens = 0;  // variants: a pinned chunk instead of the planner's
+  plan::DecodeKernelChoice kernel = plan::DecodeKernelChoice::kAuto;
+};
+
+// Both decode kernels' waves for the standard shape (measured occupancy x SMs).
+struct DecodeWaves {
+  int32_t cuda_core = 0;
+  int32_t tensor_core = 0;
 };
 
 // Normwise relative error of GPU rows (bf16) against the float64 reference for a few requests,
@@ -149,7 +159,7 @@ double CheckDecode(const std::vector<int64_t>& lengths, const std::vector<int32_
   return std::isnan(diff) ? NAN : std::sqrt(diff / std::max(norm, 1e-30));
 }
 
-Result RunDecode(const DecodeSpec& spec, int32_t ctas_per_wave, cudaStream_t stream) {
+Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t stream) {
   Result result;
   result.kind = "decode";
   result.name = spec.name;
@@ -197,7 +207,10 @@ Result RunDecode(const DecodeSpec& spec, int32_t ctas_per_wave, cudaStream_t str
   std::iota(qo_indptr.begin(), qo_indptr.end(), 0);
   plan::DecodePlanOptions options;
   options.num_kv_heads = kKvHeads;
-  options.ctas_per_wave = ctas_per_wave;
+  options.ctas_per_wave = waves.cuda_core;
+  options.tensor_core_supported = true;
+  options.tensor_core_ctas_per_wave = waves.tensor_core;
+  options.kernel_choice = spec.kernel;
   options.fixed_split_tokens = spec.fixed_split_tokens;
   auto plan = plan::PlanBatchDecode(qo_indptr, spec.lengths, options);
   CHECK_OK(plan.status());
@@ -232,7 +245,8 @@ Result RunDecode(const DecodeSpec& spec, int32_t ctas_per_wave, cudaStream_t str
   CHECK_CUDA(cudaStreamSynchronize(stream));
   const double error = CheckDecode(spec.lengths, indptr, k_indices[0], k_pool, v_pool, q, o, params);
   char note[160];
-  std::snprintf(note, sizeof note, "chunk=%d items=%d sets=%d err=%.1e%s", plan->kv_chunk_tokens,
+  std::snprintf(note, sizeof note, "kernel=%s chunk=%d items=%d sets=%d err=%.1e%s",
+                plan->kernel == plan::DecodeKernel::kTensorCore ? "tc" : "cc", plan->kv_chunk_tokens,
                 plan->num_items(), sets, error, error <= 1e-2 ? "" : " FAILED CHECK");
   result.note = note;
 
@@ -258,6 +272,37 @@ std::vector<DecodeSpec> DecodeVariants(const std::vector<DecodeSpec>& specs) {
     }
   }
   return variants;
+}
+
+// The decode rows of issue 14's table (FlashInfer's figures to beat).
+std::vector<DecodeSpec> Issue14DecodeSpecs() {
+  std::vector<DecodeSpec> specs;
+  for (const auto& [batch, length] : {std::pair{1, 4096}, std::pair{1, 8192}, std::pair{16, 1024},
+                                      std::pair{16, 4096}, std::pair{64, 4096}, std::pair{128, 4096},
+                                      std::pair{256, 32768}}) {
+    specs.push_back({"b" + std::to_string(batch) + "_kv" + std::to_string(length),
+                     std::vector<int64_t>(batch, length)});
+  }
+  return specs;
+}
+
+// Every spec once per kernel choice in `choices`, suffixed when there is more than one.
+std::vector<DecodeSpec> WithKernels(const std::vector<DecodeSpec>& specs,
+                                    const std::vector<plan::DecodeKernelChoice>& choices) {
+  std::vector<DecodeSpec> out;
+  for (const DecodeSpec& spec : specs) {
+    for (plan::DecodeKernelChoice choice : choices) {
+      DecodeSpec variant = spec;
+      variant.kernel = choice;
+      if (choices.size() > 1) {
+        variant.name += choice == plan::DecodeKernelChoice::kAuto       ? "_auto"
+                        : choice == plan::DecodeKernelChoice::kCudaCore ? "_cc"
+                                                                        : "_tc";
+      }
+      out.push_back(variant);
+    }
+  }
+  return out;
 }
 
 std::vector<DecodeSpec> DecodeSpecs(bool quick) {
@@ -462,7 +507,8 @@ void PrintDevice() {
 }
 
 int Main(int argc, char** argv) {
-  bool decode = false, append = false, quick = false, variants = false;
+  bool decode = false, append = false, quick = false, variants = false, issue14 = false;
+  std::vector<plan::DecodeKernelChoice> kernels = {plan::DecodeKernelChoice::kAuto};
   std::string csv_path;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -474,10 +520,24 @@ int Main(int argc, char** argv) {
       quick = true;
     } else if (arg == "--variants") {
       variants = true;
+    } else if (arg == "--issue14") {
+      issue14 = true;
+      decode = true;
+    } else if (arg == "--decode-kernel=auto") {
+      kernels = {plan::DecodeKernelChoice::kAuto};
+    } else if (arg == "--decode-kernel=cuda_core") {
+      kernels = {plan::DecodeKernelChoice::kCudaCore};
+    } else if (arg == "--decode-kernel=tensor_core") {
+      kernels = {plan::DecodeKernelChoice::kTensorCore};
+    } else if (arg == "--decode-kernel=all") {
+      kernels = {plan::DecodeKernelChoice::kAuto, plan::DecodeKernelChoice::kCudaCore,
+                 plan::DecodeKernelChoice::kTensorCore};
     } else if (arg.rfind("--csv=", 0) == 0) {
       csv_path = arg.substr(6);
     } else {
-      std::fprintf(stderr, "usage: attnd_bench [--decode] [--append] [--quick] [--variants] [--csv=PATH]\n");
+      std::fprintf(stderr,
+                   "usage: attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14]\n"
+                   "                   [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH]\n");
       return 2;
     }
   }
@@ -506,14 +566,21 @@ int Main(int argc, char** argv) {
     results.push_back(r);
   };
   if (decode) {
-    auto ctas = cuda::DecodeCtasPerWave({DType::kBFloat16, DType::kBFloat16, kHeadDim, kQoHeads / kKvHeads});
+    const cuda::DecodeKernelConfig config{DType::kBFloat16, DType::kBFloat16, kHeadDim, kQoHeads / kKvHeads};
+    auto ctas = cuda::DecodeCtasPerWave(config);
     CHECK_OK(ctas.status());
-    std::printf("decode: Hq %d Hkv %d D %d bf16 NHD page %d; %d CTAs per wave (measured occupancy x SMs)\n",
-                kQoHeads, kKvHeads, kHeadDim, kPageSize, *ctas);
-    const std::vector<DecodeSpec> specs = DecodeSpecs(quick);
-    for (const DecodeSpec& spec : specs) report(RunDecode(spec, *ctas, stream));
+    auto tensor_ctas = cuda::TensorCoreDecodeCtasPerWave(config);
+    CHECK_OK(tensor_ctas.status());
+    const DecodeWaves waves{*ctas, *tensor_ctas};
+    std::printf("decode: Hq %d Hkv %d D %d bf16 NHD page %d; CTAs per wave (measured occupancy x SMs): "
+                "CUDA-core kernel %d, tensor-core kernel %d\n",
+                kQoHeads, kKvHeads, kHeadDim, kPageSize, waves.cuda_core, waves.tensor_core);
+    const std::vector<DecodeSpec> specs = issue14 ? Issue14DecodeSpecs() : DecodeSpecs(quick);
+    for (const DecodeSpec& spec : WithKernels(specs, kernels)) report(RunDecode(spec, waves, stream));
     if (variants) {
-      for (const DecodeSpec& spec : DecodeVariants(specs)) report(RunDecode(spec, *ctas, stream));
+      for (const DecodeSpec& spec : WithKernels(DecodeVariants(specs), kernels)) {
+        report(RunDecode(spec, waves, stream));
+      }
     }
   }
   if (append) {

@@ -1,4 +1,5 @@
 // attnd: flags -> ServerOptions -> Server. Nothing else reads flags.
+#include <algorithm>
 #include <cstdlib>
 #include <csignal>
 #include <cstdio>
@@ -6,10 +7,13 @@
 #include <string>
 #include <vector>
 
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "server.h"
 #include "util/exit_watchdog.h"
@@ -19,12 +23,20 @@ ABSL_FLAG(std::string, listen_address, "0.0.0.0:50051", "gRPC listen address (ho
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9400",
           "Prometheus /metrics listen address (host:port); empty disables it");
 ABSL_FLAG(std::string, backend, "auto", "auto (CUDA when a GPU is present), cuda or cpu");
+ABSL_FLAG(std::string, devices, "",
+          "Devices to place caches on, comma-separated CUDA ordinals (0,1,...); empty = every "
+          "visible GPU. With the CPU backend: devices to pretend to have (default one, 0)");
 ABSL_FLAG(int64_t, kv_memory_bytes, 0,
-          "KV budget in bytes; 0 = kv_memory_fraction of free GPU memory (CUDA) or 1 GiB (CPU)");
+          "KV budget in bytes per device; 0 = kv_memory_fraction of free GPU memory (CUDA) or "
+          "1 GiB (CPU)");
 ABSL_FLAG(double, kv_memory_fraction, 0.9, "Fraction of free GPU memory reserved for KV pools");
 ABSL_FLAG(std::string, pod, "",
           "CUDA backend: mixed prefill/decode steps as one POD launch: auto (a measured rule), on "
           "or off; empty: the environment variable ATTND_POD, else auto");
+ABSL_FLAG(std::string, decode_kernel, "",
+          "CUDA backend: the decode kernel: auto (the planner's per-step choice), cuda_core or "
+          "tensor_core (forced, for measurements; a cache without it stays on auto); empty: the "
+          "environment variable ATTND_DECODE_KERNEL, else auto");
 ABSL_FLAG(std::string, cuda_completion, "",
           "CUDA backend: how completion threads wait for a layer: blocking or spin; empty: the "
           "environment variable ATTND_CUDA_COMPLETION, else blocking");
@@ -126,6 +138,20 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "attnd: --backend: expected auto, cuda or cpu, got '%s'\n", backend.c_str());
     return 2;
   }
+  for (const absl::string_view ordinal :
+       absl::StrSplit(absl::GetFlag(FLAGS_devices), ',', absl::SkipEmpty())) {
+    int32_t parsed = 0;
+    if (!absl::SimpleAtoi(ordinal, &parsed) || parsed < 0) {
+      std::fprintf(stderr, "attnd: --devices: expected device ordinals >= 0 separated by commas, "
+                   "got '%s'\n", absl::GetFlag(FLAGS_devices).c_str());
+      return 2;
+    }
+    if (std::find(options.devices.begin(), options.devices.end(), parsed) != options.devices.end()) {
+      std::fprintf(stderr, "attnd: --devices: device %d is listed twice\n", parsed);
+      return 2;
+    }
+    options.devices.push_back(parsed);
+  }
   options.kv_memory_bytes = absl::GetFlag(FLAGS_kv_memory_bytes);
   options.kv_memory_fraction = absl::GetFlag(FLAGS_kv_memory_fraction);
   // The environment variables are the flags' fallbacks (older scripts set them); nothing past
@@ -138,6 +164,16 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.pod_mode = *pod_mode;
+  const std::string decode_kernel = absl::GetFlag(FLAGS_decode_kernel);
+  const absl::StatusOr<attnd::plan::DecodeKernelChoice> decode_kernel_choice =
+      decode_kernel.empty() ? attnd::plan::DecodeKernelChoiceFromEnvironment()
+                            : attnd::plan::ParseDecodeKernelChoice(decode_kernel);
+  if (!decode_kernel_choice.ok()) {
+    std::fprintf(stderr, "attnd: --decode_kernel: %s\n",
+                 std::string(decode_kernel_choice.status().message()).c_str());
+    return 2;
+  }
+  options.decode_kernel = *decode_kernel_choice;
   options.cuda_completion_wait = absl::GetFlag(FLAGS_cuda_completion);
   if (options.cuda_completion_wait.empty()) {
     const char* from_environment = std::getenv("ATTND_CUDA_COMPLETION");

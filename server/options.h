@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/time/time.h"
+#include "plan/decode_choice.h"
 #include "plan/pod_choice.h"
 
 namespace attnd {
@@ -56,12 +58,18 @@ struct ServerOptions {
   // Prometheus exposer address ("" disables it); port 0 picks a free port.
   std::string metrics_address = "0.0.0.0:9400";
   BackendKind backend = BackendKind::kAuto;
-  // KV budget: bytes, or when 0 a fraction of free device memory (CUDA) / 1 GiB (CPU).
+  // Devices to place caches on (--devices): CUDA ordinals; empty = every visible GPU. The CPU
+  // backend pretends to have these devices (default one, 0), each with its own KV budget.
+  std::vector<int32_t> devices;
+  // KV budget per device: bytes, or when 0 a fraction of free device memory (CUDA) / 1 GiB
+  // (CPU).
   int64_t kv_memory_bytes = 0;
   double kv_memory_fraction = 0.9;
-  // CUDA backend: when a mixed step runs as one POD launch (plan/pod_choice.h), and how the
-  // completion threads wait for a layer ("blocking" or "spin"; "" = blocking).
+  // CUDA backend: when a mixed step runs as one POD launch (plan/pod_choice.h), which decode
+  // kernel the decode planner may use (plan/decode_choice.h), and how the completion threads
+  // wait for a layer ("blocking" or "spin"; "" = blocking).
   plan::PodMode pod_mode = plan::PodMode::kAuto;
+  plan::DecodeKernelChoice decode_kernel = plan::DecodeKernelChoice::kAuto;
   std::string cuda_completion_wait;
   ServerLimitsOptions limits;
   TlsServerOptions tls;

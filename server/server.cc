@@ -113,10 +113,12 @@ class ServerImpl final : public Server {
   absl::Status Init() {
     BackendFactoryOptions backend_options;
     backend_options.kind = options_.backend;
+    backend_options.devices = options_.devices;
     backend_options.kv_memory_bytes = options_.kv_memory_bytes;
     backend_options.kv_memory_fraction = options_.kv_memory_fraction;
     backend_options.observer = &relay_;
     backend_options.pod_mode = options_.pod_mode;
+    backend_options.decode_kernel = options_.decode_kernel;
     backend_options.cuda_completion_wait = options_.cuda_completion_wait;
     ASSIGN_OR_RETURN(backend_, MakeBackend(backend_options));
     const BackendInfo info = backend_->Info();
@@ -208,6 +210,10 @@ class ServerImpl final : public Server {
       LogInfo("authentication: none (no --token_file): every caller may use every cache");
     }
     LogInfo(absl::StrCat("metrics: per-cache labels ", cache_labels ? "on" : "off (cache=\"\")"));
+    for (const DeviceInfo& device : info.devices) {
+      LogInfo(absl::StrCat("device ", device.ordinal, ": ", device.name, ", KV budget ",
+                           device.kv_budget_bytes, " bytes"));
+    }
     LogInfo(absl::StrCat("serving attnd.v1.AttentionService on port ", port_, " (backend ",
                          info.name, ": ", info.device, ", KV budget ", info.kv_budget_bytes,
                          " bytes)", metrics_port_ ? absl::StrCat(", metrics on port ", metrics_port_)

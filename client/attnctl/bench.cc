@@ -517,10 +517,10 @@ int RunBench(const Args& args) {
   } else {
     if (!CapacityFlagGiven()) {
       BenchSettings sized = settings;
-      // A channel bench with micro-batches runs its pipelined phase after the timed steps:
-      // another steps + 3 tokens per sequence.
-      if (absl::GetFlag(FLAGS_transport) != "grpc" && settings.micro_batches > 1) {
-        sized.steps = 2 * settings.steps + 3;
+      // A CUDA_IPC bench runs a chained phase after the timed steps (another `steps` tokens
+      // per sequence) and, with micro-batches, a pipelined one (another steps + 3).
+      if (absl::GetFlag(FLAGS_transport) == "cuda_ipc") {
+        sized.steps = 2 * settings.steps + (settings.micro_batches > 1 ? settings.steps + 3 : 0);
       }
       config->set_num_pages(PagesNeeded(sized, config->page_size()) + settings.sequences);
     }

@@ -10,7 +10,8 @@
 // its kernel time; per-layer time of the timed decode steps as the client sees it (CUDA_IPC:
 // between the events after consecutive done waits, minus the emulator's fill; HOST_SHM: ready
 // set to done seen), minus the mean kernel time of a layer (GetStats) = overhead; steps/s and
-// the kernels-only rate.
+// the kernels-only rate; over CUDA_IPC also chained steps (each planned on top of the previous
+// one while it runs) against the kernels-only rate and against kernels + the emulator's fill.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -101,6 +102,20 @@ class ChannelBench {
 
     // The prompt: as many sequences per step as max_tokens holds.
     const int32_t per_step = std::max(1, max_tokens / std::max(1, settings_.prompt_tokens));
+    if (settings_.prompt_tokens > 0) {
+      // One untimed prompt step of the same shape on other sequences, freed after: the first
+      // launches of each kernel (module loading) and first touches are not the step's cost.
+      Entries warmup;
+      std::vector<uint64_t> ids;
+      for (int32_t s = 0; s < std::min(settings_.sequences, per_step); ++s) {
+        ids.push_back(settings_.first_id + settings_.sequences + s);
+        warmup.push_back({ids.back(), settings_.prompt_tokens});
+      }
+      if (!RunStep(warmup, kPlain, nullptr)) return kExitFailure;
+      if (auto freed = client_.FreeSequences(cache_.name(), ids); !freed.ok()) {
+        return Fail("free the warm-up sequences", freed.status());
+      }
+    }
     absl::Duration prompt_wall;
     double prompt_kernels = 0;
     int64_t prompt_tokens = 0;
@@ -117,6 +132,7 @@ class ChannelBench {
         return kExitFailure;
       }
       const absl::Duration wall = last_step_wall_;
+      if (first == 0) prompt_plan_ = last_plan_wall_;
       auto after = client_.GetStats();
       absl::FPrintF(stderr, "bench: prompt step of %d sequences in %.3f ms\n", entries.size(),
                     absl::ToDoubleMilliseconds(wall));
@@ -132,6 +148,17 @@ class ChannelBench {
     for (int32_t i = 0; i < settings_.warmup_steps; ++i) {
       if (!RunStep(decode, i == 0 && checked_ > 0 ? kCheck : kPlain, nullptr)) {
         return kExitFailure;
+      }
+    }
+    if (stream_) {
+      // What the client's own kernel costs per layer, to tell it apart from attnd's overhead.
+      absl::StatusOr<double> fill = MeasureFillUs(settings_.sequences);
+      if (!fill.ok()) return Fail("timing the emulator's fill", fill.status());
+      fill_us_ = *fill;
+      if (prompt_tokens > 0) {
+        fill = MeasureFillUs(prompt_tokens);
+        if (!fill.ok()) return Fail("timing the emulator's fill", fill.status());
+        prompt_fill_us_ = *fill;
       }
     }
     auto before = client_.GetStats();
@@ -151,6 +178,12 @@ class ChannelBench {
     const double p99 = absl::ToDoubleMicroseconds(latency_.Percentile(99));
     const double steps_per_second = settings_.steps / absl::ToDoubleSeconds(wall);
     const double kernel_rate = kernels > 0 ? settings_.steps / kernels : 0;
+    Chained chained;
+    if (stream_) {
+      absl::StatusOr<Chained> ran = RunChained(decode, settings_.steps);
+      if (!ran.ok()) return Fail("chained steps", ran.status());
+      chained = *ran;
+    }
     Pipelined pipelined;
     if (stream_ && settings_.micro_batches > 1) {
       absl::StatusOr<Pipelined> ran = RunPipelined(settings_.micro_batches);
@@ -166,7 +199,23 @@ class ChannelBench {
                  p99 - kernel_us);
     absl::PrintF("  steps/s %.1f, kernels-only %.1f (%.0f%%)\n", steps_per_second, kernel_rate,
                  kernel_rate > 0 ? 100.0 * steps_per_second / kernel_rate : 0.0);
-    if (stream_) absl::PrintF("  emulator fill: %.1f us/layer\n", absl::ToDoubleMicroseconds(fill_us_.Mean()));
+    const double fill_us = fill_us_;
+    // The GPU work of a step either way: attnd's kernels and the emulator's fill of every layer.
+    const double gpu_rate =
+        kernels > 0 ? settings_.steps / (kernels + 1e-6 * fill_us * layers) : 0;
+    if (stream_) {
+      absl::PrintF("  emulator fill (GPU time): %.1f us/layer decode, %.1f us/layer prompt\n",
+                   fill_us, prompt_fill_us_);
+    }
+    if (chained.steps > 0) {
+      absl::PrintF("  chained (step N+1 planned while step N runs): %.1f steps/s, %.0f%% of "
+                   "kernels-only %.1f, %.0f%% of kernels + emulator fill %.1f\n",
+                   chained.steps_per_second,
+                   chained.kernel_rate > 0 ? 100.0 * chained.steps_per_second / chained.kernel_rate
+                                           : 0.0,
+                   chained.kernel_rate,
+                   gpu_rate > 0 ? 100.0 * chained.steps_per_second / gpu_rate : 0.0, gpu_rate);
+    }
     if (pipelined.rounds > 0) {
       absl::PrintF("  %d micro-batches pipelined (own channel and stream each): %.1f steps/s, "
                    "kernels-only %.1f (%.0f%%)\n",
@@ -176,10 +225,16 @@ class ChannelBench {
                        : 0.0);
     }
     if (prompt_tokens > 0) {
-      absl::PrintF("  prompt step: %d tokens in %.3f ms, kernels %.3f ms (%.2fx)%s\n",
-                   prompt_tokens, absl::ToDoubleMilliseconds(prompt_wall), prompt_kernels * 1e3,
-                   prompt_kernels > 0 ? absl::ToDoubleSeconds(prompt_wall) / prompt_kernels : 0,
-                   "");
+      const double prompt_ms = absl::ToDoubleMilliseconds(prompt_wall);
+      const double prompt_fill_ms = 1e-3 * prompt_fill_us_ * shape_.num_layers();
+      absl::PrintF("  prompt step: %d tokens in %.3f ms (Plan %.3f ms), kernels %.3f ms "
+                   "(%.2fx); without the emulator's fill (%.3f ms) %.3f ms (%.2fx)\n",
+                   prompt_tokens, prompt_ms, absl::ToDoubleMilliseconds(prompt_plan_),
+                   prompt_kernels * 1e3,
+                   prompt_kernels > 0 ? prompt_ms / (prompt_kernels * 1e3) : 0, prompt_fill_ms,
+                   prompt_ms - prompt_fill_ms,
+                   prompt_kernels > 0 ? (prompt_ms - prompt_fill_ms) / (prompt_kernels * 1e3)
+                                      : 0);
     }
     if (kind_ == attnd::v1::CHANNEL_KIND_HOST_SHM) {
       const double bytes = static_cast<double>(
@@ -192,12 +247,17 @@ class ChannelBench {
         "layer_p99_us=%.1f kernel_us_per_layer=%.1f overhead_p50_us=%.1f overhead_p99_us=%.1f "
         "steps_per_s=%.1f kernels_only_steps_per_s=%.1f prompt_tokens=%d prompt_ms=%.3f "
         "prompt_kernel_ms=%.3f checked=%s micro_batches=%d pipelined_steps_per_s=%.1f "
-        "pipelined_kernels_only_steps_per_s=%.1f\n",
+        "pipelined_kernels_only_steps_per_s=%.1f chained_steps_per_s=%.1f "
+        "chained_kernels_only_steps_per_s=%.1f fill_us_per_layer=%.1f "
+        "kernels_and_fill_steps_per_s=%.1f prompt_fill_us_per_layer=%.1f "
+        "prompt_plan_ms=%.3f\n",
         transport, settings_.sequences, shape_.num_layers(), settings_.steps, p50, p99, kernel_us,
         p50 - kernel_us, p99 - kernel_us, steps_per_second, kernel_rate, prompt_tokens,
         absl::ToDoubleMilliseconds(prompt_wall), prompt_kernels * 1e3,
         checked_ > 0 ? (check_failures_ == 0 ? "PASS" : "FAIL") : "off",
-        settings_.micro_batches, pipelined.steps_per_second, pipelined.kernel_rate);
+        settings_.micro_batches, pipelined.steps_per_second, pipelined.kernel_rate,
+        chained.steps_per_second, chained.kernel_rate, fill_us, gpu_rate, prompt_fill_us_,
+        absl::ToDoubleMilliseconds(prompt_plan_));
     return check_failures_ == 0 ? kExitOk : kExitFailure;
   }
 
@@ -207,6 +267,91 @@ class ChannelBench {
     double steps_per_second = 0;
     double kernel_rate = 0;
   };
+
+  struct Chained {
+    int32_t steps = 0;
+    double steps_per_second = 0;
+    double kernel_rate = 0;
+  };
+
+  // Enqueues every layer of a planned step on the bench stream: fill, ready, wait for done.
+  absl::Status EnqueueStep(const attnd::v1::PlanResponse& planned, int64_t step) {
+    void* stream = stream_->stream();
+    for (int32_t layer = 0; layer < shape_.num_layers(); ++layer) {
+      RETURN_IF_ERROR(FillLayer(*channel_, stream, step, layer, planned.num_tokens()));
+      RETURN_IF_ERROR(channel_->SetReadyOnStream(layer, planned.channel_sequence(), stream));
+      RETURN_IF_ERROR(channel_->WaitDoneOnStream(layer, planned.channel_sequence(), stream));
+    }
+    return absl::OkStatus();
+  }
+
+  // The GPU time of the emulator's fill of one layer of `rows` rows: fills of kRepeats layers
+  // enqueued behind a 5 ms hold of the stream (so the host's launch rate is not timed), between
+  // two events.
+  absl::StatusOr<double> MeasureFillUs(int64_t rows) {
+    constexpr int32_t kRepeats = 32;
+    const int first = shape_.num_layers() + 5;
+    RETURN_IF_ERROR(stream_->Synchronize());
+    RETURN_IF_ERROR(stream_->Sleep(5000));
+    RETURN_IF_ERROR(stream_->Record(first));
+    for (int32_t i = 0; i < kRepeats; ++i) {
+      RETURN_IF_ERROR(FillLayer(*channel_, stream_->stream(), /*step=*/i, i, rows));
+    }
+    RETURN_IF_ERROR(stream_->Record(first + 1));
+    RETURN_IF_ERROR(stream_->Synchronize());
+    return stream_->ElapsedMs(first, first + 1) * 1e3 / kRepeats;
+  }
+
+  absl::Status EndCommitted(uint64_t step_id) {
+    ASSIGN_OR_RETURN(const attnd::v1::EndStepResponse ended, client_.EndStep(step_id, false));
+    if (ended.outcome() != attnd::v1::STEP_OUTCOME_COMMITTED) {
+      return absl::InternalError(absl::StrCat("chained step ended ", ended.ShortDebugString()));
+    }
+    return absl::OkStatus();
+  }
+
+  // Decode steps as an engine that plans ahead runs them (DESIGN 3b): step N+1 is planned on
+  // top of step N and its layers enqueued while step N's run on the GPU; step N's EndStep (an
+  // outcome query by then) follows once the stream has passed it. The GPU never waits for Plan.
+  absl::StatusOr<Chained> RunChained(const Entries& entries, int32_t steps) {
+    attnd::v1::PlanRequest request;
+    request.set_cache(cache_.name());
+    request.set_channel_id(channel_->id());
+    for (const auto& [id, tokens] : entries) {
+      auto* entry = request.add_entries();
+      entry->set_sequence_id(id);
+      entry->set_num_new_tokens(tokens);
+    }
+    const int event = shape_.num_layers() + 3;  // two events after those of RunStep
+    ASSIGN_OR_RETURN(const attnd::v1::GetStatsResponse before, client_.GetStats());
+    const absl::Time start = absl::Now();
+    ASSIGN_OR_RETURN(attnd::v1::PlanResponse previous, client_.Plan(request));
+    RETURN_IF_ERROR(EnqueueStep(previous, step_count_++));
+    RETURN_IF_ERROR(stream_->Record(event));
+    for (int32_t i = 1; i < steps; ++i) {
+      ASSIGN_OR_RETURN(const attnd::v1::PlanResponse current, client_.Plan(request));
+      if (current.entries(0).start_position() != previous.entries(0).start_position() + 1) {
+        return absl::InternalError(absl::StrCat(
+            "a chained step starts at ", current.entries(0).start_position(),
+            ", not after the open step's token at ", previous.entries(0).start_position()));
+      }
+      RETURN_IF_ERROR(EnqueueStep(current, step_count_++));
+      RETURN_IF_ERROR(stream_->Record(event + i % 2));
+      RETURN_IF_ERROR(stream_->WaitEvent(event + (i - 1) % 2));
+      RETURN_IF_ERROR(EndCommitted(previous.step_id()));
+      previous = current;
+    }
+    RETURN_IF_ERROR(stream_->Synchronize());
+    RETURN_IF_ERROR(EndCommitted(previous.step_id()));
+    const absl::Duration wall = absl::Now() - start;
+    ASSIGN_OR_RETURN(const attnd::v1::GetStatsResponse after, client_.GetStats());
+    const double kernels = SecondsOfKernels(after) - SecondsOfKernels(before);
+    Chained result;
+    result.steps = steps;
+    result.steps_per_second = steps / absl::ToDoubleSeconds(wall);
+    result.kernel_rate = kernels > 0 ? steps / kernels : 0;
+    return result;
+  }
 
   // A micro-batch of the pipelined phase: its sequences, channel, stream and open step.
   struct MicroBatch {
@@ -360,6 +505,7 @@ class ChannelBench {
       entry->set_num_new_tokens(tokens);
     }
     auto planned = client_.Plan(plan);
+    last_plan_wall_ = absl::Now() - started;
     if (!planned.ok()) {
       Fail("Plan", planned.status());
       return false;
@@ -388,10 +534,7 @@ class ChannelBench {
       absl::Status status;
       if (stream_) {
         void* stream = stream_->stream();
-        const bool time_fill = latency != nullptr && layer == 0;
-        if (time_fill) status.Update(stream_->Record(num_layers + 1));
         status.Update(FillLayer(*channel_, stream, step, layer, rows));
-        if (time_fill) status.Update(stream_->Record(num_layers + 2));
         status.Update(channel_->SetReadyOnStream(layer, sequence, stream));
         status.Update(channel_->WaitDoneOnStream(layer, sequence, stream));
         status.Update(stream_->Record(layer));
@@ -418,11 +561,9 @@ class ChannelBench {
         return false;
       }
       if (latency != nullptr) {
-        const double fill_ms = stream_->ElapsedMs(num_layers + 1, num_layers + 2);
-        fill_us_.Record(absl::Microseconds(fill_ms * 1e3));
         for (int32_t layer = 0; layer < num_layers; ++layer) {
           const double ms = stream_->ElapsedMs(layer == 0 ? num_layers : layer - 1, layer);
-          latency->Record(absl::Microseconds((ms - fill_ms) * 1e3));
+          latency->Record(absl::Microseconds(ms * 1e3 - fill_us_));
         }
       }
     }
@@ -493,8 +634,11 @@ class ChannelBench {
   int64_t step_count_ = 0;
   std::map<std::pair<int, int64_t>, attnd::v1::ForwardRequest> host_inputs_;
   absl::Duration last_step_wall_;
+  absl::Duration last_plan_wall_;
+  absl::Duration prompt_plan_;
   LatencyRecorder latency_;
-  LatencyRecorder fill_us_;
+  double fill_us_ = 0;         // GPU time of the emulator's fill of a decode layer
+  double prompt_fill_us_ = 0;  // and of a prompt step's layer
 };
 
 }  // namespace

@@ -18,6 +18,7 @@ int RunInfo(const Args& args);
 int RunHealth(const Args& args);
 int RunStats(const Args& args);
 int RunCache(const Args& args);  // create | list | get | delete
+int RunSeq(const Args& args);    // fork | free | export | import
 int RunDemo(const Args& args);
 int RunBench(const Args& args);
 

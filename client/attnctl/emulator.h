@@ -19,30 +19,42 @@
 
 namespace attnd::attnctl {
 
-// A 16-bit element (bf16 when bf16, else fp16) of value in [-1, 1) with 7 random bits.
-ATTND_HOST_DEVICE inline uint16_t EmulatedElement(uint64_t seed, uint64_t index, bool bf16) {
-  uint64_t z = seed * 0x9E3779B97F4A7C15ull + index;
+// A 16-bit element (bf16 when bf16, else fp16) of value in [-1, 1) with 7 random bits. One
+// 64-bit hash of (seed, index / 4) gives four elements (a byte each): the fill kernel computes
+// one hash per four elements and stores them as one 8-byte word.
+ATTND_HOST_DEVICE inline uint64_t EmulatedHash(uint64_t seed, uint64_t group) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + group;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
+  return z ^ (z >> 31);
+}
+
+// The element of random byte `byte`.
+ATTND_HOST_DEVICE inline uint16_t EmulatedValue(uint32_t byte, bool bf16) {
   // m / 128 for m in [-128, 128): exact in both formats.
-  const int32_t m = static_cast<int32_t>(z & 0xFF) - 128;
+  const int32_t m = static_cast<int32_t>(byte & 0xFF) - 128;
   if (m == 0) return 0;
   const uint32_t sign = m < 0 ? 1u : 0u;
-  uint32_t magnitude = static_cast<uint32_t>(m < 0 ? -m : m);  // 1..128
-  int32_t exponent = 0;                                          // value = magnitude / 128
-  while (magnitude < 128) {
-    magnitude <<= 1;
-    --exponent;
-  }
-  // magnitude in [128, 256): 1.xxxxxxx * 2^exponent (mantissa bits: magnitude - 128, 7 bits)
-  const uint32_t mantissa7 = magnitude - 128;
+  const uint32_t magnitude = static_cast<uint32_t>(m < 0 ? -m : m);  // 1..128
+#if defined(__CUDA_ARCH__)
+  const int32_t top = 31 - __clz(magnitude);
+#else
+  const int32_t top = 31 - __builtin_clz(magnitude);
+#endif
+  // magnitude = 1.xxxxxxx * 2^top; value = magnitude / 128 = 1.xxxxxxx * 2^(top - 7).
+  const int32_t exponent = top - 7;
+  const uint32_t mantissa7 = (magnitude << (7 - top)) - 128;
   if (bf16) {
     return static_cast<uint16_t>((sign << 15) | (static_cast<uint32_t>(exponent + 127) << 7) |
                                  mantissa7);
   }
   return static_cast<uint16_t>((sign << 15) | (static_cast<uint32_t>(exponent + 15) << 10) |
                                (mantissa7 << 3));
+}
+
+ATTND_HOST_DEVICE inline uint16_t EmulatedElement(uint64_t seed, uint64_t index, bool bf16) {
+  const uint64_t z = EmulatedHash(seed, index >> 2);
+  return EmulatedValue(static_cast<uint32_t>(z >> (8 * (index & 3))), bf16);
 }
 
 // Fills `count` elements at `device` (device memory) on `stream` (a cudaStream_t).
@@ -61,6 +73,10 @@ class EmulatorStream {
   void* stream() const { return stream_; }
   absl::Status Record(int event);
   absl::Status Synchronize();
+  // Holds the stream on the GPU for about `microseconds`.
+  absl::Status Sleep(int64_t microseconds);
+  // Waits on the host until the work before `event`'s last record has run.
+  absl::Status WaitEvent(int event);
   // Milliseconds between two recorded (and completed) events.
   double ElapsedMs(int from, int to) const;
 

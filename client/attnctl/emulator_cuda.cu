@@ -7,10 +7,34 @@
 namespace attnd::attnctl {
 namespace {
 
+// One thread per four elements: one hash, one 8-byte store (the slot regions are 256-byte
+// aligned; a region's tail of fewer than four elements is written element by element).
 __global__ void FillKernel(uint16_t* out, int64_t count, uint64_t seed, bool bf16) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
-       i += int64_t{gridDim.x} * blockDim.x) {
+  const int64_t groups = count / 4;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t g = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; g < groups; g += stride) {
+    const uint64_t z = EmulatedHash(seed, static_cast<uint64_t>(g));
+    uint2 word;
+    word.x = EmulatedValue(static_cast<uint32_t>(z), bf16) |
+             (static_cast<uint32_t>(EmulatedValue(static_cast<uint32_t>(z >> 8), bf16)) << 16);
+    word.y = EmulatedValue(static_cast<uint32_t>(z >> 16), bf16) |
+             (static_cast<uint32_t>(EmulatedValue(static_cast<uint32_t>(z >> 24), bf16)) << 16);
+    reinterpret_cast<uint2*>(out)[g] = word;
+  }
+  if (blockIdx.x == 0 && threadIdx.x < count - groups * 4) {
+    const int64_t i = groups * 4 + threadIdx.x;
     out[i] = EmulatedElement(seed, static_cast<uint64_t>(i), bf16);
+  }
+}
+
+// Holds the stream for `ns` nanoseconds (so that what is enqueued behind it is timed on the GPU
+// alone, not at the host's launch rate).
+__global__ void SleepKernel(uint64_t ns) {
+  uint64_t start = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (uint64_t now = start; now - start < ns;) {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
   }
 }
 
@@ -18,8 +42,11 @@ __global__ void FillKernel(uint16_t* out, int64_t count, uint64_t seed, bool bf1
 
 absl::Status FillOnStream(void* device, int64_t count, uint64_t seed, bool bf16, void* stream) {
   if (count == 0) return absl::OkStatus();
-  const int64_t blocks = (count + 255) / 256;
-  FillKernel<<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), 256, 0,
+  if (reinterpret_cast<uintptr_t>(device) % 8 != 0) {
+    return absl::InvalidArgumentError("emulator fill: the region must be 8-byte aligned");
+  }
+  const int64_t blocks = (count / 4 + 255) / 256;
+  FillKernel<<<static_cast<unsigned>(blocks < 1 ? 1 : blocks < 2048 ? blocks : 2048), 256, 0,
                static_cast<cudaStream_t>(stream)>>>(static_cast<uint16_t*>(device), count, seed,
                                                     bf16);
   const cudaError_t error = cudaGetLastError();
@@ -62,6 +89,24 @@ absl::Status EmulatorStream::Record(int event) {
   if (cudaEventRecord(static_cast<cudaEvent_t>(events_[event]),
                       static_cast<cudaStream_t>(stream_)) != cudaSuccess) {
     return absl::InternalError("cudaEventRecord failed");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EmulatorStream::Sleep(int64_t microseconds) {
+  SleepKernel<<<1, 1, 0, static_cast<cudaStream_t>(stream_)>>>(
+      static_cast<uint64_t>(microseconds) * 1000);
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) {
+    return absl::InternalError(std::string("sleep kernel: ") + cudaGetErrorString(error));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EmulatorStream::WaitEvent(int event) {
+  const cudaError_t error = cudaEventSynchronize(static_cast<cudaEvent_t>(events_[event]));
+  if (error != cudaSuccess) {
+    return absl::InternalError(std::string("cudaEventSynchronize: ") + cudaGetErrorString(error));
   }
   return absl::OkStatus();
 }

@@ -16,6 +16,8 @@ absl::StatusOr<std::unique_ptr<EmulatorStream>> EmulatorStream::Create(int, int)
 EmulatorStream::~EmulatorStream() = default;
 absl::Status EmulatorStream::Record(int) { return absl::UnimplementedError("no CUDA"); }
 absl::Status EmulatorStream::Synchronize() { return absl::UnimplementedError("no CUDA"); }
+absl::Status EmulatorStream::WaitEvent(int) { return absl::UnimplementedError("no CUDA"); }
+absl::Status EmulatorStream::Sleep(int64_t) { return absl::UnimplementedError("no CUDA"); }
 double EmulatorStream::ElapsedMs(int, int) const { return 0; }
 
 }  // namespace attnd::attnctl

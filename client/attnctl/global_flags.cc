@@ -95,9 +95,9 @@ absl::StatusOr<client::TlsOptions> TlsFromFlags() {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags() {
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags(const std::string& address) {
   client::ClientOptions options;
-  options.address = absl::GetFlag(FLAGS_server);
+  options.address = address.empty() ? absl::GetFlag(FLAGS_server) : address;
   options.timeout = absl::GetFlag(FLAGS_timeout);
   ASSIGN_OR_RETURN(options.tls, TlsFromFlags());
   ASSIGN_OR_RETURN(options.bearer_token, TokenFromFlags());

@@ -20,8 +20,9 @@ ABSL_DECLARE_FLAG(uint64_t, seed);
 
 namespace attnd::attnctl {
 
-// A client for --server with --timeout as each call's deadline, over TLS when a --tls* flag
-// says so, sending the bearer token of --token, --token_file or $ATTND_TOKEN.
-absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags();
+// A client for --server (or `address` when not empty) with --timeout as each call's deadline,
+// over TLS when a --tls* flag says so, sending the bearer token of --token, --token_file or
+// $ATTND_TOKEN.
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags(const std::string& address = "");
 
 }  // namespace attnd::attnctl

@@ -27,6 +27,10 @@ constexpr char kUsage[] =
     "  cache list                 list caches\n"
     "  cache get NAME             describe one cache\n"
     "  cache delete NAME [--force]\n"
+    "  seq fork CACHE SOURCE NEW [--tokens=N]   share SOURCE's first N tokens (0: all)\n"
+    "  seq free CACHE ID...       free managed sequences\n"
+    "  seq export CACHE ID (--out=FILE | --to=HOST:PORT [--to_cache=C] [--new_id=N])\n"
+    "  seq import CACHE --in=FILE [--new_id=N]\n"
     "  stats                      per-kernel counts and time\n"
     "  demo                       a small mixed prefill/decode run checked against the CPU "
     "reference\n"
@@ -47,6 +51,7 @@ constexpr FlagGroup kFlagGroups[] = {
     {"info_commands.cc", "health"},
     {"cache_flags.cc", "cache shape (cache create; demo and bench take them too)"},
     {"cache_commands.cc", "cache delete"},
+    {"seq_commands.cc", "seq"},
     {"demo.cc", "demo"},
     {"bench.cc", "bench"},
 };
@@ -168,6 +173,7 @@ int main(int argc, char** argv) {
   if (command == "health") return attnd::attnctl::RunHealth(args);
   if (command == "stats") return attnd::attnctl::RunStats(args);
   if (command == "cache") return attnd::attnctl::RunCache(args);
+  if (command == "seq") return attnd::attnctl::RunSeq(args);
   if (command == "demo") return attnd::attnctl::RunDemo(args);
   if (command == "bench") return attnd::attnctl::RunBench(args);
   if (command == "help") {

@@ -114,7 +114,11 @@ void PrintCacheInfo(const attnd::v1::CacheInfo& cache) {
       cache.num_pages() > 0 ? 100.0 * cache.used_pages() / cache.num_pages() : 0.0;
   absl::PrintF("  pages       %d used of %d (%.1f%%), %d tokens each\n", cache.used_pages(),
                cache.num_pages(), used_percent, cache.config().page_size());
-  absl::PrintF("  pool        %s\n", FormatBytes(cache.pool_bytes()));
+  if (cache.shared_pages() > 0) {
+    absl::PrintF("  shared      %d pages held by more than one sequence (forks)\n",
+                 cache.shared_pages());
+  }
+  absl::PrintF("  pool        %s on device %d\n", FormatBytes(cache.pool_bytes()), cache.device());
   absl::PrintF("  sequences   %d\n", cache.num_sequences());
   absl::PrintF("  open steps  %d\n", cache.open_steps());
 }
@@ -149,6 +153,12 @@ void PrintServerInfo(const attnd::v1::GetServerInfoResponse& info) {
   }
   absl::PrintF("kv budget    %s (%s free)\n", FormatBytes(info.kv_budget_bytes()),
                FormatBytes(info.kv_free_bytes()));
+  if (info.devices_size() > 1) {
+    for (const attnd::v1::DeviceInfo& device : info.devices()) {
+      absl::PrintF("device %-5d %s, kv budget %s (%s free)\n", device.ordinal(), device.name(),
+                   FormatBytes(device.kv_budget_bytes()), FormatBytes(device.kv_free_bytes()));
+    }
+  }
   absl::PrintF("extensions   %s\n",
                info.extensions().empty() ? "(none)" : absl::StrJoin(info.extensions(), ", "));
   const attnd::v1::ServerLimits& limits = info.limits();

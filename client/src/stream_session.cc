@@ -160,7 +160,8 @@ void StreamSession::Impl::OnReadDone(bool ok) {
     Act(actions);
     return;
   }
-  const uint64_t tag = StreamResponseTag(incoming_);
+  StreamReply reply(incoming_);  // read once: the tag, then the payload
+  const uint64_t tag = reply.tag();
   Done typed;
   bool raw = false;
   ForwardOutputBuffers outputs;
@@ -181,7 +182,7 @@ void StreamSession::Impl::OnReadDone(bool ok) {
   // A tag we are not waiting for (a server bug) is dropped rather than misdelivered.
   if (raw) {
     // Straight from the received slices into the caller's buffers, outside the lock.
-    absl::StatusOr<ForwardOutcome> result = DecodeForwardResponse(incoming_, true, outputs);
+    absl::StatusOr<ForwardOutcome> result = reply.ForwardOutputs(outputs);
     std::function<void()> delivery;
     {
       std::lock_guard lock(mu_);
@@ -194,14 +195,13 @@ void StreamSession::Impl::OnReadDone(bool ok) {
     }
     if (delivery) delivery();
   } else if (typed) {
-    attnd::v1::StreamResponse response;
-    if (!grpc::SerializationTraits<attnd::v1::StreamResponse>::Deserialize(&incoming_, &response)
-             .ok()) {
-      typed(absl::InternalError("ForwardStream: a reply is not a StreamResponse"));
-    } else if (response.has_error()) {
-      typed(FromStreamError(response.error()));
+    absl::StatusOr<attnd::v1::StreamResponse> response = reply.Parsed();
+    if (!response.ok()) {
+      typed(response.status());
+    } else if (response->has_error()) {
+      typed(FromStreamError(response->error()));
     } else {
-      typed(std::move(response));
+      typed(*std::move(response));
     }
   }
   incoming_.Clear();

@@ -61,8 +61,7 @@ void UnaryStep::StartForwardRaw(int32_t layer, const TensorView& q, const Tensor
                      owned->done(FromGrpcStatus(status));
                      return;
                    }
-                   owned->done(DecodeForwardResponse(owned->response, /*stream=*/false,
-                                                     owned->outputs));
+                   owned->done(DecodeForwardResponse(owned->response, owned->outputs));
                  });
 }
 

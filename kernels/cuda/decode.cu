@@ -17,6 +17,7 @@
 #include "attnd/kernels/cuda/merge.h"
 #include "attnd/status_macros.h"
 #include "cp_async.cuh"
+#include "decode_tc_launch.h"
 #include "math.cuh"
 #include "softmax.cuh"
 #include "vec.cuh"
@@ -263,11 +264,15 @@ __global__ void __launch_bounds__(kDecodeThreads, (DecodeTraits<kHeadDim, KvT, k
       float tile_max = -INFINITY;
 #pragma unroll
       for (int j = 0; j < kTpt; ++j) {
+        // Non-finite inputs (q, or this key's k) make the raw score NaN or +-inf: x * 0 + x turns
+        // both into NaN (finite x unchanged), before the cap can map inf to a finite value. A
+        // NaN probability then makes d and o NaN, which the end of the kernel reports.
+        const float raw = fmaf(s[i][j], 0.0f, s[i][j]);
         float score;
         if (params.soft_cap > 0.0f) {
-          score = SoftCapLog2(s[i][j], params.cap_input_scale, params.cap_log2);
+          score = SoftCapLog2(raw, params.cap_input_scale, params.cap_log2);
         } else {
-          score = s[i][j] * params.score_scale_log2;
+          score = raw * params.score_scale_log2;
         }
         s[i][j] = first_token + j < kv_end ? score : -INFINITY;
         tile_max = fmaxf(tile_max, s[i][j]);
@@ -309,6 +314,14 @@ __global__ void __launch_bounds__(kDecodeThreads, (DecodeTraits<kHeadDim, KvT, k
   float* const denominators = maxima + kBdz * kGroup;
 #pragma unroll
   for (int i = 0; i < kHpt; ++i) {
+    // A non-finite v of a key this stream saw left a NaN or inf in o (even times a probability
+    // of 0): fold that into d, over the head's lanes, as NaN (adds exactly 0 otherwise).
+    float poison = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) poison = fmaf(o[i][e], 0.0f, poison);
+#pragma unroll
+    for (int offset = kBdx / 2; offset >= 1; offset /= 2) poison += __shfl_xor_sync(0xffffffffu, poison, offset);
+    d[i] += poison;
     const int head_in_group = ty * kHpt + i;
     float* row = sums + (tz * kGroup + head_in_group) * kHeadDim + tx * 8;
     reinterpret_cast<float4*>(row)[0] = make_float4(o[i][0], o[i][1], o[i][2], o[i][3]);
@@ -329,16 +342,22 @@ __global__ void __launch_bounds__(kDecodeThreads, (DecodeTraits<kHeadDim, KvT, k
     for (int z = 0; z < kBdz; ++z) max_all = fmaxf(max_all, maxima[z * kGroup + head_in_group]);
     float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     float lse = -INFINITY;
-    if (max_all != -INFINITY) {
-      float denominator = 0.0f;
+    // Streams that saw no key add weight 0 times d = 0 and o = 0. A poisoned stream (d NaN) may
+    // have m = -inf (every score it saw was NaN): subtracting 0 then still gives weight 0, and
+    // 0 * NaN makes the row NaN.
+    const float subtract = max_all == -INFINITY ? 0.0f : max_all;
+    float denominator = 0.0f;
 #pragma unroll
-      for (int z = 0; z < kBdz; ++z) {
-        const float weight = exp2f(maxima[z * kGroup + head_in_group] - max_all);
-        denominator += weight * denominators[z * kGroup + head_in_group];
-        const float* row = sums + (z * kGroup + head_in_group) * kHeadDim + dim;
+    for (int z = 0; z < kBdz; ++z) {
+      const float weight = exp2f(maxima[z * kGroup + head_in_group] - subtract);
+      denominator += weight * denominators[z * kGroup + head_in_group];
+      const float* row = sums + (z * kGroup + head_in_group) * kHeadDim + dim;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) out[e] = fmaf(weight, row[e], out[e]);
-      }
+      for (int e = 0; e < 8; ++e) out[e] = fmaf(weight, row[e], out[e]);
+    }
+    // denominator: 0 when the row saw no key (o 0, lse -inf), NaN when an input it saw was not
+    // finite (o NaN in every dim, lse NaN: NaN in, NaN out, ForwardResponse.o in the proto).
+    if (denominator != 0.0f) {
       const float factor = params.v_scale / denominator;
 #pragma unroll
       for (int e = 0; e < 8; ++e) out[e] *= factor;
@@ -476,6 +495,10 @@ absl::Status ValidateDecode(const BatchDecodeArgs& args, int* log2_page_size) {
   return absl::OkStatus();
 }
 
+// Merges a split plan's partials into o and lse (nothing when the plan does not split).
+absl::Status MergePartials(const BatchDecodeArgs& args, float* partial_o, float* partial_lse,
+                           cudaStream_t stream);
+
 }  // namespace
 
 bool DecodeSupports(const DecodeKernelConfig& config) { return PickDecodeKernel(config) != nullptr; }
@@ -507,6 +530,18 @@ absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream) {
   int log2_page_size = 0;
   RETURN_IF_ERROR(ValidateDecode(args, &log2_page_size));
   if (args.work.num_items == 0) return absl::OkStatus();
+  if (args.work.kernel == plan::DecodeKernel::kTensorCore) {
+    float* partial_o = nullptr;
+    float* partial_lse = nullptr;
+    if (args.work.num_partials > 0) {
+      uint8_t* workspace = static_cast<uint8_t*>(args.workspace);
+      partial_o = reinterpret_cast<float*>(workspace);
+      partial_lse = reinterpret_cast<float*>(
+          workspace + PartialLseOffsetBytes(args.work.num_partials, args.q.num_heads, args.q.head_dim));
+    }
+    RETURN_IF_ERROR(LaunchTensorCoreDecode(args, log2_page_size, partial_o, partial_lse, stream));
+    return MergePartials(args, partial_o, partial_lse, stream);
+  }
 
   const DecodeKernelConfig config{args.q.dtype, args.k_cache.dtype, args.q.head_dim,
                                   args.q.num_heads / args.k_cache.num_heads};
@@ -563,11 +598,17 @@ absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream) {
                                         dim3(static_cast<unsigned>(int64_t{args.work.num_items} * k.num_heads)),
                                         dim3(kDecodeThreads),
                                         kernel_args, 0, stream));
-  if (args.work.num_merge_rows == 0) return absl::OkStatus();
+  return MergePartials(args, params.partial_o, params.partial_lse, stream);
+}
 
+namespace {
+
+absl::Status MergePartials(const BatchDecodeArgs& args, float* partial_o, float* partial_lse,
+                           cudaStream_t stream) {
+  if (args.work.num_merge_rows == 0) return absl::OkStatus();
   MergeStatesArgs merge;
-  merge.partial_o = params.partial_o;
-  merge.partial_lse = params.partial_lse;
+  merge.partial_o = partial_o;
+  merge.partial_lse = partial_lse;
   merge.indptr = args.work.merge_indptr;
   merge.out_rows = args.work.merge_q_row;
   merge.num_rows = args.work.num_merge_rows;
@@ -578,4 +619,5 @@ absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream) {
   return MergeStates(merge, stream);
 }
 
+}  // namespace
 }  // namespace attnd::cuda

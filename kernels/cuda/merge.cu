@@ -59,10 +59,15 @@ __global__ void __launch_bounds__(kMergeThreads) MergeStatesKernel(const MergePa
   const int32_t end = params.indptr[row + 1];
   const int64_t out_row = params.out_rows != nullptr ? params.out_rows[row] : row;
 
-  // The largest lse of the head over the row's partials (a max: exact in any order).
+  // The largest lse of the head over the row's partials (a max: exact in any order). A NaN lse
+  // (a partial that saw a non-finite input: its o is NaN too) lifts it to +inf, which fmaxf
+  // keeps: every weight is then exp(finite - inf) = 0 or NaN, so the row comes out NaN in o and
+  // lse, never masked (NaN in, NaN out; fmaxf alone would drop the NaN).
   float max_lse = -INFINITY;
-  for (int32_t p = begin + threadIdx.x; p < end; p += kMergeThreads)
-    max_lse = fmaxf(max_lse, params.partial_lse[int64_t{p} * num_heads + head]);
+  for (int32_t p = begin + threadIdx.x; p < end; p += kMergeThreads) {
+    const float lse = params.partial_lse[int64_t{p} * num_heads + head];
+    max_lse = isnan(lse) ? INFINITY : fmaxf(max_lse, lse);
+  }
 #pragma unroll
   for (int offset = 16; offset >= 1; offset /= 2)
     max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, offset));

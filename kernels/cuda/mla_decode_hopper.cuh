@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "hopper_ptx.cuh"
 #include "math.cuh"
@@ -38,6 +39,7 @@ inline constexpr int kProducerRegisters = 56;
 inline constexpr int kConsumerRegisters = 224;
 static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 512, "65536 registers per SM");
 inline constexpr uint32_t kConsumersBarrier = 1;  // named barrier of the 256 consumer threads
+inline constexpr uint32_t kConsumerBarrier = 2;   // + consumer index: one consumer's 128 threads
 
 template <int kRankArg>
 struct HopperShape {
@@ -270,6 +272,11 @@ __device__ __forceinline__ void Consume(const MlaParams& params, const HopperWor
   // s[4j + e]: rows g (e < 2) and g + 8, keys 8j + 2 (lane % 4) + e % 2 of the tile.
   auto softmax = [&](int tile) {
     const int tile_start = work.kv_begin + tile * kTile;
+    // Non-finite inputs make a score NaN or +-inf: s * 0 + s turns both into NaN (finite s
+    // unchanged) before the cap could make inf finite or -inf could read as masked. A NaN p
+    // makes the row's sum NaN: o and lse come out NaN (NaN in, NaN out).
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = fmaf(s[i], 0.0f, s[i]);
     if (soft_cap) {
 #pragma unroll
       for (int i = 0; i < 16; ++i) s[i] = SoftCapLog2(s[i], params.cap_input_scale, params.cap_log2);
@@ -308,6 +315,34 @@ __device__ __forceinline__ void Consume(const MlaParams& params, const HopperWor
       }
       row_sum[h] = row_sum[h] * rescale[h] + sum;
     }
+  };
+  // In a tile where some row does not see some key, zeroes the non-finite values of this
+  // consumer's V columns once both partial S of the tile are done (exchange): P V adds p = 0
+  // times V for hidden keys, and 0 * NaN would make a row NaN that never saw the key. A
+  // non-finite ckv value makes the key's score non-finite for every row, so the rows that see it
+  // still come out NaN (softmax). Keys past kv_end are zero-filled already.
+  const int first_position = work.position_offset + work.row_begin / num_heads;
+  const int last_position = work.position_offset + (work.row_end - 1) / num_heads;
+  auto zero_non_finite_v = [&](int tile) {
+    const int tile_start = work.kv_begin + tile * kTile;
+    const bool hides_keys = (params.causal && min(tile_start + kTile, work.kv_end) - 1 > first_position) ||
+                            (params.window_left >= 0 && tile_start < last_position - params.window_left);
+    if (!hides_keys) return;
+    constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
+    constexpr int kWords = (Shape::kConsumerCols / 64) * Shape::kKvBlockBytes / 16;
+    uint4* v_words = reinterpret_cast<uint4*>(smem_generic + Shape::kKvOffset + (tile % kHopperStages) * Shape::kKvBytes +
+                                              consumer * (Shape::kConsumerCols / 64) * Shape::kKvBlockBytes);
+    for (int i = thread; i < kWords; i += 128) {
+      const uint4 bits = v_words[i];
+      // 0xffff in each 16-bit half that is an inf or a NaN (exponent all ones).
+      const uint32_t bad[4] = {__vcmpeq2(bits.x & kExponent, kExponent), __vcmpeq2(bits.y & kExponent, kExponent),
+                               __vcmpeq2(bits.z & kExponent, kExponent), __vcmpeq2(bits.w & kExponent, kExponent)};
+      if ((bad[0] | bad[1] | bad[2] | bad[3]) != 0) {
+        v_words[i] = make_uint4(bits.x & ~bad[0], bits.y & ~bad[1], bits.z & ~bad[2], bits.w & ~bad[3]);
+      }
+    }
+    FenceProxyAsync();  // generic-proxy writes, read next by wgmma (the async proxy)
+    NamedBarrierSync(kConsumerBarrier + consumer, 128);
   };
   auto convert_p = [&] {
 #pragma unroll
@@ -355,6 +390,7 @@ __device__ __forceinline__ void Consume(const MlaParams& params, const HopperWor
     FenceRegisters(s);
     exchange(0);
     softmax(0);
+    zero_non_finite_v(0);
     convert_p();
     for (int tile = 1; tile < n; ++tile) {
       wait_full(tile);
@@ -365,6 +401,7 @@ __device__ __forceinline__ void Consume(const MlaParams& params, const HopperWor
       FenceRegisters(s);
       exchange(tile);
       softmax(tile);
+      zero_non_finite_v(tile);
       WgmmaWait<0>();
       fence_o();
       fence_p();
@@ -389,9 +426,10 @@ __device__ __forceinline__ void Consume(const MlaParams& params, const HopperWor
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (!row_valid[h]) continue;
-    // A row that saw no key has sum 0 and o 0: it stores 0 and lse = -inf.
-    const float inverse = row_sum[h] > 0.0f ? params.o_scale / row_sum[h] : 0.0f;
-    const float lse = row_sum[h] > 0.0f ? (row_max[h] + log2f(row_sum[h])) * kLn2 : -INFINITY;
+    // A row that saw no key has sum 0 and o 0: it stores 0 and lse = -inf. A NaN sum (a
+    // non-finite input it saw) stores NaN in o and lse.
+    const float inverse = row_sum[h] != 0.0f ? params.o_scale / row_sum[h] : 0.0f;
+    const float lse = row_sum[h] != 0.0f ? (row_max[h] + log2f(row_sum[h])) * kLn2 : -INFINITY;
     const int global_row = work.row_begin + 16 * warp + 8 * h + lane / 4;
     const int token = global_row / num_heads;
     const int head = global_row - token * num_heads;

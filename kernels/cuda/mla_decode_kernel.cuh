@@ -461,6 +461,31 @@ __global__ void __launch_bounds__(kThreads, 1) MlaDecodeKernel(const __grid_cons
     }
     __syncthreads();
 
+    // Every warp is done reading K. In a tile where some row does not see some key, zero the
+    // non-finite values of V (the ckv part): P V adds p = 0 times V for hidden keys, and 0 * NaN
+    // would make a row NaN that never saw the key. A non-finite ckv value makes the key's score
+    // non-finite for every row, so the rows that see it still come out NaN (step 2). Keys past
+    // kv_end are zero-filled already.
+    {
+      const int tile_start = kv_begin + tile * kTile;
+      const bool hides_keys = (params.causal && min(tile_start + kTile, kv_end) - 1 > first_position) ||
+                              (params.window_left >= 0 && tile_start < last_position - params.window_left);
+      if (hides_keys) {
+        constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
+        T* v_tile = mma_tile(tile % kStages);
+        for (int id = tid; id < kTile * kRankChunks; id += kThreads) {
+          uint4* chunk = reinterpret_cast<uint4*>(v_tile + Swizzle<kDim>(id / kRankChunks, id % kRankChunks));
+          const uint4 bits = *chunk;
+          // 0xffff in each 16-bit half that is an inf or a NaN (exponent all ones).
+          const uint32_t bad[4] = {__vcmpeq2(bits.x & kExponent, kExponent), __vcmpeq2(bits.y & kExponent, kExponent),
+                                   __vcmpeq2(bits.z & kExponent, kExponent), __vcmpeq2(bits.w & kExponent, kExponent)};
+          if ((bad[0] | bad[1] | bad[2] | bad[3]) != 0) {
+            *chunk = make_uint4(bits.x & ~bad[0], bits.y & ~bad[1], bits.z & ~bad[2], bits.w & ~bad[3]);
+          }
+        }
+      }
+    }
+
     // 2. Online softmax: this thread's row, keys 8 * softmax_quarter + [0, 8).
     {
       const int row = softmax_row;
@@ -493,8 +518,12 @@ __global__ void __launch_bounds__(kThreads, 1) MlaDecodeKernel(const __grid_cons
         const bool visible = softmax_row_valid && key < kv_end &&
                              (!params.causal || key <= softmax_position) &&
                              (params.window_left < 0 || key >= softmax_position - params.window_left);
-        float value = params.cap_log2 > 0.0f ? SoftCapLog2(score[e], params.cap_input_scale, params.cap_log2)
-                                             : score[e] * params.score_scale_log2;
+        // Non-finite inputs make the score NaN or +-inf: s * 0 + s turns both into NaN (finite s
+        // unchanged) before the cap could make inf finite or -inf could read as masked. A NaN p
+        // makes the row's sum NaN: o and lse come out NaN (NaN in, NaN out).
+        const float raw = fmaf(score[e], 0.0f, score[e]);
+        float value = params.cap_log2 > 0.0f ? SoftCapLog2(raw, params.cap_input_scale, params.cap_log2)
+                                             : raw * params.score_scale_log2;
         score[e] = visible ? value : -INFINITY;
         tile_max = fmaxf(tile_max, score[e]);
       }
@@ -574,9 +603,10 @@ __global__ void __launch_bounds__(kThreads, 1) MlaDecodeKernel(const __grid_cons
   row_sum += __shfl_xor_sync(0xffffffffu, row_sum, 1);
   row_sum += __shfl_xor_sync(0xffffffffu, row_sum, 2);
   if (softmax_quarter == 0) {
-    // A row that saw no key has sum 0 and o 0: it stores 0 and lse = -inf.
-    row_inverse[softmax_row] = row_sum > 0.0f ? params.o_scale / row_sum : 0.0f;
-    row_lse[softmax_row] = row_sum > 0.0f ? (row_max + log2f(row_sum)) * kLn2 : -INFINITY;
+    // A row that saw no key has sum 0 and o 0: it stores 0 and lse = -inf. A NaN sum (a
+    // non-finite input it saw) stores NaN in o and lse.
+    row_inverse[softmax_row] = row_sum != 0.0f ? params.o_scale / row_sum : 0.0f;
+    row_lse[softmax_row] = row_sum != 0.0f ? (row_max + log2f(row_sum)) * kLn2 : -INFINITY;
   }
   __syncthreads();  // also: every warp is done with the pipeline tiles the staging reuses
 

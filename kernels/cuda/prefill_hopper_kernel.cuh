@@ -43,8 +43,14 @@ namespace attnd::cuda::prefill::hopper {
 
 
 
+// Non-finite inputs (q, or a key's k) make a score NaN or +-inf: s * 0 + s turns both into NaN
+// (finite s unchanged) before the cap could make inf finite or -inf could read as masked; the
+// mask then overwrites the scores of keys a row does not see. A NaN left makes p, the row's sum
+// and o NaN (NaN in, NaN out, reported by the epilogue).
 // Soft cap, before the mask: capping after it would turn a masked -inf into -cap.
 __device__ __forceinline__ void SoftCap(float (&s)[64], const SoftmaxParams& sp) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s[i] = fmaf(s[i], 0.0f, s[i]);
   if (sp.soft_cap) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) s[i] = SoftCapLog2(s[i], sp.cap_input_scale, sp.cap_log2);
@@ -182,6 +188,10 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     }
     WgmmaCommit();
   };
+  auto masked = [&](int key, int position) {
+    return key >= work.kv_end || (params.causal && key > position) ||
+           (params.window_left >= 0 && key < position - params.window_left);
+  };
   auto mask = [&](int tile) {
     const int tile_start = work.kv_begin + tile * kTileKv;
     const int tile_end = tile_start + kTileKv;
@@ -194,11 +204,30 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = tile_start + 8 * j + 2 * (lane % 4) + (e % 2);
-        const int position = row_position[e / 2];
-        const bool masked = key >= work.kv_end || (params.causal && key > position) ||
-                            (params.window_left >= 0 && key < position - params.window_left);
-        if (masked) s[4 * j + e] = -INFINITY;
+        if (masked(key, row_position[e / 2])) s[4 * j + e] = -INFINITY;
       }
+    }
+  };
+  // After V of `tile` is full: in a tile that hides keys the producer zeroed V's non-finite
+  // values and flagged their rows (ProduceKv); a row that sees a flagged key gets a NaN sum.
+  auto mark_bad_v = [&](int tile) {
+    const int tile_start = work.kv_begin + tile * kTileKv;
+    const bool hides_keys = (params.causal && min(tile_start + kTileKv, work.kv_end) - 1 > work.first_position) ||
+                            (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
+    if (!hides_keys) return;
+    const uint8_t* flags = smem_generic + Shape::kFlagOffset + ((first + tile) % kStages) * kTileKv;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      bool sees_bad_v = false;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int offset = 8 * j + 2 * (lane % 4) + e;
+          sees_bad_v |= flags[offset] != 0 && !masked(tile_start + offset, row_position[h]);
+        }
+      }
+      if (sees_bad_v) row_sum[h] = NAN;
     }
   };
   auto convert_p = [&] {
@@ -271,6 +300,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
       MbarrierWait(v_full(tile - 1), parity(tile - 1));
       FenceProxyAsync();
       issue_pv(stage_of(tile - 1));
+      mark_bad_v(tile - 1);
       if (opens_other(tile)) NamedBarrierArrive(other_turn, 256);
       WgmmaWait<1>();  // Q K_j^T has completed; P_{j-1} V_{j-1} may still run
       FenceRegisters(s);
@@ -289,13 +319,19 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     FenceProxyAsync();
     rescale_o();
     issue_pv(stage_of(n - 1));
+    mark_bad_v(n - 1);
     WgmmaWait<0>();
     FenceRegisters(o);
     fence_p();
     release(v_empty(n - 1));
   }
 
-  // --- Epilogue. Row sums over the quad, in a fixed order.
+  // --- Epilogue. A non-finite v of a key a row saw left a NaN or inf in its o: o * 0 adds NaN
+  // to the row's sum then, exactly 0 otherwise. From here on a NaN sum means the row read a
+  // non-finite input (o and lse NaN); 0 means it saw no key.
+#pragma unroll
+  for (int i = 0; i < kOut; ++i) row_sum[(i / 2) % 2] = fmaf(o[i], 0.0f, row_sum[(i / 2) % 2]);
+  // Row sums over the quad, in a fixed order.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
@@ -306,8 +342,8 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   float lse[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    inverse[h] = row_sum[h] > 0.0f ? params.v_scale / row_sum[h] : 0.0f;
-    lse[h] = row_sum[h] > 0.0f ? (row_max[h] + FastLog2(row_sum[h])) * kLn2 : -INFINITY;
+    inverse[h] = row_sum[h] != 0.0f ? params.v_scale / row_sum[h] : 0.0f;
+    lse[h] = row_sum[h] != 0.0f ? (row_max[h] + FastLog2(row_sum[h])) * kLn2 : -INFINITY;
   }
   const int thread_row0 = 16 * warp + lane / 4;  // consumer-local rows thread_row0 and + 8
 

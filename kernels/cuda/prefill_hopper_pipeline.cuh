@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cp_async.cuh"
 #include "hopper_ptx.cuh"
@@ -39,7 +40,9 @@ struct HopperShape {
   static constexpr int kKOffset = kQOffset + kConsumers * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * kKvBytes;
-  static constexpr int kSmemBytes = kBarrierOffset + 4 * kStages * 8 + 1024;  // + alignment slack
+  // [kStages][kTileKv] bytes: 1 where a V row of a tile that hides keys held a non-finite value.
+  static constexpr int kFlagOffset = kBarrierOffset + 4 * kStages * 8;
+  static constexpr int kSmemBytes = kFlagOffset + kStages * kTileKv + 1024;  // + alignment slack
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim");
 };
 
@@ -119,8 +122,9 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
   const int32_t* v_ids = params.v_page_ids + work.page_begin;
   const uint32_t barriers = smem + Shape::kBarrierOffset;
 
+  // `flags`: for V, this stage's row flags; null for K.
   auto load = [&](const T* pool, const int32_t* ids, int tile, uint32_t tile_smem, uint32_t empty, uint32_t full,
-                  uint32_t empty_parity) {
+                  uint32_t empty_parity, uint32_t flags) {
     const int tile_start = work.kv_begin + tile * kTileKv;
     const T* source[kSets];
     bool valid[kSets];
@@ -147,7 +151,39 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
         CpAsync16(destination, valid[set] ? source[set] + 16 * k : pool, valid[set]);
       }
     }
-    CpAsyncArriveNoinc(full);
+    // P V adds p = 0 times V for keys a row does not see, and 0 * NaN would make a row NaN that
+    // never saw the key. In a V tile where some row does not see some key (keys past kv_end are
+    // zero-filled already), wait for this thread's copies, zero the non-finite values (exponent
+    // all ones) and flag the rows; the consumers make the rows that see a flagged key NaN.
+    const bool hides_keys =
+        flags != 0 && ((params.causal && min(tile_start + kTileKv, work.kv_end) - 1 > work.first_position) ||
+                       (params.window_left >= 0 && tile_start < work.last_position - params.window_left));
+    if (!hides_keys) {
+      CpAsyncArriveNoinc(full);
+      return;
+    }
+    CpAsyncWaitAll();
+    constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
+#pragma unroll
+    for (int set = 0; set < kSets; ++set) {
+      uint32_t found = 0;
+#pragma unroll
+      for (int k = 0; k < kChunks / 2; ++k) {
+        const uint32_t address = (row_smem[set] ^ (((2 * k) % 8) << 4)) + (k / 4) * Shape::kKvBlockBytes;
+        uint4* chunk = static_cast<uint4*>(__cvta_shared_to_generic(address));
+        const uint4 bits = *chunk;
+        const uint32_t bad[4] = {__vcmpeq2(bits.x & kExponent, kExponent), __vcmpeq2(bits.y & kExponent, kExponent),
+                                 __vcmpeq2(bits.z & kExponent, kExponent), __vcmpeq2(bits.w & kExponent, kExponent)};
+        const uint32_t any = bad[0] | bad[1] | bad[2] | bad[3];
+        if (any != 0) *chunk = make_uint4(bits.x & ~bad[0], bits.y & ~bad[1], bits.z & ~bad[2], bits.w & ~bad[3]);
+        found |= any;
+      }
+      found |= __shfl_xor_sync(0xffffffffu, found, 1);  // the row's other lane
+      const int row = 32 * warp + 16 * set + lane / 2;
+      if (odd == 0) *static_cast<uint8_t*>(__cvta_shared_to_generic(flags + row)) = found != 0 ? 1 : 0;
+    }
+    FenceProxyAsync();  // generic-proxy writes, read next by wgmma (the async proxy)
+    MbarrierArrive(full);
   };
 
   const int n = work.num_kv_tiles;
@@ -156,13 +192,13 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
   auto load_k = [&](int tile) {
     const int stage = (first + tile) % kStages;
     load(k_pool, k_ids, tile, smem + Shape::kKOffset + stage * Shape::kKvBytes, barriers + 8 * (kStages + stage),
-         barriers + 8 * stage, (((first + tile) / kStages) & 1) ^ 1);
+         barriers + 8 * stage, (((first + tile) / kStages) & 1) ^ 1, 0);
   };
   auto load_v = [&](int tile) {
     const int stage = (first + tile) % kStages;
     load(v_pool, v_ids, tile, smem + Shape::kVOffset + stage * Shape::kKvBytes,
          barriers + 8 * (3 * kStages + stage), barriers + 8 * (2 * kStages + stage),
-         (((first + tile) / kStages) & 1) ^ 1);
+         (((first + tile) / kStages) & 1) ^ 1, smem + Shape::kFlagOffset + stage * kTileKv);
   };
   // The consumers need K_j before V_{j-1}: that is the order of issue.
   if (n > 0) load_k(0);

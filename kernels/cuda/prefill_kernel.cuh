@@ -55,12 +55,19 @@ struct TileShape {
   static constexpr int kKvElements = kTileKv * kHeadDim;
   static constexpr int kRawBytes = kRawKvBytes * kKvElements;  // per raw tile (K, V)
   static constexpr int kTableBytes = 8 * 2 * 2 * kTileKv;  // KvOffsetTable, two tiles
-  static constexpr int kLoopBytes = 2 * (kQElements + 2 * kKvElements) + 2 * kRawBytes + kTableBytes;
+  // Keys of tiles that hide keys, 1 where V held a non-finite value: the causal range, then the
+  // window range (see PrefillCta).
+  static constexpr int kFlagRange = kTileRows + 2 * kTileKv;
+  static constexpr int kFlagBytes = 2 * kFlagRange;
+  static constexpr int kLoopBytes =
+      2 * (kQElements + 2 * kKvElements) + 2 * kRawBytes + kTableBytes + kFlagBytes;
   // Cross-warp merge of the 1 x 4 layout: o [4][16][D + 8] floats (padded against bank
   // conflicts), then m and d [4][16].
   static constexpr int kMergeStride = kHeadDim + 8;
   static constexpr int kMergeBytes = kWarpsKv == 1 ? 0 : 4 * (4 * 16 * kMergeStride + 2 * 4 * 16);
   static constexpr int kSmemBytes = kLoopBytes > kMergeBytes ? kLoopBytes : kMergeBytes;
+  // The row flags are read after the loop, while other warps may already write the merge.
+  static_assert(kMergeBytes <= kLoopBytes - kFlagBytes, "row flags overlap the 1 x 4 merge");
 
   static_assert(kMmaQ >= 1 && kMmaQ * 16 * kWarpsQ == kTileRows, "query tile");
   static_assert(kHeadDim >= 64, "the swizzle needs at least 8 chunks per row");
@@ -129,6 +136,14 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
   uint8_t* k_raw = reinterpret_cast<uint8_t*>(v_tile + Shape::kKvElements);
   uint8_t* v_raw = k_raw + Shape::kRawBytes;
   int64_t* offset_table = reinterpret_cast<int64_t*>(v_raw + Shape::kRawBytes);  // KvOffsetTable
+  // 1 where a key of a tile that hides keys had a non-finite V (written in the loop, read after
+  // it). A tile that hides keys from causal rows covers keys (first_position - kTileKv,
+  // last_position + kTileKv), one that hides keys left of the window keys [first_position -
+  // window_left, last_position - window_left + kTileKv): each range is under kFlagRange keys,
+  // and each key is written once, into the range its tile is counted in (causal first).
+  uint8_t* bad_v_causal = reinterpret_cast<uint8_t*>(offset_table) + Shape::kTableBytes;  // [kFlagRange]
+  uint8_t* bad_v_window = bad_v_causal + Shape::kFlagRange;                                  // [kFlagRange]
+  for (int i = threadIdx.x; i < Shape::kFlagBytes; i += kThreads) bad_v_causal[i] = 0;  // before the first barrier
 
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
@@ -257,6 +272,13 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
   const uint32_t q_z = (lane / 16) ^ (lane % 8);
   const uint32_t k_z = ((lane / 8) % 2) ^ (lane % 8);
   const uint32_t v_z = q_z;
+  const int causal_base = first_position - kTileKv + 1;  // key of bad_v_causal[0]
+  const int window_base = first_position - params.window_left;
+  bool saw_bad_v = false;  // this thread zeroed a non-finite V value
+  auto masked = [&](int key, int position) {
+    return key >= kv_end || (params.causal && key > position) ||
+           (params.window_left >= 0 && key < position - params.window_left);
+  };
 
   for (int tile = 0; tile < num_kv_tiles; ++tile) {
     const int tile_start = kv_begin + tile * kTileKv;
@@ -297,6 +319,18 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
       }
     });
 
+    // Non-finite inputs (q, or a key's k) make a score NaN or +-inf: s * 0 + s turns both into
+    // NaN and leaves finite scores unchanged, before the cap could map inf to a finite value and
+    // before -inf could read as a masked key. Masking below overwrites the scores of keys a row
+    // does not see; a NaN left makes p, the row's sum and o NaN (reported at the end).
+#pragma unroll
+    for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+      for (int jb = 0; jb < kMmaKv; ++jb) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s[mq][jb][e] = fmaf(s[mq][jb][e], 0.0f, s[mq][jb][e]);
+      }
+    }
     if (soft_cap) {
 #pragma unroll
       for (int mq = 0; mq < kMmaQ; ++mq) {
@@ -320,10 +354,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             const int key = tile_start + warp_key_base + jb * 16 + (e / 4) * 8 + 2 * (lane % 4) + (e % 2);
-            const int position = row_position[mq][(e / 2) % 2];
-            const bool masked = key >= kv_end || (params.causal && key > position) ||
-                                (params.window_left >= 0 && key < position - params.window_left);
-            if (masked) s[mq][jb][e] = -INFINITY;
+            if (masked(key, row_position[mq][(e / 2) % 2])) s[mq][jb][e] = -INFINITY;
           }
         }
       }
@@ -395,6 +426,15 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
     if (has_next) Table::StoreOffsets(next_table, next_ids, params, tile_start + kTileKv);
     CpAsyncWait<0>();  // this V tile (the only group in flight)
     Loader::Convert(v_tile, v_raw);
+    // P V multiplies every row's p by every key's v: a key masked for a row has p = 0, and
+    // 0 * NaN = NaN. In a tile where some row does not see some key (causal, window; keys past
+    // kv_end are zero-filled already), non-finite V values are zeroed and their keys flagged;
+    // the epilogue makes the rows that see a flagged key NaN.
+    const bool causal_hides = params.causal && min(tile_end, kv_end) - 1 > first_position;
+    if (causal_hides || (params.window_left >= 0 && tile_start < last_position - params.window_left)) {
+      uint8_t* flags = causal_hides ? bad_v_causal + (tile_start - causal_base) : bad_v_window + (tile_start - window_base);
+      saw_bad_v |= Loader::ZeroNonFinite(v_tile, flags);
+    }
     __syncthreads();
     if (has_next) Loader::Issue(k_tile, k_raw, k_pool, next_table);
     CpAsyncCommit();
@@ -424,8 +464,41 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
   }
 
   CpAsyncWait<0>();
-  __syncthreads();  // the loop's tiles are free for the epilogue
+  // The loop's tiles are free for the epilogue; and was any non-finite V value zeroed?
+  const bool cta_saw_bad_v = __syncthreads_or(saw_bad_v) != 0;
 
+  // A non-finite v of a key a row saw left a NaN or inf in its o (o * 0 adds NaN to the row's
+  // sum then, exactly 0 otherwise), or, where the tile hid keys, a row flag. From here on a NaN
+  // sum means the row read a non-finite input (NaN in, NaN out: o and lse NaN); 0 means it saw
+  // no key.
+#pragma unroll
+  for (int mq = 0; mq < kMmaQ; ++mq) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (!cta_saw_bad_v) continue;  // the common case
+      // Rare: the keys this row sees, in this CTA's chunk, within each flag range.
+      const int position = row_position[mq][h];
+      const int first = params.window_left >= 0 ? max(kv_begin, position - params.window_left) : kv_begin;
+      const int last = params.causal ? min(kv_end - 1, position) : kv_end - 1;
+      bool sees_bad_v = false;
+#pragma unroll 1
+      for (int key = max(first, causal_base); key <= min(last, causal_base + Shape::kFlagRange - 1); ++key) {
+        sees_bad_v |= bad_v_causal[key - causal_base] != 0;
+      }
+      if (params.window_left >= 0) {
+#pragma unroll 1
+        for (int key = max(first, window_base); key <= min(last, window_base + Shape::kFlagRange - 1); ++key) {
+          sees_bad_v |= bad_v_window[key - window_base] != 0;
+        }
+      }
+      if (sees_bad_v) row_sum[mq][h] = NAN;
+    }
+#pragma unroll
+    for (int db = 0; db < kMmaD; ++db) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) row_sum[mq][(e / 2) % 2] = fmaf(o[mq][db][e], 0.0f, row_sum[mq][(e / 2) % 2]);
+    }
+  }
   // Row sums over the quad, in a fixed order.
 #pragma unroll
   for (int mq = 0; mq < kMmaQ; ++mq) {
@@ -450,7 +523,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float sum = row_sum[mq][h];
-          const float inverse = sum > 0.0f ? params.v_scale / sum : 0.0f;
+          const float inverse = sum != 0.0f ? params.v_scale / sum : 0.0f;
           const int packed_row = row_start + warp_q * 16 * kMmaQ + mq * 16 + h * 8 + lane / 4;
           if (packed_row < row_end) {
             const int token = packed_row / group;
@@ -468,7 +541,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
               }
             }
             if (lane % 4 == 0) {
-              params.partial_lse[slot_row] = sum > 0.0f ? (row_max[mq][h] + FastLog2(sum)) * kLn2 : -INFINITY;
+              params.partial_lse[slot_row] = sum != 0.0f ? (row_max[mq][h] + FastLog2(sum)) * kLn2 : -INFINITY;
             }
           }
         }
@@ -484,7 +557,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float sum = row_sum[mq][h];
-        const float inverse = sum > 0.0f ? params.v_scale / sum : 0.0f;
+        const float inverse = sum != 0.0f ? params.v_scale / sum : 0.0f;
         const int row = warp_q * 16 * kMmaQ + mq * 16 + h * 8 + lane / 4;
 #pragma unroll
         for (int db = 0; db < kMmaD; ++db) {
@@ -501,7 +574,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
           const int token = packed_row / group;
           const int head = kv_head * group + (packed_row - token * group);
           params.lse[static_cast<int64_t>(qo_start + token) * params.num_qo_heads + head] =
-              sum > 0.0f ? (row_max[mq][h] + FastLog2(sum)) * kLn2 : -INFINITY;
+              sum != 0.0f ? (row_max[mq][h] + FastLog2(sum)) * kLn2 : -INFINITY;
         }
       }
     }
@@ -559,7 +632,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
       weight[w] = FastExp2(merge_m[w * 16 + row] - subtract);
       sum += weight[w] * merge_d[w * 16 + row];
     }
-    const float inverse = sum > 0.0f ? params.v_scale / sum : 0.0f;
+    const float inverse = sum != 0.0f ? params.v_scale / sum : 0.0f;
     const int packed_row = row_start + row;
     if (packed_row < row_end && partial_first >= 0) {
       const int token = packed_row / group;
@@ -581,7 +654,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
         }
         *reinterpret_cast<float4*>(out + 4 * c) = make_float4(value[0], value[1], value[2], value[3]);
       }
-      if (threadIdx.x % 8 == 0) params.partial_lse[slot_row] = sum > 0.0f ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
+      if (threadIdx.x % 8 == 0) params.partial_lse[slot_row] = sum != 0.0f ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
     } else if (packed_row < row_end) {
       const int token = packed_row / group;
       const int head = kv_head * group + (packed_row - token * group);
@@ -606,7 +679,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
             make_uint4(words[0], words[1], words[2], words[3]);
       }
       if (params.lse != nullptr && threadIdx.x % 8 == 0) {
-        params.lse[out_row] = sum > 0.0f ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
+        params.lse[out_row] = sum != 0.0f ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
       }
     }
   }

@@ -73,6 +73,7 @@ struct KvTileLoader {
   static constexpr int kRowsPerPass = kThreads / kLoadsPerRow;
   static constexpr int kPasses = Shape::kTileKv / kRowsPerPass;
   static_assert(kThreads % kLoadsPerRow == 0 && Shape::kTileKv % kRowsPerPass == 0, "loader");
+  static_assert(32 % kLoadsPerRow == 0, "a row's lanes sit in one warp (ZeroNonFinite)");
 
   // Where this thread's 16 raw bytes of `row` land.
   __device__ __forceinline__ static uint8_t* RawChunk(T* tile, uint8_t* raw, int row, int load) {
@@ -118,6 +119,39 @@ struct KvTileLoader {
         }
       }
     }
+  }
+
+  // After Convert, in tiles where some row does not see some key: zeroes the non-finite values
+  // (exponent all ones) of the chunks this thread loaded, sets flags[row] to 1 where any lane
+  // of the row found one, else 0, and returns whether this thread found one. A row's
+  // kLoadsPerRow lanes are adjacent in one warp.
+  __device__ __forceinline__ static bool ZeroNonFinite(T* tile, uint8_t* flags) {
+    constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
+    constexpr int kChunksPerLoad = kNarrow ? 2 : 1;
+    const int load = threadIdx.x % kLoadsPerRow;
+    const int first_row = threadIdx.x / kLoadsPerRow;
+    bool found_any = false;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int row = first_row + pass * kRowsPerPass;
+      uint32_t found = 0;
+#pragma unroll
+      for (int c = 0; c < kChunksPerLoad; ++c) {
+        uint4* chunk = reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, kChunksPerLoad * load + c));
+        const uint4 bits = *chunk;
+        // 0xffff in each 16-bit half that is an inf or a NaN.
+        const uint32_t bad[4] = {__vcmpeq2(bits.x & kExponent, kExponent), __vcmpeq2(bits.y & kExponent, kExponent),
+                                 __vcmpeq2(bits.z & kExponent, kExponent), __vcmpeq2(bits.w & kExponent, kExponent)};
+        const uint32_t any = bad[0] | bad[1] | bad[2] | bad[3];
+        if (any != 0) *chunk = make_uint4(bits.x & ~bad[0], bits.y & ~bad[1], bits.z & ~bad[2], bits.w & ~bad[3]);
+        found |= any;
+      }
+      found_any |= found != 0;
+#pragma unroll
+      for (int offset = kLoadsPerRow / 2; offset >= 1; offset /= 2) found |= __shfl_xor_sync(0xffffffffu, found, offset);
+      if (load == 0) flags[row] = found != 0 ? 1 : 0;
+    }
+    return found_any;
   }
 };
 

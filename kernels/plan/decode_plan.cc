@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "attnd/status_macros.h"
 
 namespace attnd::plan {
 namespace {
@@ -86,6 +87,35 @@ int64_t ChooseChunkTokens(std::span<const int64_t> active_lengths, const DecodeP
   return std::min(chunk, max_length);
 }
 
+// The kernel of a batch of `num_requests` active requests reading `total_tokens` keys.
+absl::StatusOr<DecodeKernel> ChooseKernel(int64_t num_requests, int64_t total_tokens,
+                                          const DecodePlanOptions& options) {
+  switch (options.kernel_choice) {
+    case DecodeKernelChoice::kCudaCore:
+      if (!options.cuda_core_supported) {
+        return absl::InvalidArgumentError("kernel_choice: no CUDA-core decode kernel for the cache");
+      }
+      return DecodeKernel::kCudaCore;
+    case DecodeKernelChoice::kTensorCore:
+      if (!options.tensor_core_supported) {
+        return absl::InvalidArgumentError("kernel_choice: no tensor-core decode kernel for the cache");
+      }
+      return DecodeKernel::kTensorCore;
+    case DecodeKernelChoice::kAuto:
+      break;
+  }
+  if (!options.cuda_core_supported && !options.tensor_core_supported) {
+    return absl::InvalidArgumentError("no decode kernel for the cache");
+  }
+  if (!options.tensor_core_supported) return DecodeKernel::kCudaCore;
+  if (!options.cuda_core_supported) return DecodeKernel::kTensorCore;
+  if (options.deterministic) return DecodeKernel::kCudaCore;
+  return num_requests >= options.tensor_core_min_requests &&
+                 total_tokens >= options.tensor_core_min_total_kv_tokens
+             ? DecodeKernel::kTensorCore
+             : DecodeKernel::kCudaCore;
+}
+
 }  // namespace
 
 absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
@@ -106,13 +136,6 @@ absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
   if (options.fixed_split_tokens < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("fixed_split_tokens: expected >= 0, got ", options.fixed_split_tokens));
-  }
-  const bool chunk_pinned =
-      options.disable_split_kv || options.fixed_split_tokens > 0 || options.deterministic;
-  if (!chunk_pinned && options.ctas_per_wave <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ctas_per_wave: expected > 0 (measured occupancy x SMs), got ",
-                     options.ctas_per_wave));
   }
 
   // Active requests and the key range each reads.
@@ -135,7 +158,23 @@ absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
     lengths.push_back(kv_lengths[b] - begin);
   }
 
+  int64_t total_tokens = 0;
+  for (int64_t length : lengths) total_tokens += length;
+  ASSIGN_OR_RETURN(const DecodeKernel kernel,
+                   ChooseKernel(static_cast<int64_t>(requests.size()), total_tokens, options));
+  // The chunk search below sizes the grid by the chosen kernel's wave.
+  DecodePlanOptions sized = options;
+  if (kernel == DecodeKernel::kTensorCore) sized.ctas_per_wave = options.tensor_core_ctas_per_wave;
+  const bool chunk_pinned =
+      options.disable_split_kv || options.fixed_split_tokens > 0 || options.deterministic;
+  if (!chunk_pinned && sized.ctas_per_wave <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        kernel == DecodeKernel::kTensorCore ? "tensor_core_ctas_per_wave" : "ctas_per_wave",
+        ": expected > 0 (measured occupancy x SMs), got ", sized.ctas_per_wave));
+  }
+
   DecodePlan plan;
+  plan.kernel = kernel;
   plan.window_left = options.window_left;
   if (requests.empty()) return plan;
 
@@ -147,7 +186,7 @@ absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
   } else if (options.deterministic) {
     chunk_tokens = kDeterministicChunkTokens;
   } else {
-    chunk_tokens = ChooseChunkTokens(lengths, options);
+    chunk_tokens = ChooseChunkTokens(lengths, sized);
   }
 
   int64_t total_items = 0;
@@ -223,11 +262,14 @@ DecodeWorkView DecodePlan::View(const int32_t* packed) const {
   view.merge_q_row = view.merge_indptr + merge_indptr.size();
   view.num_partials = num_partials;
   view.window_left = window_left;
+  view.kernel = kernel;
   return view;
 }
 
 std::string DecodePlan::DebugString() const {
-  std::string out = absl::StrCat("DecodePlan{chunk=", kv_chunk_tokens, " tokens, split=", split_kv,
+  std::string out = absl::StrCat("DecodePlan{kernel=",
+                                 kernel == DecodeKernel::kTensorCore ? "tensor_core" : "cuda_core",
+                                 ", chunk=", kv_chunk_tokens, " tokens, split=", split_kv,
                                  ", items=", num_items(), ", partials=", num_partials,
                                  ", merge_rows=", num_merge_rows(), ", window_left=", window_left);
   for (int32_t i = 0; i < num_items(); ++i) {

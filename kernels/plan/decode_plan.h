@@ -21,12 +21,31 @@ inline constexpr int32_t kDeterministicChunkTokens = 512;
 // chunk ends in a mostly empty tile.
 inline constexpr int32_t kChunkGranularityTokens = 16;
 
+// Which decode kernel a plan asks for: the planner's choice (kAuto), or forced (tests, benchmarks).
+enum class DecodeKernelChoice : int32_t { kAuto = 0, kCudaCore = 1, kTensorCore = 2 };
+
 struct DecodePlanOptions {
   int32_t num_kv_heads = 0;        // one CTA per work item and KV head
-  // CTAs of the decode kernel the device runs at once: resident CTAs per SM (from
+  // CTAs of the CUDA-core decode kernel the device runs at once: resident CTAs per SM (from
   // cudaOccupancyMaxActiveBlocksPerMultiprocessor) x SMs. Measured by the launcher
   // (attnd::cuda::DecodeCtasPerWave), not assumed. Unused when the chunk is pinned.
   int32_t ctas_per_wave = 0;
+  // Which kernels the launcher has for the cache (attnd::cuda::DecodeSupports and
+  // TensorCoreDecodeSupports) and the tensor-core kernel's wave
+  // (attnd::cuda::TensorCoreDecodeCtasPerWave).
+  bool cuda_core_supported = true;
+  bool tensor_core_supported = false;
+  int32_t tensor_core_ctas_per_wave = 0;
+  DecodeKernelChoice kernel_choice = DecodeKernelChoice::kAuto;
+  // kAuto picks the tensor-core kernel (when both exist) for batches of at least this many
+  // requests with at least this many keys in all. Measured on an H100 (docs/benchmarks.md,
+  // Hq 32 / Hkv 8 / D 128 bf16, page 16) it won on every shape of issue 14 from batch 1 x 4096
+  // keys up (12.5 vs 14.9 us there); below 4096 keys in all the CUDA-core kernel is kept
+  // (not measured yet).
+  // Deterministic plans always take the CUDA-core kernel when it exists: the kernel must not
+  // depend on the rest of the batch.
+  int32_t tensor_core_min_requests = 1;
+  int64_t tensor_core_min_total_kv_tokens = 4096;
   // Floor of the chunk. DESIGN 4.2 suggests ~128; 64 measured 21% faster for one request of
   // 1024 keys on an H100 (docs/benchmarks.md).
   int32_t min_chunk_tokens = 64;
@@ -43,6 +62,7 @@ struct DecodePlanOptions {
 // one item writes o and lse itself; a request with several writes fp32 partials (slots
 // numbered in item order), merged per request in slot order.
 struct DecodePlan {
+  DecodeKernel kernel = DecodeKernel::kCudaCore;
   int32_t kv_chunk_tokens = 0;  // chunk size chosen; 0 when the batch has no rows
   bool split_kv = false;        // some request has more than one chunk
   int32_t window_left = -1;
@@ -70,7 +90,8 @@ struct DecodePlan {
 
 // Plans a decode batch. Request b has kv_lengths[b] keys (this step's token included) and
 // qo_indptr[b + 1] - qo_indptr[b] query rows: 1 for decode, 0 for a padding slot (no work, no
-// output). INVALID_ARGUMENT for more than one row, negative lengths or bad options.
+// output). INVALID_ARGUMENT for more than one row, negative lengths, bad options or a forced
+// kernel the cache lacks.
 absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
                                            std::span<const int64_t> kv_lengths,
                                            const DecodePlanOptions& options);

@@ -6,6 +6,16 @@
 
 namespace attnd::plan {
 
+// The kernel that runs a decode plan (DecodePlan::kernel, chosen per batch by the planner).
+enum class DecodeKernel : int32_t {
+  // CUDA cores: each thread holds a slice of up to two query heads' rows in fp32 (groups 1..8,
+  // fp16/bf16/fp8 caches, any q/KV type pair).
+  kCudaCore = 0,
+  // Tensor cores: the group's query heads, padded to 16, are the M of mma.sync m16n8k16
+  // (groups 4..16, q and cache of one 16-bit type). kernels/cuda/decode_tc.cuh.
+  kTensorCore = 1,
+};
+
 // Device-side view of an uploaded plan (pointers into one Pack()ed buffer). Owns nothing.
 struct DecodeWorkView {
   int32_t num_items = 0;
@@ -19,6 +29,7 @@ struct DecodeWorkView {
   const int32_t* merge_q_row = nullptr;    // [num_merge_rows] row of o and lse
   int32_t num_partials = 0;
   int32_t window_left = -1;                // the window the plan was cut for
+  DecodeKernel kernel = DecodeKernel::kCudaCore;  // which kernel BatchDecode launches
 };
 
 }  // namespace attnd::plan

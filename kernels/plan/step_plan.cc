@@ -49,6 +49,10 @@ absl::StatusOr<DecodePlan> PlanDecodeRows(const StepBatch& batch,
   DecodePlanOptions options;
   options.num_kv_heads = context.geometry->num_kv_heads;
   options.ctas_per_wave = context.decode_ctas_per_wave;
+  options.cuda_core_supported = context.decode_cuda_core_supported;
+  options.tensor_core_supported = context.decode_tensor_core_supported;
+  options.tensor_core_ctas_per_wave = context.decode_tensor_core_ctas_per_wave;
+  options.kernel_choice = context.decode_kernel_choice;
   options.fixed_split_tokens = batch.options.fixed_split_tokens;
   options.disable_split_kv = batch.options.disable_split_kv;
   options.deterministic = batch.options.deterministic;

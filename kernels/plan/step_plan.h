@@ -5,7 +5,8 @@
 //
 // Kernel choice:
 // - decode-only steps (every entry 1 row or padding): BatchDecode, when a decode kernel exists
-//   for the cache's dtypes, head_dim and GQA group; otherwise BatchPrefill.
+//   for the cache's dtypes, head_dim and GQA group; otherwise BatchPrefill. The decode planner
+//   picks its CUDA-core or tensor-core kernel per step (plan::DecodePlanOptions).
 // - steps with prefill rows: BatchPrefill for the entries of more than one row, and, when a
 //   decode kernel exists, BatchDecode for the 1-row entries of the same step (launches on one
 //   stream, each writing its own rows of o and lse). Where POD is not picked, this is the split
@@ -41,8 +42,16 @@ namespace attnd::plan {
 
 struct StepPlanContext {
   const CacheGeometry* geometry = nullptr;
-  bool decode_supported = false;  // attnd::cuda::DecodeSupports for the cache
+  bool decode_supported = false;  // some decode kernel exists for the cache (either below)
+  // The CUDA-core kernel (attnd::cuda::DecodeSupports, DecodeCtasPerWave) and the tensor-core
+  // one (TensorCoreDecodeSupports, TensorCoreDecodeCtasPerWave); the decode planner picks
+  // between them per step (plan::DecodePlanOptions).
+  bool decode_cuda_core_supported = true;
   int32_t decode_ctas_per_wave = 0;
+  bool decode_tensor_core_supported = false;
+  int32_t decode_tensor_core_ctas_per_wave = 0;
+  // CudaBackendOptions::decode_kernel (decode_choice.h), already reduced to a kernel the cache has.
+  DecodeKernelChoice decode_kernel_choice = DecodeKernelChoice::kAuto;
   PrefillWaveSizes prefill_ctas_per_wave;  // attnd::cuda::BatchPrefillCtasPerWave
   int32_t mla_ctas_per_wave = 0;  // attnd::cuda::MlaDecodeCtasPerWave (MLA caches)
   PodMode pod_mode = PodMode::kOff;  // pod_choice.h: when a mixed step runs POD

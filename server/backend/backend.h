@@ -149,8 +149,10 @@ class BackendChannel {
                          ChannelLayerDone layer_done) = 0;
   // Ends the waits of the step started with `sequence`: layers not yet started complete as
   // CANCELLED (or, where their wait is already on the device, run on whatever the slot holds);
-  // every remaining done word is set and the aborted word is set to `sequence`.
-  virtual void CancelStep(uint32_t sequence) = 0;
+  // every remaining done word is set and, with `mark_aborted`, the aborted word is set to
+  // `sequence` (it reads as "every step up to here aborted": not for a step the client aborted
+  // on top of one that still runs, see Engine::EndStep).
+  virtual void CancelStep(uint32_t sequence, bool mark_aborted) = 0;
   // Sets ready[layer] to `sequence` for the client (Forward with use_channel).
   virtual void SignalReady(int32_t layer, uint32_t sequence) = 0;
   // Whether ready[layer] has reached `sequence` (the client signalled that layer). May read
@@ -163,6 +165,8 @@ class BackendCache {
  public:
   virtual ~BackendCache() = default;
   virtual const CacheGeometry& geometry() const = 0;
+  // The ordinal of the device holding the pools.
+  virtual int32_t device() const { return 0; }
   // Builds the kernel plan of a step and uploads it. The batch outlives the returned step.
   virtual absl::StatusOr<std::unique_ptr<BackendStep>> PrepareStep(
       std::shared_ptr<const StepBatch> batch) = 0;
@@ -183,26 +187,74 @@ class BackendCache {
   // bytes.size() / page bytes) to host. Waits for queued work. For tests and diagnostics.
   virtual absl::Status ReadPages(int32_t layer, bool v_pool, int64_t first_page,
                                  std::span<uint8_t> bytes) = 0;
+
+  // Sequence lifecycle (ForkSequence, ExportSequence, ImportSequence). Synchronous: each returns
+  // once the bytes are in place. The engine guarantees that no step writes these pages
+  // meanwhile; page ids are checked against the pool. Both backends implement them (the
+  // defaults are for test doubles).
+  //
+  // Copies layer `layer`'s K and V regions of each copy's source page to its destination: the
+  // copy-on-write of a step that committed before running this layer (called under the engine's
+  // lock, a rare path, so the sequence is never seen with the copy missing).
+  virtual absl::Status CopyPages(int32_t layer, std::span<const PageCopy> copies) {
+    (void)layer, (void)copies;
+    return absl::UnimplementedError("this backend cannot copy pages");
+  }
+  // Gathers one layer's pool (K when !v_pool) pages `pages`, in that order, into `bytes`
+  // (pages.size() pages of KPageBytes/VPageBytes each, the cache's dtype and layout). Waits for
+  // nothing else: the engine reads only pages no running step writes.
+  virtual absl::Status ReadPageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                                    std::span<uint8_t> bytes) {
+    (void)layer, (void)v_pool, (void)pages, (void)bytes;
+    return absl::UnimplementedError("this backend cannot export pages");
+  }
+  // The inverse: scatters `bytes` into those pages (visible to every later step on return).
+  virtual absl::Status WritePageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                                     std::span<const uint8_t> bytes) {
+    (void)layer, (void)v_pool, (void)pages, (void)bytes;
+    return absl::UnimplementedError("this backend cannot import pages");
+  }
+};
+
+// One device a backend places caches on. The CPU backend can pretend to have several (each
+// with its own KV budget) so that multi-device placement is testable without GPUs.
+struct DeviceInfo {
+  int32_t ordinal = 0;  // the CUDA device ordinal (--devices); the CPU backend's own numbering
+  std::string name;
+  int32_t num_sms = 0;
+  int64_t memory_bytes = 0;
+  int64_t kv_budget_bytes = 0;
 };
 
 struct BackendInfo {
   std::string name;    // "cuda" or "cpu"
-  std::string device;  // device or CPU model name
-  int32_t num_sms = 0;
-  int64_t device_memory_bytes = 0;
-  int64_t kv_budget_bytes = 0;
+  std::string device;  // device or CPU model name (the first device's)
+  int32_t num_sms = 0;            // the first device's
+  int64_t device_memory_bytes = 0;  // the first device's
+  int64_t kv_budget_bytes = 0;    // over every device
   std::vector<std::string> extensions;
+  std::vector<DeviceInfo> devices;  // every device served, in --devices order; at least one
 };
 
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual BackendInfo Info() const = 0;
-  // Bytes of the KV budget not held by any cache.
+  // Bytes of the KV budget not held by any cache, over every device.
   virtual int64_t KvFreeBytes() const = 0;
-  // Carves a cache's pools out of the KV budget; RESOURCE_EXHAUSTED when it does not fit.
+  // The same on one device (an ordinal of Info().devices); 0 for one that is not served.
+  virtual int64_t KvFreeBytesOn(int32_t device) const {
+    return device == 0 ? KvFreeBytes() : 0;
+  }
+  // Carves a cache's pools out of the KV budget of `device` (an ordinal of Info().devices), or
+  // with kAnyDevice of the device with the most free KV budget; RESOURCE_EXHAUSTED when it
+  // does not fit, INVALID_ARGUMENT for a device not served.
+  static constexpr int32_t kAnyDevice = -1;
   virtual absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(
-      const CacheGeometry& geometry) = 0;
+      const CacheGeometry& geometry, int32_t device) = 0;
+  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(const CacheGeometry& geometry) {
+    return CreateCache(geometry, kAnyDevice);
+  }
 };
 
 }  // namespace attnd

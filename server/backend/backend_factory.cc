@@ -15,10 +15,12 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions
     const bool have_gpu = CudaDeviceCount() > 0;
     if (have_gpu) {
       CudaBackendOptions cuda;
+      cuda.devices = options.devices;
       cuda.kv_budget_bytes = options.kv_memory_bytes;
       cuda.kv_memory_fraction = options.kv_memory_fraction;
       cuda.observer = options.observer;
       cuda.pod_mode = options.pod_mode;
+      cuda.decode_kernel = options.decode_kernel;
       cuda.completion_wait = options.cuda_completion_wait;
       return MakeCudaBackend(cuda);
     }
@@ -42,6 +44,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions
   }
 #endif
   CpuBackendOptions cpu;
+  cpu.devices = options.devices;
   cpu.kv_budget_bytes = options.kv_memory_bytes > 0 ? options.kv_memory_bytes : int64_t{1} << 30;
   cpu.observer = options.observer;
   return MakeCpuBackend(cpu);

@@ -4,22 +4,27 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
 #include "options.h"
+#include "plan/decode_choice.h"
 #include "plan/pod_choice.h"
 
 namespace attnd {
 
 struct BackendFactoryOptions {
   BackendKind kind = BackendKind::kAuto;
-  int64_t kv_memory_bytes = 0;  // 0: a fraction of free device memory (CUDA) / 1 GiB (CPU)
+  std::vector<int32_t> devices;  // empty: every visible GPU (CUDA) / one device (CPU)
+  int64_t kv_memory_bytes = 0;  // per device; 0: a fraction of free memory (CUDA) / 1 GiB (CPU)
   double kv_memory_fraction = 0.9;
   BackendObserver* observer = nullptr;
-  // CUDA backend only (CudaBackendOptions): when a mixed step runs as one POD launch, and how
-  // its completion threads wait ("blocking" or "spin"; "" = blocking).
+  // CUDA backend only (CudaBackendOptions): when a mixed step runs as one POD launch, which
+  // decode kernel the decode planner may use, and how its completion threads wait ("blocking"
+  // or "spin"; "" = blocking).
   plan::PodMode pod_mode = plan::PodMode::kAuto;
+  plan::DecodeKernelChoice decode_kernel = plan::DecodeKernelChoice::kAuto;
   std::string cuda_completion_wait;
 };
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/status_macros.h"
 #include "channel/host_shm_channel.h"
 #include "reference/append.h"
 #include "reference/attention.h"
@@ -72,16 +73,18 @@ struct FreeDeleter {
 class CpuCache final : public BackendCache {
  public:
   CpuCache(const CacheGeometry& geometry, uint8_t* storage, std::atomic<int64_t>* budget_used,
-           WorkerPool* workers, BackendObserver* observer)
+           int32_t device, WorkerPool* workers, BackendObserver* observer)
       : geometry_(geometry),
         storage_(storage),
         budget_used_(budget_used),
+        device_(device),
         workers_(workers),
         observer_(observer),
         inv_freq_(RopeInverseFrequencies(geometry.rope)) {}
   ~CpuCache() override { budget_used_->fetch_sub(geometry_.PoolBytes()); }
 
   const CacheGeometry& geometry() const override { return geometry_; }
+  int32_t device() const override { return device_; }
 
   absl::StatusOr<std::unique_ptr<BackendStep>> PrepareStep(
       std::shared_ptr<const StepBatch> batch) override;
@@ -109,11 +112,76 @@ class CpuCache final : public BackendCache {
     return absl::OkStatus();
   }
 
+  absl::Status CopyPages(int32_t layer, std::span<const PageCopy> copies) override {
+    if (layer < 0 || layer >= geometry_.num_layers) {
+      return absl::OutOfRangeError("CopyPages: layer outside the cache");
+    }
+    for (const PageCopy& copy : copies) {
+      if (!ValidPage(copy.source) || !ValidPage(copy.destination)) {
+        return absl::OutOfRangeError("CopyPages: page outside the pool");
+      }
+    }
+    CopyLayerPages(layer, copies);
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadPageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                            std::span<uint8_t> bytes) override {
+    const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+    RETURN_IF_ERROR(CheckPageList(layer, pages, static_cast<int64_t>(bytes.size()), page_bytes));
+    const uint8_t* pool = static_cast<const uint8_t*>(Pool(layer, v_pool).data);
+    for (size_t i = 0; i < pages.size(); ++i) {
+      std::memcpy(bytes.data() + i * page_bytes, pool + pages[i] * page_bytes, page_bytes);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status WritePageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                             std::span<const uint8_t> bytes) override {
+    const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+    RETURN_IF_ERROR(CheckPageList(layer, pages, static_cast<int64_t>(bytes.size()), page_bytes));
+    uint8_t* pool = static_cast<uint8_t*>(Pool(layer, v_pool).data);
+    for (size_t i = 0; i < pages.size(); ++i) {
+      std::memcpy(pool + pages[i] * page_bytes, bytes.data() + i * page_bytes, page_bytes);
+    }
+    return absl::OkStatus();
+  }
+
+  // Copy-on-write of one layer: each copy's K and V page bytes, source to destination.
+  void CopyLayerPages(int32_t layer, std::span<const PageCopy> copies) const {
+    for (const bool v_pool : {false, true}) {
+      const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+      uint8_t* pool = static_cast<uint8_t*>(Pool(layer, v_pool).data);
+      for (const PageCopy& copy : copies) {
+        std::memcpy(pool + copy.destination * page_bytes, pool + copy.source * page_bytes,
+                    page_bytes);
+      }
+    }
+  }
+
   PagedKvView Pool(int32_t layer, bool v_pool) const {
     return geometry_.Pool(storage_.get(), layer, v_pool);
   }
 
   WorkerPool* workers() const { return workers_; }
+
+ private:
+  bool ValidPage(int32_t page) const { return page >= 0 && page < geometry_.num_pages; }
+  absl::Status CheckPageList(int32_t layer, std::span<const int32_t> pages, int64_t bytes,
+                             int64_t page_bytes) const {
+    if (layer < 0 || layer >= geometry_.num_layers) {
+      return absl::OutOfRangeError("page list: layer outside the cache");
+    }
+    if (bytes != static_cast<int64_t>(pages.size()) * page_bytes) {
+      return absl::OutOfRangeError("page list: byte count is not one page per id");
+    }
+    for (const int32_t page : pages) {
+      if (!ValidPage(page)) return absl::OutOfRangeError("page list: page outside the pool");
+    }
+    return absl::OkStatus();
+  }
+
+ public:
   BackendObserver* observer() const { return observer_; }
   std::span<const float> inv_freq() const { return inv_freq_; }
 
@@ -121,6 +189,7 @@ class CpuCache final : public BackendCache {
   CacheGeometry geometry_;
   std::unique_ptr<uint8_t, FreeDeleter> storage_;
   std::atomic<int64_t>* budget_used_;
+  int32_t device_;
   WorkerPool* workers_;
   BackendObserver* observer_;
   std::vector<float> inv_freq_;
@@ -223,6 +292,8 @@ void CpuStep::Run(const CpuCache& cache, const StepBatch& batch, const LayerIo& 
   std::vector<uint8_t> rotated_q(tokens * g.num_qo_heads * q_dim * DTypeBytes(g.q_dtype));
 
   auto start = std::chrono::steady_clock::now();
+  // Copy-on-write before the append: this layer's shared partial pages into their fresh copies.
+  cache.CopyLayerPages(io.layer, batch.page_copies);
   if (!g.mla) {
     reference::AppendArgs append;
     append.tokens = batch.AppendIndex();
@@ -307,42 +378,96 @@ class CpuBackend final : public Backend {
       : options_(options),
         workers_(options.num_workers > 0
                      ? options.num_workers
-                     : std::max(2u, std::thread::hardware_concurrency())) {}
+                     : std::max(2u, std::thread::hardware_concurrency())) {
+    const std::vector<int32_t> ordinals =
+        options.devices.empty() ? std::vector<int32_t>{0} : options.devices;
+    for (const int32_t ordinal : ordinals) {
+      devices_.push_back(std::make_unique<Device>());
+      devices_.back()->ordinal = ordinal;
+    }
+  }
 
   BackendInfo Info() const override {
     BackendInfo info;
     info.name = "cpu";
     info.device = CpuModelName();
-    info.kv_budget_bytes = options_.kv_budget_bytes;
+    info.kv_budget_bytes = options_.kv_budget_bytes * static_cast<int64_t>(devices_.size());
     info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index", "channel_host_shm"};
+    for (const auto& device : devices_) {
+      info.devices.push_back({device->ordinal, info.device, 0, 0, options_.kv_budget_bytes});
+    }
     return info;
   }
 
-  int64_t KvFreeBytes() const override { return options_.kv_budget_bytes - budget_used_.load(); }
+  int64_t KvFreeBytes() const override {
+    int64_t free = 0;
+    for (const auto& device : devices_) free += options_.kv_budget_bytes - device->used.load();
+    return free;
+  }
 
-  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(
-      const CacheGeometry& geometry) override {
+  int64_t KvFreeBytesOn(int32_t ordinal) const override {
+    const Device* device = Find(ordinal);
+    return device == nullptr ? 0 : options_.kv_budget_bytes - device->used.load();
+  }
+
+  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(const CacheGeometry& geometry,
+                                                            int32_t ordinal) override {
+    Device* device = nullptr;
+    if (ordinal == kAnyDevice) {
+      // The device with the most free budget; ties go to the first listed.
+      for (const auto& candidate : devices_) {
+        if (device == nullptr || candidate->used.load() < device->used.load()) {
+          device = candidate.get();
+        }
+      }
+    } else {
+      device = Find(ordinal);
+      if (device == nullptr) return absl::InvalidArgumentError(UnknownDevice(ordinal));
+    }
     const int64_t bytes = geometry.PoolBytes();
-    int64_t used = budget_used_.load();
+    int64_t used = device->used.load();
     do {
       if (used + bytes > options_.kv_budget_bytes) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "the cache needs ", bytes, " bytes but ", options_.kv_budget_bytes - used,
-            " of the KV budget (", options_.kv_budget_bytes, " bytes) are free"));
+            " of device ", device->ordinal, "'s KV budget (", options_.kv_budget_bytes,
+            " bytes) are free"));
       }
-    } while (!budget_used_.compare_exchange_weak(used, used + bytes));
+    } while (!device->used.compare_exchange_weak(used, used + bytes));
     auto* storage = static_cast<uint8_t*>(std::calloc(static_cast<size_t>(bytes), 1));
     if (storage == nullptr) {
-      budget_used_.fetch_sub(bytes);
+      device->used.fetch_sub(bytes);
       return absl::ResourceExhaustedError(absl::StrCat("host allocation of ", bytes, " bytes failed"));
     }
-    return std::make_unique<CpuCache>(geometry, storage, &budget_used_, &workers_,
-                                      options_.observer);
+    return std::make_unique<CpuCache>(geometry, storage, &device->used, device->ordinal,
+                                      &workers_, options_.observer);
   }
 
  private:
+  // A pretend device: only a KV budget of its own.
+  struct Device {
+    int32_t ordinal = 0;
+    std::atomic<int64_t> used{0};
+  };
+
+  Device* Find(int32_t ordinal) const {
+    for (const auto& device : devices_) {
+      if (device->ordinal == ordinal) return device.get();
+    }
+    return nullptr;
+  }
+
+  std::string UnknownDevice(int32_t ordinal) const {
+    std::string served;
+    for (const auto& device : devices_) {
+      absl::StrAppend(&served, served.empty() ? "" : ", ", device->ordinal);
+    }
+    return absl::StrCat("device: this server places caches on device(s) ", served, " (--devices), not ",
+                        ordinal);
+  }
+
   CpuBackendOptions options_;
-  std::atomic<int64_t> budget_used_{0};
+  std::vector<std::unique_ptr<Device>> devices_;
   WorkerPool workers_;
 };
 

@@ -4,13 +4,17 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "backend/backend.h"
 
 namespace attnd {
 
 struct CpuBackendOptions {
-  int64_t kv_budget_bytes = 1ll << 30;
+  int64_t kv_budget_bytes = 1ll << 30;  // per device
+  // Devices to pretend to have (their ordinals), each with kv_budget_bytes of its own: caches
+  // are placed on one as on a multi-GPU host. Empty: one, device 0.
+  std::vector<int32_t> devices;
   // Layers run concurrently on this many threads (0: one per core).
   int num_workers = 0;
   BackendObserver* observer = nullptr;  // may be null; must outlive the backend

@@ -109,9 +109,15 @@ absl::Status CheckSupported(const CacheGeometry& g) {
 // reference to it can sit in a finished layer's callback), possibly after the backend.
 class KvReservation {
  public:
-  KvReservation(uint8_t* base, int64_t bytes)
-      : base_(base), ranges_(bytes, cuda_backend::kBufferAlignment) {}
-  ~KvReservation() { cudaFree(base_); }
+  KvReservation(int device, uint8_t* base, int64_t bytes)
+      : device_(device), base_(base), ranges_(bytes, cuda_backend::kBufferAlignment) {}
+  ~KvReservation() {
+    int previous_device = device_;
+    cudaGetDevice(&previous_device);
+    cudaSetDevice(device_);
+    cudaFree(base_);
+    cudaSetDevice(previous_device);
+  }
 
   uint8_t* base() const { return base_; }
   int64_t capacity_bytes() const { return ranges_.capacity_bytes(); }
@@ -127,7 +133,7 @@ class KvReservation {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the cache needs ", bytes, " bytes of KV memory (", geometry.num_pages, " pages of ",
           geometry.BytesPerPage(), " bytes) but ", ranges_.capacity_bytes() - used_bytes_,
-          " of the CUDA KV budget (", ranges_.capacity_bytes(),
+          " of device ", device_, "'s CUDA KV budget (", ranges_.capacity_bytes(),
           " bytes, --kv_memory_bytes) are free, the largest free range ",
           ranges_.largest_free_range(), " bytes"));
     }
@@ -141,6 +147,7 @@ class KvReservation {
   }
 
  private:
+  const int device_;
   uint8_t* const base_;
   mutable std::mutex mu_;
   RangeAllocator ranges_;
@@ -149,25 +156,45 @@ class KvReservation {
   int64_t used_bytes_ = 0;
 };
 
+// One GPU the backend places caches on: its KV reservation and what GetServerInfo says of it.
+struct CudaDevice {
+  DeviceInfo info;
+  std::shared_ptr<KvReservation> reservation;
+};
+
 class CudaBackend final : public Backend {
  public:
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const CudaBackendOptions& options);
 
   BackendInfo Info() const override { return info_; }
-  int64_t KvFreeBytes() const override { return reservation_->FreeBytes(); }
-  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(
-      const CacheGeometry& geometry) override;
+  int64_t KvFreeBytes() const override {
+    int64_t free = 0;
+    for (const CudaDevice& device : devices_) free += device.reservation->FreeBytes();
+    return free;
+  }
+  int64_t KvFreeBytesOn(int32_t ordinal) const override {
+    const CudaDevice* device = Find(ordinal);
+    return device == nullptr ? 0 : device->reservation->FreeBytes();
+  }
+  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(const CacheGeometry& geometry,
+                                                            int32_t device) override;
 
  private:
   CudaBackend(const CudaBackendOptions& options, const BackendInfo& info,
-              std::shared_ptr<KvReservation> reservation, cuda_backend::CompletionWait wait)
-      : options_(options), info_(info), reservation_(std::move(reservation)), wait_(wait) {}
+              std::vector<CudaDevice> devices, cuda_backend::CompletionWait wait)
+      : options_(options), info_(info), devices_(std::move(devices)), wait_(wait) {}
+
+  const CudaDevice* Find(int32_t ordinal) const {
+    for (const CudaDevice& device : devices_) {
+      if (device.info.ordinal == ordinal) return &device;
+    }
+    return nullptr;
+  }
 
   const CudaBackendOptions options_;
   const BackendInfo info_;
-  const std::shared_ptr<KvReservation> reservation_;
+  const std::vector<CudaDevice> devices_;
   const cuda_backend::CompletionWait wait_;
-  const int device_ = 0;
 };
 
 absl::StatusOr<cuda_backend::CompletionWait> CompletionWaitOf(const CudaBackendOptions& options) {
@@ -178,17 +205,11 @@ absl::StatusOr<cuda_backend::CompletionWait> CompletionWaitOf(const CudaBackendO
       absl::StrCat("CUDA completion wait: expected blocking or spin, got '", name, "'"));
 }
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
-    const CudaBackendOptions& options) {
-  ASSIGN_OR_RETURN(const cuda_backend::CompletionWait wait, CompletionWaitOf(options));
-  PreferEagerModuleLoading();
-  if (CudaDeviceCount() == 0) {
-    return absl::FailedPreconditionError("the CUDA backend needs a CUDA device; none is visible");
-  }
-  const int device = 0;
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+// Reserves the KV budget of one device.
+absl::StatusOr<CudaDevice> OpenDevice(const CudaBackendOptions& options, int ordinal) {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal));
   cudaDeviceProp properties{};
-  CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, device));
+  CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, ordinal));
   size_t free_bytes = 0;
   size_t total_bytes = 0;
   CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
@@ -204,44 +225,116 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   budget &= ~(cuda_backend::kBufferAlignment - 1);
   if (budget <= 0) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "KV budget of ", budget, " bytes is too small (device has ", free_bytes, " bytes free)"));
+        "device ", ordinal, ": KV budget of ", budget, " bytes is too small (the device has ",
+        free_bytes, " bytes free)"));
   }
   void* reservation = nullptr;
   const cudaError_t error = cudaMalloc(&reservation, static_cast<size_t>(budget));
   if (error != cudaSuccess) {
     cudaGetLastError();
     return absl::ResourceExhaustedError(absl::StrCat(
-        "reserving ", budget, " bytes of KV memory (--kv_memory_bytes / --kv_memory_fraction) "
-        "failed: ", cudaGetErrorString(error), "; the device has ", free_bytes, " of ",
-        total_bytes, " bytes free"));
+        "device ", ordinal, ": reserving ", budget,
+        " bytes of KV memory (--kv_memory_bytes / --kv_memory_fraction) failed: ",
+        cudaGetErrorString(error), "; the device has ", free_bytes, " of ", total_bytes,
+        " bytes free"));
   }
+  CudaDevice device;
+  device.info.ordinal = ordinal;
+  device.info.name = properties.name;
+  device.info.num_sms = properties.multiProcessorCount;
+  device.info.memory_bytes = static_cast<int64_t>(properties.totalGlobalMem);
+  device.info.kv_budget_bytes = budget;
+  device.reservation =
+      std::make_shared<KvReservation>(ordinal, static_cast<uint8_t*>(reservation), budget);
+  return device;
+}
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
+    const CudaBackendOptions& options) {
+  ASSIGN_OR_RETURN(const cuda_backend::CompletionWait wait, CompletionWaitOf(options));
+  PreferEagerModuleLoading();
+  const int count = CudaDeviceCount();
+  if (count == 0) {
+    return absl::FailedPreconditionError("the CUDA backend needs a CUDA device; none is visible");
+  }
+  std::vector<int32_t> ordinals = options.devices;
+  if (ordinals.empty()) {
+    for (int ordinal = 0; ordinal < count; ++ordinal) ordinals.push_back(ordinal);
+  }
+  std::vector<CudaDevice> devices;
+  for (size_t i = 0; i < ordinals.size(); ++i) {
+    const int32_t ordinal = ordinals[i];
+    if (ordinal < 0 || ordinal >= count) {
+      return absl::InvalidArgumentError(absl::StrCat("--devices: device ", ordinal,
+                                                     " is not visible (", count,
+                                                     " CUDA device(s): 0..", count - 1, ")"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (ordinals[j] == ordinal) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--devices: device ", ordinal, " is listed twice"));
+      }
+    }
+    ASSIGN_OR_RETURN(CudaDevice device, OpenDevice(options, ordinal));
+    devices.push_back(std::move(device));
+  }
+  // The first device stays current on this thread (as before: threads that never set one use
+  // device 0's context).
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinals[0]));
 
   BackendInfo info;
   info.name = "cuda";
-  info.device = properties.name;
-  info.num_sms = properties.multiProcessorCount;
-  info.device_memory_bytes = static_cast<int64_t>(properties.totalGlobalMem);
-  info.kv_budget_bytes = budget;
+  info.device = devices[0].info.name;
+  info.num_sms = devices[0].info.num_sms;
+  info.device_memory_bytes = devices[0].info.memory_bytes;
+  for (const CudaDevice& device : devices) {
+    info.kv_budget_bytes += device.info.kv_budget_bytes;
+    info.devices.push_back(device.info);
+  }
   info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index", "channel_host_shm", "channel_cuda_ipc"};
   // Mixed steps may run as one POD launch unless --pod=off (pod_choice.h).
   if (options.pod_mode != plan::PodMode::kOff) info.extensions.push_back("pod");
-  return std::unique_ptr<CudaBackend>(new CudaBackend(
-      options, info,
-      std::make_shared<KvReservation>(static_cast<uint8_t*>(reservation), budget), wait));
+  return std::unique_ptr<CudaBackend>(new CudaBackend(options, info, std::move(devices), wait));
 }
 
 absl::StatusOr<std::unique_ptr<BackendCache>> CudaBackend::CreateCache(
-    const CacheGeometry& geometry) {
+    const CacheGeometry& geometry, int32_t ordinal) {
   RETURN_IF_ERROR(CheckSupported(geometry));
-  ASSIGN_OR_RETURN(const int64_t offset, reservation_->Allocate(geometry));
-  auto release = [reservation = reservation_, offset, bytes = geometry.PoolBytes()] {
+  const CudaDevice* device = nullptr;
+  if (ordinal == kAnyDevice) {
+    // The device with the most free KV budget; ties go to the first listed.
+    for (const CudaDevice& candidate : devices_) {
+      if (device == nullptr ||
+          candidate.reservation->FreeBytes() > device->reservation->FreeBytes()) {
+        device = &candidate;
+      }
+    }
+  } else {
+    device = Find(ordinal);
+    if (device == nullptr) {
+      std::string served;
+      for (const CudaDevice& candidate : devices_) {
+        absl::StrAppend(&served, served.empty() ? "" : ", ", candidate.info.ordinal);
+      }
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device: this server places caches on device(s) ", served, " (--devices), not ",
+          ordinal));
+    }
+  }
+  const std::shared_ptr<KvReservation>& reservation = device->reservation;
+  ASSIGN_OR_RETURN(const int64_t offset, reservation->Allocate(geometry));
+  auto release = [reservation, offset, bytes = geometry.PoolBytes()] {
     reservation->Free(offset, bytes);
   };
-  auto cache = CudaCache::Create(geometry, reservation_->base() + offset, device_, wait_,
-                                 options_.pod_mode, options_.observer, release);
+  // The cache's streams, events and buffers belong to its device.
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device->info.ordinal));
+  auto cache = CudaCache::Create(geometry, reservation->base() + offset, device->info.ordinal,
+                                 wait_, options_.pod_mode, options_.decode_kernel,
+                                 options_.observer, release);
   if (!cache.ok()) {  // the failed cache gave its range back
     return absl::Status(cache.status().code(),
-                        absl::StrCat("set up the cache on the GPU: ", cache.status().message()));
+                        absl::StrCat("set up the cache on GPU ", device->info.ordinal, ": ",
+                                     cache.status().message()));
   }
   return std::unique_ptr<BackendCache>(std::move(cache).value());
 }

@@ -12,22 +12,29 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
+#include "plan/decode_choice.h"
 #include "plan/pod_choice.h"
 
 namespace attnd {
 
 struct CudaBackendOptions {
-  int64_t kv_budget_bytes = 0;      // > 0: reserve exactly this; 0: kv_memory_fraction of free
-  double kv_memory_fraction = 0.9;  // of the device memory free at start, in (0, 1]
+  // Device ordinals to serve (--devices); empty: every visible device.
+  std::vector<int32_t> devices;
+  int64_t kv_budget_bytes = 0;      // per device; > 0: reserve exactly this; 0: the fraction
+  double kv_memory_fraction = 0.9;  // of each device's memory free at start, in (0, 1]
   BackendObserver* observer = nullptr;  // may be null; must outlive the backend
   // How the completion threads wait for a layer's outputs (cuda_cache.h, CompletionWait):
   // "blocking" or "spin" (attnd's --cuda_completion, for measuring both). Empty: "blocking".
   std::string completion_wait;
   // When a mixed step runs as one POD launch (plan/pod_choice.h; attnd's --pod).
   plan::PodMode pod_mode = plan::PodMode::kAuto;
+  // The decode kernel each cache's decode planner may use (plan/decode_choice.h; attnd's
+  // --decode_kernel): auto, or one forced for measurements where the cache has it.
+  plan::DecodeKernelChoice decode_kernel = plan::DecodeKernelChoice::kAuto;
 };
 
 // Visible CUDA devices; 0 on any error (no driver, no device), so callers can fall back.
@@ -37,8 +44,9 @@ int CudaDeviceCount();
 // CUDA-capable device is detected (cudaErrorNoDevice)"); empty when a device is visible.
 std::string CudaUnavailableReason();
 
-// Uses device 0 (set CUDA_VISIBLE_DEVICES to pick another). RESOURCE_EXHAUSTED when the
-// reservation fails, FAILED_PRECONDITION without a device.
+// Reserves a KV budget on each device of options.devices (every visible one by default); each
+// cache lives on one of them. RESOURCE_EXHAUSTED when a reservation fails, FAILED_PRECONDITION
+// without a device, INVALID_ARGUMENT for a device not visible.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options);
 
 }  // namespace attnd

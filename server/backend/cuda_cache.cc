@@ -12,6 +12,7 @@
 #include "backend/cuda_ipc_channel.h"
 #include "backend/cuda_step.h"
 #include "channel/host_shm_channel.h"
+#include "plan/decode_choice.h"
 #include "plan/step_plan.h"
 
 namespace attnd::cuda_backend {
@@ -28,11 +29,12 @@ absl::StatusOr<std::unique_ptr<CudaCache>> CudaCache::Create(const CacheGeometry
                                                              uint8_t* pool, int device,
                                                              CompletionWait wait,
                                                              plan::PodMode pod_mode,
+                                                             plan::DecodeKernelChoice decode_kernel,
                                                              BackendObserver* observer,
                                                              std::function<void()> release_pool) {
   std::unique_ptr<CudaCache> cache(
       new CudaCache(geometry, pool, wait, observer, std::move(release_pool)));
-  RETURN_IF_ERROR(cache->Init(device, pod_mode));
+  RETURN_IF_ERROR(cache->Init(device, pod_mode, decode_kernel));
   return cache;
 }
 
@@ -42,9 +44,11 @@ absl::Status Lane::CreateStreams() {
   return d2h.Create();
 }
 
-absl::Status CudaCache::Init(int device, plan::PodMode pod_mode) {
+absl::Status CudaCache::Init(int device, plan::PodMode pod_mode,
+                             plan::DecodeKernelChoice decode_kernel) {
   device_ = device;
   for (Lane& lane : lanes_) RETURN_IF_ERROR(lane.CreateStreams());
+  RETURN_IF_ERROR(transfer_.Create());
   const cudaStream_t stream = lanes_[0].compute.get();
   // Zeroed so that a slot never written reads as 0 (as the CPU backend's calloc'd pools do).
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(pool_, 0, geometry_.PoolBytes(), stream));
@@ -64,10 +68,16 @@ absl::Status CudaCache::Init(int device, plan::PodMode pod_mode) {
     const cuda::DecodeKernelConfig config{geometry_.q_dtype, geometry_.kv_dtype,
                                           geometry_.k_head_dim,
                                           geometry_.num_qo_heads / geometry_.num_kv_heads};
-    decode_supported_ = cuda::DecodeSupports(config);
-    if (decode_supported_) {
+    decode_cuda_core_supported_ = cuda::DecodeSupports(config);
+    if (decode_cuda_core_supported_) {
       ASSIGN_OR_RETURN(decode_ctas_per_wave_, cuda::DecodeCtasPerWave(config));
     }
+    if (cuda::TensorCoreDecodeSupports(config)) {
+      ASSIGN_OR_RETURN(decode_tensor_core_ctas_per_wave_, cuda::TensorCoreDecodeCtasPerWave(config));
+      decode_tensor_core_supported_ = decode_tensor_core_ctas_per_wave_ > 0;
+    }
+    decode_kernel_choice_ = plan::EffectiveDecodeKernelChoice(
+        decode_kernel, decode_cuda_core_supported_, decode_tensor_core_supported_);
     ASSIGN_OR_RETURN(prefill_ctas_per_wave_,
                      cuda::BatchPrefillCtasPerWave(geometry_.k_head_dim, geometry_.q_dtype,
                                                    geometry_.kv_dtype));
@@ -87,6 +97,11 @@ absl::Status CudaCache::Init(int device, plan::PodMode pod_mode) {
 }
 
 CudaCache::~CudaCache() {
+  // May run on any thread (the last reference can sit in a layer's callback): the cache's
+  // device for the teardown, the thread's own again after it.
+  int previous_device = device_;
+  cudaGetDevice(&previous_device);
+  cudaSetDevice(device_);
   // No layer is in flight (the engine's contract), so the queues are empty.
   for (Lane& lane : lanes_) {
     if (lane.completions) lane.completions->Shutdown();
@@ -94,8 +109,10 @@ CudaCache::~CudaCache() {
       if (stream->get() != nullptr) cudaStreamSynchronize(stream->get());
     }
   }
+  if (transfer_.get() != nullptr) cudaStreamSynchronize(transfer_.get());
   free_resources_.clear();
   if (release_pool_) release_pool_();
+  cudaSetDevice(previous_device);
 }
 
 PagedKvView CudaCache::Pool(int32_t layer, bool v_pool) const {
@@ -152,6 +169,7 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStep(
 
 absl::StatusOr<std::unique_ptr<BackendChannel>> CudaCache::CreateChannel(
     const ChannelSpec& spec) {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   if (spec.kind == ChannelKind::kCudaIpc) {
     return CudaIpcChannel::Create(this, spec, device_);
   }
@@ -174,10 +192,16 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareChannelStep(
 
 absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStepOn(
     std::shared_ptr<const StepBatch> batch, Lane& lane, bool channel_lane) {
+  // Callers' threads (gRPC, the engine) may have another device current.
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   plan::StepPlanContext context;
   context.geometry = &geometry_;
-  context.decode_supported = decode_supported_;
+  context.decode_supported = decode_cuda_core_supported_ || decode_tensor_core_supported_;
+  context.decode_cuda_core_supported = decode_cuda_core_supported_;
   context.decode_ctas_per_wave = decode_ctas_per_wave_;
+  context.decode_tensor_core_supported = decode_tensor_core_supported_;
+  context.decode_tensor_core_ctas_per_wave = decode_tensor_core_ctas_per_wave_;
+  context.decode_kernel_choice = decode_kernel_choice_;
   context.prefill_ctas_per_wave = prefill_ctas_per_wave_;
   context.mla_ctas_per_wave = mla_ctas_per_wave_;
   context.pod_mode = pod_mode_;
@@ -262,11 +286,115 @@ absl::Status CudaCache::ReadPages(int32_t layer, bool v_pool, int64_t first_page
     return absl::OutOfRangeError("ReadPages: layer or page range outside the pool");
   }
   if (bytes.empty()) return absl::OkStatus();
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   const uint8_t* pool = static_cast<const uint8_t*>(Pool(layer, v_pool).data);
   // After every layer already enqueued on any lane.
   for (Lane& lane : lanes_) CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(lane.compute.get()));
   CUDA_RETURN_IF_ERROR(cudaMemcpy(bytes.data(), pool + first_page * page_bytes, bytes.size(),
                                   cudaMemcpyDeviceToHost));
+  return absl::OkStatus();
+}
+
+absl::Status CudaCache::EnqueuePageCopies(int32_t layer, std::span<const PageCopy> copies,
+                                          cudaStream_t stream) const {
+  for (const bool v_pool : {false, true}) {
+    const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+    uint8_t* pool = static_cast<uint8_t*>(Pool(layer, v_pool).data);
+    for (const PageCopy& copy : copies) {
+      if (copy.source < 0 || copy.source >= geometry_.num_pages || copy.destination < 0 ||
+          copy.destination >= geometry_.num_pages) {
+        return absl::OutOfRangeError("page copy: page outside the pool");
+      }
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pool + copy.destination * page_bytes,
+                                           pool + copy.source * page_bytes, page_bytes,
+                                           cudaMemcpyDeviceToDevice, stream));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaCache::CopyPages(int32_t layer, std::span<const PageCopy> copies) {
+  if (layer < 0 || layer >= geometry_.num_layers) {
+    return absl::OutOfRangeError("CopyPages: layer outside the cache");
+  }
+  std::lock_guard lock(transfer_mu_);
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  RETURN_IF_ERROR(EnqueuePageCopies(layer, copies, transfer_.get()));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(transfer_.get()));
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Calls copy(first_index, count) for each run of consecutive page ids in `pages`: one copy per
+// run instead of one per page (a sequence's pages are mostly allocated in order).
+template <typename CopyRun>
+absl::Status ForEachPageRun(std::span<const int32_t> pages, CopyRun&& copy) {
+  size_t first = 0;
+  while (first < pages.size()) {
+    size_t end = first + 1;
+    while (end < pages.size() && pages[end] == pages[end - 1] + 1) ++end;
+    RETURN_IF_ERROR(copy(first, end - first));
+    first = end;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CudaCache::ReadPageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                                     std::span<uint8_t> bytes) {
+  const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+  if (layer < 0 || layer >= geometry_.num_layers ||
+      static_cast<int64_t>(bytes.size()) != static_cast<int64_t>(pages.size()) * page_bytes) {
+    return absl::OutOfRangeError("ReadPageList: layer or byte count outside the cache");
+  }
+  for (const int32_t page : pages) {
+    if (page < 0 || page >= geometry_.num_pages) {
+      return absl::OutOfRangeError("ReadPageList: page outside the pool");
+    }
+  }
+  const uint8_t* pool = static_cast<const uint8_t*>(Pool(layer, v_pool).data);
+  std::lock_guard lock(transfer_mu_);
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  const cudaStream_t stream = transfer_.get();
+  RETURN_IF_ERROR(ForEachPageRun(pages, [&](size_t first, size_t count) -> absl::Status {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(bytes.data() + first * page_bytes,
+                                         pool + pages[first] * page_bytes, count * page_bytes,
+                                         cudaMemcpyDeviceToHost, stream));
+    return absl::OkStatus();
+  }));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  if (observer_ != nullptr) observer_->OnTransfer("d2h", static_cast<int64_t>(bytes.size()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaCache::WritePageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                                      std::span<const uint8_t> bytes) {
+  const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+  if (layer < 0 || layer >= geometry_.num_layers ||
+      static_cast<int64_t>(bytes.size()) != static_cast<int64_t>(pages.size()) * page_bytes) {
+    return absl::OutOfRangeError("WritePageList: layer or byte count outside the cache");
+  }
+  for (const int32_t page : pages) {
+    if (page < 0 || page >= geometry_.num_pages) {
+      return absl::OutOfRangeError("WritePageList: page outside the pool");
+    }
+  }
+  uint8_t* pool = static_cast<uint8_t*>(Pool(layer, v_pool).data);
+  std::lock_guard lock(transfer_mu_);
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  const cudaStream_t stream = transfer_.get();
+  RETURN_IF_ERROR(ForEachPageRun(pages, [&](size_t first, size_t count) -> absl::Status {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pool + pages[first] * page_bytes,
+                                         bytes.data() + first * page_bytes, count * page_bytes,
+                                         cudaMemcpyHostToDevice, stream));
+    return absl::OkStatus();
+  }));
+  // Later steps run on the lanes' streams: the bytes must have landed before the import
+  // commits (a synchronised stream orders before any later launch).
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  if (observer_ != nullptr) observer_->OnTransfer("h2d", static_cast<int64_t>(bytes.size()));
   return absl::OkStatus();
 }
 

@@ -20,7 +20,8 @@
 // outputs, reports kernel times (from events recorded around each kernel) and bytes to the
 // observer, and calls `done`. The gRPC thread never waits for the GPU.
 //
-// Thread safety: PrepareStep, ReadPages and steps' RunLayer may be called from any threads.
+// Thread safety: PrepareStep, ReadPages and steps' RunLayer may be called from any threads;
+// each makes the cache's device current on its thread first (a host may serve several GPUs).
 #pragma once
 
 #include <array>
@@ -37,6 +38,7 @@
 #include "backend/cuda_output_pool.h"
 #include "backend/cuda_plan_cache.h"
 #include "backend/cuda_step_resources.h"
+#include "plan/decode_plan.h"
 #include "plan/pod_choice.h"
 #include "plan/pod_plan.h"
 #include "plan/prefill_plan.h"
@@ -78,11 +80,13 @@ class CudaCache final : public BackendCache {
                                                            uint8_t* pool, int device,
                                                            CompletionWait wait,
                                                            plan::PodMode pod_mode,
+                                                           plan::DecodeKernelChoice decode_kernel,
                                                            BackendObserver* observer,
                                                            std::function<void()> release_pool);
   ~CudaCache() override;
 
   const CacheGeometry& geometry() const override { return geometry_; }
+  int32_t device() const override { return device_; }
   absl::StatusOr<std::unique_ptr<BackendStep>> PrepareStep(
       std::shared_ptr<const StepBatch> batch) override;
   absl::Status ReadPages(int32_t layer, bool v_pool, int64_t first_page,
@@ -90,6 +94,16 @@ class CudaCache final : public BackendCache {
   absl::StatusOr<std::unique_ptr<BackendChannel>> CreateChannel(const ChannelSpec& spec) override;
   absl::StatusOr<std::unique_ptr<BackendStep>> PrepareChannelStep(
       std::shared_ptr<const StepBatch> batch, BackendChannel* channel) override;
+  // Sequence lifecycle transfers, on the cache's transfer stream, each waited for.
+  absl::Status CopyPages(int32_t layer, std::span<const PageCopy> copies) override;
+  absl::Status ReadPageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                            std::span<uint8_t> bytes) override;
+  absl::Status WritePageList(int32_t layer, bool v_pool, std::span<const int32_t> pages,
+                             std::span<const uint8_t> bytes) override;
+  // Enqueues one layer's copy-on-write (K and V of each copy) on `stream`, ahead of the
+  // append that writes the destination pages. Page ids come from the engine's allocator.
+  absl::Status EnqueuePageCopies(int32_t layer, std::span<const PageCopy> copies,
+                                 cudaStream_t stream) const;
 
   // For the cache's steps (cuda_step.cc).
   PagedKvView Pool(int32_t layer, bool v_pool) const;
@@ -109,7 +123,7 @@ class CudaCache final : public BackendCache {
 
   CudaCache(const CacheGeometry& geometry, uint8_t* pool, CompletionWait wait,
             BackendObserver* observer, std::function<void()> release_pool);
-  absl::Status Init(int device, plan::PodMode pod_mode);
+  absl::Status Init(int device, plan::PodMode pod_mode, plan::DecodeKernelChoice decode_kernel);
   absl::StatusOr<std::unique_ptr<StepResources>> TakeResources();
   int PickLane();
   absl::Status ReserveLane(Lane& lane, int64_t q_rotated_bytes, int64_t workspace_bytes);
@@ -124,12 +138,20 @@ class CudaCache final : public BackendCache {
   std::array<Lane, kLanesPerCache> lanes_;
   std::atomic<uint32_t> next_lane_{0};
   DeviceBuffer rope_inv_freq_;  // [rotary_dim / 2] float
-  bool decode_supported_ = false;
+  bool decode_cuda_core_supported_ = false;
   int32_t decode_ctas_per_wave_ = 0;
+  bool decode_tensor_core_supported_ = false;
+  int32_t decode_tensor_core_ctas_per_wave_ = 0;
+  // CudaBackendOptions::decode_kernel, reduced to a kernel the cache has (decode_choice.h)
+  plan::DecodeKernelChoice decode_kernel_choice_ = plan::DecodeKernelChoice::kAuto;
   plan::PrefillWaveSizes prefill_ctas_per_wave_;
   plan::PodMode pod_mode_ = plan::PodMode::kOff;  // CudaBackendOptions::pod_mode (pod_choice.h)
   plan::PodWaveSizes pod_ctas_per_wave_;
   int32_t mla_ctas_per_wave_ = 0;  // MLA caches only
+
+  // Export/import and late copy-on-write copies; one transfer at a time (transfer_mu_).
+  std::mutex transfer_mu_;
+  CudaStream transfer_;
 
   PlanCache plans_;
   std::shared_ptr<OutputPool> outputs_ = OutputPool::Create();

@@ -95,11 +95,12 @@ void CudaIpcChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t /*n
   wake_.notify_all();
 }
 
-void CudaIpcChannel::CancelStep(uint32_t sequence) {
+void CudaIpcChannel::CancelStep(uint32_t sequence, bool mark_aborted) {
   std::lock_guard lock(mu_);
   for (auto& active : steps_) {
     if (active->sequence != sequence) continue;
     active->cancelled = true;
+    active->mark_aborted = mark_aborted;
     // Layers already on the device wait for ready words the client may never set: set them.
     // Their kernels then run on whatever the slot holds, into the step's own pages, which the
     // abort rolls back.
@@ -127,7 +128,7 @@ void CudaIpcChannel::SignalReady(int32_t layer, uint32_t sequence) {
 }
 
 void CudaIpcChannel::Skip(const ActiveStep& active, int32_t layer) {
-  WriteFlag(layout_.aborted, active.sequence).IgnoreError();
+  if (active.mark_aborted) WriteFlag(layout_.aborted, active.sequence).IgnoreError();
   WriteFlag(layout_.done[layer], active.sequence).IgnoreError();
   active.layer_done(layer, absl::CancelledError(absl::StrCat(
                                "layer ", layer, " of channel step ", active.sequence,

@@ -51,7 +51,7 @@ class CudaIpcChannel final : public BackendChannel {
   int32_t device() const override { return device_; }
   void StartStep(BackendStep* step, uint32_t sequence, int64_t num_tokens,
                  ChannelLayerDone layer_done) override;
-  void CancelStep(uint32_t sequence) override;
+  void CancelStep(uint32_t sequence, bool mark_aborted) override;
   void SignalReady(int32_t layer, uint32_t sequence) override;
   bool ReadyReached(int32_t layer, uint32_t sequence) override;
 
@@ -65,6 +65,7 @@ class CudaIpcChannel final : public BackendChannel {
     int32_t next_layer = 0;          // the first layer not yet enqueued
     std::vector<uint8_t> completed;  // [num_layers]
     bool cancelled = false;
+    bool mark_aborted = true;
   };
 
   CudaIpcChannel(CudaCache* cache, const ChannelSpec& spec, int device);

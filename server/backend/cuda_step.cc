@@ -78,6 +78,9 @@ CudaStep::~CudaStep() {
 }
 
 void CudaStep::RunLayer(const LayerIo& io, DoneCallback done) {
+  // The caller's thread (gRPC, a channel's pump) may have another device current; a failure
+  // here shows up as the launch's own error below.
+  cudaSetDevice(cache_->device());
   if (batch_->num_tokens == 0) {
     // Nothing to compute, but `done` still comes from a backend thread, never the caller's.
     lane_.completions->Post([done = std::move(done)] { done(absl::OkStatus()); });
@@ -201,6 +204,11 @@ absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, const LayerIo& io, uint8_t
 
 absl::Status CudaStep::EnqueueKernels(LayerEvents& slot, const LayerBuffers& buffers,
                                       int32_t layer, const CudaEvent** attended_event) {
+  // Copy-on-write (ForkSequence): shared partial pages into their fresh copies, on the compute
+  // stream ahead of the append that writes the copies. Timed as part of the append.
+  if (!batch_->page_copies.empty()) {
+    RETURN_IF_ERROR(cache_->EnqueuePageCopies(layer, batch_->page_copies, lane_.compute.get()));
+  }
   return cache_->geometry().mla ? EnqueueMlaKernels(slot, buffers, layer, attended_event)
                                 : EnqueueMhaKernels(slot, buffers, layer, attended_event);
 }

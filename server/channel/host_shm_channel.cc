@@ -42,7 +42,8 @@ HostShmChannel::HostShmChannel(const CacheGeometry& geometry, ChannelLayout layo
       layout_(std::move(layout)),
       ring_(std::move(ring)),
       hooks_(std::move(hooks)),
-      with_lse_(with_lse) {}
+      with_lse_(with_lse),
+      running_(geometry.num_layers, 0) {}
 
 HostShmChannel::~HostShmChannel() {
   {
@@ -80,7 +81,7 @@ std::vector<int32_t> HostShmChannel::TakeUnstartedLocked(ActiveStep& active) {
   return unstarted;
 }
 
-void HostShmChannel::CancelStep(uint32_t sequence) {
+void HostShmChannel::CancelStep(uint32_t sequence, bool mark_aborted) {
   // Skipped here, on the caller's thread, rather than by the pump: the step's layers that never
   // started are reported before this returns, so an abort's rollback lands with it (a layer
   // already handed to the backend reports when it finishes, as any running layer).
@@ -96,7 +97,7 @@ void HostShmChannel::CancelStep(uint32_t sequence) {
       skipped = TakeUnstartedLocked(*cancelled);
     }
   }
-  for (const int32_t layer : skipped) SkipLayer(*cancelled, layer);
+  for (const int32_t layer : skipped) SkipLayer(*cancelled, layer, mark_aborted);
   // The pump may be asleep on a ready word that will never be set.
   wake_.notify_all();
   for (const int64_t offset : layout_.ready) WakeFlag(ring(), offset);
@@ -131,15 +132,21 @@ void HostShmChannel::RunLayer(const ActiveStep& active, int32_t layer) {
   const int64_t done_offset = layout_.done[layer];
   const uint32_t sequence = active.sequence;
   ChannelLayerDone layer_done = active.layer_done;
-  active.step->RunLayer(io, [base, done_offset, sequence, layer,
+  // The engine frees the channel only once no layer of it is in flight: `this` outlives this.
+  active.step->RunLayer(io, [this, base, done_offset, sequence, layer,
                              layer_done = std::move(layer_done)](absl::Status status) {
+    {
+      std::lock_guard lock(mu_);
+      --running_[layer];
+    }
+    wake_.notify_all();
     StoreFlagAndWake(base, done_offset, sequence);
     layer_done(layer, std::move(status));
   });
 }
 
-void HostShmChannel::SkipLayer(const ActiveStep& active, int32_t layer) {
-  StoreFlagAndWake(ring(), layout_.aborted, active.sequence);
+void HostShmChannel::SkipLayer(const ActiveStep& active, int32_t layer, bool mark_aborted) {
+  if (mark_aborted) StoreFlagAndWake(ring(), layout_.aborted, active.sequence);
   StoreFlagAndWake(ring(), layout_.done[layer], active.sequence);
   active.layer_done(layer, absl::CancelledError(absl::StrCat(
                                "layer ", layer, " of channel step ", active.sequence,
@@ -150,6 +157,7 @@ void HostShmChannel::PumpLoop() {
   const int32_t num_layers = geometry_.num_layers;
   std::unique_lock lock(mu_);
   auto idle_since = std::chrono::steady_clock::now();
+  std::vector<uint8_t> claimed(num_layers);  // layers an earlier step has not started
   for (;;) {
     wake_.wait(lock, [&] { return stopping_ || !steps_.empty(); });
     if (stopping_) {
@@ -163,16 +171,25 @@ void HostShmChannel::PumpLoop() {
       }
       return;
     }
-    // Ready layers of any started step, in step and layer order.
+    // Ready layers of any started step, in step and layer order; layer l of a later step only
+    // once no earlier step's layer l is still running (or waiting to).
     std::shared_ptr<ActiveStep> ready_step;
     int32_t ready_layer = -1;
     int64_t watch_offset = -1;  // the first pending layer's ready word, to sleep on
     uint32_t watch_seen = 0;
+    bool held = false;  // a ready layer waits for an earlier step's same layer
+    std::fill(claimed.begin(), claimed.end(), 0);
     for (const auto& active : steps_) {
       for (int32_t layer = 0; layer < num_layers && ready_layer < 0; ++layer) {
         if (active->started[layer]) continue;
+        const bool blocked = claimed[layer] || running_[layer] > 0;
+        claimed[layer] = 1;
         const uint32_t seen = LoadFlag(ring(), layout_.ready[layer]);
         if (SequenceReached(seen, active->sequence)) {
+          if (blocked) {
+            held = true;
+            continue;
+          }
           ready_step = active;
           ready_layer = layer;
         } else if (watch_offset < 0) {
@@ -184,6 +201,7 @@ void HostShmChannel::PumpLoop() {
     }
     if (ready_layer >= 0) {
       ready_step->started[ready_layer] = 1;
+      ++running_[ready_layer];
       if (--ready_step->remaining == 0) {
         steps_.erase(std::find(steps_.begin(), steps_.end(), ready_step));
       }
@@ -191,6 +209,11 @@ void HostShmChannel::PumpLoop() {
       RunLayer(*ready_step, ready_layer);
       lock.lock();
       idle_since = std::chrono::steady_clock::now();
+      continue;
+    }
+    if (held) {
+      // Woken when a running layer finishes (or a step is started or cancelled).
+      wake_.wait_for(lock, std::chrono::milliseconds(1));
       continue;
     }
     lock.unlock();

@@ -5,7 +5,9 @@
 // hands each ready layer to the step's RunLayer with pointers into the ring (so the backend
 // reads inputs from and writes o/lse into the client's memory; a GPU backend registers the ring
 // and copies straight between it and the device). The layer's completion sets done[l] and
-// wakes it.
+// wakes it. Layer l of a step starts only once layer l of every step started before it has
+// finished: a step planned on top of an open one (chained, DESIGN 3b) reads the k/v that the
+// earlier step's layer appends.
 #pragma once
 
 #include <condition_variable>
@@ -41,7 +43,7 @@ class HostShmChannel final : public BackendChannel {
   std::string shm_name() const override { return ring_->name(); }
   void StartStep(BackendStep* step, uint32_t sequence, int64_t num_tokens,
                  ChannelLayerDone layer_done) override;
-  void CancelStep(uint32_t sequence) override;
+  void CancelStep(uint32_t sequence, bool mark_aborted) override;
   void SignalReady(int32_t layer, uint32_t sequence) override;
   bool ReadyReached(int32_t layer, uint32_t sequence) override;
 
@@ -65,7 +67,7 @@ class HostShmChannel final : public BackendChannel {
   // Marks every layer of `active` not yet started as started; returns them.
   std::vector<int32_t> TakeUnstartedLocked(ActiveStep& active);
   // Sets done[layer] and the aborted word for a layer that will not run, and reports it.
-  void SkipLayer(const ActiveStep& active, int32_t layer);
+  void SkipLayer(const ActiveStep& active, int32_t layer, bool mark_aborted = true);
 
   const CacheGeometry geometry_;
   const ChannelLayout layout_;
@@ -77,6 +79,7 @@ class HostShmChannel final : public BackendChannel {
   std::mutex mu_;
   std::condition_variable wake_;
   std::deque<std::shared_ptr<ActiveStep>> steps_;  // in start order
+  std::vector<int32_t> running_;  // [num_layers] layers handed to the backend, not yet done
   bool stopping_ = false;
   std::thread pump_;
 };

@@ -220,9 +220,7 @@ void Engine::State::ChannelLayerDone(const std::shared_ptr<StepEntry>& step, int
       }
       deferred.push_back([waiter = std::move(waiter), answer] { waiter(answer); });
     }
-    if (step->ending && step->in_flight == 0 && step->backend_step) {
-      FinalizeLocked(*step, deferred);
-    }
+    TryFinalizeLocked(step, deferred);
   }
   RunAll(deferred);
 }

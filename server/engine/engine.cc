@@ -25,6 +25,7 @@ CacheStatus StatusOf(const CacheEntry& cache,
   status.failure = cache.failure;
   status.pool_bytes = cache.spec.geometry.PoolBytes();
   status.used_pages = cache.allocator ? cache.allocator->used_pages() : 0;
+  status.shared_pages = cache.allocator ? cache.allocator->shared_pages() : 0;
   status.num_sequences = static_cast<int64_t>(cache.sequences.size());
   status.open_steps = cache.open_steps;
   return status;
@@ -42,6 +43,15 @@ Engine::Engine(const EngineOptions& options, Backend* backend, Metrics* metrics)
   state_->backend = backend;
   state_->metrics = metrics;
   state_->reaper = std::thread([state = state_.get()] { state->ReaperLoop(); });
+  state_->PublishDevices();
+}
+
+void Engine::State::PublishDevices() const {
+  if (metrics == nullptr) return;
+  for (const DeviceInfo& device : backend->Info().devices) {
+    const int64_t free = backend->KvFreeBytesOn(device.ordinal);
+    metrics->SetDeviceKvBytes(device.ordinal, device.kv_budget_bytes - free, free);
+  }
 }
 
 Engine::~Engine() {
@@ -85,6 +95,11 @@ void Engine::State::ExpireLocked(absl::Time now, Deferred& deferred) {
     // step's layers are in flight from Plan on, waiting for their ready words, so it expires
     // when no layer of it has finished for the TTL.
     const bool idle = step->channel != nullptr || step->in_flight == 0;
+    // A step planned on top of an open one waits for it: it expires with it (and aborts with
+    // it), not on its own.
+    bool waits = false;
+    for (const auto& parent : step->parents) waits |= !parent->finalized;
+    if (waits) continue;
     if (idle && now - step->last_activity > options.step_ttl) {
       expired.push_back(step);
     }
@@ -204,32 +219,91 @@ void Engine::State::EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcom
     finished.erase(finished_order.front());
     finished_order.pop_front();
   }
-  if (step->in_flight == 0) {
-    FinalizeLocked(*step, deferred);
-  } else if (step->channel != nullptr && outcome == StepOutcome::kAborted) {
-    // Its layers wait on ready words the client may never set: let go of them.
-    deferred.push_back([channel = step->channel, sequence = step->channel_sequence] {
-      if (channel->backend) channel->backend->CancelStep(sequence);
+  if (outcome == StepOutcome::kAborted) {
+    // Steps planned on top of this one lose the tokens they followed: they abort too. One that
+    // had already decided to commit (it waits for this step) rolls back instead.
+    for (const std::weak_ptr<StepEntry>& weak : step->children) {
+      std::shared_ptr<StepEntry> child = weak.lock();
+      if (child == nullptr || child->finalized) continue;
+      if (child->ending && child->outcome == StepOutcome::kCommitted) {
+        child->outcome = StepOutcome::kAborted;
+        if (auto done = finished.find(child->id); done != finished.end()) {
+          done->second.result.outcome = StepOutcome::kAborted;
+        }
+      }
+      EndLocked(child, StepOutcome::kAborted, deferred);
+    }
+  }
+  if (step->in_flight != 0 && step->channel != nullptr && outcome == StepOutcome::kAborted) {
+    // Its layers wait on ready words the client may never set: let go of them. The aborted
+    // word says "every step up to this one aborted"; a step aborted on top of one that goes on
+    // (the client's own EndStep; its answer says so) must not mark the one below.
+    bool below_goes_on = false;
+    for (const auto& parent : step->parents) {
+      below_goes_on |= !parent->finalized &&
+                       !(parent->ending && parent->outcome == StepOutcome::kAborted);
+    }
+    deferred.push_back([channel = step->channel, sequence = step->channel_sequence,
+                        mark = !below_goes_on] {
+      if (channel->backend) channel->backend->CancelStep(sequence, mark);
     });
   }
+  TryFinalizeLocked(step, deferred);
+}
+
+void Engine::State::TryFinalizeLocked(const std::shared_ptr<StepEntry>& step,
+                                      Deferred& deferred) {
+  if (!step->ending || step->finalized || step->in_flight != 0) return;
+  if (step->outcome == StepOutcome::kCommitted) {
+    // Its sequences' lengths move past its parents' tokens only once those are committed.
+    for (const auto& parent : step->parents) {
+      if (!parent->finalized) return;
+    }
+  } else {
+    // Pages are returned only when no child (whose appends may write into them) runs.
+    for (const std::weak_ptr<StepEntry>& weak : step->children) {
+      std::shared_ptr<StepEntry> child = weak.lock();
+      if (child != nullptr && !child->finalized) return;
+    }
+  }
+  FinalizeLocked(*step, deferred);
+  step->finalized = true;
+  std::vector<std::shared_ptr<StepEntry>> waiting;
+  if (step->outcome == StepOutcome::kCommitted) {
+    const absl::Time now = absl::Now();
+    for (const std::weak_ptr<StepEntry>& weak : step->children) {
+      if (std::shared_ptr<StepEntry> child = weak.lock()) {
+        child->last_activity = now;  // its TTL runs from here (see ExpireLocked)
+        waiting.push_back(std::move(child));
+      }
+    }
+  } else {
+    waiting = step->parents;
+  }
+  step->parents.clear();
+  step->children.clear();
+  for (const auto& next : waiting) TryFinalizeLocked(next, deferred);
 }
 
 void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
   CacheEntry& cache = *step.cache;
   const bool committed = step.outcome == StepOutcome::kCommitted;
-  for (const SequenceChange& change : step.changes) {
+  for (SequenceChange& change : step.changes) {
     auto it = cache.sequences.find(change.sequence_id);
     if (it == cache.sequences.end()) continue;
     Sequence& sequence = it->second;
-    sequence.open_step = 0;
+    --sequence.open_steps;
+    if (sequence.last_step.lock().get() == &step) sequence.last_step = change.previous_step;
     if (committed) {
       sequence.length = change.new_length;
     } else {
-      sequence.pages.resize(change.old_num_pages);
-      sequence.length = change.old_length;
-      if (sequence.length == 0 && sequence.pages.empty()) cache.sequences.erase(it);
+      RestoreSequence(sequence, change);
+      if (sequence.open_steps == 0 && sequence.length == 0 && sequence.pages.empty()) {
+        cache.sequences.erase(it);
+      }
     }
   }
+  if (committed && cache.allocator) CommitCopies(cache, step);
   if (!committed && cache.allocator) cache.allocator->Free(step.fresh_pages);
   step.fresh_pages.clear();
   step.changes.clear();
@@ -254,7 +328,7 @@ absl::StatusOr<CacheStatus> Engine::CreateCache(const CacheSpec& spec) {
   if (state_->caches.contains(spec.name)) {
     return absl::AlreadyExistsError(absl::StrCat("name: a cache named '", spec.name, "' exists"));
   }
-  auto backend_cache = state_->backend->CreateCache(spec.geometry);
+  auto backend_cache = state_->backend->CreateCache(spec.geometry, spec.device);
   if (!backend_cache.ok()) {
     return absl::Status(backend_cache.status().code(),
                         absl::StrCat("create cache '", spec.name, "': ",
@@ -263,11 +337,13 @@ absl::StatusOr<CacheStatus> Engine::CreateCache(const CacheSpec& spec) {
   auto cache = std::make_shared<CacheEntry>();
   cache->spec = spec;
   cache->backend = std::move(backend_cache).value();
+  cache->spec.device = cache->backend->device();
   if (!spec.external_pages) {
     cache->allocator = std::make_unique<PageAllocator>(spec.geometry.num_pages);
   }
   state_->caches[spec.name] = cache;
   state_->PublishPagesLocked(*cache);
+  state_->PublishDevices();
   return StatusOf(*cache, state_->channels);
 }
 
@@ -321,6 +397,7 @@ absl::Status Engine::DeleteCache(const std::string& name, bool force) {
   }
   RunAll(deferred);
   ReapIdleChannels();
+  state_->PublishDevices();
   return absl::OkStatus();
 }
 
@@ -350,17 +427,17 @@ absl::StatusOr<int64_t> Engine::FreeSequences(const std::string& cache_name,
       return absl::NotFoundError(absl::StrCat("sequence_ids[", i, "]: cache '", cache_name,
                                               "' has no sequence ", id));
     }
-    if (sequence->second.open_step != 0) {
+    if (sequence->second.open_steps != 0) {
+      const std::shared_ptr<StepEntry> last = sequence->second.last_step.lock();
       return absl::FailedPreconditionError(absl::StrCat("sequence_ids[", i, "]: sequence ", id,
                                                         " is in open step ",
-                                                        sequence->second.open_step));
+                                                        last ? last->id : 0));
     }
   }
   int64_t freed = 0;
   for (const uint64_t id : sequence_ids) {
     auto sequence = cache.sequences.find(id);
-    freed += static_cast<int64_t>(sequence->second.pages.size());
-    cache.allocator->Free(sequence->second.pages);
+    freed += cache.allocator->Free(sequence->second.pages);  // shared pages stay
     cache.sequences.erase(sequence);
   }
   state_->PublishPagesLocked(cache);
@@ -473,7 +550,7 @@ int Engine::OpenSteps() const {
 }
 
 absl::StatusOr<int64_t> Engine::SequenceLength(const std::string& cache_name,
-                                               uint64_t sequence_id) const {
+                                               uint64_t sequence_id, bool pending) const {
   absl::MutexLock lock(&state_->mu);
   auto it = state_->caches.find(cache_name);
   if (it == state_->caches.end()) {
@@ -481,7 +558,7 @@ absl::StatusOr<int64_t> Engine::SequenceLength(const std::string& cache_name,
   }
   auto sequence = it->second->sequences.find(sequence_id);
   if (sequence == it->second->sequences.end()) return int64_t{0};
-  return sequence->second.length;
+  return pending ? sequence->second.pending_length : sequence->second.length;
 }
 
 absl::Status Engine::ReadPages(const std::string& cache_name, int32_t layer, bool v_pool,

@@ -23,6 +23,9 @@
 namespace attnd {
 
 class Metrics;
+struct CacheEntry;
+class SequenceExport;
+class SequenceImport;
 
 struct EngineOptions {
   ServerLimitsOptions limits;
@@ -44,6 +47,22 @@ class Engine {
   // Returns the number of pages freed.
   absl::StatusOr<int64_t> FreeSequences(const std::string& cache,
                                         const std::vector<uint64_t>& sequence_ids);
+
+  // Sequence lifecycle (lifecycle.cc), MANAGED caches only. ForkSequence makes `spec.new_id`
+  // share the source's first num_tokens (its pages by reference; see PageAllocator); the
+  // partial last page is copied by the first step that writes into it (Plan).
+  absl::StatusOr<ForkResult> ForkSequence(const ForkSpec& spec);
+  // A snapshot of a committed sequence for export: its pages are pinned (one more holder each)
+  // until the SequenceExport is destroyed. The engine must outlive it.
+  absl::StatusOr<std::unique_ptr<SequenceExport>> ExportSequence(const std::string& cache,
+                                                                 uint64_t sequence_id);
+  // Reserves `sequence_id` and the pages of `num_tokens` tokens for an import; nothing is
+  // visible until SequenceImport::Commit. `source` is the exported cache's geometry, checked
+  // against the cache's. The engine must outlive it.
+  absl::StatusOr<std::unique_ptr<SequenceImport>> ImportSequence(const std::string& cache,
+                                                                 uint64_t sequence_id,
+                                                                 int64_t num_tokens,
+                                                                 const CacheGeometry& source);
 
   // `owner` tags the step with the stream that planned it (0: unary), see AbortOwnedSteps.
   absl::StatusOr<PlanResult> Plan(const PlanSpec& spec, uint64_t owner = 0);
@@ -78,8 +97,10 @@ class Engine {
   // own reaper thread; public for tests.
   void ExpireSteps(absl::Time now);
 
-  // For tests and diagnostics: the committed length of a managed sequence.
-  absl::StatusOr<int64_t> SequenceLength(const std::string& cache, uint64_t sequence_id) const;
+  // For tests and diagnostics: the committed length of a managed sequence or, with `pending`,
+  // the length after its open steps (where a step planned now starts).
+  absl::StatusOr<int64_t> SequenceLength(const std::string& cache, uint64_t sequence_id,
+                                         bool pending = false) const;
   // For tests: raw bytes of a cache's pool pages (see BackendCache::ReadPages).
   absl::Status ReadPages(const std::string& cache, int32_t layer, bool v_pool,
                          int64_t first_page, std::span<uint8_t> bytes) const;
@@ -93,6 +114,66 @@ class Engine {
 
   struct State;
   std::unique_ptr<State> state_;
+  friend class SequenceExport;
+  friend class SequenceImport;
+};
+
+// An exported sequence's pages, pinned. Reads are synchronous device copies: call them off the
+// gRPC threads' hot path, never under a lock. Thread-compatible.
+class SequenceExport {
+ public:
+  ~SequenceExport();
+  SequenceExport(const SequenceExport&) = delete;
+  SequenceExport& operator=(const SequenceExport&) = delete;
+
+  const CacheSpec& spec() const { return spec_; }
+  uint64_t sequence_id() const { return sequence_id_; }
+  int64_t num_tokens() const { return num_tokens_; }
+  int64_t num_pages() const { return static_cast<int64_t>(pages_.size()); }
+  // Copies pages [first_page, first_page + count) of the sequence, one layer's pool, to `bytes`
+  // (count pages of K or V page bytes).
+  absl::Status Read(int32_t layer, bool v_pool, int64_t first_page, int64_t count,
+                    std::span<uint8_t> bytes) const;
+
+ private:
+  friend class Engine;
+  SequenceExport() = default;
+  Engine::State* state_ = nullptr;
+  std::shared_ptr<CacheEntry> cache_;
+  CacheSpec spec_;
+  uint64_t sequence_id_ = 0;
+  int64_t num_tokens_ = 0;
+  std::vector<int32_t> pages_;
+};
+
+// A sequence being imported: its id reserved and its pages allocated but invisible (Plan,
+// ForkSequence and another import of the id are refused) until Commit. Destroyed without a
+// successful Commit, it frees both. Thread-compatible.
+class SequenceImport {
+ public:
+  ~SequenceImport();
+  SequenceImport(const SequenceImport&) = delete;
+  SequenceImport& operator=(const SequenceImport&) = delete;
+
+  const CacheGeometry& geometry() const;
+  uint64_t sequence_id() const { return sequence_id_; }
+  int64_t num_tokens() const { return num_tokens_; }
+  int64_t num_pages() const { return static_cast<int64_t>(pages_.size()); }
+  // Writes pages [first_page, first_page + count) of one layer's pool from `bytes`.
+  absl::Status Write(int32_t layer, bool v_pool, int64_t first_page, int64_t count,
+                     std::span<const uint8_t> bytes);
+  // Makes the sequence visible, whole. The caller has written every page of every layer.
+  absl::Status Commit();
+
+ private:
+  friend class Engine;
+  SequenceImport() = default;
+  Engine::State* state_ = nullptr;
+  std::shared_ptr<CacheEntry> cache_;
+  uint64_t sequence_id_ = 0;
+  int64_t num_tokens_ = 0;
+  std::vector<int32_t> pages_;
+  bool committed_ = false;
 };
 
 }  // namespace attnd

@@ -1,5 +1,6 @@
-// Internal state of the Engine, shared by engine.cc (caches, commit, rollback), plan.cc (Plan),
-// forward.cc (Forward, EndStep) and channels.cc (channel steps). Everything here is guarded by State::mu.
+// Internal state of the Engine, shared by engine.cc (caches, commit, rollback, step end),
+// plan.cc (Plan), forward.cc (Forward, EndStep), channels.cc (channel steps) and lifecycle.cc
+// (fork, export, import). Everything here is guarded by State::mu.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
@@ -20,10 +22,15 @@
 
 namespace attnd {
 
+struct StepEntry;
+
 struct Sequence {
-  std::vector<int32_t> pages;  // page ids covering [0, length) plus an open step's new tokens
+  std::vector<int32_t> pages;  // page ids covering [0, pending_length)
   int64_t length = 0;          // committed tokens
-  uint64_t open_step = 0;      // 0 when in no open step
+  int64_t pending_length = 0;  // length plus the new tokens of its open steps
+  int32_t open_steps = 0;      // open (not yet finalized) steps with tokens of it
+  // The latest of those steps: a chained Plan (DESIGN 3b) goes on top of it.
+  std::weak_ptr<StepEntry> last_step;
 };
 
 struct CacheEntry {
@@ -31,6 +38,8 @@ struct CacheEntry {
   std::unique_ptr<BackendCache> backend;
   std::unique_ptr<PageAllocator> allocator;  // MANAGED mode only
   absl::flat_hash_map<uint64_t, Sequence> sequences;
+  // Ids reserved by imports in progress (SequenceImport): not yet sequences, not plannable.
+  absl::flat_hash_set<uint64_t> importing;
   int32_t open_steps = 0;
   bool failed = false;
   std::string failure;
@@ -39,9 +48,14 @@ struct CacheEntry {
 // How a managed sequence changes if the step commits; undone on abort.
 struct SequenceChange {
   uint64_t sequence_id = 0;
-  int64_t old_length = 0;
+  int64_t old_length = 0;  // pending length before the step: its first new position
   size_t old_num_pages = 0;
   int64_t new_length = 0;
+  std::weak_ptr<StepEntry> previous_step;  // the sequence's last_step before this one
+  // Copy-on-write: the shared page that a fresh copy replaced at pages[old_num_pages - 1]
+  // (-1: none). The step holds its reference until it ends: commit drops it, abort puts the
+  // page back.
+  int32_t replaced_page = -1;
 };
 
 // A channel (DESIGN 3b): the backend's ring and the steps planned on it.
@@ -86,6 +100,12 @@ struct StepEntry {
   uint32_t channel_sequence = 0;
   // Forward{use_channel} calls waiting for their layer, by layer (empty until one comes).
   std::vector<std::function<void(absl::Status)>> channel_waiters;
+  // Chained steps (DESIGN 3b): the open steps this one was planned on top of (its sequences'
+  // previous new tokens are theirs) and the steps planned on top of it. A step commits only
+  // after its parents have; an aborting step aborts its children and rolls back after them.
+  std::vector<std::shared_ptr<StepEntry>> parents;  // released when this step is finalized
+  std::vector<std::weak_ptr<StepEntry>> children;
+  bool finalized = false;
 };
 
 // StepBatches of ended steps, reused, so that a step's arrays (the page ids run to MBs for long
@@ -142,9 +162,17 @@ struct Engine::State {
   // Decides the step's fate; applies it now if nothing is in flight. Returns callbacks to run.
   void EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcome outcome, Deferred& deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Applies a decided outcome: commit lengths or roll back pages. Requires in_flight == 0.
+  // Applies a decided outcome once it can: nothing of the step in flight, and (commit) its
+  // parents finalized or (abort) its children finalized; then does the same for the steps that
+  // were waiting for this one.
+  void TryFinalizeLocked(const std::shared_ptr<StepEntry>& step, Deferred& deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Commits lengths or rolls back pages. Called by TryFinalizeLocked only.
   void FinalizeLocked(StepEntry& step, Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void PublishPagesLocked(const CacheEntry& cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // attnd_device_kv_bytes of every device (at start, and when a cache is created or deleted; a
+  // deleted cache whose last layer is still landing frees its budget a moment later).
+  void PublishDevices() const;
   // Aborts open steps idle for longer than the TTL.
   void ExpireLocked(absl::Time now, Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void ReaperLoop();
@@ -177,5 +205,21 @@ struct Engine::State {
 };
 
 ChannelStatus ChannelStatusOf(const ChannelEntry& channel);
+
+// Copy-on-write at Plan (lifecycle.cc). Pages a step appending `new_tokens` to `sequence` must
+// allocate for copies: 1 when it writes into a partial last page that others hold, else 0.
+int64_t CopyOnWritePagesNeeded(const CacheEntry& cache, const Sequence& sequence,
+                               int32_t new_tokens);
+// Replaces such a page in `sequence` by a fresh copy (a fresh page of `step`, a copy of
+// `batch`), noting it in `change`. Call before the step's other pages are allocated; the pool
+// holds the page (checked by CopyOnWritePagesNeeded).
+void CopyOnWrite(CacheEntry& cache, Sequence& sequence, SequenceChange& change, StepEntry& step,
+                 StepBatch& batch);
+// Undoes `change` on `sequence` (abort, or Plan failing after allocation): length and pages as
+// they were, the replaced page back in place. The step's fresh pages are freed by the caller.
+void RestoreSequence(Sequence& sequence, const SequenceChange& change);
+// A committing step lets go of the pages its copies replaced, and makes the copies of layers it
+// never ran (an early commit) so the copied prefix is whole in every layer. Under State::mu.
+void CommitCopies(CacheEntry& cache, StepEntry& step);
 
 }  // namespace attnd

@@ -84,11 +84,6 @@ absl::Status CheckInputs(const ForwardArgs& args, const CacheGeometry& geometry,
   return CheckAbsent("v", args.v, true);
 }
 
-const void* DataOf(const TensorArg& tensor) {
-  return tensor.present && tensor.pieces.empty() && !tensor.data.empty() ? tensor.data.data()
-                                                                         : nullptr;
-}
-
 InputBytes PiecesOf(const TensorArg& tensor) {
   InputBytes bytes;
   if (tensor.present) bytes.pieces = tensor.pieces;
@@ -233,12 +228,6 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
   outputs->lease = OutputLease();
   LayerIo io;
   io.layer = args.layer;
-  io.q = DataOf(args.q);
-  io.k = DataOf(args.k);
-  io.v = DataOf(args.v);
-  io.q_pe = DataOf(args.q_pe);
-  io.ckv = DataOf(args.ckv);
-  io.kpe = DataOf(args.kpe);
   io.q_bytes = PiecesOf(args.q);
   io.k_bytes = PiecesOf(args.k);
   io.v_bytes = PiecesOf(args.v);
@@ -275,9 +264,7 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
       // This layer committed the step when it was its last and the step was not ending yet.
       outputs->step_committed = status.ok() && !was_ending && step->ending &&
                                 step->outcome == StepOutcome::kCommitted;
-      if (step->ending && step->in_flight == 0 && step->backend_step) {
-        state->FinalizeLocked(*step, deferred);
-      }
+      state->TryFinalizeLocked(step, deferred);
     }
     // The step (and with it the backend step) may end here, outside the lock.
     step.reset();

@@ -5,7 +5,7 @@
 
 namespace attnd {
 
-PageAllocator::PageAllocator(int64_t num_pages) : in_use_(num_pages, false) {
+PageAllocator::PageAllocator(int64_t num_pages) : refs_(num_pages, 0) {
   free_.reserve(num_pages);
   // Hand out low ids first: pages in use stay packed at the front of the pool.
   for (int64_t page = num_pages - 1; page >= 0; --page) free_.push_back(static_cast<int32_t>(page));
@@ -16,21 +16,38 @@ bool PageAllocator::Allocate(int64_t count, std::vector<int32_t>& out) {
   for (int64_t i = 0; i < count; ++i) {
     const int32_t page = free_.back();
     free_.pop_back();
-    in_use_[page] = true;
+    refs_[page] = 1;
     out.push_back(page);
   }
   return true;
 }
 
-void PageAllocator::Free(std::span<const int32_t> pages) {
-  for (const int32_t page : pages) {
-    if (page < 0 || page >= num_pages() || !in_use_[page]) {
-      std::fprintf(stderr, "attnd: internal error: freeing page %d that is not allocated\n", page);
-      std::abort();
-    }
-    in_use_[page] = false;
-    free_.push_back(page);
+void PageAllocator::CheckAllocated(int32_t page) const {
+  if (page < 0 || page >= num_pages() || refs_[page] == 0) {
+    std::fprintf(stderr, "attnd: internal error: page %d is not allocated\n", page);
+    std::abort();
   }
+}
+
+void PageAllocator::Share(std::span<const int32_t> pages) {
+  for (const int32_t page : pages) {
+    CheckAllocated(page);
+    if (++refs_[page] == 2) ++shared_;
+  }
+}
+
+int64_t PageAllocator::Free(std::span<const int32_t> pages) {
+  int64_t returned = 0;
+  for (const int32_t page : pages) {
+    CheckAllocated(page);
+    const int32_t left = --refs_[page];
+    if (left == 1) --shared_;
+    if (left == 0) {
+      free_.push_back(page);
+      ++returned;
+    }
+  }
+  return returned;
 }
 
 }  // namespace attnd

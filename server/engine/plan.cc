@@ -206,6 +206,7 @@ std::shared_ptr<StepBatch> StepBatchPool::Take() {
           &batch->token_positions}) {
       array->clear();
     }
+    batch->page_copies.clear();
     batch->batch_size = 0;
     batch->num_tokens = 0;
     batch->options = StepOptions();
@@ -278,6 +279,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   int64_t pages_needed = 0;
   int64_t table_pages = 0;  // page ids the step's table lists
   absl::flat_hash_map<uint64_t, size_t> first_entry_of;
+  std::vector<std::shared_ptr<StepEntry>> parents;  // open steps this one chains on
   for (size_t i = 0; i < spec.entries.size(); ++i) {
     const PlanEntrySpec& entry = spec.entries[i];
     if (entry.num_new_tokens < 0) {
@@ -306,13 +308,36 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
     int64_t length = 0;
     int64_t pages_held = 0;
     if (auto it = cache->sequences.find(entry.sequence_id); it != cache->sequences.end()) {
-      if (it->second.open_step != 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "entries[", i, "].sequence_id: sequence ", entry.sequence_id,
-            " is in open step ", it->second.open_step, "; end that step first"));
+      const Sequence& sequence = it->second;
+      if (sequence.open_steps != 0) {
+        // A chained step (DESIGN 3b): it goes on top of the sequence's latest open step, which
+        // must run through the same channel (whose machinery runs steps in plan order) and
+        // must not be aborting.
+        const std::shared_ptr<StepEntry> last = sequence.last_step.lock();
+        const uint64_t last_id = last ? last->id : 0;
+        if (last == nullptr || channel == nullptr || last->channel != channel) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "entries[", i, "].sequence_id: sequence ", entry.sequence_id,
+              " is in open step ", last_id,
+              "; end that step first (a step may be planned on top of an open one only "
+              "through the same channel)"));
+        }
+        if (last->ending && last->outcome == StepOutcome::kAborted) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "entries[", i, "].sequence_id: sequence ", entry.sequence_id,
+              " is in step ", last_id, ", which is aborting"));
+        }
+        if (std::find(parents.begin(), parents.end(), last) == parents.end()) {
+          parents.push_back(last);
+        }
       }
-      length = it->second.length;
-      pages_held = static_cast<int64_t>(it->second.pages.size());
+      length = sequence.pending_length;
+      pages_held = static_cast<int64_t>(sequence.pages.size());
+      pages_needed += CopyOnWritePagesNeeded(*cache, sequence, entry.num_new_tokens);
+    } else if (cache->importing.contains(entry.sequence_id)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "entries[", i, "].sequence_id: sequence ", entry.sequence_id,
+          " is being imported (ImportSequence); plan it once the import has finished"));
     }
     if (length + entry.num_new_tokens > kMaxSequenceTokens) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -384,15 +409,20 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
     result.entries[i].row_offset = batch->qo_indptr.back();
     if (new_tokens > 0 && managed) {
       Sequence& sequence = cache->sequences[entry.sequence_id];
-      SequenceChange change{entry.sequence_id, sequence.length, sequence.pages.size(),
-                            sequence.length + new_tokens};
+      SequenceChange change{entry.sequence_id, sequence.pending_length, sequence.pages.size(),
+                            sequence.pending_length + new_tokens, sequence.last_step};
+      if (CopyOnWritePagesNeeded(*cache, sequence, new_tokens) > 0) {
+        CopyOnWrite(*cache, sequence, change, *step, *batch);
+      }
       const int64_t more = PagesFor(change.new_length, page_size) -
                            static_cast<int64_t>(sequence.pages.size());
       const size_t fresh_begin = sequence.pages.size();
       cache->allocator->Allocate(more, sequence.pages);  // cannot fail: checked above
       step->fresh_pages.insert(step->fresh_pages.end(), sequence.pages.begin() + fresh_begin,
                                sequence.pages.end());
-      sequence.open_step = step->id;
+      sequence.pending_length = change.new_length;
+      ++sequence.open_steps;
+      sequence.last_step = step;
       step->changes.push_back(change);
       kv_len = change.new_length;
       batch->k_page_indices.insert(batch->k_page_indices.end(), sequence.pages.begin(),
@@ -429,9 +459,12 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
     // Undo the allocation: nothing of this step may survive.
     for (const SequenceChange& change : step->changes) {
       Sequence& sequence = cache->sequences[change.sequence_id];
-      sequence.pages.resize(change.old_num_pages);
-      sequence.open_step = 0;
-      if (sequence.length == 0 && sequence.pages.empty()) cache->sequences.erase(change.sequence_id);
+      RestoreSequence(sequence, change);
+      --sequence.open_steps;
+      sequence.last_step = change.previous_step;
+      if (sequence.open_steps == 0 && sequence.length == 0 && sequence.pages.empty()) {
+        cache->sequences.erase(change.sequence_id);
+      }
     }
     cache->allocator->Free(step->fresh_pages);
     return absl::Status(backend_step.status().code(),
@@ -440,6 +473,8 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   }
   step->backend_step = std::move(backend_step).value();
   step->batch = batch;
+  for (const auto& parent : parents) parent->children.push_back(step);
+  step->parents = std::move(parents);
   step->layers.assign(geometry.num_layers, LayerState::kPending);
   step->last_activity = absl::Now();
   ++cache->open_steps;

@@ -20,6 +20,9 @@ namespace attnd {
 struct CacheSpec {
   std::string name;
   CacheGeometry geometry;
+  // The device to place the pools on (CreateCacheRequest.device); Backend::kAnyDevice: the
+  // device with the most free KV budget. After creation: the device chosen.
+  int32_t device = Backend::kAnyDevice;
   bool external_pages = false;  // PAGE_TABLE_MODE_EXTERNAL
   bool separate_kv = false;     // PAGE_TABLE_FORM_SEPARATE_KV (EXTERNAL only)
 };
@@ -69,18 +72,16 @@ struct PlanResult {
   uint32_t channel_sequence = 0;  // steps on a channel: the value of their ready/done words
 };
 
-// A tensor argument as it came on the wire; `data` points into the request message, or, when
-// `pieces` is not empty, the bytes are the concatenation of the pieces (the received message's
-// slices, which the backend copies straight into staging).
+// A tensor argument as it came on the wire, in one form: its bytes are the concatenation of
+// `pieces` (views into the received message's slices, which the backend copies straight into
+// staging; a contiguous tensor is one piece). The pieces belong to the caller.
 struct TensorArg {
   bool present = false;
   DType dtype = DType::kBFloat16;
   std::vector<int64_t> shape;
-  std::string_view data;
   std::span<const std::string_view> pieces = {};
 
   int64_t size_bytes() const {
-    if (pieces.empty()) return static_cast<int64_t>(data.size());
     int64_t bytes = 0;
     for (const std::string_view piece : pieces) bytes += static_cast<int64_t>(piece.size());
     return bytes;
@@ -159,12 +160,25 @@ struct ChannelStatus {
   int64_t bytes_out = 0;
 };
 
+struct ForkSpec {
+  std::string cache;
+  uint64_t source_id = 0;
+  uint64_t new_id = 0;
+  int64_t num_tokens = 0;  // 0: the source's whole length
+};
+
+struct ForkResult {
+  int64_t num_tokens = 0;
+  int64_t shared_pages = 0;
+};
+
 struct CacheStatus {
   CacheSpec spec;
   bool failed = false;
   std::string failure;
   int64_t pool_bytes = 0;
   int64_t used_pages = 0;
+  int64_t shared_pages = 0;  // of used_pages, those held more than once
   int64_t num_sequences = 0;
   int32_t open_steps = 0;
   std::vector<ChannelStatus> channels;  // sorted by id

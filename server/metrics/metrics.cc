@@ -87,6 +87,11 @@ Metrics::Metrics(const BuildInfo& build_info, bool cache_labels)
                          .Name("attnd_transfer_bytes_total")
                          .Help("Bytes copied between host and device, by direction (h2d, d2h)")
                          .Register(*registry_);
+  device_kv_bytes_ = &prometheus::BuildGauge()
+                         .Name("attnd_device_kv_bytes")
+                         .Help("KV budget of each device caches are placed on, by state (used: "
+                               "held by caches, free)")
+                         .Register(*registry_);
   channels_open_ = &prometheus::BuildGauge()
                         .Name("attnd_channels_open")
                         .Help("Data-plane channels open (HOST_SHM and CUDA_IPC)")
@@ -133,6 +138,12 @@ void Metrics::OnKernel(std::string_view kernel, std::string_view phase, double s
   auto& totals = kernel_totals_[{std::string(kernel), std::string(phase)}];
   ++totals.first;
   totals.second += seconds;
+}
+
+void Metrics::SetDeviceKvBytes(int32_t device, int64_t used_bytes, int64_t free_bytes) {
+  const std::string label = std::to_string(device);
+  device_kv_bytes_->Add({{"device", label}, {"state", "used"}}).Set(static_cast<double>(used_bytes));
+  device_kv_bytes_->Add({{"device", label}, {"state", "free"}}).Set(static_cast<double>(free_bytes));
 }
 
 void Metrics::SetOpenChannels(size_t open) { channels_open_->Set(static_cast<double>(open)); }

@@ -65,6 +65,8 @@ class Metrics : public BackendObserver {
   void SetCachePages(const std::string& cache, int64_t used_pages, int64_t free_pages);
   void RemoveCache(const std::string& cache);
   // Channels (DESIGN 3b): how many are open, and the layer bytes they carried.
+  // attnd_device_kv_bytes{device, state}: one device's KV budget, held by caches or free.
+  void SetDeviceKvBytes(int32_t device, int64_t used_bytes, int64_t free_bytes);
   void SetOpenChannels(size_t open);
   void ChannelBytes(std::string_view kind, int64_t bytes_in, int64_t bytes_out);
 
@@ -88,6 +90,7 @@ class Metrics : public BackendObserver {
   prometheus::Family<prometheus::Gauge>* kv_usage_;
   prometheus::Family<prometheus::Counter>* transfer_bytes_;
   prometheus::Family<prometheus::Counter>* errors_;
+  prometheus::Family<prometheus::Gauge>* device_kv_bytes_;
   prometheus::Gauge* channels_open_;
   prometheus::Family<prometheus::Counter>* channel_bytes_;
 

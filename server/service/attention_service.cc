@@ -84,10 +84,12 @@ void HandleForward(const ServiceContext& context, const Tenant& tenant,
                    const v1::ForwardRequest& request, v1::ForwardResponse* response,
                    std::function<void(absl::Status)> done) {
   done = InTenantNames(tenant, std::move(done));
-  // Lives until the engine's callback: converted inputs, output buffers.
+  // Lives until the engine's callback: the inputs in the codec's form (pieces of `request` and
+  // of the converted `values` in `scratch`), output buffers.
   struct Call {
-    ForwardArgs args;
+    wire::ForwardRequest wire;
     std::vector<std::string> scratch;
+    ForwardArgs args;
     ForwardOutputs outputs;
     std::string lse;
     LayerTrace trace;
@@ -98,7 +100,9 @@ void HandleForward(const ServiceContext& context, const Tenant& tenant,
     call->trace.Mark(LayerTrace::kReceived);
     call->args.trace = &call->trace;
   }
-  const absl::Status decoded = ForwardArgsFromProto(request, call->args, call->scratch);
+  absl::Status decoded = WireForwardFromProto(request, call->wire, call->scratch);
+  if (decoded.ok()) decoded = ForwardArgsFromWire(call->wire, call->args);
+  call->args.use_channel = request.use_channel();
   if (!decoded.ok()) {
     done(decoded);
     return;
@@ -156,6 +160,15 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
     response->set_kv_budget_bytes(info.kv_budget_bytes);
     response->set_kv_free_bytes(context_.backend->KvFreeBytes());
     for (const std::string& extension : info.extensions) response->add_extensions(extension);
+    for (const DeviceInfo& device : info.devices) {
+      v1::DeviceInfo* out = response->add_devices();
+      out->set_ordinal(device.ordinal);
+      out->set_name(device.name);
+      out->set_num_sms(device.num_sms);
+      out->set_memory_bytes(device.memory_bytes);
+      out->set_kv_budget_bytes(device.kv_budget_bytes);
+      out->set_kv_free_bytes(context_.backend->KvFreeBytesOn(device.ordinal));
+    }
     v1::ServerLimits* limits = response->mutable_limits();
     limits->set_max_message_bytes(context_.limits.max_message_bytes);
     limits->set_max_plan_entries(context_.limits.max_plan_entries);
@@ -283,8 +296,10 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
     FinishLater(context_, reactor, "Forward")(tenant.status());
     return reactor;
   }
-  if (!request->Dump(&call->slices).ok() || !ParseForwardRequest(call->slices, call->wire)) {
-    // The unusual encodings (and `values` tensors) take protobuf's parser.
+  if (!request->Dump(&call->slices).ok() ||
+      wire::DecodeForwardRequest(call->slices, call->wire) != wire::Decoded::kForward) {
+    // What the codec leaves to protobuf (use_channel, `values` tensors, unknown fields, unusual
+    // encodings) takes protobuf's parser, then the same path from the same form.
     unary_calls_->Return(call);
     auto parsed = std::make_shared<v1::ForwardRequest>();
     auto typed_response = std::make_shared<v1::ForwardResponse>();

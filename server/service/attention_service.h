@@ -33,14 +33,18 @@ struct ServiceContext {
 };
 
 // The callback service with Forward and ForwardStream taking raw messages (grpc::ByteBuffer):
-// the hot path parses and writes them itself (forward_wire.h) so that tensor bytes are copied
-// once each way between gRPC's slices and pinned memory. The other RPCs stay typed.
+// the hot path reads and writes them with the wire codec (attnd/wire/forward_wire.h) so that
+// tensor bytes are copied once each way between gRPC's slices and pinned memory. The other
+// RPCs stay typed.
 using AttentionServiceBase = v1::AttentionService::WithCallbackMethod_GetServerInfo<
     v1::AttentionService::WithCallbackMethod_CreateCache<
         v1::AttentionService::WithCallbackMethod_GetCache<
             v1::AttentionService::WithCallbackMethod_ListCaches<
                 v1::AttentionService::WithCallbackMethod_DeleteCache<
                     v1::AttentionService::WithCallbackMethod_FreeSequences<
+                    v1::AttentionService::WithCallbackMethod_ForkSequence<
+                    v1::AttentionService::WithCallbackMethod_ExportSequence<
+                    v1::AttentionService::WithCallbackMethod_ImportSequence<
                         v1::AttentionService::WithCallbackMethod_Plan<
                             v1::AttentionService::WithRawCallbackMethod_Forward<
                                 v1::AttentionService::WithCallbackMethod_EndStep<
@@ -48,7 +52,7 @@ using AttentionServiceBase = v1::AttentionService::WithCallbackMethod_GetServerI
                                         v1::AttentionService::WithCallbackMethod_OpenChannel<
                                             v1::AttentionService::WithCallbackMethod_CloseChannel<
                                                 v1::AttentionService::WithCallbackMethod_GetStats<
-                                                    v1::AttentionService::Service>>>>>>>>>>>>>;
+                                                    v1::AttentionService::Service>>>>>>>>>>>>>>>>;
 
 class ForwardCallPool;
 
@@ -75,6 +79,13 @@ class AttentionService final : public AttentionServiceBase {
   grpc::ServerUnaryReactor* FreeSequences(grpc::CallbackServerContext* ctx,
                                           const v1::FreeSequencesRequest* request,
                                           v1::FreeSequencesResponse* response) override;
+  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx,
+                                         const v1::ForkSequenceRequest* request,
+                                         v1::ForkSequenceResponse* response) override;
+  grpc::ServerWriteReactor<v1::ExportSequenceResponse>* ExportSequence(
+      grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* request) override;
+  grpc::ServerReadReactor<v1::ImportSequenceRequest>* ImportSequence(
+      grpc::CallbackServerContext* ctx, v1::ImportSequenceResponse* response) override;
   grpc::ServerUnaryReactor* Plan(grpc::CallbackServerContext* ctx,
                                  const v1::PlanRequest* request,
                                  v1::PlanResponse* response) override;
@@ -119,7 +130,7 @@ void HandleEndStep(const ServiceContext& context, const Tenant& tenant,
 
 // A stream of `tenant`, which presented `token`: each message re-checks the token, so a
 // token revoked by a reload stops working on open streams too. Messages are raw StreamRequest
-// bytes (forward_wire.h).
+// bytes (attnd/wire/forward_wire.h).
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewForwardStreamReactor(
     const ServiceContext& context, uint64_t owner, Tenant tenant, std::string token);
 // A stream refused before it starts (authentication failed): finishes with `status`.

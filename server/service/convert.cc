@@ -257,14 +257,14 @@ absl::StatusOr<int64_t> DecodeHeader(int32_t dtype, const Dims& shape, absl::str
   return elements;
 }
 
-absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field, TensorArg& arg,
-                          std::vector<std::string>& scratch) {
+// Checks a tensor of a protobuf-parsed request; one sent as `values` is converted into a new
+// string of `scratch` and `view` (its codec form) takes that as its one piece.
+absl::Status ConvertTensor(const v1::Tensor& tensor, absl::string_view field, wire::Tensor& view,
+                           std::vector<std::string>& scratch) {
+  TensorArg header;
   ASSIGN_OR_RETURN(const int64_t elements,
-                   DecodeHeader(tensor.dtype(), tensor.shape(), field, arg));
-  if (tensor.values_size() == 0) {
-    arg.data = tensor.data();
-    return absl::OkStatus();
-  }
+                   DecodeHeader(tensor.dtype(), tensor.shape(), field, header));
+  if (tensor.values_size() == 0) return absl::OkStatus();
   if (!tensor.data().empty()) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": set data or values, not both"));
   }
@@ -272,9 +272,11 @@ absl::Status DecodeTensor(const v1::Tensor& tensor, absl::string_view field, Ten
     return Invalid(absl::StrCat(field, ".values"),
                    absl::StrCat(elements, " values for its shape"), tensor.values_size());
   }
-  std::string& bytes = scratch.emplace_back(elements * DTypeBytes(arg.dtype), '\0');
-  for (int64_t i = 0; i < elements; ++i) StoreFromFloat(arg.dtype, bytes.data(), i, tensor.values(i));
-  arg.data = bytes;
+  std::string& bytes = scratch.emplace_back(elements * DTypeBytes(header.dtype), '\0');
+  for (int64_t i = 0; i < elements; ++i) {
+    StoreFromFloat(header.dtype, bytes.data(), i, tensor.values(i));
+  }
+  view.pieces.assign(1, bytes);
   return absl::OkStatus();
 }
 
@@ -303,6 +305,13 @@ absl::StatusOr<CacheSpec> CacheSpecFromProto(const v1::CreateCacheRequest& reque
   if (!ValidName(spec.name)) {
     return Invalid("name", "1..128 characters of [A-Za-z0-9._-]",
                    absl::StrCat("'", spec.name.substr(0, 160), "'"));
+  }
+  if (request.has_device()) {
+    if (request.device() < 0) {
+      return Invalid("device", "a device ordinal >= 0 (unset: the least used device)",
+                     absl::StrCat(request.device()));
+    }
+    spec.device = request.device();
   }
   const v1::CacheConfig& config = request.config();
   RETURN_IF_ERROR(GeometryFromProto(config, spec.geometry));
@@ -376,6 +385,8 @@ void CacheStatusToProto(const CacheStatus& status, v1::CacheInfo* info) {
   info->set_pool_bytes(status.pool_bytes);
   info->set_num_pages(g.num_pages);
   info->set_used_pages(status.used_pages);
+  info->set_shared_pages(status.shared_pages);
+  info->set_device(status.spec.device);
   info->set_num_sequences(status.num_sequences);
   info->set_open_steps(status.open_steps);
   for (const ChannelStatus& channel : status.channels) {
@@ -489,37 +500,35 @@ void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info) {
   out->set_lse_row_bytes(layout.lse_row);
 }
 
-absl::Status ForwardArgsFromProto(const v1::ForwardRequest& request, ForwardArgs& args,
+absl::Status WireForwardFromProto(const v1::ForwardRequest& request, wire::ForwardRequest& wire,
                                   std::vector<std::string>& scratch) {
-  args.step_id = request.step_id();
-  args.layer = request.layer();
-  args.use_channel = request.use_channel();
-  // Reserve so that converted tensors never move while args point at them.
+  wire::ViewOf(request, wire);
+  // Reserve so that converted tensors never move while pieces point at them.
   scratch.reserve(6);
   const struct {
     bool present;
     const v1::Tensor& tensor;
     absl::string_view field;
-    TensorArg& arg;
+    wire::Tensor& view;
   } tensors[] = {
-      {request.has_q(), request.q(), "q", args.q},
-      {request.has_k(), request.k(), "k", args.k},
-      {request.has_v(), request.v(), "v", args.v},
-      {request.has_q_pe(), request.q_pe(), "q_pe", args.q_pe},
-      {request.has_ckv(), request.ckv(), "ckv", args.ckv},
-      {request.has_kpe(), request.kpe(), "kpe", args.kpe},
+      {request.has_q(), request.q(), "q", wire.q},
+      {request.has_k(), request.k(), "k", wire.k},
+      {request.has_v(), request.v(), "v", wire.v},
+      {request.has_q_pe(), request.q_pe(), "q_pe", wire.q_pe},
+      {request.has_ckv(), request.ckv(), "ckv", wire.ckv},
+      {request.has_kpe(), request.kpe(), "kpe", wire.kpe},
   };
   for (const auto& t : tensors) {
-    if (t.present) RETURN_IF_ERROR(DecodeTensor(t.tensor, t.field, t.arg, scratch));
+    if (t.present) RETURN_IF_ERROR(ConvertTensor(t.tensor, t.field, t.view, scratch));
   }
   return absl::OkStatus();
 }
 
-absl::Status ForwardArgsFromWire(const WireForward& wire, ForwardArgs& args) {
+absl::Status ForwardArgsFromWire(const wire::ForwardRequest& wire, ForwardArgs& args) {
   args.step_id = wire.step_id;
   args.layer = wire.layer;
   const struct {
-    const WireTensor& tensor;
+    const wire::Tensor& tensor;
     absl::string_view field;
     TensorArg& arg;
   } tensors[] = {
@@ -529,7 +538,6 @@ absl::Status ForwardArgsFromWire(const WireForward& wire, ForwardArgs& args) {
   for (const auto& t : tensors) {
     t.arg.present = false;
     t.arg.shape.clear();
-    t.arg.data = {};
     t.arg.pieces = {};
     if (!t.tensor.present) continue;
     RETURN_IF_ERROR(DecodeHeader(t.tensor.dtype, t.tensor.shape, t.field, t.arg).status());

@@ -8,9 +8,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attnd/v1/attnd.pb.h"
+#include "attnd/wire/forward_wire.h"
 #include "engine/specs.h"
 #include "grpcpp/support/status.h"
-#include "service/forward_wire.h"
 
 namespace attnd {
 
@@ -25,14 +25,17 @@ void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info);
 // kind must be a defined one.
 absl::StatusOr<ChannelOpenSpec> ChannelOpenSpecFromProto(const v1::OpenChannelRequest& request);
 
-// Decodes ForwardRequest tensors. Tensors sent as `values` are converted into `scratch`
-// (which must outlive `args`); `data` tensors are referenced in place.
-absl::Status ForwardArgsFromProto(const v1::ForwardRequest& request, ForwardArgs& args,
+// A ForwardRequest in the codec's form (attnd/wire/forward_wire.h), from the codec's decoder or
+// from here, checked into the engine's arguments: the tensors' bytes stay where they are (the
+// received slices, or the parsed message) as TensorArg::pieces. `wire` must outlive `args`,
+// which may be reused (its vectors keep their capacity). use_channel is the caller's.
+absl::Status ForwardArgsFromWire(const wire::ForwardRequest& wire, ForwardArgs& args);
+// The slow path into the same form: a ForwardRequest parsed by protobuf. `data` is referenced in
+// place (`request` must outlive `wire`); tensors sent as `values` are converted into `scratch`
+// (which must outlive `wire`). Checks every tensor's dtype and shape (the errors of
+// ForwardArgsFromWire, in the same order) and the values.
+absl::Status WireForwardFromProto(const v1::ForwardRequest& request, wire::ForwardRequest& wire,
                                   std::vector<std::string>& scratch);
-// A ForwardRequest from the fast wire parser (forward_wire.h): same checks and errors as
-// ForwardArgsFromProto; the tensors' bytes stay in the received slices (TensorArg::pieces).
-// `args` may be reused: its vectors keep their capacity.
-absl::Status ForwardArgsFromWire(const WireForward& wire, ForwardArgs& args);
 // Moves the engine's outputs into the response.
 void ForwardOutputsToProto(ForwardOutputs& outputs, std::string&& lse_bytes,
                            v1::ForwardResponse* response);

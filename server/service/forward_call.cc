@@ -13,7 +13,6 @@ void ForwardCall::Reset() {
   for (TensorArg* tensor : {&args.q, &args.k, &args.v, &args.q_pe, &args.ckv, &args.kpe}) {
     tensor->present = false;
     tensor->pieces = {};
-    tensor->data = {};
   }
   outputs.lease.Release();
   response.Clear();
@@ -59,23 +58,25 @@ namespace {
 // The engine's completion: encode the reply from the lent output, then hand the call back.
 void Finished(ForwardCall* call, absl::Status status) {
   if (status.ok()) {
-    const ForwardOutputs& outputs = call->outputs;
-    WireResponse response;
-    response.o_dtype = outputs.o_dtype;
-    response.o_shape = outputs.o_shape;
-    response.o_bytes = 1;
-    for (const int64_t dim : outputs.o_shape) response.o_bytes *= dim;
-    response.o_bytes *= DTypeBytes(outputs.o_dtype);
-    response.lse_shape = outputs.lse_shape;
+    ForwardOutputs& outputs = call->outputs;
+    int64_t o_bytes = DTypeBytes(outputs.o_dtype);
+    for (const int64_t dim : outputs.o_shape) o_bytes *= dim;
+    wire::ForwardResponseBytes response;
+    response.o.dtype = static_cast<int32_t>(outputs.o_dtype);  // numbered as v1.DType
+    response.o.shape = outputs.o_shape;
+    response.o.bytes = {outputs.lease.o, static_cast<size_t>(o_bytes)};
     if (!outputs.lse_shape.empty()) {
-      response.lse_bytes = outputs.lse_shape[0] * outputs.lse_shape[1] * 4;
+      const int64_t lse_bytes = outputs.lse_shape[0] * outputs.lse_shape[1] * sizeof(float);
+      response.lse = wire::TensorBytes{
+          v1::DTYPE_FLOAT32, outputs.lse_shape,
+          {reinterpret_cast<const uint8_t*>(outputs.lease.lse), static_cast<size_t>(lse_bytes)}};
     }
     response.step_committed = outputs.step_committed;
-    if (call->stream) {
-      WriteStreamForwardResponse(call->tag, response, call->outputs.lease, call->response);
-    } else {
-      WriteForwardResponse(response, call->outputs.lease, call->response);
-    }
+    // The lease moves into o's slice: it goes back once gRPC has sent the bytes.
+    const wire::Lent owner{outputs.lease.release, outputs.lease.release_arg};
+    outputs.lease.release = nullptr;
+    wire::EncodeForwardResponse(response, owner, call->response,
+                                call->stream ? std::optional<uint64_t>(call->tag) : std::nullopt);
   } else {
     call->outputs.lease.Release();
     if (!call->tenant.name.empty()) status = call->tenant.Scrub(status);

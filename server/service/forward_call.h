@@ -1,5 +1,6 @@
 // One Forward on the hot path, unary or on a ForwardStream: the received message as slices,
-// its fast parse (forward_wire.h), the engine's arguments and outputs, and the encoded reply.
+// its decode by the wire codec (attnd/wire/forward_wire.h), the engine's arguments and outputs,
+// and the encoded reply.
 // The tensors' bytes are never copied here: the backend copies them from the slices straight
 // into pinned staging, and the reply's o is the backend's lent pinned buffer. Calls are pooled
 // and reused, so a Forward allocates nothing of attnd's own once its pool is warm (gRPC's
@@ -19,7 +20,7 @@
 #include "backend/layer_trace.h"
 #include "engine/specs.h"
 #include "service/attention_service.h"
-#include "service/forward_wire.h"
+#include "attnd/wire/forward_wire.h"
 
 namespace attnd {
 
@@ -31,7 +32,7 @@ struct ForwardCall {
 
   grpc::ByteBuffer request;
   std::vector<grpc::Slice> slices;  // the request's slices, referenced
-  WireForward wire;
+  wire::ForwardRequest wire;
   ForwardArgs args;
   ForwardOutputs outputs;
   grpc::ByteBuffer response;

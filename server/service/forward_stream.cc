@@ -245,8 +245,8 @@ class ForwardStreamReactor final
   void Handle(ForwardCall* call) {
     call->TakeSlices();
     const bool fast =
-        ParseStreamRequest(call->slices, call->tag, call->wire) == WireKind::kForward;
-    // Plan, EndStep and the forwards the fast parser declined go through protobuf; parsed
+        wire::DecodeStreamRequest(call->slices, call->tag, call->wire) == wire::Decoded::kForward;
+    // Plan, EndStep and the forwards the codec declined go through protobuf; parsed
     // first, so that even a refusal carries the message's tag.
     std::shared_ptr<v1::StreamRequest> typed;
     if (!fast) {

@@ -100,7 +100,7 @@ class NullBackend final : public Backend, public BackendCache {
     return info;
   }
   int64_t KvFreeBytes() const override { return int64_t{1} << 40; }
-  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(const CacheGeometry& g) override {
+  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(const CacheGeometry& g, int32_t /*device*/) override {
     geometry_ = g;
     return std::unique_ptr<BackendCache>(new CacheRef(this));
   }

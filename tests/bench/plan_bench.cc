@@ -84,7 +84,7 @@ class NoopBackend final : public Backend {
     return info;
   }
   int64_t KvFreeBytes() const override { return int64_t{1} << 50; }
-  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(const CacheGeometry& g) override {
+  absl::StatusOr<std::unique_ptr<BackendCache>> CreateCache(const CacheGeometry& g, int32_t /*device*/) override {
     return std::unique_ptr<BackendCache>(new NoopCache(g));
   }
 };

@@ -350,7 +350,35 @@ void InsertAction(FuzzCase& fuzz_case, Rng& rng) {
   const uint32_t stream = Chance(rng, 60) ? 0 : 1 + static_cast<uint32_t>(rng() % 2);
   const uint64_t plans = CountPlans(fuzz_case, at);
   Action action;
-  switch (rng() % 12) {
+  switch (rng() % 14) {
+    case 12: {  // fork a small sequence id, inside or at the end of its tokens
+      attnd::v1::ForkSequenceRequest* fork = action.mutable_fork_sequence();
+      fork->set_cache(cache);
+      fork->set_source_id(Pick<uint64_t>(rng, {1, 2, 3, 7}));
+      fork->set_new_id(Pick<uint64_t>(rng, {2, 3, 4, 5, 7, 1}));
+      fork->set_num_tokens(Chance(rng, 50) ? 0 : static_cast<int64_t>(rng() % 9));
+      break;
+    }
+    case 13: {  // export and import, into this cache or "fuzz2", damaged or not
+      ExportImport* copy = action.mutable_export_import();
+      copy->mutable_export_()->set_cache(cache);
+      copy->mutable_export_()->set_sequence_id(Pick<uint64_t>(rng, {1, 2, 3}));
+      copy->mutable_export_()->set_max_chunk_bytes(Pick<int64_t>(rng, {0, 1, 300, 4096}));
+      copy->set_target_cache(Chance(rng, 50) ? cache : "fuzz2");
+      copy->set_new_id(Pick<uint64_t>(rng, {0, 5, 6, 1}));
+      if (Chance(rng, 50)) {
+        switch (rng() % 4) {
+          case 0: copy->set_drop_message(1 + static_cast<uint32_t>(rng() % 6)); break;
+          case 1:
+            copy->set_corrupt_message(1 + static_cast<uint32_t>(rng() % 6));
+            copy->set_corrupt_byte(static_cast<uint32_t>(rng()));
+            break;
+          case 2: copy->set_repeat_message(2 + static_cast<uint32_t>(rng() % 5)); break;
+          default: copy->set_abandon_after(1 + static_cast<uint32_t>(rng() % 4));
+        }
+      }
+      break;
+    }
     case 0:
     case 1:
     case 2: {

@@ -60,6 +60,120 @@ struct Managed {
   }
 };
 
+Action ForkAction(uint64_t source, uint64_t new_id, int64_t tokens) {
+  Action action;
+  attnd::v1::ForkSequenceRequest* fork = action.mutable_fork_sequence();
+  fork->set_cache("fuzz");
+  fork->set_source_id(source);
+  fork->set_new_id(new_id);
+  fork->set_num_tokens(tokens);
+  return action;
+}
+
+Action ExportImportAction(uint64_t id, const std::string& target, uint64_t new_id,
+                          int64_t chunk_bytes) {
+  Action action;
+  ExportImport* copy = action.mutable_export_import();
+  copy->mutable_export_()->set_cache("fuzz");
+  copy->mutable_export_()->set_sequence_id(id);
+  copy->mutable_export_()->set_max_chunk_bytes(chunk_bytes);
+  copy->set_target_cache(target);
+  copy->set_new_id(new_id);
+  return action;
+}
+
+// ForkSequence, copy-on-write, ExportSequence/ImportSequence (issue 17). Their own generator, so
+// the seeds above keep their bytes.
+void WriteLifecycleSeeds(SeedWriter& out) {
+  std::mt19937_64 rng(20261125);
+  {  // Fork inside a page; both sides write into the shared page; the source freed first.
+    Managed m;
+    m.Plan({{1, 6}});
+    m.Forward(1, 0, rng);
+    m.Forward(1, 1, rng);
+    *m.fuzz_case.add_actions() = ForkAction(1, 2, 5);
+    *m.fuzz_case.add_actions() = ForkAction(1, 3, 0);
+    m.Plan({{2, 1}, {3, 2}});
+    m.Forward(2, 0, rng);
+    m.Forward(2, 1, rng);
+    *m.fuzz_case.add_actions() = FreeAction("fuzz", {1});
+    m.Plan({{3, 1}});
+    m.Forward(3, 0, rng);
+    m.Forward(3, 1, rng);
+    out.Write("fork_copy_on_write", m.fuzz_case);
+  }
+  {  // A copying step aborted, then committed early (the unrun layer's copy at commit).
+    Managed m;
+    m.Plan({{1, 3}});
+    m.Forward(1, 0, rng);
+    m.Forward(1, 1, rng);
+    *m.fuzz_case.add_actions() = ForkAction(1, 2, 0);
+    m.Plan({{2, 1}});
+    m.Forward(2, 0, rng);
+    m.End(2, /*abort=*/true);
+    m.Plan({{2, 1}});
+    m.Forward(3, 0, rng);
+    m.End(3, /*abort=*/false);
+    *m.fuzz_case.add_actions() = ForkAction(2, 2, 0);  // exists
+    *m.fuzz_case.add_actions() = ForkAction(9, 4, 0);  // no source
+    *m.fuzz_case.add_actions() = ForkAction(1, 5, 4);  // longer than the source
+    out.Write("fork_abort_and_early_commit", m.fuzz_case);
+  }
+  {  // Export/import round trips into a second cache, and damaged copies of it.
+    Managed m;
+    Action second;
+    *second.mutable_create_cache() = SmallCache(CacheVariant::kMhaManaged, "other");
+    *m.fuzz_case.add_actions() = second;
+    m.Plan({{1, 7}});
+    m.Forward(1, 0, rng);
+    m.Forward(1, 1, rng);
+    *m.fuzz_case.add_actions() = ExportImportAction(1, "other", 0, 300);
+    Action corrupt = ExportImportAction(1, "other", 2, 300);
+    corrupt.mutable_export_import()->set_corrupt_message(3);
+    corrupt.mutable_export_import()->set_corrupt_byte(17);
+    *m.fuzz_case.add_actions() = corrupt;
+    Action truncated = ExportImportAction(1, "other", 3, 0);
+    truncated.mutable_export_import()->set_drop_message(4);
+    *m.fuzz_case.add_actions() = truncated;
+    Action repeated = ExportImportAction(1, "other", 4, 0);
+    repeated.mutable_export_import()->set_repeat_message(2);
+    *m.fuzz_case.add_actions() = repeated;
+    Action abandoned = ExportImportAction(1, "other", 5, 0);
+    abandoned.mutable_export_import()->set_abandon_after(2);
+    *m.fuzz_case.add_actions() = abandoned;
+    *m.fuzz_case.add_actions() = ExportImportAction(1, "fuzz", 6, 0);  // same cache, new id
+    *m.fuzz_case.add_actions() = ExportImportAction(1, "fuzz", 1, 0);  // id taken
+    m.Plan({{6, 1}});
+    m.Forward(2, 0, rng);
+    m.Forward(2, 1, rng);
+    out.Write("export_import", m.fuzz_case);
+  }
+  {  // A hand-written import stream: a header for 2 tokens and one chunk of K of layer 0 only.
+    Managed m;
+    Action action;
+    ImportStream* stream = action.mutable_import_stream();
+    attnd::v1::ImportSequenceRequest* first = stream->add_messages();
+    first->set_cache("fuzz");
+    first->set_sequence_id(3);
+    attnd::v1::SequenceHeader* header = first->mutable_header();
+    *header->mutable_config() = m.fuzz_case.cache().config();
+    header->mutable_config()->set_num_pages(m.g.num_pages);
+    header->set_num_tokens(2);
+    header->set_num_pages(1);
+    attnd::v1::SequenceChunk* chunk = stream->add_messages()->mutable_chunk();
+    chunk->set_layer(0);
+    chunk->set_pool(attnd::v1::KV_POOL_K);
+    chunk->set_num_pages(1);
+    chunk->set_data(std::string(m.g.KPageBytes(), '\x01'));
+    *m.fuzz_case.add_actions() = action;
+    out.Write("import_stream_partial", m.fuzz_case);
+    attnd::v1::ForkSequenceRequest raw;
+    raw.set_source_id(1);
+    raw.set_new_id(2);
+    out.Write("raw_fork_sequence", raw.SerializeAsString());
+  }
+}
+
 void WriteAll(SeedWriter& out) {
   std::mt19937_64 rng(20240601);
   for (int v = 0; v < static_cast<int>(CacheVariant::kCount); ++v) {
@@ -301,6 +415,7 @@ void WriteAll(SeedWriter& out) {
     out.Write("raw_stream_request", stream.SerializeAsString());
     out.Write("raw_create_cache", SmallCache(CacheVariant::kGqaHndFp8).SerializeAsString());
   }
+  WriteLifecycleSeeds(out);
 }
 
 }  // namespace

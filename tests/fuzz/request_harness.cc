@@ -23,6 +23,7 @@
 #include "metrics/metrics.h"
 #include "service/attention_service.h"
 #include "service/convert.h"
+#include "service/sequence_transfer.h"
 
 namespace attnd::fuzz {
 namespace {
@@ -82,7 +83,32 @@ struct ActionResult {
   bool started_async = false;          // a layer may still be running
   std::optional<ForwardEffect> write;  // a successful synchronous Forward
   std::string what;                    // for messages
+  // An import into this cache: it writes the pages it reserved (and frees them again when it
+  // fails), so that cache's bytes may change; its counters are checked as any other's.
+  std::string imported_cache = {};
+  // An EndStep that commits a step early makes the copy-on-write copies of the layers the step
+  // did not run: whole pages that become copies of others.
+  bool may_copy_pages = false;
 };
+
+// Bytes of one token slot of one page, in either layout.
+std::string SlotBytes(const std::string& pool, const CacheGeometry& g, bool v_pool,
+                      int64_t page, int32_t slot) {
+  const int64_t head_dim = v_pool ? g.v_head_dim : g.k_head_dim;
+  const int64_t elem = DTypeBytes(g.kv_dtype);
+  const int64_t page_bytes = v_pool ? g.VPageBytes() : g.KPageBytes();
+  const size_t base = static_cast<size_t>(page * page_bytes);
+  if (g.layout == KvLayout::kNHD) {
+    const int64_t row = g.num_kv_heads * head_dim * elem;
+    return pool.substr(base + slot * row, row);
+  }
+  std::string bytes;
+  for (int32_t head = 0; head < g.num_kv_heads; ++head) {
+    bytes += pool.substr(base + (int64_t{head} * g.page_size + slot) * head_dim * elem,
+                         head_dim * elem);
+  }
+  return bytes;
+}
 
 }  // namespace
 
@@ -103,6 +129,9 @@ struct RequestHarness::State {
   std::vector<StepRecord> steps;
   std::vector<uint64_t> channels;  // engine ids of the channels this case opened (0: refused)
   std::map<std::string, std::set<uint64_t>> sequences;  // MANAGED ids planned, per cache
+  // A fork succeeded in this case: sequences may share pages (used pages count them once), and
+  // a Forward may copy a shared page before writing it.
+  bool forked = false;
 
   absl::Mutex mu;
   int async_in_flight ABSL_GUARDED_BY(mu) = 0;
@@ -161,7 +190,10 @@ struct RequestHarness::State {
     const bool check_starts = managed && AsyncInFlight() == 0;
     if (check_starts) {
       for (const attnd::v1::PlanEntry& entry : request.entries()) {
-        auto length = engine->SequenceLength(request.cache(), entry.sequence_id());
+        // Where a step planned now starts: after the open steps' tokens (a chained plan, on
+        // the same channel) or, when it has none, after the committed ones.
+        auto length = engine->SequenceLength(request.cache(), entry.sequence_id(),
+                                             /*pending=*/true);
         lengths.push_back(length.ok() ? *length : -1);
       }
     }
@@ -333,7 +365,9 @@ struct RequestHarness::State {
                         response.outcome() == attnd::v1::STEP_OUTCOME_COMMITTED,
                     "EndStep{abort} succeeded with outcome ", response.outcome());
     }
-    return {status.ok(), false, std::nullopt, "EndStep"};
+    ActionResult result{status.ok(), false, std::nullopt, "EndStep"};
+    result.may_copy_pages = true;
+    return result;
   }
 
   ActionResult FreeSequences(const attnd::v1::FreeSequencesRequest& request) {
@@ -350,8 +384,8 @@ struct RequestHarness::State {
     }
     auto freed = engine->FreeSequences(request.cache(), ids);
     if (freed.ok() && check_pages) {
-      HARNESS_CHECK(*freed == pages_held, "FreeSequences freed ", *freed,
-                    " pages; the sequences' lengths need ", pages_held);
+      HARNESS_CHECK(forked ? *freed <= pages_held : *freed == pages_held, "FreeSequences freed ",
+                    *freed, " pages; the sequences' lengths need ", pages_held);
       auto after = engine->GetCache(request.cache());
       HARNESS_CHECK(after.ok() && after->used_pages == cache->used_pages - *freed,
                     "used pages did not drop by the pages freed");
@@ -437,10 +471,152 @@ struct RequestHarness::State {
         }
         return {true, false, std::nullopt, "ListCaches"};
       }
+      case Action::kForkSequence:
+        return ForkSequence(action.fork_sequence());
+      case Action::kExportImport:
+        return ExportImport(action.export_import());
+      case Action::kImportStream:
+        return ImportStream(action.import_stream());
       case Action::REQUEST_NOT_SET:
         break;
     }
     return {false, false, std::nullopt, "empty action"};
+  }
+
+  ActionResult ForkSequence(const attnd::v1::ForkSequenceRequest& request) {
+    attnd::v1::ForkSequenceResponse response;
+    auto source_length = engine->SequenceLength(request.cache(), request.source_id());
+    const absl::Status status = HandleForkSequence(context, tenant, request, &response);
+    if (status.ok()) {
+      forked = true;
+      sequences[request.cache()].insert(request.new_id());
+      auto cache = engine->GetCache(request.cache());
+      HARNESS_CHECK(cache.ok() && source_length.ok(), "a fork of a cache that is not there");
+      const int64_t tokens = request.num_tokens() == 0 ? *source_length : request.num_tokens();
+      HARNESS_CHECK(response.num_tokens() == tokens, "ForkSequence answered ",
+                    response.num_tokens(), " tokens, expected ", tokens);
+      HARNESS_CHECK(response.shared_pages() == PagesFor(tokens, cache->spec.geometry.page_size),
+                    "ForkSequence shares ", response.shared_pages(), " pages for ", tokens,
+                    " tokens");
+      auto length = engine->SequenceLength(request.cache(), request.new_id());
+      HARNESS_CHECK(length.ok() && *length == tokens, "the fork has ",
+                    length.ok() ? *length : -1, " tokens, expected ", tokens);
+    }
+    return {status.ok(), false, std::nullopt, "ForkSequence"};
+  }
+
+  // Runs one import's messages through a SequenceImporter (as the ImportSequence reactor does).
+  absl::StatusOr<attnd::v1::ImportSequenceResponse> RunImport(
+      const std::vector<attnd::v1::ImportSequenceRequest>& messages, bool abandon) {
+    SequenceImporter importer(context, tenant);
+    for (const attnd::v1::ImportSequenceRequest& message : messages) {
+      const absl::Status received = importer.Receive(message);
+      if (!received.ok()) return received;
+    }
+    if (abandon) return absl::CancelledError("abandoned");
+    return importer.Finish();
+  }
+
+  ActionResult ExportImport(const ExportImport& action) {
+    ActionResult result{false, false, std::nullopt, "ExportImport"};
+    result.imported_cache = action.target_cache();
+    attnd::v1::ExportSequenceRequest export_request = action.export_();
+    // Small chunks, so that a sequence spans several and the damage has somewhere to go.
+    if (export_request.max_chunk_bytes() > (int64_t{1} << 20)) {
+      export_request.set_max_chunk_bytes(int64_t{1} << 20);
+    }
+    std::vector<attnd::v1::ImportSequenceRequest> messages;
+    {
+      auto exporter = SequenceExporter::Start(context, tenant, export_request);
+      if (!exporter.ok()) return result;
+      const attnd::v1::SequenceHeader& header = (*exporter)->header().header();
+      auto length = engine->SequenceLength(export_request.cache(), export_request.sequence_id());
+      HARNESS_CHECK(length.ok() && header.num_tokens() == *length, "export header says ",
+                    header.num_tokens(), " tokens");
+      messages.emplace_back().set_allocated_header(new attnd::v1::SequenceHeader(header));
+      attnd::v1::ExportSequenceResponse chunk;
+      for (;;) {
+        absl::StatusOr<bool> more = (*exporter)->Next(chunk);
+        HARNESS_CHECK(more.ok(), "an export failed mid-stream: ", more.status().message());
+        if (!*more) break;
+        HARNESS_CHECK(chunk.chunk().crc32() ==
+                          ChunkCrc32(chunk.chunk().data().data(), chunk.chunk().data().size()),
+                      "an exported chunk's crc32 does not match its data");
+        *messages.emplace_back().mutable_chunk() = chunk.chunk();
+      }
+      HARNESS_CHECK(static_cast<int64_t>(messages.size()) == header.num_chunks() + 1,
+                    "the export sent ", messages.size() - 1, " chunks, its header says ",
+                    header.num_chunks());
+    }  // the export's pins go here
+    const std::vector<attnd::v1::ImportSequenceRequest> original = messages;
+    bool damaged = false;
+    const size_t count = messages.size();
+    if (action.corrupt_message() >= 1 && action.corrupt_message() <= count) {
+      attnd::v1::ImportSequenceRequest& message = messages[action.corrupt_message() - 1];
+      if (message.has_chunk()) {
+        std::string* data = message.mutable_chunk()->mutable_data();
+        if (data->empty()) {
+          message.mutable_chunk()->set_crc32(message.chunk().crc32() ^ 1);
+        } else {
+          (*data)[action.corrupt_byte() % data->size()] ^=
+              static_cast<char>(1 << (action.corrupt_byte() % 8));
+        }
+        damaged = true;
+      }
+    }
+    if (action.repeat_message() >= 2 && action.repeat_message() <= count) {
+      messages.push_back(messages[action.repeat_message() - 1]);
+      damaged = true;
+    }
+    if (action.drop_message() >= 1 && action.drop_message() <= count) {
+      messages.erase(messages.begin() + (action.drop_message() - 1));
+      damaged = true;
+    }
+    messages[0].set_cache(action.target_cache());
+    messages[0].set_sequence_id(action.new_id());
+    const bool abandon = action.abandon_after() > 0;
+    if (abandon && action.abandon_after() < messages.size()) messages.resize(action.abandon_after());
+    absl::StatusOr<attnd::v1::ImportSequenceResponse> imported = RunImport(messages, abandon);
+    result.ok = imported.ok();
+    HARNESS_CHECK(!damaged || !imported.ok(), "a damaged import succeeded");
+    if (!imported.ok()) return result;
+    const uint64_t id = imported->sequence_id();
+    sequences[action.target_cache()].insert(id);
+    // The imported sequence exports the same bytes.
+    attnd::v1::ExportSequenceRequest again = export_request;
+    again.set_cache(action.target_cache());
+    again.set_sequence_id(id);
+    auto exporter = SequenceExporter::Start(context, tenant, again);
+    HARNESS_CHECK(exporter.ok(), "the imported sequence does not export: ",
+                  exporter.status().message());
+    HARNESS_CHECK((*exporter)->header().header().num_tokens() ==
+                      original[0].header().num_tokens(),
+                  "the imported sequence has another length");
+    attnd::v1::ExportSequenceResponse chunk;
+    for (size_t index = 1;; ++index) {
+      absl::StatusOr<bool> more = (*exporter)->Next(chunk);
+      HARNESS_CHECK(more.ok(), more.status().message());
+      if (!*more) {
+        HARNESS_CHECK(index == original.size(), "the imported sequence exports fewer chunks");
+        break;
+      }
+      HARNESS_CHECK(index < original.size() &&
+                        chunk.chunk().data() == original[index].chunk().data(),
+                    "chunk ", index, " of the imported sequence differs from the exported one");
+    }
+    return result;
+  }
+
+  ActionResult ImportStream(const ImportStream& action) {
+    ActionResult result{false, false, std::nullopt, "ImportStream"};
+    const std::vector<attnd::v1::ImportSequenceRequest> messages(action.messages().begin(),
+                                                                 action.messages().end());
+    if (!messages.empty()) result.imported_cache = messages[0].cache();
+    absl::StatusOr<attnd::v1::ImportSequenceResponse> imported =
+        RunImport(messages, action.abandon());
+    result.ok = imported.ok();
+    if (imported.ok()) sequences[messages[0].cache()].insert(imported->sequence_id());
+    return result;
   }
 
   // --- invariants -------------------------------------------------------------------------
@@ -469,6 +645,7 @@ struct RequestHarness::State {
   void CheckPools(const std::map<std::string, PoolSnapshot>& before,
                   const std::map<std::string, PoolSnapshot>& after, const ActionResult& result) {
     for (const auto& [name, now] : after) {
+      if (name == result.imported_cache) continue;
       auto was = before.find(name);
       const CacheGeometry& g = now.geometry;
       if (was == before.end() || was->second.pools.size() != now.pools.size()) {
@@ -486,6 +663,10 @@ struct RequestHarness::State {
         const bool v_pool = index % 2 == 1;
         const std::string where = absl::StrCat("cache '", name, "' layer ", layer,
                                                v_pool ? " V" : " K", " pool");
+        if (!result.write.has_value() && result.may_copy_pages && forked &&
+            OnlyWholePageCopies(old_bytes, new_bytes, g, v_pool)) {
+          continue;
+        }
         HARNESS_CHECK(result.write.has_value() && result.write->cache == name &&
                           result.write->layer == layer,
                       where, " changed by ", result.what, result.ok ? "" : " (which failed)");
@@ -511,16 +692,62 @@ struct RequestHarness::State {
                           slot, " written, not a new token's slot of the step");
           }
         } else {
-          HARNESS_CHECK(static_cast<int64_t>(changed.size()) <= effect.num_tokens, where, ": ",
-                        changed.size(), " slots written by a step of ", effect.num_tokens,
-                        " new tokens");
-          for (const auto& [page, slot] : changed) {
-            HARNESS_CHECK(effect.offsets.contains(slot), where, ": page ", page, " slot ", slot,
-                          " written, no new token of the step sits at that offset");
+          // After a fork, a page may also be a copy-on-write copy: then it holds another
+          // page's bytes as they were before the step, except at the new tokens' offsets. Each
+          // changed page is compared with its own old bytes and, after a fork, with every other
+          // page's: the closest match says which slots the step wrote.
+          std::map<int64_t, std::set<int32_t>> by_page;
+          for (const auto& [page, slot] : changed) by_page[page].insert(slot);
+          int64_t written = 0;
+          for (const auto& [page, slots] : by_page) {
+            std::set<int32_t> best = slots;  // against the page's own old bytes
+            bool best_allowed = std::all_of(slots.begin(), slots.end(), [&](int32_t slot) {
+              return effect.offsets.contains(slot);
+            });
+            for (int64_t source = 0; forked && source < g.num_pages; ++source) {
+              if (source == page) continue;
+              std::set<int32_t> differing;
+              bool copy = true;
+              for (int32_t slot = 0; slot < g.page_size && copy; ++slot) {
+                if (SlotBytes(new_bytes, g, v_pool, page, slot) ==
+                    SlotBytes(old_bytes, g, v_pool, source, slot)) {
+                  continue;
+                }
+                copy = effect.offsets.contains(slot);
+                differing.insert(slot);
+              }
+              if (copy && (!best_allowed || differing.size() < best.size())) {
+                best = std::move(differing);
+                best_allowed = true;
+              }
+            }
+            HARNESS_CHECK(best_allowed, where, ": page ", page, " slot ", *slots.begin(),
+                          " written, no new token of the step sits at that offset (nor is the "
+                          "page a copy of another)");
+            written += static_cast<int64_t>(best.size());
           }
+          HARNESS_CHECK(written <= effect.num_tokens, where, ": ", written,
+                        " slots written by a step of ", effect.num_tokens, " new tokens");
         }
       }
     }
+  }
+
+  // Whether every page that differs between the two snapshots of one pool now holds, whole,
+  // what another page held before.
+  static bool OnlyWholePageCopies(const std::string& old_bytes, const std::string& new_bytes,
+                                  const CacheGeometry& g, bool v_pool) {
+    const int64_t page_bytes = v_pool ? g.VPageBytes() : g.KPageBytes();
+    for (int64_t page = 0; page < g.num_pages; ++page) {
+      const std::string now = new_bytes.substr(page * page_bytes, page_bytes);
+      if (now == old_bytes.substr(page * page_bytes, page_bytes)) continue;
+      bool copy = false;
+      for (int64_t source = 0; source < g.num_pages && !copy; ++source) {
+        copy = source != page && now == old_bytes.substr(source * page_bytes, page_bytes);
+      }
+      if (!copy) return false;
+    }
+    return true;
   }
 
   // Failed requests change nothing: compared on every cache's counters.
@@ -592,8 +819,10 @@ struct RequestHarness::State {
           ++live;
           ids.push_back(id);
         }
-        HARNESS_CHECK(cache.used_pages == pages_needed, "cache '", name, "' uses ",
-                      cache.used_pages, " pages; its sequences' lengths need ", pages_needed);
+        // Forks share pages: counted once.
+        HARNESS_CHECK(forked ? cache.used_pages <= pages_needed : cache.used_pages == pages_needed,
+                      "cache '", name, "' uses ", cache.used_pages,
+                      " pages; its sequences' lengths need ", pages_needed);
         HARNESS_CHECK(cache.num_sequences == live, "cache '", name, "' counts ",
                       cache.num_sequences, " sequences, ", live, " have tokens");
         const auto [used_gauge, free_gauge] = PageGauges(name);
@@ -603,10 +832,12 @@ struct RequestHarness::State {
                       "attnd_kv_pages of '", name, "': used ", used_gauge, " free ", free_gauge,
                       ", expected ", cache.used_pages, " of ", cache.spec.geometry.num_pages);
         auto freed = engine->FreeSequences(name, ids);
-        HARNESS_CHECK(freed.ok() && *freed == pages_needed, "freeing every sequence of '", name,
-                      "': ", freed.status().message());
+        HARNESS_CHECK(freed.ok() && *freed == cache.used_pages, "freeing every sequence of '",
+                      name, "': ", freed.status().message(), " (freed ",
+                      freed.ok() ? *freed : -1, " of ", cache.used_pages, " used pages)");
         auto after = engine->GetCache(name);
-        HARNESS_CHECK(after.ok() && after->used_pages == 0 && after->num_sequences == 0,
+        HARNESS_CHECK(after.ok() && after->used_pages == 0 && after->num_sequences == 0 &&
+                          after->shared_pages == 0,
                       "cache '", name, "' holds pages after every sequence was freed");
       }
       const absl::Status deleted = engine->DeleteCache(name, /*force=*/false);
@@ -626,6 +857,7 @@ struct RequestHarness::State {
     steps.clear();
     channels.clear();
     sequences.clear();
+    forked = false;
   }
 };
 
@@ -727,6 +959,16 @@ void RequestHarness::RunRawBytes(const uint8_t* data, size_t size) {
   attnd::v1::DeleteCacheRequest delete_request;
   if (delete_request.ParseFromArray(data, static_cast<int>(size))) {
     *fuzz_case.add_actions()->mutable_delete_cache() = delete_request;
+  }
+  attnd::v1::ForkSequenceRequest fork;
+  if (fork.ParseFromArray(data, static_cast<int>(size))) {
+    if (fork.cache().empty()) fork.set_cache(cache_name);
+    *fuzz_case.add_actions()->mutable_fork_sequence() = fork;
+  }
+  attnd::v1::ImportSequenceRequest import;
+  if (import.ParseFromArray(data, static_cast<int>(size))) {
+    if (import.cache().empty()) import.set_cache(cache_name);
+    *fuzz_case.add_actions()->mutable_import_stream()->add_messages() = import;
   }
   Run(fuzz_case);
 }

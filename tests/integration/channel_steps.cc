@@ -61,7 +61,7 @@ std::string DiffOutputs(const attnd::v1::ForwardResponse& expected,
 absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& prefix,
                                     attnd::v1::ChannelKind kind,
                                     const attnd::v1::CacheConfig& config, int decode_steps,
-                                    uint64_t seed) {
+                                    uint64_t seed, bool chained) {
   const std::string grpc_cache = prefix + "-grpc";
   const std::string channel_cache = prefix + "-channel";
   RETURN_IF_ERROR(client.CreateCache(grpc_cache, config).status());
@@ -75,14 +75,31 @@ absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& p
   std::mt19937_64 rng(seed);
   std::vector<Entries> steps = {{{1, 5}, {2, 9}, {3, 1}}};
   for (int i = 0; i < decode_steps; ++i) steps.push_back({{1, 1}, {9, 0}, {2, 1}, {3, 1}});
+  auto plan_on_channel = [&](size_t s) {
+    attnd::v1::PlanRequest request = MakePlan(channel_cache, steps[s], true);
+    request.set_channel_id(channel->id());
+    return client.Plan(request);
+  };
+  ASSIGN_OR_RETURN(attnd::v1::PlanResponse channel_plan, plan_on_channel(0));
   for (size_t s = 0; s < steps.size(); ++s) {
     ASSIGN_OR_RETURN(const attnd::v1::PlanResponse grpc_plan,
                      client.Plan(MakePlan(grpc_cache, steps[s], /*return_lse=*/true)));
-    attnd::v1::PlanRequest channel_request = MakePlan(channel_cache, steps[s], true);
-    channel_request.set_channel_id(channel->id());
-    ASSIGN_OR_RETURN(const attnd::v1::PlanResponse channel_plan, client.Plan(channel_request));
     if (channel_plan.channel_sequence() == 0) {
       return absl::InternalError("Plan on a channel answered no channel_sequence");
+    }
+    // Chained: the next step is planned now, on top of this one, before any of its layers ran.
+    attnd::v1::PlanResponse next_plan;
+    if (chained && s + 1 < steps.size()) {
+      ASSIGN_OR_RETURN(next_plan, plan_on_channel(s + 1));
+    }
+    for (int e = 0; e < grpc_plan.entries_size(); ++e) {
+      if (grpc_plan.entries(e).start_position() != channel_plan.entries(e).start_position()) {
+        return absl::InternalError(absl::StrCat("step ", s, " entry ", e, ": start_position ",
+                                                channel_plan.entries(e).start_position(),
+                                                " on the channel, ",
+                                                grpc_plan.entries(e).start_position(),
+                                                " through Forward"));
+      }
     }
     for (int32_t layer = 0; layer < config.num_layers(); ++layer) {
       attnd::v1::ForwardRequest request = RandomLayer(rng, config, grpc_plan.num_tokens(), layer);
@@ -103,6 +120,12 @@ absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& p
         ended.layers_run() != config.num_layers()) {
       return absl::InternalError(absl::StrCat("channel step ", s, " ended ",
                                               ended.ShortDebugString()));
+    }
+    if (s + 1 == steps.size()) break;
+    if (chained) {
+      channel_plan = next_plan;
+    } else {
+      ASSIGN_OR_RETURN(channel_plan, plan_on_channel(s + 1));
     }
   }
   return absl::OkStatus();

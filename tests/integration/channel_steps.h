@@ -26,11 +26,12 @@ std::string DiffOutputs(const attnd::v1::ForwardResponse& expected,
 // and runs the same steps in both: a prefill of three sequences of different lengths, then
 // `decode_steps` decode steps of all three plus a padding entry, random inputs from `seed`;
 // the first cache through Forward, the second through a channel of `kind`. OK when every
-// layer's o and lse are bitwise equal; the error names the first difference.
+// layer's o and lse are bitwise equal; the error names the first difference. `chained`: each
+// channel step is planned before the previous one's layers run (on top of it, DESIGN 3b).
 absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& prefix,
                                     attnd::v1::ChannelKind kind,
                                     const attnd::v1::CacheConfig& config, int decode_steps,
-                                    uint64_t seed);
+                                    uint64_t seed, bool chained = false);
 
 // The attnd child process's gRPC port from its "serving ... on port N" log line; 0 if absent.
 int PortFromServingLine(const std::string& line);

@@ -38,6 +38,109 @@ TEST_F(ChannelTest, HostShmStepsMatchForwardBitwise) {
                                    SmallConfig(256), /*decode_steps=*/4, /*seed=*/3));
 }
 
+// A step planned on top of an open one (DESIGN 3b): its positions follow the open step's new
+// tokens and every output equals the sequential steps' through Forward, byte for byte.
+TEST_F(ChannelTest, HostShmChainedStepsMatchForwardBitwise) {
+  ASSERT_OK(CompareChannelWithGrpc(client(), "chained", attnd::v1::CHANNEL_KIND_HOST_SHM,
+                                   SmallConfig(256), /*decode_steps=*/4, /*seed=*/4,
+                                   /*chained=*/true));
+}
+
+// Runs every layer of a channel step from random inputs.
+void RunChannelStep(client::Channel& channel, const attnd::v1::PlanResponse& planned,
+                    const attnd::v1::CacheConfig& config, std::mt19937_64& rng) {
+  for (int32_t layer = 0; layer < config.num_layers(); ++layer) {
+    ASSERT_OK(ForwardThroughChannel(channel, planned.channel_sequence(),
+                                    RandomLayer(rng, config, planned.num_tokens(), layer),
+                                    config, planned.num_tokens(), true)
+                  .status());
+  }
+}
+
+TEST_F(ChannelTest, ChainedStepsCommitInOrderAndAbortWithTheirParent) {
+  const attnd::v1::CacheConfig config = SmallConfig(64);
+  ASSERT_OK(client().CreateCache("c", config).status());
+  ASSERT_OK_AND_ASSIGN(auto channel, client::Channel::Open(client(), "c", HostShm(16)));
+  std::mt19937_64 rng(9);
+  auto plan_on_channel = [&](std::vector<std::pair<uint64_t, int32_t>> entries) {
+    attnd::v1::PlanRequest plan = MakePlan("c", entries);
+    plan.set_channel_id(channel->id());
+    return client().Plan(plan);
+  };
+  // A prompt, a decode step on top of it and one on top of that, planned before anything ran.
+  ASSERT_OK_AND_ASSIGN(auto prompt, plan_on_channel({{1, 5}, {2, 3}}));
+  ASSERT_OK_AND_ASSIGN(auto first, plan_on_channel({{1, 1}, {2, 1}}));
+  ASSERT_OK_AND_ASSIGN(auto second, plan_on_channel({{1, 1}}));
+  EXPECT_EQ(first.entries(0).start_position(), 5);
+  EXPECT_EQ(first.entries(1).start_position(), 3);
+  EXPECT_EQ(second.entries(0).start_position(), 6);
+  ASSERT_OK_AND_ASSIGN(auto cache, client().GetCache("c"));
+  EXPECT_EQ(cache.open_steps(), 3);
+  // Only the prompt's layers run: it commits; its children stay open.
+  RunChannelStep(*channel, prompt, config, rng);
+  ASSERT_OK_AND_ASSIGN(auto ended, client().EndStep(prompt.step_id(), /*abort=*/false));
+  EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_COMMITTED);
+  // Aborting the first decode step takes the one planned on top of it along, and rolls both
+  // back to the prompt's lengths and pages.
+  ASSERT_OK_AND_ASSIGN(ended, client().EndStep(first.step_id(), /*abort=*/true));
+  EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_ABORTED);
+  ASSERT_OK_AND_ASSIGN(ended, client().EndStep(second.step_id(), /*abort=*/false));
+  EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_ABORTED);
+  ASSERT_OK_AND_ASSIGN(cache, client().GetCache("c"));
+  EXPECT_EQ(cache.open_steps(), 0);
+  EXPECT_EQ(ProbeLength(client(), "c", 1), 5);
+  EXPECT_EQ(ProbeLength(client(), "c", 2), 3);
+  const int32_t page_size = config.page_size();
+  EXPECT_EQ(cache.used_pages(), (5 + page_size - 1) / page_size + (3 + page_size - 1) / page_size);
+
+  // Committed in order: a child that ran waits for nothing, its parent having committed first.
+  ASSERT_OK_AND_ASSIGN(auto parent, plan_on_channel({{1, 1}, {2, 1}}));
+  ASSERT_OK_AND_ASSIGN(auto child, plan_on_channel({{2, 1}}));
+  EXPECT_EQ(child.entries(0).start_position(), 4);
+  RunChannelStep(*channel, parent, config, rng);
+  RunChannelStep(*channel, child, config, rng);
+  ASSERT_OK_AND_ASSIGN(ended, client().EndStep(child.step_id(), /*abort=*/false));
+  EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_COMMITTED);
+  ASSERT_OK_AND_ASSIGN(ended, client().EndStep(parent.step_id(), /*abort=*/false));
+  EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_COMMITTED);
+  EXPECT_EQ(ProbeLength(client(), "c", 1), 6);
+  EXPECT_EQ(ProbeLength(client(), "c", 2), 5);
+
+  // A child aborted alone leaves its parent to commit.
+  ASSERT_OK_AND_ASSIGN(parent, plan_on_channel({{1, 2}}));
+  ASSERT_OK_AND_ASSIGN(child, plan_on_channel({{1, 1}}));
+  ASSERT_OK_AND_ASSIGN(ended, client().EndStep(child.step_id(), /*abort=*/true));
+  EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_ABORTED);
+  RunChannelStep(*channel, parent, config, rng);
+  ASSERT_OK_AND_ASSIGN(ended, client().EndStep(parent.step_id(), /*abort=*/false));
+  EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_COMMITTED);
+  EXPECT_EQ(ProbeLength(client(), "c", 1), 8);
+}
+
+TEST_F(ChannelTest, AStepChainsOnlyThroughTheSameChannel) {
+  const attnd::v1::CacheConfig config = SmallConfig(64);
+  ASSERT_OK(client().CreateCache("c", config).status());
+  ASSERT_OK_AND_ASSIGN(auto channel, client::Channel::Open(client(), "c", HostShm(8)));
+  ASSERT_OK_AND_ASSIGN(auto other, client::Channel::Open(client(), "c", HostShm(8)));
+  attnd::v1::PlanRequest plan = MakePlan("c", {{1, 3}});
+  plan.set_channel_id(channel->id());
+  ASSERT_OK_AND_ASSIGN(auto planned, client().Plan(plan));
+  attnd::v1::PlanRequest on_top = MakePlan("c", {{2, 1}, {1, 1}});
+  EXPECT_ERROR(client().Plan(on_top), Code::kFailedPrecondition, "entries[1].sequence_id");
+  on_top.set_channel_id(other->id());
+  EXPECT_ERROR(client().Plan(on_top), Code::kFailedPrecondition, "same channel");
+  ASSERT_OK_AND_ASSIGN(auto cache, client().GetCache("c"));
+  EXPECT_EQ(cache.open_steps(), 1) << "a refused plan opened a step";
+  EXPECT_EQ(cache.used_pages(), 1) << "a refused plan allocated pages";
+  // And a plain step's sequences take no step on top.
+  ASSERT_OK(client().EndStep(planned.step_id(), /*abort=*/true).status());
+  ASSERT_OK_AND_ASSIGN(auto plain, client().Plan(MakePlan("c", {{3, 2}})));
+  on_top = MakePlan("c", {{3, 1}});
+  on_top.set_channel_id(channel->id());
+  EXPECT_ERROR(client().Plan(on_top), Code::kFailedPrecondition, "end that step first");
+  ASSERT_OK(client().EndStep(plain.step_id(), /*abort=*/true).status());
+}
+
 // The client program: its build path, or ATTND_CHANNEL_TEST_CLIENT (a bundle on a GPU machine).
 std::string ClientProgram() {
   const char* given = std::getenv("ATTND_CHANNEL_TEST_CLIENT");

@@ -1,7 +1,8 @@
 // A client process for the channel tests (channel_test.cc), so attnd and the client that maps
 // the ring are different processes, as in deployment:
 //   channel_test_client compare HOST:PORT PREFIX   runs CompareChannelWithGrpc (HOST_SHM); PASS
-//   channel_test_client compare-cuda-ipc HOST:PORT PREFIX   the same over CUDA_IPC
+//   channel_test_client compare-cuda-ipc HOST:PORT PREFIX   the same over CUDA_IPC, then again
+//                                                  with chained steps (PREFIX-chained)
 //   channel_test_client hang HOST:PORT CACHE       opens a HOST_SHM channel, plans a 3-token step
 //                                                  of sequence 7, runs layer 0, prints
 //                                                  "hanging <channel id> <step id>" and waits to
@@ -45,6 +46,12 @@ int main(int argc, char** argv) {
         mode == "compare" ? attnd::v1::CHANNEL_KIND_HOST_SHM : attnd::v1::CHANNEL_KIND_CUDA_IPC,
         config, /*decode_steps=*/6, 11);
     if (!status.ok()) return Fail(status.ToString());
+    if (mode == "compare-cuda-ipc") {
+      const absl::Status chained = integration::CompareChannelWithGrpc(
+          client, std::string(argv[3]) + "-chained", attnd::v1::CHANNEL_KIND_CUDA_IPC, config,
+          /*decode_steps=*/6, 12, /*chained=*/true);
+      if (!chained.ok()) return Fail("chained: " + chained.ToString());
+    }
     std::printf("PASS\n");
     return 0;
   }

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "attnd/client/sequence.h"
 #include "http_get.h"
 #include "status_matchers.h"
 #include "test_pki.h"
@@ -357,6 +358,48 @@ TEST_F(TenantMetricsTest, MetricsNameNoCacheByDefaultWithTenants) {
   EXPECT_THAT(exposition, Not(HasSubstr("secret")));
   EXPECT_THAT(exposition, HasSubstr("attnd_kv_pages{cache=\"\",state=\"used\"} 3"));
   EXPECT_THAT(exposition, HasSubstr("attnd_kv_pages{cache=\"\",state=\"free\"} 47"));
+}
+
+}  // namespace
+}  // namespace attnd::integration
+
+namespace attnd::integration {
+namespace {
+
+// Fork, export and import speak the tenant's names: another tenant's cache is NOT_FOUND (never
+// PERMISSION_DENIED), errors do not name the namespace, and a sequence crosses tenants only
+// through a client holding both tokens.
+TEST_F(TenantsTest, SequenceLifecycleStaysWithinATenant) {
+  auto alpha = ClientWithToken(kAlphaToken);
+  auto beta = ClientWithToken(kBetaToken);
+  ASSERT_OK(alpha->CreateCache("model", SmallConfig()));
+  ASSERT_OK(beta->CreateCache("model", SmallConfig()));
+  std::mt19937_64 rng(2);
+  ASSERT_OK_AND_ASSIGN(auto step, alpha->BeginStep(MakePlan("model", {{7, 5}})));
+  for (int32_t layer = 0; layer < 2; ++layer) {
+    ASSERT_OK(step->Forward(RandomLayer(rng, SmallConfig(), 5, layer)));
+  }
+  ASSERT_OK(client::ForkSequence(*alpha, "model", 7, 8).status());
+  // Beta's cache of the same name has no sequence 7; beta cannot reach alpha's.
+  auto forked = client::ForkSequence(*beta, "model", 7, 9);
+  EXPECT_ERROR(forked, Code::kNotFound, "source_id");
+  EXPECT_THAT(std::string(forked.status().message()), Not(HasSubstr("alpha")));
+  absl::Status exported = client::ExportSequence(
+      *beta, "model", 7, [](const attnd::v1::ExportSequenceResponse&) { return absl::OkStatus(); });
+  EXPECT_EQ(exported.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(exported.message()), Not(HasSubstr("alpha")));
+  // Alpha's sequence copied into beta's cache by a client with both tokens.
+  ASSERT_OK_AND_ASSIGN(auto copied, client::CopySequence(*alpha, "model", 8, *beta, "model"));
+  EXPECT_EQ(copied.num_tokens(), 5);
+  ASSERT_OK_AND_ASSIGN(auto beta_model, beta->GetCache("model"));
+  EXPECT_EQ(beta_model.num_sequences(), 1);
+  // Importing into a cache beta does not have.
+  auto nowhere = client::CopySequence(*alpha, "model", 8, *beta, "private");
+  EXPECT_ERROR(nowhere, Code::kNotFound, "private");
+  EXPECT_THAT(std::string(nowhere.status().message()), Not(HasSubstr("beta/")));
+  ASSERT_OK_AND_ASSIGN(auto alpha_model, alpha->GetCache("model"));
+  EXPECT_EQ(alpha_model.num_sequences(), 2);
+  EXPECT_EQ(alpha_model.shared_pages(), 2);
 }
 
 }  // namespace

@@ -426,6 +426,15 @@ std::vector<CacheConfig> Configs() {
     c.v_scale = 0.25f;
     configs.push_back(c);
   }
+  {
+    // Group 16: no CUDA-core decode kernel, so decode rows run the tensor-core one (issue 14).
+    CacheConfig c;
+    c.name = "bf16_nhd_d128_g16_p16_tensor_core_decode";
+    c.num_qo_heads = 32;
+    c.num_kv_heads = 2;
+    c.rope = RopeStyle::kNeox;
+    configs.push_back(c);
+  }
   return configs;
 }
 

@@ -94,6 +94,10 @@ inline absl::StatusOr<BackendPair> MakeBackendPair(const CacheGeometry& geometry
   absl::StatusOr<plan::PodMode> pod_mode = plan::PodModeFromEnvironment();
   if (!pod_mode.ok()) return pod_mode.status();
   cuda_options.pod_mode = *pod_mode;
+  // ATTND_DECODE_KERNEL likewise forces their decode kernel (attnd takes --decode_kernel).
+  absl::StatusOr<plan::DecodeKernelChoice> decode_kernel = plan::DecodeKernelChoiceFromEnvironment();
+  if (!decode_kernel.ok()) return decode_kernel.status();
+  cuda_options.decode_kernel = *decode_kernel;
   absl::StatusOr<std::unique_ptr<Backend>> gpu_backend = MakeCudaBackend(cuda_options);
   if (!gpu_backend.ok()) return gpu_backend.status();
   pair.gpu_backend = *std::move(gpu_backend);

@@ -1,17 +1,20 @@
 // Batch decode with split-KV on the GPU against the float64 CPU reference (DESIGN 4.2, 4.4, 7).
 // Sweep: q/KV dtypes, head dims, page sizes 1/16/128, NHD/HND, SHARED/SEPARATE_KV tables, GQA
 // groups 1..8, lengths 0, 1, page boundaries and long; planner-chosen, pinned and disabled
-// splits; soft cap, sliding window, lse. Outputs are poisoned (NaN) before each launch, and
+// splits; soft cap, sliding window, lse. The tensor-core kernel (issue 14) runs its own sweep
+// (batch 1..256, groups 4..16, page sizes 1/16/64), forced and through the planner's choice. Outputs are poisoned (NaN) before each launch, and
 // cache slots no request owns hold NaN, so a read past a sequence's end or an unwritten output
 // shows. Tolerances (normwise relative error of o against the float64 reference, whose o is
 // kept in float32): 4e-3 for bf16 o, 6e-4 for fp16 o (the outputs' own rounding is ~1.1e-3 and
-// ~1.4e-4); lse within 1e-4 + 1e-5 |lse|. Deterministic mode is checked bitwise.
+// ~1.4e-4; 1e-3 for fp16 on the tensor-core kernel, which also rounds P); lse within
+// 1e-4 + 1e-5 |lse|. Deterministic mode is checked bitwise.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <ostream>
 #include <random>
 #include <string>
@@ -33,6 +36,9 @@ using kernel_test::Upload;
 
 enum class Split { kAuto, kDisabled, kFixed, kDeterministic };
 
+using plan::DecodeKernel;
+using plan::DecodeKernelChoice;
+
 struct DecodeCase {
   DType q_dtype = DType::kBFloat16;
   DType kv_dtype = DType::kBFloat16;
@@ -48,6 +54,11 @@ struct DecodeCase {
   int32_t fixed_split_tokens = 37;  // odd on purpose: chunks end mid-page and mid-tile
   std::vector<int64_t> lengths;     // empty: the standard mix for the page size
   uint32_t seed = 1;
+  // kAuto: the planner picks among the kernels the launcher has for the config, as the backend
+  // lets it; otherwise forced.
+  DecodeKernelChoice kernel = DecodeKernelChoice::kAuto;
+  // Checked against the plan when set (the planner's choice under kAuto).
+  std::optional<DecodeKernel> expect_kernel;
 };
 
 std::string CaseName(const DecodeCase& c) {
@@ -55,6 +66,9 @@ std::string CaseName(const DecodeCase& c) {
                      kernel_test::ShortName(c.kv_dtype) + "_d" + std::to_string(c.head_dim) +
                      "_g" + std::to_string(c.group) + "_p" + std::to_string(c.page_size) +
                      (c.layout == KvLayout::kNHD ? "_nhd" : "_hnd") + (c.separate_kv ? "_sep" : "");
+  if (c.kernel == DecodeKernelChoice::kTensorCore) name += "_tc";
+  if (c.kernel == DecodeKernelChoice::kCudaCore) name += "_cc";
+  if (!c.lengths.empty()) name += "_b" + std::to_string(c.lengths.size());
   if (c.soft_cap > 0) name += "_cap";
   if (c.window_left >= 0) name += "_win" + std::to_string(c.window_left);
   switch (c.split) {
@@ -156,13 +170,26 @@ struct DecodeOutput {
 bool RunGpuDecode(DecodeProblem& problem, DecodeOutput* out) {
   const DecodeCase& c = problem.config;
   cuda::DecodeKernelConfig config{c.q_dtype, c.kv_dtype, c.head_dim, c.group};
-  auto ctas = cuda::DecodeCtasPerWave(config);
-  EXPECT_TRUE(ctas.ok()) << ctas.status();
-  if (!ctas.ok()) return false;
-
   plan::DecodePlanOptions options;
   options.num_kv_heads = c.num_kv_heads;
-  options.ctas_per_wave = *ctas;
+  // Both kernels' support and waves, as the backend gives them to the planner.
+  options.cuda_core_supported = cuda::DecodeSupports(config);
+  if (options.cuda_core_supported) {
+    auto ctas = cuda::DecodeCtasPerWave(config);
+    EXPECT_TRUE(ctas.ok()) << ctas.status();
+    if (!ctas.ok()) return false;
+    options.ctas_per_wave = *ctas;
+  }
+  if (cuda::TensorCoreDecodeSupports(config)) {
+    auto ctas = cuda::TensorCoreDecodeCtasPerWave(config);
+    EXPECT_TRUE(ctas.ok()) << ctas.status();
+    if (!ctas.ok()) return false;
+    options.tensor_core_ctas_per_wave = *ctas;
+    options.tensor_core_supported = *ctas > 0;
+    // Every tested shape fits an H100's shared memory.
+    EXPECT_GT(*ctas, 0) << "the tensor-core kernel does not fit this device";
+  }
+  options.kernel_choice = c.kernel;
   options.window_left = c.window_left;
   options.disable_split_kv = c.split == Split::kDisabled;
   options.deterministic = c.split == Split::kDeterministic;
@@ -174,6 +201,14 @@ bool RunGpuDecode(DecodeProblem& problem, DecodeOutput* out) {
   EXPECT_TRUE(plan.ok()) << plan.status();
   if (!plan.ok()) return false;
   out->plan = *plan;
+  if (c.kernel == DecodeKernelChoice::kTensorCore) {
+    EXPECT_EQ(plan->kernel, DecodeKernel::kTensorCore);
+  } else if (c.kernel == DecodeKernelChoice::kCudaCore) {
+    EXPECT_EQ(plan->kernel, DecodeKernel::kCudaCore);
+  }
+  if (c.expect_kernel.has_value()) {
+    EXPECT_EQ(plan->kernel, *c.expect_kernel) << "the planner's choice: " << plan->DebugString().substr(0, 200);
+  }
 
   DevicePageTable table(problem.table, c.separate_kv);
   DeviceBuffer q = Upload(problem.q);
@@ -241,7 +276,12 @@ ReferenceOutput RunReference(DecodeProblem& problem) {
   return ref;
 }
 
-double Tolerance(DType o_dtype) { return o_dtype == DType::kBFloat16 ? 4e-3 : 6e-4; }
+// The tensor-core kernel also rounds P to the MMA type before P V (~1.1e-3 normwise for bf16,
+// ~2.8e-4 for fp16 on these inputs, on top of o's own rounding): fp16 gets 1e-3 there.
+double Tolerance(DType o_dtype, DecodeKernel kernel) {
+  if (o_dtype == DType::kBFloat16) return 4e-3;
+  return kernel == DecodeKernel::kTensorCore ? 1e-3 : 6e-4;
+}
 
 void ExpectMatchesReference(const DecodeProblem& problem, const DecodeOutput& gpu,
                             const ReferenceOutput& ref) {
@@ -249,7 +289,7 @@ void ExpectMatchesReference(const DecodeProblem& problem, const DecodeOutput& gp
   const int64_t rows = int64_t{problem.num_rows} * problem.num_qo_heads;
   const double error = kernel_test::NormwiseRelativeError(c.q_dtype, gpu.o, DType::kFloat32, ref.o,
                                                           rows * c.head_dim);
-  EXPECT_LE(error, Tolerance(c.q_dtype)) << "normwise relative error of o";
+  EXPECT_LE(error, Tolerance(c.q_dtype, gpu.plan.kernel)) << "normwise relative error of o";
   int lse_failures = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const float expected = ref.lse[r];
@@ -368,12 +408,7 @@ INSTANTIATE_TEST_SUITE_P(Sweep, DecodeSweepTest, ::testing::ValuesIn(SweepCases(
 // The same request, alone and among others at another position (different q row, different
 // partner lengths, so a batch-dependent chunking would change its reduction order), must give
 // bitwise identical o and lse in deterministic mode.
-class DecodeDeterminismTest : public ::testing::TestWithParam<DType> {};
-
-TEST_P(DecodeDeterminismTest, RequestResultIsBitwiseBatchInvariant) {
-  ATTND_SKIP_WITHOUT_GPU();
-  DecodeCase base;
-  base.kv_dtype = GetParam();
+void ExpectBatchInvariant(DecodeCase base) {
   base.split = Split::kDeterministic;
   base.seed = 7;
   // Batch A: the request alone (plus a short one, so the table isn't trivial).
@@ -425,10 +460,262 @@ TEST_P(DecodeDeterminismTest, RequestResultIsBitwiseBatchInvariant) {
   ExpectMatchesReference(a, out_a, RunReference(a));
 }
 
+class DecodeDeterminismTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(DecodeDeterminismTest, RequestResultIsBitwiseBatchInvariant) {
+  ATTND_SKIP_WITHOUT_GPU();
+  DecodeCase base;
+  base.kv_dtype = GetParam();
+  ExpectBatchInvariant(base);
+}
+
+// The tensor-core kernel's reduction order depends on the item alone too (fixed warp split and
+// merge order), so a deterministic plan forced onto it is batch-invariant as well.
+TEST(TensorCoreDecodeDeterminismTest, RequestResultIsBitwiseBatchInvariant) {
+  ATTND_SKIP_WITHOUT_GPU();
+  DecodeCase base;
+  base.group = 8;
+  base.kernel = DecodeKernelChoice::kTensorCore;
+  ExpectBatchInvariant(base);
+}
+
 INSTANTIATE_TEST_SUITE_P(KvDtypes, DecodeDeterminismTest,
                          ::testing::Values(DType::kBFloat16, DType::kFloat8E4M3),
                          [](const ::testing::TestParamInfo<DType>& info) {
                            return std::string(kernel_test::ShortName(info.param));
+                         });
+
+// The tensor-core kernel (issue 14): forced over q/KV 16-bit types x head dims x page sizes
+// 1/16/64 x groups 4/8/16 (layouts, tables and split modes rotating), the standard length mix
+// (0, 1, page boundaries, lengths that are no multiple of its 64-key tile); then batches of
+// 1..256 with random lengths, odd groups (padded rows), soft cap, sliding window; and batches the
+// planner itself routes to it (or keeps on CUDA cores).
+class TensorCoreDecodeSweepTest : public ::testing::TestWithParam<DecodeCase> {};
+
+TEST_P(TensorCoreDecodeSweepTest, MatchesFloat64Reference) {
+  ATTND_SKIP_WITHOUT_GPU();
+  DecodeProblem problem = MakeProblem(GetParam());
+  DecodeOutput gpu;
+  ASSERT_TRUE(RunGpuDecode(problem, &gpu));
+  ExpectMatchesReference(problem, gpu, RunReference(problem));
+}
+
+// `batch` requests of lengths uniform in [1, max_length] (seeded), with 1 and a page boundary
+// among them.
+std::vector<int64_t> RandomLengths(int32_t batch, int64_t max_length, int32_t page_size, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int64_t> uniform(1, max_length);
+  std::vector<int64_t> lengths;
+  for (int32_t b = 0; b < batch; ++b) lengths.push_back(uniform(rng));
+  lengths[0] = 1;
+  if (batch > 1) lengths[batch - 1] = 4 * page_size;
+  return lengths;
+}
+
+std::vector<DecodeCase> TensorCoreCases() {
+  std::vector<DecodeCase> cases;
+  uint32_t seed = 1000;
+  const Split splits[] = {Split::kAuto, Split::kFixed, Split::kDisabled};
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (int32_t head_dim : {64, 128, 256}) {
+      for (int32_t page_size : {1, 16, 64}) {
+        for (int32_t group : {4, 8, 16}) {
+          DecodeCase c;
+          c.kernel = DecodeKernelChoice::kTensorCore;
+          c.q_dtype = c.kv_dtype = dtype;
+          c.head_dim = head_dim;
+          c.page_size = page_size;
+          c.group = group;
+          c.layout = seed % 2 == 0 ? KvLayout::kNHD : KvLayout::kHND;
+          c.separate_kv = seed % 3 == 0;
+          c.split = splits[(seed / 2) % 3];
+          c.seed = seed++;
+          cases.push_back(c);
+        }
+      }
+    }
+  }
+  // Batches of 1..256, split by the planner and not at all.
+  for (int32_t batch : {1, 2, 7, 64, 256}) {
+    for (Split split : {Split::kAuto, Split::kDisabled}) {
+      DecodeCase c;
+      c.kernel = DecodeKernelChoice::kTensorCore;
+      c.group = batch == 7 ? 16 : 8;
+      c.page_size = batch == 64 ? 1 : 16;
+      c.split = split;
+      c.lengths = RandomLengths(batch, batch >= 64 ? 700 : 3000, c.page_size, seed);
+      c.seed = seed++;
+      cases.push_back(c);
+    }
+  }
+  // Odd groups: rows padded to 16 inside the kernel.
+  for (int32_t group : {5, 6, 7, 12}) {
+    DecodeCase c;
+    c.kernel = DecodeKernelChoice::kTensorCore;
+    c.group = group;
+    c.num_kv_heads = 3;
+    c.seed = seed++;
+    cases.push_back(c);
+  }
+  // Options: soft cap, sliding windows (the plan cuts items to the window), fixed splits.
+  for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
+    DecodeCase cap;
+    cap.kernel = DecodeKernelChoice::kTensorCore;
+    cap.soft_cap = 5.0f;
+    cap.layout = layout;
+    cap.seed = seed++;
+    cases.push_back(cap);
+    DecodeCase window = cap;
+    window.soft_cap = 0.0f;
+    window.window_left = 100;
+    window.q_dtype = window.kv_dtype = DType::kFloat16;
+    window.seed = seed++;
+    cases.push_back(window);
+    DecodeCase window_fixed = window;
+    window_fixed.window_left = 0;
+    window_fixed.split = Split::kFixed;
+    window_fixed.seed = seed++;
+    cases.push_back(window_fixed);
+  }
+  // Long sequences beside short ones.
+  {
+    DecodeCase c;
+    c.kernel = DecodeKernelChoice::kTensorCore;
+    c.group = 8;
+    c.lengths = {32768, 1, 32771, 4096};
+    c.seed = seed++;
+    cases.push_back(c);
+  }
+  // The planner's choice: a large batch and batch 1 of 8192 keys go to tensor cores, fewer than
+  // 4096 keys in all stay on CUDA cores, group 16 (no CUDA-core kernel) always goes to tensor cores, and deterministic plans
+  // stay on CUDA cores.
+  {
+    DecodeCase large;
+    large.group = 4;
+    large.num_kv_heads = 8;
+    large.lengths = RandomLengths(256, 700, 16, seed);
+    large.expect_kernel = DecodeKernel::kTensorCore;
+    large.seed = seed++;
+    cases.push_back(large);
+    DecodeCase single = large;
+    single.lengths = {8192};
+    single.expect_kernel = DecodeKernel::kTensorCore;
+    single.seed = seed++;
+    cases.push_back(single);
+    DecodeCase short_kv = large;
+    short_kv.lengths = RandomLengths(16, 64, 16, seed);
+    short_kv.expect_kernel = DecodeKernel::kCudaCore;
+    short_kv.seed = seed++;
+    cases.push_back(short_kv);
+    DecodeCase group16 = large;
+    group16.group = 16;
+    group16.num_kv_heads = 2;
+    group16.lengths = {1000, 1};
+    group16.expect_kernel = DecodeKernel::kTensorCore;
+    group16.seed = seed++;
+    cases.push_back(group16);
+    DecodeCase deterministic = large;
+    deterministic.split = Split::kDeterministic;
+    deterministic.expect_kernel = DecodeKernel::kCudaCore;
+    deterministic.seed = seed++;
+    cases.push_back(deterministic);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, TensorCoreDecodeSweepTest, ::testing::ValuesIn(TensorCoreCases()),
+                         [](const ::testing::TestParamInfo<DecodeCase>& info) {
+                           return CaseName(info.param) + "_" + std::to_string(info.index);
+                         });
+
+// Non-finite inputs (NaN in, NaN out): NaN/inf in one q element, one cached k element and one
+// cached v element make exactly the rows that read them NaN (o in every dim, lse), as the CPU
+// reference marks them; every other row is bitwise the run without the poison. Split and
+// unsplit plans: a poisoned partial must make its merged row NaN, never masked.
+class DecodeNonFiniteTest : public ::testing::TestWithParam<DecodeCase> {};
+
+TEST_P(DecodeNonFiniteTest, NaNRowsAreExactlyThoseThatReadANonFiniteInput) {
+  ATTND_SKIP_WITHOUT_GPU();
+  const DecodeCase& c = GetParam();
+  DecodeProblem clean = MakeProblem(c);
+  DecodeProblem poisoned = clean;
+  // Requests (MakeProblem inserts a padding slot at index 1): 0: 300 keys, 2: 1029, 3: 45, 4: 7.
+  ASSERT_EQ(poisoned.qo_indptr.size(), 6u);
+  const int32_t hq = poisoned.num_qo_heads;
+  auto q_index = [&](int32_t request, int32_t head, int32_t d) {
+    return (int64_t{poisoned.qo_indptr[request]} * hq + head) * c.head_dim + d;
+  };
+  const PagedKvView k = poisoned.Pool(poisoned.k_pool);
+  const PagedKvView v = poisoned.Pool(poisoned.v_pool);
+  auto pool_index = [&](const PagedKvView& pool, int32_t request, int64_t token, int32_t kv_head, int32_t d) {
+    const int32_t slot = poisoned.table.indptr[request] + static_cast<int32_t>(token / c.page_size);
+    const int32_t page = pool.data == k.data ? poisoned.table.k_indices[slot] : poisoned.table.v_indices[slot];
+    return pool.Offset(page, static_cast<int32_t>(token % c.page_size), kv_head) + d;
+  };
+  StoreFromFloat(c.q_dtype, poisoned.q.data(), q_index(0, 3, 5), NAN);
+  StoreFromFloat(c.q_dtype, poisoned.q.data(), q_index(4, hq - 2, 0), -INFINITY);
+  // A key late in request 2 (its last split chunk) and an early one of request 3.
+  kernel_test::StoreNonFinite(c.kv_dtype, k.data, pool_index(k, 2, 1000, 1, 7), INFINITY);
+  kernel_test::StoreNonFinite(c.kv_dtype, v.data, pool_index(v, 3, 10, 0, c.head_dim - 1), -INFINITY);
+  kernel_test::StoreNonFinite(c.kv_dtype, v.data, pool_index(v, 2, 3, 1, 0), NAN);  // same rows as the k
+  // The padding slot's keys: no query row reads them.
+  kernel_test::StoreNonFinite(c.kv_dtype, k.data, pool_index(k, 1, 3, 0, 0), NAN);
+
+  DecodeOutput gpu_clean, gpu;
+  ASSERT_TRUE(RunGpuDecode(clean, &gpu_clean));
+  ASSERT_TRUE(RunGpuDecode(poisoned, &gpu));
+  if (c.split == Split::kFixed) {
+    ASSERT_TRUE(gpu.plan.split_kv) << gpu.plan.DebugString();
+  }
+  const ReferenceOutput reference = RunReference(poisoned);
+  const int64_t rows = int64_t{poisoned.num_rows} * hq;
+  // q: one row each; k and v: every head of the KV head's group of one request.
+  kernel_test::ExpectNonFiniteRows(c.q_dtype, rows, c.head_dim, reference.lse, gpu.o, gpu.lse, gpu_clean.o,
+                                   gpu_clean.lse, 2 + 2 * c.group);
+}
+
+std::vector<DecodeCase> NonFiniteCases() {
+  std::vector<DecodeCase> cases;
+  uint32_t seed = 1200;
+  for (DType kv_dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3}) {
+    for (Split split : {Split::kFixed, Split::kDisabled}) {
+      DecodeCase c;
+      c.q_dtype = kv_dtype == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
+      c.kv_dtype = kv_dtype;
+      c.split = split;
+      c.lengths = {300, 1029, 45, 7};
+      c.seed = seed++;
+      cases.push_back(c);
+    }
+  }
+  DecodeCase capped;  // tanh(inf) is finite: the check must come before the cap
+  capped.soft_cap = 30.0f;
+  capped.split = Split::kFixed;
+  capped.head_dim = 64;
+  capped.group = 8;
+  capped.lengths = {300, 1029, 45, 7};
+  cases.push_back(capped);
+  // The tensor-core kernel (16-bit caches), split and not, capped.
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    for (Split split : {Split::kFixed, Split::kDisabled}) {
+      DecodeCase c;
+      c.kernel = DecodeKernelChoice::kTensorCore;
+      c.q_dtype = c.kv_dtype = dtype;
+      c.split = split;
+      c.lengths = {300, 1029, 45, 7};
+      c.seed = seed++;
+      cases.push_back(c);
+    }
+  }
+  DecodeCase tc_capped = capped;
+  tc_capped.kernel = DecodeKernelChoice::kTensorCore;
+  cases.push_back(tc_capped);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(NonFinite, DecodeNonFiniteTest, ::testing::ValuesIn(NonFiniteCases()),
+                         [](const ::testing::TestParamInfo<DecodeCase>& info) {
+                           return CaseName(info.param);
                          });
 
 // A small sweep for compute-sanitizer (run with --gtest_filter='Sanitizer*').
@@ -462,6 +749,23 @@ std::vector<DecodeCase> SanitizerCases() {
       }
     }
   }
+  // The tensor-core kernel: every head dim, page sizes 1 and 16, a split and an unsplit plan.
+  for (int32_t head_dim : {64, 128, 256}) {
+    for (int32_t page_size : {1, 16}) {
+      DecodeCase c;
+      c.kernel = DecodeKernelChoice::kTensorCore;
+      c.q_dtype = c.kv_dtype = head_dim == 128 ? DType::kFloat16 : DType::kBFloat16;
+      c.head_dim = head_dim;
+      c.page_size = page_size;
+      c.group = page_size == 1 ? 16 : 5;
+      c.layout = page_size == 1 ? KvLayout::kHND : KvLayout::kNHD;
+      c.separate_kv = page_size == 1;
+      c.split = page_size == 1 ? Split::kFixed : Split::kAuto;
+      c.lengths = {0, 1, 17, 300};
+      c.seed = seed++;
+      cases.push_back(c);
+    }
+  }
   return cases;
 }
 
@@ -475,6 +779,15 @@ TEST(DecodeArgsTest, RejectsUnsupportedConfigs) {
   EXPECT_FALSE(cuda::DecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 9}));
   EXPECT_FALSE(cuda::DecodeSupports({DType::kFloat8E4M3, DType::kBFloat16, 128, 1}));
   EXPECT_TRUE(cuda::DecodeSupports({DType::kFloat16, DType::kFloat8E4M3, 256, 7}));
+  // Tensor cores: one 16-bit type for q and cache, groups 4..16; fp8 stays on CUDA cores.
+  EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 4}));
+  EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kFloat16, DType::kFloat16, 256, 16}));
+  EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 64, 7}));
+  EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 2}));
+  EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 17}));
+  EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kFloat8E4M3, 128, 8}));
+  EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kFloat16, DType::kBFloat16, 128, 8}));
+  EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 96, 8}));
   EXPECT_EQ(cuda::BatchDecodeWorkspaceBytes(0, 32, 128), 0);
   EXPECT_GE(cuda::BatchDecodeWorkspaceBytes(10, 32, 128), 10 * 32 * 128 * 4 + 10 * 32 * 4);
 }

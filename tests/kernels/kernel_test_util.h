@@ -177,6 +177,57 @@ struct DevicePageTable {
   }
 };
 
+// Non-finite inputs (NaN in, NaN out; ForwardResponse.o in the proto). `value` as stored in
+// `dtype`: E4M3 has no infinity (an inf would saturate to 448), so fp8 gets NaN.
+inline void StoreNonFinite(DType dtype, void* base, int64_t index, float value) {
+  StoreFromFloat(dtype, base, index, dtype == DType::kFloat8E4M3 ? NAN : value);
+}
+
+// Checks a run on poisoned inputs against the reference on the same inputs and against the
+// kernel's own run without the poison: the rows the reference marks (lse NaN) are NaN in lse
+// and in every one of their `dim` o values; every other row equals the clean run exactly (o and
+// lse). `expected_nan_rows`: how many rows the poison must mark, so the test cannot pass empty.
+inline void ExpectNonFiniteRows(DType o_dtype, int64_t rows, int32_t dim, const std::vector<float>& reference_lse,
+                                const std::vector<uint8_t>& o, const std::vector<float>& lse,
+                                const std::vector<uint8_t>& clean_o, const std::vector<float>& clean_lse,
+                                int64_t expected_nan_rows) {
+  const int64_t nan_rows = std::count_if(reference_lse.begin(), reference_lse.begin() + rows,
+                                         [](float value) { return std::isnan(value); });
+  int failures = 0;
+  for (int64_t r = 0; r < rows && failures < 10; ++r) {
+    if (std::isnan(reference_lse[r])) {
+      if (!std::isnan(lse[r])) {
+        ++failures;
+        ADD_FAILURE() << "row " << r << ": lse " << lse[r] << ", expected NaN";
+      }
+      for (int32_t d = 0; d < dim; ++d) {
+        const double value = ElementAt(o_dtype, o, r * dim + d);
+        if (!std::isnan(value)) {
+          ++failures;
+          ADD_FAILURE() << "row " << r << " dim " << d << ": o " << value << ", expected NaN";
+          break;
+        }
+      }
+      continue;
+    }
+    // Exact equality (NaN never equals, +0 equals -0): the poison must not move other rows.
+    if (!(lse[r] == clean_lse[r])) {
+      ++failures;
+      ADD_FAILURE() << "row " << r << ": lse " << lse[r] << ", without the poison " << clean_lse[r];
+    }
+    for (int32_t d = 0; d < dim; ++d) {
+      const double value = ElementAt(o_dtype, o, r * dim + d);
+      const double clean = ElementAt(o_dtype, clean_o, r * dim + d);
+      if (!(value == clean)) {
+        ++failures;
+        ADD_FAILURE() << "row " << r << " dim " << d << ": o " << value << ", without the poison " << clean;
+        break;
+      }
+    }
+  }
+  EXPECT_EQ(nan_rows, expected_nan_rows) << "rows the reference marks NaN";
+}
+
 inline const char* ShortName(DType dtype) {
   switch (dtype) {
     case DType::kFloat16:

@@ -111,6 +111,62 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, MergeStatesTest,
                            return std::string(kernel_test::ShortName(info.param));
                          });
 
+// Non-finite inputs (NaN in, NaN out): a partial with lse NaN and o NaN (its chunk read a
+// non-finite input) makes its row NaN in every dim and in lse, whether the other partials are
+// finite, masked (lse -inf) or NaN too; rows without one are unchanged.
+TEST(MergeStatesNonFiniteTest, ANaNPartialMakesItsRowNaN) {
+  ATTND_SKIP_WITHOUT_GPU();
+  constexpr int32_t kHeads = 2, kDim = 64;
+  // Row 0: finite, NaN, finite. Row 1: masked, NaN. Row 2: NaN only. Row 3: finite only.
+  const std::vector<int32_t> indptr = {0, 3, 5, 6, 8};
+  const int32_t rows = 4, partials = indptr.back();
+  std::vector<float> partial_o(int64_t{partials} * kHeads * kDim, 0.5f);
+  std::vector<float> partial_lse(int64_t{partials} * kHeads, 1.25f);
+  auto set_partial = [&](int32_t p, int32_t h, float lse, float o) {
+    partial_lse[p * kHeads + h] = lse;
+    for (int32_t d = 0; d < kDim; ++d) partial_o[(int64_t{p} * kHeads + h) * kDim + d] = o;
+  };
+  for (int32_t h = 0; h < kHeads; ++h) {
+    set_partial(3, h, -INFINITY, 0.0f);
+    set_partial(5, h, NAN, NAN);
+  }
+  set_partial(1, 0, NAN, NAN);  // row 0, head 0 only
+  set_partial(4, 1, NAN, NAN);  // row 1, head 1 only; head 0 of row 1 is masked + finite
+
+  DeviceBuffer o_device = Upload(std::vector<float>(int64_t{rows} * kHeads * kDim, 7.0f));
+  DeviceBuffer lse_device = Upload(std::vector<float>(int64_t{rows} * kHeads, 7.0f));
+  DeviceBuffer partial_o_device = Upload(partial_o), partial_lse_device = Upload(partial_lse);
+  DeviceBuffer indptr_device = Upload(indptr);
+  cuda::MergeStatesArgs args;
+  args.partial_o = partial_o_device.as<float>();
+  args.partial_lse = partial_lse_device.as<float>();
+  args.indptr = indptr_device.as<int32_t>();
+  args.num_rows = rows;
+  args.num_heads = kHeads;
+  args.head_dim = kDim;
+  args.o = TokenHeadsView{o_device.get(), DType::kFloat32, rows, kHeads, kDim};
+  args.lse = lse_device.as<float>();
+  ASSERT_TRUE(cuda::MergeStates(args, nullptr).ok());
+  ATTND_ASSERT_CUDA(cudaDeviceSynchronize());
+  const auto o = kernel_test::Download<float>(o_device, int64_t{rows} * kHeads * kDim);
+  const auto lse = kernel_test::Download<float>(lse_device, int64_t{rows} * kHeads);
+  const bool expect_nan[rows][kHeads] = {{true, false}, {false, true}, {true, true}, {false, false}};
+  for (int32_t r = 0; r < rows; ++r) {
+    for (int32_t h = 0; h < kHeads; ++h) {
+      SCOPED_TRACE(testing::Message() << "row " << r << " head " << h);
+      const int64_t row = int64_t{r} * kHeads + h;
+      if (expect_nan[r][h]) {
+        EXPECT_TRUE(std::isnan(lse[row])) << lse[row];
+        for (int32_t d = 0; d < kDim; ++d) ASSERT_TRUE(std::isnan(o[row * kDim + d])) << d << ": " << o[row * kDim + d];
+      } else {
+        // Every finite partial of a row has o 0.5: the merge of any of them is 0.5 (masked ones add 0).
+        EXPECT_TRUE(std::isfinite(lse[row])) << lse[row];
+        for (int32_t d = 0; d < kDim; ++d) ASSERT_NEAR(o[row * kDim + d], 0.5f, 1e-6f) << d;
+      }
+    }
+  }
+}
+
 // Same cases under compute-sanitizer.
 INSTANTIATE_TEST_SUITE_P(SanitizerMerge, MergeStatesTest, ::testing::Values(DType::kBFloat16),
                          [](const ::testing::TestParamInfo<DType>& info) {

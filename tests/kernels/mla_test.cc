@@ -420,6 +420,111 @@ std::vector<MlaCase> SweepCases() {
   return cases;
 }
 
+// Non-finite inputs (NaN in, NaN out): NaN/inf in q_nope, q_pe, ckv (which is also V) and kpe
+// make exactly the rows that read them NaN (o in every dim, lse), as the CPU reference marks
+// them; every other row equals the run without the poison exactly. Four query tokens per
+// request, causal: a NaN ckv of a key the request's first tokens do not see must not reach
+// them through P V (0 * NaN).
+class MlaNonFiniteTest : public ::testing::TestWithParam<MlaCase> {};
+
+TEST_P(MlaNonFiniteTest, NaNRowsAreExactlyThoseThatReadANonFiniteInput) {
+  ATTND_SKIP_WITHOUT_GPU();
+  const MlaCase& c = GetParam();
+  if (!cuda::MlaDecodeCtasPerWave({c.q_dtype, c.kv_dtype, c.rank, kRopeDim, c.kernel}).ok()) {
+    GTEST_SKIP() << "no " << CaseName(c) << " kernel on this device";
+  }
+  MlaProblem clean = MakeProblem(c);
+  MlaProblem poisoned = clean;
+  // Requests (a padding slot sits at index 1): 0: 300 keys, 2: 1029, 3: 45, 4: 7; 4 tokens each.
+  ASSERT_EQ(poisoned.qo_indptr.size(), 6u);
+  auto q_len = [&](int32_t request) { return poisoned.qo_indptr[request + 1] - poisoned.qo_indptr[request]; };
+  std::vector<bool> marked(int64_t{poisoned.num_rows} * c.num_heads, false);
+  auto sees = [&](int32_t request, int32_t i, int64_t key) {
+    const int64_t position = poisoned.table.KvLength(request) - q_len(request) + i;
+    return !c.causal || key <= position;
+  };
+  auto poison_q = [&](std::vector<uint8_t>& q, int32_t dim, int32_t request, int32_t i, int32_t head, int32_t d,
+                      float value) {
+    const int64_t row = int64_t{poisoned.qo_indptr[request] + i} * c.num_heads + head;
+    StoreFromFloat(c.q_dtype, q.data(), row * dim + d, value);
+    marked[row] = true;  // every poisoned row here sees keys
+  };
+  auto poison_key = [&](bool ckv, int32_t request, int64_t token, int32_t d, float value) {
+    const int32_t slot = poisoned.table.indptr[request] + static_cast<int32_t>(token / c.page_size);
+    const int32_t entry = static_cast<int32_t>(token % c.page_size);
+    const PagedKvView pool = ckv ? poisoned.CkvPool(poisoned.ckv_pool.data()) : poisoned.KpePool(poisoned.kpe_pool.data());
+    const int32_t page = ckv ? poisoned.table.k_indices[slot] : poisoned.table.v_indices[slot];
+    kernel_test::StoreNonFinite(c.kv_dtype, pool.data, pool.Offset(page, entry, 0) + d, value);
+    for (int32_t i = 0; i < q_len(request); ++i) {
+      if (!sees(request, i, token)) continue;
+      for (int32_t h = 0; h < c.num_heads; ++h) marked[int64_t{poisoned.qo_indptr[request] + i} * c.num_heads + h] = true;
+    }
+  };
+  poison_key(true, 2, 1027, 11, NAN);           // seen by tokens 2 and 3 only
+  poison_key(true, 0, 100, c.rank - 1, -INFINITY);
+  poison_key(false, 3, 44, 5, INFINITY);        // kpe: the score only; seen by token 3 only
+  poison_q(poisoned.q_nope, c.rank, 3, 0, 5, 7, NAN);
+  poison_q(poisoned.q_pe, kRopeDim, 4, 0, c.num_heads - 1, 0, -INFINITY);
+  poison_key(true, 1, 3, 0, NAN);               // the padding slot: no row reads it
+
+  auto plan = PlanFor(clean);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  if (c.fixed_split_tokens > 0) {
+    ASSERT_GT(plan->num_partials, 0) << "expected a split";
+  }
+  MlaOutput gpu_clean, gpu;
+  ASSERT_TRUE(RunGpu(clean, *plan, &gpu_clean));
+  ASSERT_TRUE(RunGpu(poisoned, *plan, &gpu));
+  const ReferenceOutput reference = RunReference(poisoned);
+  kernel_test::ExpectNonFiniteRows(c.q_dtype, int64_t{poisoned.num_rows} * c.num_heads, c.rank, reference.lse, gpu.o,
+                                   gpu.lse, gpu_clean.o, gpu_clean.lse,
+                                   std::count(marked.begin(), marked.end(), true));
+}
+
+std::vector<MlaCase> NonFiniteCases() {
+  std::vector<MlaCase> cases;
+  uint32_t seed = 1700;
+  for (cuda::MlaKernel kernel : {cuda::MlaKernel::kMmaSync, cuda::MlaKernel::kHopper}) {
+    for (int32_t rank : {512, 256}) {
+      for (int32_t fixed_split : {0, 64}) {
+        MlaCase c;
+        c.kernel = kernel;
+        c.rank = rank;
+        c.q_lens = {4};
+        c.lengths = {300, 1029, 45, 7};
+        c.mode = fixed_split > 0 ? MlaSplitMode::kAuto : MlaSplitMode::kNone;
+        c.fixed_split_tokens = fixed_split;
+        c.seed = seed++;
+        cases.push_back(c);
+      }
+    }
+    MlaCase capped;  // tanh(inf) is finite: the check comes before the cap
+    capped.kernel = kernel;
+    capped.q_lens = {4};
+    capped.lengths = {300, 1029, 45, 7};
+    capped.soft_cap = 5.0f;
+    capped.seed = seed++;
+    cases.push_back(capped);
+    MlaCase non_causal = capped;
+    non_causal.soft_cap = 0.0f;
+    non_causal.causal = false;
+    cases.push_back(non_causal);
+  }
+  MlaCase fp8;
+  fp8.kernel = cuda::MlaKernel::kMmaSync;
+  fp8.kv_dtype = DType::kFloat8E4M3;
+  fp8.q_dtype = DType::kFloat16;
+  fp8.q_lens = {4};
+  fp8.lengths = {300, 1029, 45, 7};
+  fp8.fixed_split_tokens = 64;
+  fp8.seed = seed++;
+  cases.push_back(fp8);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(NonFinite, MlaNonFiniteTest, ::testing::ValuesIn(NonFiniteCases()),
+                         [](const ::testing::TestParamInfo<MlaCase>& info) { return CaseName(info.param); });
+
 // gtest prints a parameter in test listings and failures; without this, as raw bytes
 // (padding included), which change from build to build.
 void PrintTo(const MlaCase& c, std::ostream* os) { *os << CaseName(c); }

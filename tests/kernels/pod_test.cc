@@ -356,6 +356,39 @@ TEST(PodTest, SplitAndFixedSplitMatchReference) {
   EXPECT_FALSE(CheckAgainstReference(config, {100, 1, 1}, {9000, 12000, 3000}));
 }
 
+// Non-finite inputs (NaN in, NaN out) in a fused batch, both roles: the rows the CPU reference
+// marks NaN are NaN in o and lse, every other row equals the run without the poison exactly.
+// Includes a NaN v of a key that earlier rows of its tile do not see (causal), and split KV.
+TEST(PodTest, NonFiniteInputsGiveNaNRowsTheyTouchAndNoOthers) {
+  ATTND_SKIP_WITHOUT_GPU();
+  uint32_t seed = 1600;
+  const std::pair<DType, DType> dtypes[] = {{DType::kBFloat16, DType::kBFloat16}, {DType::kFloat16, DType::kFloat8E4M3}};
+  for (const auto& [q_dtype, kv_dtype] : dtypes) {
+    for (int32_t fixed_split : {0, 64}) {
+      Config config = Grouped(4, seed++);
+      config.q_dtype = q_dtype;
+      config.kv_dtype = kv_dtype;
+      config.params.causal = true;
+      config.fixed_split_tokens = fixed_split;
+      SCOPED_TRACE(config.Name());
+      // Requests 0-2 carry StandardPoisons; 3 is a clean decode row.
+      const Batch clean = MakeBatch(config, {100, 40, 1, 1}, {100, 300, 129, 77});
+      Batch poisoned = clean;
+      const int64_t marked = ApplyPoisons(poisoned, StandardPoisons(config.head_dim));
+      const Output clean_out = RunGpu(clean);
+      const Output out = RunGpu(poisoned);
+      ASSERT_TRUE(clean_out.ok && out.ok);
+      EXPECT_TRUE(out.fused) << "the plan did not fuse";
+      if (fixed_split > 0) {
+        EXPECT_TRUE(out.split_kv) << "expected a split";
+      }
+      const Expected expected = RunReference(poisoned);
+      kernel_test::ExpectNonFiniteRows(config.q_dtype, poisoned.num_rows * config.num_qo_heads, config.head_dim,
+                                       expected.lse, out.o, out.lse, clean_out.o, clean_out.lse, marked);
+    }
+  }
+}
+
 TEST(PodTest, UnfusedPlansRunAsSeparateLaunches) {
   ATTND_SKIP_WITHOUT_GPU();
   Config config = Grouped(4, 95);

@@ -490,6 +490,77 @@ TEST(BatchPrefillHopperTest, SanitizerSweep) {
 
 // Pinned chunks: every query tile kernel (16/64/128 rows) writes partials, MergeStates combines
 // them; chunks past a tile's causal reach hold no visible key and must merge as nothing.
+// Non-finite inputs (NaN in, NaN out): the rows the CPU reference marks NaN are NaN in o and
+// lse, every other row equals the run without the poison exactly. Includes a NaN v of a key that
+// earlier rows of its tile do not see (causal): 0 * NaN in P V must not reach them.
+void CheckNonFiniteRows(const Config& config) {
+  SCOPED_TRACE(config.Name());
+  const Batch clean = MakeBatch(config, {100, 40, 1}, {100, 300, 129});
+  Batch poisoned = clean;
+  const int64_t marked = ApplyPoisons(poisoned, StandardPoisons(config.head_dim));
+  const Output clean_out = RunGpu(clean);
+  const Output out = RunGpu(poisoned);
+  ASSERT_TRUE(clean_out.ok && out.ok);
+  if (config.fixed_split_tokens > 0) {
+    EXPECT_TRUE(out.split_kv) << "expected a split";
+  }
+  const Expected expected = RunReference(poisoned);
+  kernel_test::ExpectNonFiniteRows(config.q_dtype, poisoned.num_rows * config.num_qo_heads, config.head_dim,
+                                   expected.lse, out.o, out.lse, clean_out.o, clean_out.lse, marked);
+}
+
+std::vector<Config> NonFiniteConfigs(plan::PrefillKernel kernel) {
+  std::vector<Config> configs;
+  uint32_t seed = 1500;
+  const std::pair<DType, DType> dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
+                                            {DType::kFloat16, DType::kFloat16},
+                                            {DType::kFloat16, DType::kFloat8E4M3}};
+  for (const auto& [q_dtype, kv_dtype] : dtypes) {
+    if (kernel == plan::PrefillKernel::kHopper && q_dtype != kv_dtype) continue;
+    for (int32_t head_dim : {64, 128, 256}) {
+      if (kernel == plan::PrefillKernel::kHopper && head_dim == 256) continue;
+      Config config;
+      config.kernel = kernel;
+      config.q_dtype = q_dtype;
+      config.kv_dtype = kv_dtype;
+      config.head_dim = head_dim;
+      config.params.causal = true;
+      config.seed = seed++;
+      configs.push_back(config);
+    }
+  }
+  Config split;  // split-KV: a poisoned partial must make the merged row NaN
+  split.kernel = kernel;
+  split.params.causal = true;
+  split.fixed_split_tokens = 64;
+  configs.push_back(split);
+  Config capped = split;  // tanh(inf) is finite: the check comes before the cap
+  capped.fixed_split_tokens = 0;
+  capped.params.logits_soft_cap = 30.0f;
+  configs.push_back(capped);
+  Config window = split;  // keys left of the window are hidden too
+  window.params.window_left = 30;
+  window.page_size = 1;
+  window.layout = KvLayout::kHND;
+  window.table = TableForm::kSeparateKv;
+  configs.push_back(window);
+  Config full = split;  // non-causal: every row sees every key of its request
+  full.params.causal = false;
+  full.fixed_split_tokens = 0;
+  configs.push_back(full);
+  return configs;
+}
+
+TEST(BatchPrefillTest, NonFiniteInputsGiveNaNRowsTheyTouchAndNoOthers) {
+  ATTND_SKIP_WITHOUT_GPU();
+  for (const Config& config : NonFiniteConfigs(plan::PrefillKernel::kMmaSync)) CheckNonFiniteRows(config);
+}
+
+TEST(BatchPrefillHopperTest, NonFiniteInputsGiveNaNRowsTheyTouchAndNoOthers) {
+  SKIP_WITHOUT_HOPPER();
+  for (const Config& config : NonFiniteConfigs(plan::PrefillKernel::kHopper)) CheckNonFiniteRows(config);
+}
+
 TEST(BatchPrefillTest, SplitKvMatchesReference) {
   ATTND_SKIP_WITHOUT_GPU();
   uint32_t seed = 300;

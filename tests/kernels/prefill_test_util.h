@@ -169,6 +169,68 @@ inline Batch MakeBatch(const Config& config, const std::vector<int32_t>& q_lens,
   return batch;
 }
 
+// Non-finite inputs (NaN in, NaN out): one element of q (request, query token, q head) or of a
+// cached k or v (request, key, KV head) set to `value` (NaN for fp8 caches, which hold no inf).
+struct Poison {
+  enum class Where { kQ, kK, kV };
+  Where where;
+  int32_t request;
+  int32_t token;
+  int32_t head;
+  int32_t dim;
+  float value;
+};
+
+// Whether query token `i` of `request` sees key `key` (causal bottom-right, window, length).
+inline bool SeesKey(const Batch& batch, int32_t request, int32_t i, int32_t key) {
+  const AttentionParams params = batch.Params();
+  const int32_t position = batch.kv_lens[request] - batch.q_lens[request] + i;
+  return key >= 0 && key < batch.kv_lens[request] && (!params.causal || key <= position) &&
+         (params.window_left < 0 || key >= position - params.window_left);
+}
+
+// Writes the poisons into the batch and returns how many (row, head) pairs the rule marks: rows
+// that see a poisoned key, and poisoned q rows that see any key.
+inline int64_t ApplyPoisons(Batch& batch, const std::vector<Poison>& poisons) {
+  const Config& config = batch.config;
+  const int32_t group = config.num_qo_heads / config.num_kv_heads;
+  const PagedKvView pool = batch.Pool(nullptr);
+  std::vector<bool> marked(batch.num_rows * config.num_qo_heads, false);
+  for (const Poison& poison : poisons) {
+    const int32_t b = poison.request;
+    if (poison.where == Poison::Where::kQ) {
+      const int64_t row = (batch.qo_indptr[b] + poison.token) * int64_t{config.num_qo_heads} + poison.head;
+      StoreFromFloat(config.q_dtype, batch.q.data(), row * config.head_dim + poison.dim, poison.value);
+      bool sees_any = false;
+      for (int32_t key = 0; key < batch.kv_lens[b]; ++key) sees_any |= SeesKey(batch, b, poison.token, key);
+      if (sees_any) marked[row] = true;
+      continue;
+    }
+    const bool is_k = poison.where == Poison::Where::kK;
+    const int32_t slot = batch.page_indptr[b] + poison.token / config.page_size;
+    const int32_t page = (is_k ? batch.k_page_ids : batch.v_page_ids)[slot];
+    kernel_test::StoreNonFinite(config.kv_dtype, (is_k ? batch.k_pool : batch.v_pool).data(),
+                                pool.Offset(page, poison.token % config.page_size, poison.head) + poison.dim,
+                                poison.value);
+    for (int32_t i = 0; i < batch.q_lens[b]; ++i) {
+      if (!SeesKey(batch, b, i, poison.token)) continue;
+      for (int32_t h = poison.head * group; h < (poison.head + 1) * group; ++h) {
+        marked[(batch.qo_indptr[b] + i) * int64_t{config.num_qo_heads} + h] = true;
+      }
+    }
+  }
+  return std::count(marked.begin(), marked.end(), true);
+}
+
+// For q_lens {100, 40, 1}, kv_lens {100, 300, 129} and 2 KV heads: NaN and -inf v of keys that
+// earlier rows of the same tiles do not see (causal), +inf k, NaN k of a cached key, +-inf q.
+inline std::vector<Poison> StandardPoisons(int32_t head_dim) {
+  using Where = Poison::Where;
+  return {{Where::kV, 0, 50, 0, 3, NAN},          {Where::kK, 0, 70, 1, 0, INFINITY},
+          {Where::kQ, 0, 20, 6, 2, INFINITY},     {Where::kQ, 1, 5, 2, 9, -INFINITY},
+          {Where::kK, 1, 10, 1, head_dim - 1, NAN}, {Where::kV, 2, 128, 0, 1, -INFINITY}};
+}
+
 // The float64 CPU reference over the same batch.
 struct Expected {
   std::vector<float> o;

@@ -228,3 +228,40 @@ def test_readme_python_quickstart_runs_as_written(server, capsys):
     assert block, "README.md lost its Python quickstart"
     exec(block.group(1).replace('"localhost:50051"', f'"{server.address}"'), {})
     assert float(capsys.readouterr().out.strip()) < 5e-4
+
+
+def test_fork_export_import_round_trip(client, cache_name):
+    create(client, cache_name)
+    create(client, cache_name + "-b")
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 6)
+    with client.step(cache_name, [(1, 6)]) as step:
+        for layer in range(2):
+            step.forward(layer, q, k, v)
+    forked = client.fork_sequence(cache_name, 1, 2)
+    assert forked.num_tokens == 6 and forked.shared_pages == 2
+    assert client.get_cache(cache_name).shared_pages == 2
+    messages = list(client.export_sequence(cache_name, 2, max_chunk_bytes=1000))
+    assert messages[0].header.num_tokens == 6 and messages[0].header.num_chunks == len(messages) - 1
+    imported = client.import_sequence(cache_name + "-b", iter(messages), sequence_id=9)
+    assert imported.sequence_id == 9 and imported.num_tokens == 6
+    # The same next token on the source, the fork and the import: bitwise the same output.
+    q1, k1, v1 = random_qkv(rng, 1)
+    outputs = []
+    for cache, sequence in ((cache_name, 1), (cache_name, 2), (cache_name + "-b", 9)):
+        with client.step(cache, [(sequence, 1)], deterministic=True) as step:
+            outputs.append([step.forward(layer, q1, k1, v1).o for layer in range(2)])
+    for other in outputs[1:]:
+        for layer in range(2):
+            np.testing.assert_array_equal(outputs[0][layer], other[layer])
+    # A corrupt chunk imports nothing.
+    bad = [pb.ExportSequenceResponse() for _ in messages]
+    for copy, message in zip(bad, messages):
+        copy.CopyFrom(message)
+    bad[1].chunk.crc32 ^= 1
+    with pytest.raises(attnd.AttndError) as error:
+        client.import_sequence(cache_name + "-b", iter(bad), sequence_id=10)
+    assert error.value.code == grpc.StatusCode.DATA_LOSS and "crc32" in error.value.message
+    assert client.get_cache(cache_name + "-b").num_sequences == 1
+    client.delete_cache(cache_name, force=True)
+    client.delete_cache(cache_name + "-b", force=True)

@@ -159,10 +159,14 @@ class Client:
     def server_info(self):
         return self._call("GetServerInfo", pb.GetServerInfoRequest())
 
-    def create_cache(self, name, config=None, **fields):
+    def create_cache(self, name, config=None, device=None, **fields):
         """Creates a cache; `config` is a CacheConfig, or give its fields as keywords (see
-        attnd.config.cache_config). Returns the CacheInfo with every default resolved."""
+        attnd.config.cache_config). `device`: the device ordinal to place it on (None: the least
+        used; server_info().devices lists them). Returns the CacheInfo with every default
+        resolved."""
         request = pb.CreateCacheRequest(name=name, config=cfg.cache_config(config, **fields))
+        if device is not None:
+            request.device = int(device)
         info = self._call("CreateCache", request).cache
         self._configs[name] = info.config
         return info
@@ -184,6 +188,47 @@ class Client:
         """Frees managed sequences (all or nothing); returns the pages given back."""
         request = pb.FreeSequencesRequest(cache=cache, sequence_ids=[int(i) for i in sequence_ids])
         return self._call("FreeSequences", request).freed_pages
+
+    # --- sequence lifecycle ------------------------------------------------------------------
+
+    def fork_sequence(self, cache, source_id, new_id, num_tokens=0):
+        """A new sequence sharing source_id's first num_tokens (0: all) by copy-on-write pages;
+        returns ForkSequenceResponse (num_tokens, shared_pages)."""
+        request = pb.ForkSequenceRequest(cache=cache, source_id=int(source_id), new_id=int(new_id),
+                                         num_tokens=int(num_tokens))
+        return self._call("ForkSequence", request)
+
+    def export_sequence(self, cache, sequence_id, max_chunk_bytes=0):
+        """Yields the ExportSequenceResponse messages of a sequence: the header, then chunks
+        (each with its CRC-32). No deadline: long sequences take a while."""
+        request = pb.ExportSequenceRequest(cache=cache, sequence_id=int(sequence_id),
+                                           max_chunk_bytes=int(max_chunk_bytes))
+        try:
+            yield from self.stub.ExportSequence(request, metadata=self.metadata)
+        except grpc.RpcError as error:
+            raise AttndError.from_rpc_error(error, "ExportSequence") from None
+
+    def import_sequence(self, cache, messages, sequence_id=0):
+        """Imports an export's messages (any iterable, e.g. another client's export_sequence)
+        into `cache` as `sequence_id` (0: the exported id). All or nothing: the sequence appears
+        only when every chunk arrived intact. Returns ImportSequenceResponse."""
+        def requests():
+            first = True
+            for message in messages:
+                request = pb.ImportSequenceRequest()
+                if first:
+                    request.cache = cache
+                    request.sequence_id = int(sequence_id)
+                    first = False
+                if message.HasField("header"):
+                    request.header.CopyFrom(message.header)
+                else:
+                    request.chunk.CopyFrom(message.chunk)
+                yield request
+        try:
+            return self.stub.ImportSequence(requests(), metadata=self.metadata)
+        except grpc.RpcError as error:
+            raise AttndError.from_rpc_error(error, "ImportSequence") from None
 
     def stats(self):
         return self._call("GetStats", pb.GetStatsRequest())

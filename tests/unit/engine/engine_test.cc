@@ -161,7 +161,8 @@ TEST_F(EngineTest, ForwardNamesTheBadTensorField) {
   EXPECT_THAT(bad_shape->status.message(), HasSubstr("k.shape: expected [2, 2, 64], got [2, 4, 64]"));
 
   args = t.Args(plan->step_id, 0, geometry(), 2);
-  args.v.data = args.v.data.substr(0, 10);
+  const std::string_view short_v = std::string_view(t.v).substr(0, 10);
+  args.v.pieces = {&short_v, 1};
   auto short_data = ForwardSync(*engine, args);
   EXPECT_THAT(short_data->status.message(), HasSubstr("v.data: expected 512 bytes"));
 

@@ -50,13 +50,19 @@ inline PlanSpec Decode(const std::string& cache, std::vector<std::pair<uint64_t,
 // Random bf16 q/k/v of one layer for a step of `tokens` rows.
 struct LayerTensors {
   std::string q, k, v;
+  // The arguments' pieces (one per tensor), set by Args(): valid while this object lives
+  // unmoved and unchanged.
+  mutable std::string_view pieces[3];
   ForwardArgs Args(uint64_t step_id, int32_t layer, const CacheGeometry& g, int64_t tokens) const {
+    pieces[0] = q;
+    pieces[1] = k;
+    pieces[2] = v;
     ForwardArgs args;
     args.step_id = step_id;
     args.layer = layer;
-    args.q = {true, g.q_dtype, {tokens, g.num_qo_heads, g.k_head_dim}, q};
-    args.k = {true, g.q_dtype, {tokens, g.num_kv_heads, g.k_head_dim}, k};
-    args.v = {true, g.q_dtype, {tokens, g.num_kv_heads, g.v_head_dim}, v};
+    args.q = {true, g.q_dtype, {tokens, g.num_qo_heads, g.k_head_dim}, {&pieces[0], 1}};
+    args.k = {true, g.q_dtype, {tokens, g.num_kv_heads, g.k_head_dim}, {&pieces[1], 1}};
+    args.v = {true, g.q_dtype, {tokens, g.num_kv_heads, g.v_head_dim}, {&pieces[2], 1}};
     return args;
   }
 };

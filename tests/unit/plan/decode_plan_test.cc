@@ -218,6 +218,82 @@ TEST(PlanBatchDecodeTest, RejectsPrefillRowsAndBadOptions) {
             absl::StatusCode::kInvalidArgument);
 }
 
+DecodePlanOptions BothKernels(int32_t num_kv_heads) {
+  DecodePlanOptions options = Options(num_kv_heads, 660);
+  options.tensor_core_supported = true;
+  options.tensor_core_ctas_per_wave = 264;
+  return options;
+}
+
+TEST(PlanBatchDecodeTest, TensorCoresFromFourThousandKeysShortBatchesStayOnCudaCores) {
+  const DecodePlanOptions options = BothKernels(8);
+  auto large = PlanBatchDecode(DecodeRows(64), std::vector<int64_t>(64, 4096), options);
+  ASSERT_TRUE(large.ok()) << large.status();
+  EXPECT_EQ(large->kernel, DecodeKernel::kTensorCore);
+  EXPECT_EQ(large->View(large->Pack().data()).kernel, DecodeKernel::kTensorCore);
+  // Batch 1 of 4096 keys and batch 16 of 1024 (measured faster on tensor cores, issue 14).
+  auto single = PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{4096}, options);
+  ASSERT_TRUE(single.ok());
+  EXPECT_EQ(single->kernel, DecodeKernel::kTensorCore);
+  auto short_kv = PlanBatchDecode(DecodeRows(16), std::vector<int64_t>(16, 1024), options);
+  ASSERT_TRUE(short_kv.ok());
+  EXPECT_EQ(short_kv->kernel, DecodeKernel::kTensorCore);
+  // Fewer than 4096 keys in all stay on the CUDA-core kernel.
+  auto tiny = PlanBatchDecode(DecodeRows(2), std::vector<int64_t>{1000, 2000}, options);
+  ASSERT_TRUE(tiny.ok());
+  EXPECT_EQ(tiny->kernel, DecodeKernel::kCudaCore);
+}
+
+TEST(PlanBatchDecodeTest, ChunksBySizeOfTheChosenKernelsWave) {
+  // One request of 8192 keys, 8 KV heads: the smallest chunk whose CTAs fit the wave.
+  DecodePlanOptions options = BothKernels(8);
+  options.kernel_choice = DecodeKernelChoice::kTensorCore;
+  auto tensor = PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{8192}, options);
+  ASSERT_TRUE(tensor.ok()) << tensor.status();
+  EXPECT_EQ(tensor->kernel, DecodeKernel::kTensorCore);
+  EXPECT_LE(Ctas(*tensor, 8), 264);
+  options.kernel_choice = DecodeKernelChoice::kCudaCore;
+  auto cuda_core = PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{8192}, options);
+  ASSERT_TRUE(cuda_core.ok());
+  EXPECT_EQ(cuda_core->kernel, DecodeKernel::kCudaCore);
+  EXPECT_LE(Ctas(*cuda_core, 8), 660);
+  EXPECT_GT(Ctas(*cuda_core, 8), 264);
+  EXPECT_LT(cuda_core->kv_chunk_tokens, tensor->kv_chunk_tokens);
+}
+
+TEST(PlanBatchDecodeTest, KernelChoiceFollowsWhatTheCacheHas) {
+  DecodePlanOptions options = BothKernels(2);
+  // Deterministic plans keep one kernel whatever the batch: the CUDA-core one.
+  options.deterministic = true;
+  auto deterministic = PlanBatchDecode(DecodeRows(64), std::vector<int64_t>(64, 4096), options);
+  ASSERT_TRUE(deterministic.ok());
+  EXPECT_EQ(deterministic->kernel, DecodeKernel::kCudaCore);
+  // Only tensor cores (group 16): every batch, deterministic or not, goes there.
+  options.cuda_core_supported = false;
+  options.ctas_per_wave = 0;
+  auto only_tensor = PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{100}, options);
+  ASSERT_TRUE(only_tensor.ok()) << only_tensor.status();
+  EXPECT_EQ(only_tensor->kernel, DecodeKernel::kTensorCore);
+  // A forced kernel the cache lacks, or no kernel at all, is refused.
+  options.kernel_choice = DecodeKernelChoice::kCudaCore;
+  EXPECT_EQ(PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{100}, options).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  DecodePlanOptions cuda_only = Options(2, 100);
+  cuda_only.kernel_choice = DecodeKernelChoice::kTensorCore;
+  EXPECT_EQ(PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{100}, cuda_only).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  cuda_only.kernel_choice = DecodeKernelChoice::kAuto;
+  cuda_only.cuda_core_supported = false;
+  EXPECT_FALSE(PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{100}, cuda_only).ok());
+  // The chosen kernel's wave must be known unless the chunk is pinned.
+  DecodePlanOptions no_wave = BothKernels(2);
+  no_wave.tensor_core_ctas_per_wave = 0;
+  no_wave.kernel_choice = DecodeKernelChoice::kTensorCore;
+  EXPECT_FALSE(PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{100}, no_wave).ok());
+  no_wave.disable_split_kv = true;
+  EXPECT_TRUE(PlanBatchDecode(DecodeRows(1), std::vector<int64_t>{100}, no_wave).ok());
+}
+
 TEST(PlanBatchDecodeTest, PackAndViewAgree) {
   DecodePlanOptions options = Options(8, 528);
   options.fixed_split_tokens = 100;

@@ -4,7 +4,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <ostream>
+#include <string>
+#include <vector>
 
 namespace absl {
 ABSL_NAMESPACE_BEGIN
@@ -156,6 +159,13 @@ INSTANTIATE_TEST_SUITE_P(
                       "config.kv_lora_rank"}),
     [](const auto& info) { return info.param.name; });
 
+// The slow path as the service runs it: protobuf's message into the codec's form, then checked.
+absl::Status ForwardArgsFromProto(const v1::ForwardRequest& request, wire::ForwardRequest& wire,
+                                  ForwardArgs& args, std::vector<std::string>& scratch) {
+  const absl::Status status = WireForwardFromProto(request, wire, scratch);
+  return status.ok() ? ForwardArgsFromWire(wire, args) : status;
+}
+
 TEST(ForwardArgsFromProtoTest, ConvertsFloatValuesToTheTensorDtype) {
   v1::ForwardRequest request;
   v1::Tensor* q = request.mutable_q();
@@ -164,14 +174,17 @@ TEST(ForwardArgsFromProtoTest, ConvertsFloatValuesToTheTensorDtype) {
   q->add_shape(2);
   q->add_values(1.0f);
   q->add_values(-2.5f);
+  wire::ForwardRequest wire;
   ForwardArgs args;
   std::vector<std::string> scratch;
-  ASSERT_TRUE(ForwardArgsFromProto(request, args, scratch).ok());
+  ASSERT_TRUE(ForwardArgsFromProto(request, wire, args, scratch).ok());
   ASSERT_TRUE(args.q.present);
   EXPECT_FALSE(args.k.present);
-  ASSERT_EQ(args.q.data.size(), 4u);
-  EXPECT_EQ(LoadAsFloat(DType::kBFloat16, args.q.data.data(), 0), 1.0f);
-  EXPECT_EQ(LoadAsFloat(DType::kBFloat16, args.q.data.data(), 1), -2.5f);
+  // One form: the converted bytes are the tensor's one piece.
+  ASSERT_EQ(args.q.pieces.size(), 1u);
+  ASSERT_EQ(args.q.size_bytes(), 4);
+  EXPECT_EQ(LoadAsFloat(DType::kBFloat16, args.q.pieces[0].data(), 0), 1.0f);
+  EXPECT_EQ(LoadAsFloat(DType::kBFloat16, args.q.pieces[0].data(), 1), -2.5f);
 }
 
 TEST(ForwardArgsFromProtoTest, RejectsMismatchedValuesAndBadShapes) {
@@ -180,30 +193,88 @@ TEST(ForwardArgsFromProtoTest, RejectsMismatchedValuesAndBadShapes) {
   k->set_dtype(v1::DTYPE_FLOAT16);
   k->add_shape(3);
   k->add_values(1.0f);
+  wire::ForwardRequest wire;
   ForwardArgs args;
   std::vector<std::string> scratch;
-  absl::Status status = ForwardArgsFromProto(request, args, scratch);
+  absl::Status status = ForwardArgsFromProto(request, wire, args, scratch);
   EXPECT_THAT(status.message(), HasSubstr("k.values: expected 3 values"));
 
   k->clear_values();
   k->set_shape(0, -4);
   ForwardArgs again;
-  status = ForwardArgsFromProto(request, again, scratch);
+  status = ForwardArgsFromProto(request, wire, again, scratch);
   EXPECT_THAT(status.message(), HasSubstr("k.shape[0]"));
 
   v1::ForwardRequest unset;
   unset.mutable_v()->add_shape(1);
   ForwardArgs third;
-  status = ForwardArgsFromProto(unset, third, scratch);
+  status = ForwardArgsFromProto(unset, wire, third, scratch);
   EXPECT_THAT(status.message(), HasSubstr("v.dtype"));
 
   v1::ForwardRequest unknown;
   unknown.mutable_q()->set_dtype(static_cast<v1::DType>(42));
   unknown.mutable_q()->add_shape(1);
   ForwardArgs fourth;
-  status = ForwardArgsFromProto(unknown, fourth, scratch);
+  status = ForwardArgsFromProto(unknown, wire, fourth, scratch);
   EXPECT_THAT(status.message(), HasSubstr("q.dtype: expected FLOAT16, BFLOAT16, FLOAT8_E4M3 or "
                                           "FLOAT32, got 42 (not a defined value)"));
+}
+
+// The fast path and the slow path end in the same arguments: every tensor's bytes as pieces
+// (the received slices, or the parsed message's one string), the same checks, the same errors.
+TEST(ForwardArgsFromWireTest, FastAndSlowPathsGiveTheSameArgs) {
+  v1::ForwardRequest request;
+  request.set_step_id(7);
+  request.set_layer(3);
+  for (v1::Tensor* tensor : {request.mutable_q(), request.mutable_k(), request.mutable_v()}) {
+    tensor->set_dtype(v1::DTYPE_BFLOAT16);
+    for (int64_t dim : {4, 2, 16}) tensor->add_shape(dim);
+    std::string data(4 * 2 * 16 * 2, '\0');
+    for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7);
+    tensor->set_data(data);
+  }
+  const std::string bytes = request.SerializeAsString();
+  std::vector<grpc::Slice> slices;
+  for (size_t at = 0; at < bytes.size(); at += 100) {
+    slices.emplace_back(bytes.data() + at, std::min<size_t>(100, bytes.size() - at));
+  }
+  wire::ForwardRequest fast_wire;
+  ASSERT_EQ(wire::DecodeForwardRequest(slices, fast_wire), wire::Decoded::kForward);
+  ForwardArgs fast;
+  ASSERT_TRUE(ForwardArgsFromWire(fast_wire, fast).ok());
+  wire::ForwardRequest slow_wire;
+  ForwardArgs slow;
+  std::vector<std::string> scratch;
+  ASSERT_TRUE(ForwardArgsFromProto(request, slow_wire, slow, scratch).ok());
+  EXPECT_EQ(fast.step_id, slow.step_id);
+  EXPECT_EQ(fast.layer, slow.layer);
+  const auto joined = [](const TensorArg& arg) {
+    std::string out;
+    for (std::string_view piece : arg.pieces) out.append(piece);
+    return out;
+  };
+  for (auto [a, b] : {std::pair{&fast.q, &slow.q}, {&fast.k, &slow.k}, {&fast.v, &slow.v},
+                      {&fast.q_pe, &slow.q_pe}}) {
+    EXPECT_EQ(a->present, b->present);
+    EXPECT_EQ(a->dtype, b->dtype);
+    EXPECT_EQ(a->shape, b->shape);
+    EXPECT_EQ(a->size_bytes(), b->size_bytes());
+    EXPECT_EQ(joined(*a), joined(*b));
+  }
+  EXPECT_GT(fast.q.pieces.size(), 1u);  // the slices, not a copy
+  EXPECT_EQ(slow.q.pieces.size(), 1u);  // the parsed message's string, not a copy
+  EXPECT_EQ(slow.q.pieces[0].data(), request.q().data().data());
+
+  // The same errors, naming the field.
+  fast_wire.k.dtype = 99;
+  const absl::Status status = ForwardArgsFromWire(fast_wire, fast);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("k.dtype"));
+  request.mutable_k()->set_dtype(static_cast<v1::DType>(99));
+  EXPECT_EQ(ForwardArgsFromProto(request, slow_wire, slow, scratch).message(), status.message());
+  fast_wire.k.dtype = v1::DTYPE_BFLOAT16;
+  fast_wire.v.shape = {-1};
+  EXPECT_THAT(ForwardArgsFromWire(fast_wire, fast).message(), HasSubstr("v.shape[0]"));
 }
 
 }  // namespace

@@ -44,6 +44,21 @@ class AttentionServiceStub(object):
                 request_serializer=attnd_dot_v1_dot_attnd__pb2.FreeSequencesRequest.SerializeToString,
                 response_deserializer=attnd_dot_v1_dot_attnd__pb2.FreeSequencesResponse.FromString,
                 )
+        self.ForkSequence = channel.unary_unary(
+                '/attnd.v1.AttentionService/ForkSequence',
+                request_serializer=attnd_dot_v1_dot_attnd__pb2.ForkSequenceRequest.SerializeToString,
+                response_deserializer=attnd_dot_v1_dot_attnd__pb2.ForkSequenceResponse.FromString,
+                )
+        self.ExportSequence = channel.unary_stream(
+                '/attnd.v1.AttentionService/ExportSequence',
+                request_serializer=attnd_dot_v1_dot_attnd__pb2.ExportSequenceRequest.SerializeToString,
+                response_deserializer=attnd_dot_v1_dot_attnd__pb2.ExportSequenceResponse.FromString,
+                )
+        self.ImportSequence = channel.stream_unary(
+                '/attnd.v1.AttentionService/ImportSequence',
+                request_serializer=attnd_dot_v1_dot_attnd__pb2.ImportSequenceRequest.SerializeToString,
+                response_deserializer=attnd_dot_v1_dot_attnd__pb2.ImportSequenceResponse.FromString,
+                )
         self.Plan = channel.unary_unary(
                 '/attnd.v1.AttentionService/Plan',
                 request_serializer=attnd_dot_v1_dot_attnd__pb2.PlanRequest.SerializeToString,
@@ -116,6 +131,30 @@ class AttentionServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def FreeSequences(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkSequence(self, request, context):
+        """A new sequence sharing a prefix of an existing one (copy-on-write pages; see
+        ForkSequenceResponse). Use it for common prefixes (system prompts, few-shot examples) and
+        parallel sampling: prefill once, fork per branch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportSequence(self, request, context):
+        """Streams a sequence's KV out (header, then checksummed chunks), e.g. to move a finished
+        prefill to a decode instance; ImportSequence recreates it in a cache of the same shape on
+        this daemon or another, all-or-nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSequence(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -207,6 +246,21 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.FreeSequences,
                     request_deserializer=attnd_dot_v1_dot_attnd__pb2.FreeSequencesRequest.FromString,
                     response_serializer=attnd_dot_v1_dot_attnd__pb2.FreeSequencesResponse.SerializeToString,
+            ),
+            'ForkSequence': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSequence,
+                    request_deserializer=attnd_dot_v1_dot_attnd__pb2.ForkSequenceRequest.FromString,
+                    response_serializer=attnd_dot_v1_dot_attnd__pb2.ForkSequenceResponse.SerializeToString,
+            ),
+            'ExportSequence': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportSequence,
+                    request_deserializer=attnd_dot_v1_dot_attnd__pb2.ExportSequenceRequest.FromString,
+                    response_serializer=attnd_dot_v1_dot_attnd__pb2.ExportSequenceResponse.SerializeToString,
+            ),
+            'ImportSequence': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportSequence,
+                    request_deserializer=attnd_dot_v1_dot_attnd__pb2.ImportSequenceRequest.FromString,
+                    response_serializer=attnd_dot_v1_dot_attnd__pb2.ImportSequenceResponse.SerializeToString,
             ),
             'Plan': grpc.unary_unary_rpc_method_handler(
                     servicer.Plan,
@@ -352,6 +406,57 @@ class AttentionService(object):
         return grpc.experimental.unary_unary(request, target, '/attnd.v1.AttentionService/FreeSequences',
             attnd_dot_v1_dot_attnd__pb2.FreeSequencesRequest.SerializeToString,
             attnd_dot_v1_dot_attnd__pb2.FreeSequencesResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ForkSequence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attnd.v1.AttentionService/ForkSequence',
+            attnd_dot_v1_dot_attnd__pb2.ForkSequenceRequest.SerializeToString,
+            attnd_dot_v1_dot_attnd__pb2.ForkSequenceResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ExportSequence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/attnd.v1.AttentionService/ExportSequence',
+            attnd_dot_v1_dot_attnd__pb2.ExportSequenceRequest.SerializeToString,
+            attnd_dot_v1_dot_attnd__pb2.ExportSequenceResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ImportSequence(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(request_iterator, target, '/attnd.v1.AttentionService/ImportSequence',
+            attnd_dot_v1_dot_attnd__pb2.ImportSequenceRequest.SerializeToString,
+            attnd_dot_v1_dot_attnd__pb2.ImportSequenceResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

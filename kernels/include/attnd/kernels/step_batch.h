@@ -27,6 +27,14 @@ std::string_view StepPhaseName(StepPhase phase);  // "none", "decode", "prefill"
 // longer ones prefill, padding (no rows) neither. The rule every kernel choice starts from.
 StepPhase StepPhaseOf(std::span<const int32_t> qo_indptr);
 
+// Copy-on-write of one page (managed mode, ForkSequence): before a step's first write into a
+// partial last page that other sequences share, the page's bytes (K and V, per layer) are copied
+// to a fresh page, which takes the shared page's place in the writer's page table.
+struct PageCopy {
+  int32_t source = 0;
+  int32_t destination = 0;
+};
+
 // Padding entries keep their slot with no rows and no pages.
 struct StepBatch {
   int32_t batch_size = 0;               // plan entries, padding included
@@ -40,6 +48,10 @@ struct StepBatch {
   std::vector<int32_t> last_page_len;   // [batch_size]
   std::vector<int32_t> token_batch_indices;  // [num_tokens] entry of each row
   std::vector<int32_t> token_positions;      // [num_tokens] position in its sequence
+  // Pages to copy before this step's append, in every layer the step runs (each layer copies
+  // its own K and V regions on the cache's stream before its append kernel). The destination
+  // pages are fresh and already in the page table above.
+  std::vector<PageCopy> page_copies;
   StepOptions options;
   StepPhase phase = StepPhase::kEmpty;
 

@@ -31,13 +31,21 @@ struct DecodeKernelConfig {
   int32_t group_size = 1;
 };
 
-// True when BatchDecode has a kernel for `config`.
+// True when BatchDecode has a CUDA-core kernel for `config`.
 bool DecodeSupports(const DecodeKernelConfig& config);
 
-// CTAs of the decode kernel for `config` the current device runs at once: resident CTAs per SM
-// (cudaOccupancyMaxActiveBlocksPerMultiprocessor) x SMs. Feed it to
+// CTAs of the CUDA-core decode kernel for `config` the current device runs at once: resident
+// CTAs per SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor) x SMs. Feed it to
 // plan::DecodePlanOptions::ctas_per_wave; it is fixed per device and config, so query it once.
 absl::StatusOr<int32_t> DecodeCtasPerWave(const DecodeKernelConfig& config);
+
+// The tensor-core kernel (plans with kernel kTensorCore): q and cache of one 16-bit type
+// (fp16 or bf16), head_dim 64/128/256, group_size 4..16. fp8 and mixed-type caches stay on the
+// CUDA-core kernel. Its wave goes to plan::DecodePlanOptions::tensor_core_ctas_per_wave; it is 0
+// where the device cannot hold one of its CTAs (head_dim 256 needs 200 KB of shared memory, more
+// than an A100 gives): then the kernel is not to be used there.
+bool TensorCoreDecodeSupports(const DecodeKernelConfig& config);
+absl::StatusOr<int32_t> TensorCoreDecodeCtasPerWave(const DecodeKernelConfig& config);
 
 // Device workspace BatchDecode needs for a plan with `num_partials` partial slots (0 when the
 // plan does not split). Partials are fp32 [num_partials][num_qo_heads][head_dim] plus lse.
@@ -59,7 +67,8 @@ struct BatchDecodeArgs {
   int64_t workspace_bytes = 0;
 };
 
-// Launches decode, then MergeStates when the plan splits, on `stream`. Allocates nothing and
+// Launches the plan's decode kernel (work.kernel), then MergeStates when the plan splits, on
+// `stream`. Allocates nothing and
 // does not synchronise. Fully masked rows (no key) get o = 0, lse = -inf. Deterministic plans
 // give each request bitwise identical o and lse in any batch at any position.
 absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream);

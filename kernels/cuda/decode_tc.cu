@@ -1,0 +1,143 @@
+// Batch decode on tensor cores (issue 14): the instantiations of decode_tc.cuh and their
+// launcher. Six kernels: head_dim 64/128/256 x fp16/bf16 (q and cache of one type); the group
+// (1..16, padded to 16 rows) and the output type are runtime parameters.
+#include <cuda_runtime.h>
+
+#include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/decode.h"
+#include "attnd/kernels/cuda/cuda_check.h"
+#include "decode_tc.cuh"
+#include "decode_tc_launch.h"
+#include "softmax.cuh"
+
+namespace attnd::cuda {
+namespace {
+
+using decode_tc::TcDecodeParams;
+using decode_tc::TcShape;
+using KernelFn = void (*)(TcDecodeParams);
+
+constexpr int32_t kMinGroup = 4;  // below, the CUDA-core kernel wastes less (issue 14)
+
+struct Kernel {
+  KernelFn function = nullptr;
+  int smem_bytes = 0;
+};
+
+template <int kHeadDim>
+Kernel PickType(DType dtype) {
+  const int smem = TcShape<kHeadDim>::kSmemBytes;
+  switch (dtype) {
+    case DType::kFloat16:
+      return {&decode_tc::TensorCoreDecodeKernel<kHeadDim, __half>, smem};
+    case DType::kBFloat16:
+      return {&decode_tc::TensorCoreDecodeKernel<kHeadDim, __nv_bfloat16>, smem};
+    default:
+      return {};
+  }
+}
+
+Kernel PickKernel(const DecodeKernelConfig& config) {
+  if (config.q_dtype != config.kv_dtype) return {};
+  if (config.group_size < kMinGroup || config.group_size > decode_tc::kMaxGroup) return {};
+  switch (config.head_dim) {
+    case 64:
+      return PickType<64>(config.kv_dtype);
+    case 128:
+      return PickType<128>(config.kv_dtype);
+    case 256:
+      return PickType<256>(config.kv_dtype);
+  }
+  return {};
+}
+
+absl::Status Unsupported(const DecodeKernelConfig& config) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "tensor-core decode: no kernel for q ", DTypeName(config.q_dtype), ", kv ",
+      DTypeName(config.kv_dtype), ", head_dim ", config.head_dim, ", group ", config.group_size,
+      " (q and cache both fp16 or both bf16, head_dim 64/128/256, group 4..16)"));
+}
+
+// Opts the kernel into its dynamic shared memory (above the 48 KB default); idempotent.
+cudaError_t Prepare(const Kernel& kernel) {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel.function),
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, kernel.smem_bytes);
+}
+
+}  // namespace
+
+bool TensorCoreDecodeSupports(const DecodeKernelConfig& config) {
+  return PickKernel(config).function != nullptr;
+}
+
+absl::StatusOr<int32_t> TensorCoreDecodeCtasPerWave(const DecodeKernelConfig& config) {
+  const Kernel kernel = PickKernel(config);
+  if (kernel.function == nullptr) return Unsupported(config);
+  int device = 0;
+  int num_sms = 0;
+  int ctas_per_sm = 0;
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  int max_smem_bytes = 0;
+  CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&max_smem_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (kernel.smem_bytes > max_smem_bytes) return 0;  // e.g. head_dim 256 on an A100
+  CUDA_RETURN_IF_ERROR(Prepare(kernel));
+  CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &ctas_per_sm, reinterpret_cast<const void*>(kernel.function), decode_tc::kThreads,
+      kernel.smem_bytes));
+  return ctas_per_sm * num_sms;
+}
+
+absl::Status LaunchTensorCoreDecode(const BatchDecodeArgs& args, int32_t log2_page_size,
+                                    float* partial_o, float* partial_lse, cudaStream_t stream) {
+  const PagedKvView& k = args.k_cache;
+  const DecodeKernelConfig config{args.q.dtype, k.dtype, args.q.head_dim,
+                                  args.q.num_heads / k.num_heads};
+  const Kernel kernel = PickKernel(config);
+  if (kernel.function == nullptr) return Unsupported(config);
+
+  const int64_t element_bytes = DTypeBytes(k.dtype);
+  TcDecodeParams params{};
+  params.q = args.q.data;
+  params.o = args.o.data;
+  params.lse = args.lse;
+  params.k_pool = static_cast<const uint8_t*>(k.data);
+  params.v_pool = static_cast<const uint8_t*>(args.v_cache.data);
+  params.page_stride_bytes = k.PageElements() * element_bytes;
+  if (k.layout == KvLayout::kNHD) {
+    params.entry_stride_bytes = int64_t{k.num_heads} * k.head_dim * element_bytes;
+    params.head_stride_bytes = int64_t{k.head_dim} * element_bytes;
+  } else {
+    params.entry_stride_bytes = int64_t{k.head_dim} * element_bytes;
+    params.head_stride_bytes = int64_t{k.page_size} * k.head_dim * element_bytes;
+  }
+  params.page_indptr = args.pages.indptr;
+  params.k_indices = args.pages.k_indices;
+  params.v_indices = args.pages.v_indices;
+  params.work = args.work;
+  params.partial_o = partial_o;
+  params.partial_lse = partial_lse;
+  params.num_qo_heads = args.q.num_heads;
+  params.num_kv_heads = k.num_heads;
+  params.group_size = config.group_size;
+  params.log2_page_size = log2_page_size;
+  // The one scaling and soft-cap rule (softmax.cuh); cap_log2 stays 0 without a cap.
+  const float score_scale = args.params.sm_scale * args.params.k_scale;
+  const SoftmaxParams softmax = SoftmaxParams::Of(score_scale, args.params.logits_soft_cap);
+  params.score_scale_log2 = score_scale * kLog2e;
+  params.cap_input_scale = softmax.cap_input_scale;
+  params.cap_log2 = softmax.soft_cap ? softmax.cap_log2 : 0.0f;
+  params.v_scale = args.params.v_scale;
+  params.o_bf16 = args.o.dtype == DType::kBFloat16;
+
+  CUDA_RETURN_IF_ERROR(Prepare(kernel));
+  void* kernel_args[] = {&params};
+  CUDA_RETURN_IF_ERROR(cudaLaunchKernel(
+      reinterpret_cast<const void*>(kernel.function),
+      dim3(static_cast<unsigned>(int64_t{args.work.num_items} * k.num_heads)),
+      dim3(decode_tc::kThreads), kernel_args, static_cast<size_t>(kernel.smem_bytes), stream));
+  return absl::OkStatus();
+}
+
+}  // namespace attnd::cuda

@@ -1,0 +1,440 @@
+// Batch decode on tensor cores (issue 14): the kernel template. Plans with kernel kTensorCore
+// run it; the CUDA-core kernel (decode.cu) runs the rest.
+//
+// One CTA (4 warps) per (plan work item, KV head), like the CUDA-core kernel. The group's query
+// heads (4..16, zero-padded to 16) are the M of mma.sync m16n8k16, keys the N of S = Q K^T and
+// the K of O += P V, head_dim the K of Q K^T and the N of P V; fp32 accumulators, online
+// softmax in registers (log2 domain), P rounded to the MMA type.
+//
+// Keys are dealt to warps in tiles of 64: warp w takes keys [16w, 16w + 16) of every tile, so
+// each warp is an independent stream with its own multi-stage cp.async pipeline in shared memory
+// (page ids fetched one tile ahead, synchronised with __syncwarp only: no CTA barrier in the
+// loop). At the end the four warps' (m, d, o) states are merged in warp order through shared
+// memory, and the CTA writes o and lse, or an fp32 partial that MergeStates combines.
+//
+// Fragment layouts relied on (PTX ISA, mma.m16n8k16 with .bf16/.f16 inputs, .f32 accumulators;
+// g = lane / 4, t = lane % 4; the prefill kernel uses the same):
+//   A (16 x 16, row-major), 4 registers of two 16-bit values:
+//     a0 = (row g,     cols 2t, 2t+1)   a1 = (row g + 8, cols 2t, 2t+1)
+//     a2 = (row g,     cols 2t+8, 2t+9) a3 = (row g + 8, cols 2t+8, 2t+9)
+//   B (16 x 8, "col"), 2 registers: b0 = (k 2t, 2t+1; n g), b1 = (k 2t+8, 2t+9; n g)
+//   C/D (16 x 8) fp32: c0, c1 = (row g, cols 2t, 2t+1); c2, c3 = (row g + 8, cols 2t, 2t+1)
+//   ldmatrix.x4: lanes 8i..8i+7 give the 8 row addresses of matrix i; every lane receives
+//     register i = matrix i's (row g, cols 2t, 2t+1) (with .trans: (rows 2t, 2t+1; col g)).
+// Hence, with tiles stored row-major as [row][head_dim]:
+//   Q (A): lanes read rows 0-7 / 8-15 / 0-7 / 8-15 at k-chunk +0 / +0 / +1 / +1 -> a0..a3.
+//   K (B of S, plain): key rows 0-7 / 0-7 / 8-15 / 8-15 at chunk +0 / +1 / +0 / +1 -> (b0, b1)
+//     of keys 0-7, then (b0, b1) of keys 8-15: s[0..3] keys 0-7, s[4..7] keys 8-15, so
+//     s[e] = (row g + 8 * ((e / 2) % 2), key 8 * (e / 4) + 2t + e % 2).
+//   P (A of P V) = (s[0], s[1]), (s[2], s[3]), (s[4], s[5]), (s[6], s[7]) packed: exactly
+//     a0..a3 above (keys are P's columns).
+//   V (B of P V, .trans): key rows 0-7 / 8-15 / 0-7 / 8-15 at chunk +0 / +0 / +1 / +1 -> (b0, b1)
+//     of dims 16db..16db+7, then of dims 16db+8..: o[db][0..3] dims 16db + 2t (+1),
+//     o[db][4..7] dims 16db + 8 + 2t (+1), rows as in C.
+// Tiles keep 16-byte chunk c of row r at c ^ (r % 8), so the 8 addresses of every ldmatrix phase
+// and of every cp.async wave fall in distinct banks (SwizzledStepBytes folds the XOR).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cp_async.cuh"
+#include "math.cuh"
+#include "mma.cuh"
+#include "plan/decode_work.h"
+#include "prefill_kernel.cuh"
+#include "softmax.cuh"
+#include "vec.cuh"
+
+namespace attnd::cuda::decode_tc {
+
+// The primitives (FastExp2, FastLog2, kLn2, cp.async, ldmatrix, mma.sync, PackFloat2,
+// SoftCapLog2) are attnd::cuda's; the prefill kernel's tile helpers are shared too.
+using prefill::StaticFor;
+using prefill::SwizzledStepBytes;
+
+inline constexpr int kThreads = 128;
+inline constexpr int kWarps = kThreads / 32;
+inline constexpr int kRows = 16;                        // MMA M: the group, zero-padded
+inline constexpr int kWarpKeys = 16;                    // keys per warp per tile (K of P V)
+inline constexpr int kTileKeys = kWarps * kWarpKeys;    // keys per CTA per tile
+inline constexpr int kMaxGroup = kRows;
+
+// What one launch reads, resolved by the launcher (decode_tc.cu).
+struct TcDecodeParams {
+  const void* q;        // [T_q][num_qo_heads][head_dim], the MMA type (the cache's)
+  void* o;              // [T_q][num_qo_heads][head_dim], fp16 or bf16 (o_bf16)
+  float* lse;           // [T_q][num_qo_heads] natural log, or null
+  const uint8_t* k_pool;  // the layer's pools (NHD or HND, by the strides below)
+  const uint8_t* v_pool;
+  // Byte strides: row (page, entry, head) starts at page * page + entry * entry + head * head.
+  int64_t page_stride_bytes;
+  int64_t entry_stride_bytes;
+  int64_t head_stride_bytes;
+  const int32_t* page_indptr;  // [batch + 1]
+  const int32_t* k_indices;    // page ids of K
+  const int32_t* v_indices;    // page ids of V (== k_indices for SHARED tables)
+  plan::DecodeWorkView work;
+  float* partial_o;    // [num_partials][num_qo_heads][head_dim]
+  float* partial_lse;  // [num_partials][num_qo_heads]
+  int32_t num_qo_heads;
+  int32_t num_kv_heads;
+  int32_t group_size;  // 1..16 (the planner routes 4..16 here)
+  int32_t log2_page_size;
+  float score_scale_log2;  // sm_scale * k_scale * log2(e), without soft cap
+  float cap_input_scale;   // sm_scale * k_scale / soft_cap
+  float cap_log2;          // soft_cap * log2(e); 0: no soft cap
+  float v_scale;
+  bool o_bf16;
+};
+
+template <int kHeadDimArg>
+struct TcShape {
+  static constexpr int kHeadDim = kHeadDimArg;
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  static constexpr int kRowBytes = 2 * kHeadDim;
+  static constexpr int kMmaD = kHeadDim / 16;   // k-steps of Q K^T, n-pairs of P V
+  // Stages per warp pipeline: (kStages - 1) warp tiles of K and V in flight per warp. With the
+  // CTAs per SM below that is 96-128 KB in flight per SM.
+  static constexpr int kStages = kHeadDim == 64 ? 4 : 3;
+  static constexpr int kWarpTileBytes = kWarpKeys * kRowBytes;  // K (or V) of a warp tile
+  static constexpr int kWarpStageBytes = 2 * kWarpTileBytes;    // K, then V
+  static constexpr int kPipelineBytes = kWarps * kStages * kWarpStageBytes;
+  static constexpr int kQBytes = kRows * kRowBytes;
+  static constexpr int kLoadsPerLane = kWarpKeys * kChunks / 32;  // of K (and of V) per tile
+  // Epilogue, over the pipeline: o [warp][16][kMergeStride] fp32 (padded against bank
+  // conflicts), then m and d [warp][16].
+  static constexpr int kMergeStride = kHeadDim + 8;
+  static constexpr int kMergeBytes = 4 * (kWarps * kRows * kMergeStride + 2 * kWarps * kRows);
+  static constexpr int kSmemBytes =
+      kQBytes + (kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes);
+  // Resident CTAs per SM the shared memory allows (228 KB per H100 SM): the register cap.
+  static constexpr int kMinCtasPerSm = kHeadDim == 64 ? 3 : (kHeadDim == 128 ? 2 : 1);
+
+  static_assert(kHeadDim >= 64, "the swizzle needs at least 8 chunks per row");
+  static_assert(kLoadsPerLane * 32 == kWarpKeys * kChunks, "whole copies per lane");
+  static_assert(kRows * kChunks % kThreads == 0, "whole Q copies per thread");
+  static_assert(kSmemBytes <= 227 * 1024, "dynamic shared memory per CTA");
+};
+
+// Eight fp32 values of o rounded to fp16 or bf16, as one 16-byte chunk.
+__device__ __forceinline__ uint4 PackOut8(const float* v, bool bf16) {
+  if (bf16) {
+    return make_uint4(PackFloat2<__nv_bfloat16>(v[0], v[1]), PackFloat2<__nv_bfloat16>(v[2], v[3]),
+                      PackFloat2<__nv_bfloat16>(v[4], v[5]), PackFloat2<__nv_bfloat16>(v[6], v[7]));
+  }
+  return make_uint4(PackFloat2<__half>(v[0], v[1]), PackFloat2<__half>(v[2], v[3]),
+                    PackFloat2<__half>(v[4], v[5]), PackFloat2<__half>(v[6], v[7]));
+}
+
+// T: the MMA type, q's and the cache's (fp16 or bf16).
+template <int kHeadDim, typename T>
+__global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
+    TensorCoreDecodeKernel(const __grid_constant__ TcDecodeParams params) {
+  using Shape = TcShape<kHeadDim>;
+  constexpr int kChunks = Shape::kChunks;
+  constexpr int kRowBytes = Shape::kRowBytes;
+  constexpr int kMmaD = Shape::kMmaD;
+  constexpr int kStages = Shape::kStages;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* const q_tile = smem;                     // [16][D] of T, swizzled
+  uint8_t* const pipeline = smem + Shape::kQBytes;  // [warp][stage][K, V][16][D] of T, swizzled
+
+  // The KV heads of an item are adjacent CTAs: they run together and read the same pages.
+  const int item = blockIdx.x / params.num_kv_heads;
+  const int kv_head = blockIdx.x - item * params.num_kv_heads;
+  // Lets a following merge grid be scheduled once every CTA of this one runs; it still waits
+  // (griddepcontrol.wait) for this grid's results.
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int32_t request = params.work.item_request[item];
+  const int32_t q_row = params.work.item_q_row[item];
+  const int32_t kv_begin = params.work.item_kv_begin[item];
+  const int32_t kv_end = params.work.item_kv_end[item];
+  const int32_t page_begin = params.page_indptr[request];
+  const int group = params.group_size;
+  const int64_t first_head_row = static_cast<int64_t>(q_row) * params.num_qo_heads +
+                                 static_cast<int64_t>(kv_head) * group;
+
+  // --- Q: the group's rows; rows past the group are zero (never stored).
+  {
+    const T* q = static_cast<const T*>(params.q);
+    constexpr int kQLoads = kRows * kChunks / kThreads;
+#pragma unroll
+    for (int l = 0; l < kQLoads; ++l) {
+      const int id = tid + l * kThreads;
+      const int row = id / kChunks;
+      const int chunk = id % kChunks;
+      const bool valid = row < group;
+      const T* source = valid ? q + (first_head_row + row) * kHeadDim + chunk * 8 : q;
+      CpAsync16(SharedAddress(q_tile + row * kRowBytes + ((chunk ^ (row & 7)) << 4)), source, valid);
+    }
+    CpAsyncCommit();
+  }
+
+  // --- This warp's key stream: tile j holds keys [warp_first + 64 j, + 16).
+  const int warp_first = kv_begin + warp * kWarpKeys;
+  const int num_tiles = kv_end > warp_first ? (kv_end - warp_first + kTileKeys - 1) / kTileKeys : 0;
+  const uint32_t warp_stages = SharedAddress(pipeline) + warp * kStages * Shape::kWarpStageBytes;
+  const int page_mask = (1 << params.log2_page_size) - 1;
+  const uint8_t* const k_pool = params.k_pool + kv_head * params.head_stride_bytes;
+  const uint8_t* const v_pool = params.v_pool + kv_head * params.head_stride_bytes;
+  // Lane l < 16 holds the K page id of key l of a tile, lane 16 + l its V page id.
+  const int32_t* const page_ids = lane < 16 ? params.k_indices : params.v_indices;
+  auto fetch_page = [&](int tile) -> int32_t {
+    const int token = warp_first + tile * kTileKeys + (lane & 15);
+    if (tile >= num_tiles || token >= kv_end) return 0;
+    return page_ids[page_begin + (token >> params.log2_page_size)];
+  };
+  // Copies of tile `tile` (K and V, kLoadsPerLane 16-byte chunks each per lane): chunk id of the
+  // warp tile = row * kChunks + chunk, consecutive lanes on consecutive chunks of a row. Rows
+  // past the item's end are zero-filled: their scores are masked, and a zero V row keeps
+  // 0 * stale bytes from making NaN.
+  auto issue = [&](int tile, int32_t page) {
+    const uint32_t k_stage = warp_stages + (tile % kStages) * Shape::kWarpStageBytes;
+    const uint32_t v_stage = k_stage + Shape::kWarpTileBytes;
+    const int tile_first = warp_first + tile * kTileKeys;
+#pragma unroll
+    for (int l = 0; l < Shape::kLoadsPerLane; ++l) {
+      const int id = lane + 32 * l;
+      const int row = id / kChunks;
+      const int chunk = id % kChunks;
+      const int32_t k_page = __shfl_sync(0xffffffffu, page, row);
+      const int32_t v_page = __shfl_sync(0xffffffffu, page, 16 + row);
+      const int token = tile_first + row;
+      const bool valid = token < kv_end;
+      const int64_t entry_bytes =
+          static_cast<int64_t>(token & page_mask) * params.entry_stride_bytes + chunk * 16;
+      const uint8_t* k_source = valid ? k_pool + k_page * params.page_stride_bytes + entry_bytes : k_pool;
+      const uint8_t* v_source = valid ? v_pool + v_page * params.page_stride_bytes + entry_bytes : v_pool;
+      const uint32_t offset = row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+      CpAsync16(k_stage + offset, k_source, valid);
+      CpAsync16(v_stage + offset, v_source, valid);
+    }
+  };
+
+  int32_t page = fetch_page(0);
+#pragma unroll
+  for (int tile = 0; tile < kStages - 1; ++tile) {
+    if (tile < num_tiles) issue(tile, page);
+    CpAsyncCommit();  // empty groups keep the wait counts uniform
+    page = fetch_page(tile + 1);
+  }
+  // Q (the oldest group) has landed for every thread; the barrier makes it visible to all.
+  CpAsyncWait<kStages - 1>();
+  __syncthreads();
+
+  // ldmatrix lane addresses and swizzle bits (see the layouts above). Row bases are multiples
+  // of 8, so a lane's row % 8 is lane % 8.
+  const uint32_t q_lane = SharedAddress(q_tile) + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kRowBytes;
+  const uint32_t a_z = (lane >> 4) ^ (lane & 7);  // Q and V: chunk + lane / 16
+  const uint32_t k_lane_offset = ((lane & 7) + 8 * (lane >> 4)) * kRowBytes;
+  const uint32_t k_z = ((lane >> 3) & 1) ^ (lane & 7);
+  const uint32_t v_lane_offset = ((lane & 7) + 8 * ((lane >> 3) & 1)) * kRowBytes;
+
+  const bool soft_cap = params.cap_log2 > 0.0f;
+  const float scale_log2 = params.score_scale_log2;
+  float o[kMmaD][8];
+#pragma unroll
+  for (int db = 0; db < kMmaD; ++db) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[db][e] = 0.0f;
+  }
+  float row_max[2] = {-INFINITY, -INFINITY};  // rows g and g + 8, log2 domain
+  float row_sum[2] = {0.0f, 0.0f};            // this thread's share; summed over the quad later
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    CpAsyncWait<kStages - 2>();  // this lane's copies of the tile have landed
+    // Makes every lane's copies visible, and every lane is done reading the stage refilled next.
+    __syncwarp();
+    const int next_tile = tile + kStages - 1;
+    if (next_tile < num_tiles) issue(next_tile, page);
+    CpAsyncCommit();
+    page = fetch_page(next_tile + 1);
+
+    const uint32_t k_stage = warp_stages + (tile % kStages) * Shape::kWarpStageBytes;
+    const uint32_t v_stage = k_stage + Shape::kWarpTileBytes;
+
+    // S = Q K^T over head_dim.
+    float s[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s[e] = 0.0f;
+    StaticFor<kMmaD>([&](auto step_constant) {
+      constexpr int step = decltype(step_constant)::value;
+      uint32_t qa[4], kb[4];
+      LdMatrixX4(q_lane + SwizzledStepBytes<step>(a_z), qa);
+      LdMatrixX4(k_stage + k_lane_offset + SwizzledStepBytes<step>(k_z), kb);
+      Mma16816<T>(s, qa, kb[0], kb[1]);
+      Mma16816<T>(s + 4, qa, kb[2], kb[3]);
+    });
+
+    // Scores in the log2 domain; keys past the item's end are masked (the plan already cut the
+    // item to the sliding window, and one query row has nothing causal to mask).
+    const int valid_keys = kv_end - (warp_first + tile * kTileKeys);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int key = 8 * (e / 4) + 2 * (lane & 3) + (e & 1);
+      // Non-finite scores (NaN or inf in q or K) become NaN before the cap (tanh(inf) is
+      // finite), so they reach the row's sum and o: NaN in, NaN out (one FFMA).
+      const float raw = s[e] * 0.0f + s[e];
+      const float score = soft_cap ? SoftCapLog2(raw, params.cap_input_scale, params.cap_log2)
+                                   : raw * scale_log2;
+      s[e] = key < valid_keys ? score : -INFINITY;
+    }
+
+    float subtract[2];
+    bool any_rescale = false;
+    float rescale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float tile_max = fmaxf(fmaxf(s[2 * h], s[2 * h + 1]), fmaxf(s[4 + 2 * h], s[5 + 2 * h]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float new_max = fmaxf(row_max[h], tile_max);
+      // Nothing seen yet: subtracting 0 keeps exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
+      subtract[h] = new_max == -INFINITY ? 0.0f : new_max;
+      rescale[h] = FastExp2(row_max[h] - subtract[h]);
+      any_rescale |= new_max != row_max[h];
+      row_max[h] = new_max;
+      row_sum[h] *= rescale[h];
+    }
+    // Once the maxima settle most tiles change no row: skip multiplying every accumulator by 1.
+    if (__any_sync(0xffffffffu, any_rescale)) {
+#pragma unroll
+      for (int db = 0; db < kMmaD; ++db) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[db][e] *= rescale[(e / 2) % 2];
+      }
+    }
+
+    uint32_t p_frag[4];
+    {
+      float p[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) p[e] = FastExp2(s[e] - subtract[(e / 2) % 2]);
+      row_sum[0] += (p[0] + p[1]) + (p[4] + p[5]);
+      row_sum[1] += (p[2] + p[3]) + (p[6] + p[7]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) p_frag[i] = PackFloat2<T>(p[2 * i], p[2 * i + 1]);
+    }
+
+    // O += P V.
+    StaticFor<kMmaD>([&](auto db_constant) {
+      constexpr int db = decltype(db_constant)::value;
+      uint32_t vb[4];
+      LdMatrixX4Trans(v_stage + v_lane_offset + SwizzledStepBytes<db>(a_z), vb);
+      Mma16816<T>(o[db], p_frag, vb[0], vb[1]);
+      Mma16816<T>(o[db] + 4, p_frag, vb[2], vb[3]);
+    });
+  }
+  CpAsyncWait<0>();
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+  }
+  __syncthreads();  // every warp is done with its pipeline: the merge staging reuses it
+
+  constexpr int kStride = Shape::kMergeStride;
+  float* const merge_o = reinterpret_cast<float*>(pipeline);  // [warp][16][kStride]
+  float* const merge_m = merge_o + kWarps * kRows * kStride;  // [warp][16]
+  float* const merge_d = merge_m + kWarps * kRows;            // [warp][16]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = 8 * h + (lane >> 2);
+    if ((lane & 3) == 0) {
+      merge_m[warp * kRows + row] = row_max[h];
+      merge_d[warp * kRows + row] = row_sum[h];
+    }
+#pragma unroll
+    for (int db = 0; db < kMmaD; ++db) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int dim = 16 * db + 8 * half + 2 * (lane & 3);
+        *reinterpret_cast<float2*>(merge_o + (warp * kRows + row) * kStride + dim) =
+            make_float2(o[db][4 * half + 2 * h], o[db][4 * half + 2 * h + 1]);
+      }
+    }
+  }
+  __syncthreads();
+
+  // Eight threads per row, kHeadDim / 8 consecutive dims each; warps merged in warp order.
+  constexpr int kDimsPerThread = kHeadDim / 8;
+  const int row = tid >> 3;
+  if (row >= group) return;
+  const int dim_begin = (tid & 7) * kDimsPerThread;
+  float merged_max = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) merged_max = fmaxf(merged_max, merge_m[w * kRows + row]);
+  const float subtract = merged_max == -INFINITY ? 0.0f : merged_max;
+  float weight[kWarps];
+  float sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    weight[w] = FastExp2(merge_m[w * kRows + row] - subtract);
+    sum += weight[w] * merge_d[w * kRows + row];
+  }
+  // A non-finite V value the row saw left a non-finite o dim: folded into the sum (x * 0 is NaN
+  // for inf and NaN), over the row's 8 threads, so the whole row and its lse become NaN.
+  float poison = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+#pragma unroll
+    for (int d = 0; d < kDimsPerThread; ++d) {
+      poison += merge_o[(w * kRows + row) * kStride + dim_begin + d] * 0.0f;
+    }
+  }
+  // Rows are whole groups of 8 lanes (rows past the group returned together).
+  const unsigned row_lanes = 0xFFu << (lane & 24);
+  poison += __shfl_xor_sync(row_lanes, poison, 1);
+  poison += __shfl_xor_sync(row_lanes, poison, 2);
+  poison += __shfl_xor_sync(row_lanes, poison, 4);
+  sum += poison;
+  // A row that saw no key (every weight 0) stores o = 0 and lse = -inf; NaN scores (every m
+  // -inf but the sum NaN) and poisoned rows (sum NaN) store NaN o and lse.
+  const bool saw_key = sum != 0.0f;
+  const float inverse = saw_key ? params.v_scale / sum : 0.0f;
+  const float lse = saw_key ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
+  const int32_t partial = params.work.item_partial[item];
+  const int64_t head = static_cast<int64_t>(kv_head) * group + row;
+#pragma unroll
+  for (int c = 0; c < kDimsPerThread / 8; ++c) {
+    float value[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int dim = dim_begin + 8 * c + j;
+      float accumulated = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) accumulated += weight[w] * merge_o[(w * kRows + row) * kStride + dim];
+      value[j] = accumulated * inverse;
+    }
+    if (partial < 0) {
+      const int64_t out_row = first_head_row + row;
+      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(params.o) + out_row * kHeadDim + dim_begin + 8 * c) =
+          PackOut8(value, params.o_bf16);
+    } else {
+      const int64_t slot_row = static_cast<int64_t>(partial) * params.num_qo_heads + head;
+      float4* target = reinterpret_cast<float4*>(params.partial_o + slot_row * kHeadDim + dim_begin + 8 * c);
+      target[0] = make_float4(value[0], value[1], value[2], value[3]);
+      target[1] = make_float4(value[4], value[5], value[6], value[7]);
+    }
+  }
+  if ((tid & 7) == 0) {
+    if (partial < 0) {
+      if (params.lse != nullptr) params.lse[first_head_row + row] = lse;
+    } else {
+      params.partial_lse[static_cast<int64_t>(partial) * params.num_qo_heads + head] = lse;
+    }
+  }
+}
+
+}  // namespace attnd::cuda::decode_tc
