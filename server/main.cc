@@ -30,6 +30,16 @@ ABSL_FLAG(int64_t, kv_memory_bytes, 0,
           "KV budget in bytes per device; 0 = kv_memory_fraction of free GPU memory (CUDA) or "
           "1 GiB (CPU)");
 ABSL_FLAG(double, kv_memory_fraction, 0.9, "Fraction of free GPU memory reserved for KV pools");
+ABSL_FLAG(std::string, pod, "",
+          "CUDA backend: mixed prefill/decode steps as one POD launch: auto (a measured rule), on "
+          "or off; empty: the environment variable ATTND_POD, else auto");
+ABSL_FLAG(std::string, decode_kernel, "",
+          "CUDA backend: the decode kernel: auto (the planner's per-step choice), cuda_core or "
+          "tensor_core (forced, for measurements; a cache without it stays on auto); empty: the "
+          "environment variable ATTND_DECODE_KERNEL, else auto");
+ABSL_FLAG(std::string, cuda_completion, "",
+          "CUDA backend: how completion threads wait for a layer: blocking or spin; empty: the "
+          "environment variable ATTND_CUDA_COMPLETION, else blocking");
 ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "Largest gRPC message received or sent");
 ABSL_FLAG(int32_t, max_plan_entries, 4096, "Most entries in one Plan");
 ABSL_FLAG(int64_t, max_step_tokens, 65536, "Most new tokens in one step");
@@ -144,6 +154,37 @@ int main(int argc, char** argv) {
   }
   options.kv_memory_bytes = absl::GetFlag(FLAGS_kv_memory_bytes);
   options.kv_memory_fraction = absl::GetFlag(FLAGS_kv_memory_fraction);
+  // The environment variables are the flags' fallbacks (older scripts set them); nothing past
+  // this point reads them.
+  const std::string pod = absl::GetFlag(FLAGS_pod);
+  const absl::StatusOr<attnd::plan::PodMode> pod_mode =
+      pod.empty() ? attnd::plan::PodModeFromEnvironment() : attnd::plan::ParsePodMode(pod);
+  if (!pod_mode.ok()) {
+    std::fprintf(stderr, "attnd: --pod: %s\n", std::string(pod_mode.status().message()).c_str());
+    return 2;
+  }
+  options.pod_mode = *pod_mode;
+  const std::string decode_kernel = absl::GetFlag(FLAGS_decode_kernel);
+  const absl::StatusOr<attnd::plan::DecodeKernelChoice> decode_kernel_choice =
+      decode_kernel.empty() ? attnd::plan::DecodeKernelChoiceFromEnvironment()
+                            : attnd::plan::ParseDecodeKernelChoice(decode_kernel);
+  if (!decode_kernel_choice.ok()) {
+    std::fprintf(stderr, "attnd: --decode_kernel: %s\n",
+                 std::string(decode_kernel_choice.status().message()).c_str());
+    return 2;
+  }
+  options.decode_kernel = *decode_kernel_choice;
+  options.cuda_completion_wait = absl::GetFlag(FLAGS_cuda_completion);
+  if (options.cuda_completion_wait.empty()) {
+    const char* from_environment = std::getenv("ATTND_CUDA_COMPLETION");
+    if (from_environment != nullptr) options.cuda_completion_wait = from_environment;
+  }
+  if (!options.cuda_completion_wait.empty() && options.cuda_completion_wait != "blocking" &&
+      options.cuda_completion_wait != "spin") {
+    std::fprintf(stderr, "attnd: --cuda_completion: expected blocking or spin, got '%s'\n",
+                 options.cuda_completion_wait.c_str());
+    return 2;
+  }
   options.limits.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.limits.max_plan_entries = absl::GetFlag(FLAGS_max_plan_entries);
   options.limits.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);

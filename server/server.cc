@@ -117,6 +117,9 @@ class ServerImpl final : public Server {
     backend_options.kv_memory_bytes = options_.kv_memory_bytes;
     backend_options.kv_memory_fraction = options_.kv_memory_fraction;
     backend_options.observer = &relay_;
+    backend_options.pod_mode = options_.pod_mode;
+    backend_options.decode_kernel = options_.decode_kernel;
+    backend_options.cuda_completion_wait = options_.cuda_completion_wait;
     ASSIGN_OR_RETURN(backend_, MakeBackend(backend_options));
     const BackendInfo info = backend_->Info();
 

@@ -12,8 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/cuda/append.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/status_macros.h"
-#include "cuda_check.h"
 #include "vec.cuh"
 
 namespace attnd::cuda {

@@ -12,11 +12,14 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/decode.h"
 #include "attnd/kernels/cuda/merge.h"
 #include "attnd/status_macros.h"
-#include "cuda_check.h"
+#include "cp_async.cuh"
 #include "decode_tc_launch.h"
+#include "math.cuh"
+#include "softmax.cuh"
 #include "vec.cuh"
 
 namespace attnd::cuda {
@@ -25,8 +28,6 @@ namespace {
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeStages = 4;          // tiles in the pipeline (3 in flight while one computes)
 constexpr int kStageBytes = 4096;         // K bytes of one tile (V the same)
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr int64_t kWorkspaceAlignment = 256;
 
 struct DecodeParams {
@@ -48,8 +49,9 @@ struct DecodeParams {
   const int32_t* v_indices;
   plan::DecodeWorkView work;
   float score_scale_log2;  // sm_scale * k_scale * log2(e): scores in base 2 without soft cap
-  float score_scale;       // sm_scale * k_scale (soft cap path, natural units)
   float soft_cap;          // 0: none
+  float cap_input_scale;   // soft cap (softmax.cuh): sm_scale * k_scale / soft_cap
+  float cap_log2;          // soft cap: soft_cap * log2(e)
   float v_scale;
   void* o;  // [T_q][num_qo_heads][head_dim]
   bool o_bf16;
@@ -268,7 +270,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (DecodeTraits<kHeadDim, KvT, k
         const float raw = fmaf(s[i][j], 0.0f, s[i][j]);
         float score;
         if (params.soft_cap > 0.0f) {
-          score = params.soft_cap * tanhf(raw * params.score_scale / params.soft_cap) * kLog2e;
+          score = SoftCapLog2(raw, params.cap_input_scale, params.cap_log2);
         } else {
           score = raw * params.score_scale_log2;
         }
@@ -572,9 +574,12 @@ absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream) {
   params.k_indices = args.pages.k_indices;
   params.v_indices = args.pages.v_indices;
   params.work = args.work;
-  params.score_scale = args.params.sm_scale * args.params.k_scale;
-  params.score_scale_log2 = params.score_scale * kLog2e;
   params.soft_cap = args.params.logits_soft_cap > 0.0f ? args.params.logits_soft_cap : 0.0f;
+  const SoftmaxParams softmax =
+      SoftmaxParams::Of(args.params.sm_scale * args.params.k_scale, params.soft_cap);
+  params.score_scale_log2 = args.params.sm_scale * args.params.k_scale * kLog2e;
+  params.cap_input_scale = softmax.cap_input_scale;
+  params.cap_log2 = softmax.cap_log2;
   params.v_scale = args.params.v_scale;
   params.o = args.o.data;
   params.o_bf16 = args.o.dtype == DType::kBFloat16;

@@ -5,9 +5,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/cuda/decode.h"
-#include "cuda_check.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "decode_tc.cuh"
 #include "decode_tc_launch.h"
+#include "softmax.cuh"
 
 namespace attnd::cuda {
 namespace {
@@ -16,7 +17,6 @@ using decode_tc::TcDecodeParams;
 using decode_tc::TcShape;
 using KernelFn = void (*)(TcDecodeParams);
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr int32_t kMinGroup = 4;  // below, the CUDA-core kernel wastes less (issue 14)
 
 struct Kernel {
@@ -122,12 +122,12 @@ absl::Status LaunchTensorCoreDecode(const BatchDecodeArgs& args, int32_t log2_pa
   params.num_kv_heads = k.num_heads;
   params.group_size = config.group_size;
   params.log2_page_size = log2_page_size;
+  // The one scaling and soft-cap rule (softmax.cuh); cap_log2 stays 0 without a cap.
   const float score_scale = args.params.sm_scale * args.params.k_scale;
+  const SoftmaxParams softmax = SoftmaxParams::Of(score_scale, args.params.logits_soft_cap);
   params.score_scale_log2 = score_scale * kLog2e;
-  if (args.params.logits_soft_cap > 0.0f) {
-    params.cap_input_scale = score_scale / args.params.logits_soft_cap;
-    params.cap_log2 = args.params.logits_soft_cap * kLog2e;
-  }
+  params.cap_input_scale = softmax.cap_input_scale;
+  params.cap_log2 = softmax.soft_cap ? softmax.cap_log2 : 0.0f;
   params.v_scale = args.params.v_scale;
   params.o_bf16 = args.o.dtype == DType::kBFloat16;
 

@@ -41,24 +41,18 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cp_async.cuh"
+#include "math.cuh"
+#include "mma.cuh"
 #include "plan/decode_work.h"
 #include "prefill_kernel.cuh"
-#include "prefill_ptx.cuh"
+#include "softmax.cuh"
+#include "vec.cuh"
 
 namespace attnd::cuda::decode_tc {
 
-using prefill::AccurateTanh;
-using prefill::CpAsync16;
-using prefill::CpAsyncCommit;
-using prefill::CpAsyncWait;
-using prefill::FastExp2;
-using prefill::FastLog2;
-using prefill::kLn2;
-using prefill::LdMatrixX4;
-using prefill::LdMatrixX4Trans;
-using prefill::Mma16816;
-using prefill::PackFloat2;
-using prefill::SharedAddress;
+// The primitives (FastExp2, FastLog2, kLn2, cp.async, ldmatrix, mma.sync, PackFloat2,
+// SoftCapLog2) are attnd::cuda's; the prefill kernel's tile helpers are shared too.
 using prefill::StaticFor;
 using prefill::SwizzledStepBytes;
 
@@ -291,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
       // Non-finite scores (NaN or inf in q or K) become NaN before the cap (tanh(inf) is
       // finite), so they reach the row's sum and o: NaN in, NaN out (one FFMA).
       const float raw = s[e] * 0.0f + s[e];
-      const float score = soft_cap ? params.cap_log2 * AccurateTanh(raw * params.cap_input_scale)
+      const float score = soft_cap ? SoftCapLog2(raw, params.cap_input_scale, params.cap_log2)
                                    : raw * scale_log2;
       s[e] = key < valid_keys ? score : -INFINITY;
     }

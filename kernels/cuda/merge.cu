@@ -9,8 +9,8 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/merge.h"
-#include "cuda_check.h"
 #include "vec.cuh"
 
 namespace attnd::cuda {
@@ -134,13 +134,13 @@ __global__ void __launch_bounds__(kMergeThreads) MergeStatesKernel(const MergePa
       break;
     case DType::kBFloat16:
       *reinterpret_cast<uint2*>(static_cast<uint16_t*>(params.o) + offset) =
-          make_uint2(PackFloat2(sum.x, sum.y, static_cast<__nv_bfloat16*>(nullptr)),
-                     PackFloat2(sum.z, sum.w, static_cast<__nv_bfloat16*>(nullptr)));
+          make_uint2(PackFloat2<__nv_bfloat16>(sum.x, sum.y),
+                     PackFloat2<__nv_bfloat16>(sum.z, sum.w));
       break;
     default:
       *reinterpret_cast<uint2*>(static_cast<uint16_t*>(params.o) + offset) =
-          make_uint2(PackFloat2(sum.x, sum.y, static_cast<__half*>(nullptr)),
-                     PackFloat2(sum.z, sum.w, static_cast<__half*>(nullptr)));
+          make_uint2(PackFloat2<__half>(sum.x, sum.y),
+                     PackFloat2<__half>(sum.z, sum.w));
       break;
   }
   if (params.lse != nullptr && slice == 0) params.lse[out_row * num_heads + head] = lse;

@@ -20,9 +20,8 @@ set_target_properties(attnd_mla_kernels PROPERTIES
 # capability 9.0 for caches of q's 16-bit type (ATTND_MLA_HOPPER).
 if(ATTND_CUDA_ARCHITECTURES MATCHES "(^|;)90")
   add_library(attnd_mla_hopper OBJECT ${CMAKE_CURRENT_LIST_DIR}/mla_decode_hopper.cu)
-  target_include_directories(attnd_mla_hopper
-    PRIVATE ${CMAKE_CURRENT_LIST_DIR}/../include ${CMAKE_CURRENT_LIST_DIR}/.. ${CMAKE_CURRENT_LIST_DIR})
-  target_link_libraries(attnd_mla_hopper PRIVATE attnd_kernel_types CUDA::cudart attnd_warnings)
+  target_include_directories(attnd_mla_hopper PRIVATE ${CMAKE_CURRENT_LIST_DIR})
+  target_link_libraries(attnd_mla_hopper PRIVATE attnd_kernel_types attnd_plan CUDA::cudart attnd_warnings)
   target_compile_options(attnd_mla_hopper
     PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-gencode=arch=compute_90a,code=sm_90a -lineinfo>)
   set_target_properties(attnd_mla_hopper PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)

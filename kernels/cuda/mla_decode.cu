@@ -5,10 +5,10 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/merge.h"
 #include "attnd/kernels/cuda/mla_decode.h"
 #include "attnd/status_macros.h"
-#include "cuda_check.h"
 #include "mla_decode_kernel.cuh"
 
 namespace attnd::cuda {
@@ -207,10 +207,10 @@ absl::Status MlaDecode(const MlaDecodeArgs& args, cudaStream_t stream) {
   params.page_size_log2 = page_size_log2;
   params.window_left = attention.window_left;
   const float score_scale = attention.sm_scale * attention.k_scale;
-  params.score_scale_log2 = score_scale * mla::kLog2e;
+  params.score_scale_log2 = score_scale * kLog2e;
   const bool soft_cap = attention.logits_soft_cap > 0.0f;
   params.cap_input_scale = soft_cap ? score_scale / attention.logits_soft_cap : 0.0f;
-  params.cap_log2 = soft_cap ? attention.logits_soft_cap * mla::kLog2e : 0.0f;
+  params.cap_log2 = soft_cap ? attention.logits_soft_cap * kLog2e : 0.0f;
   params.pe_ratio = attention.v_scale / attention.k_scale;
   params.o_scale = attention.k_scale;
   params.q_bf16 = args.q_nope.dtype == DType::kBFloat16;

@@ -16,7 +16,7 @@
 //     O_c += P V_c (wgmma m64n128k16, P from registers, V = the tile's ckv columns of consumer c,
 //     transposed from shared memory). Q K^T of tile j is issued together with P V of tile j-1.
 //
-// Shared memory (1024-byte aligned blocks, 128-byte swizzle, see prefill_hopper_ptx.cuh):
+// Shared memory (1024-byte aligned blocks, 128-byte swizzle, see hopper_ptx.cuh):
 //   Q   [D/64 blocks][64 rows][128 B]
 //   KV  [kStages][D/64 blocks][32 rows][128 B]   ckv in blocks 0..rank/64-1, kpe in the last
 //   X   [2 tiles][2 consumers][4][128 threads] float4: the partial S exchange
@@ -26,29 +26,12 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "hopper_ptx.cuh"
+#include "math.cuh"
 #include "mla_decode_kernel.cuh"
-#include "prefill_hopper_ptx.cuh"
+#include "softmax.cuh"
 
 namespace attnd::cuda::mla::hopper {
-
-using prefill::hopper::AdvanceDescriptor;
-using prefill::hopper::ClaimRegisters;
-using prefill::hopper::CpAsyncArriveNoinc;
-using prefill::hopper::CpAsyncWaitAll;
-using prefill::hopper::FenceMbarrierInit;
-using prefill::hopper::FenceProxyAsync;
-using prefill::hopper::FenceRegister;
-using prefill::hopper::FenceRegisters;
-using prefill::hopper::MatrixDescriptor;
-using prefill::hopper::MbarrierArrive;
-using prefill::hopper::MbarrierInit;
-using prefill::hopper::MbarrierWait;
-using prefill::hopper::NamedBarrierSync;
-using prefill::hopper::ReleaseRegisters;
-using prefill::hopper::WgmmaCommit;
-using prefill::hopper::WgmmaFence;
-using prefill::hopper::WgmmaRS;
-using prefill::hopper::WgmmaWait;
 
 inline constexpr int kHopperThreads = 384;
 inline constexpr int kHopperStages = 3;
@@ -174,11 +157,6 @@ __device__ __forceinline__ void IssueQk(float (&s)[16], uint64_t q_descriptor, u
   WgmmaCommit();
 }
 
-__device__ __forceinline__ float FastExp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 template <typename Shape, typename T>
 __device__ __forceinline__ void Consume(const MlaParams& params, const HopperWork& work, uint32_t smem,
@@ -301,7 +279,7 @@ __device__ __forceinline__ void Consume(const MlaParams& params, const HopperWor
     for (int i = 0; i < 16; ++i) s[i] = fmaf(s[i], 0.0f, s[i]);
     if (soft_cap) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) s[i] = params.cap_log2 * AccurateTanh(s[i] * params.cap_input_scale);
+      for (int i = 0; i < 16; ++i) s[i] = SoftCapLog2(s[i], params.cap_input_scale, params.cap_log2);
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {

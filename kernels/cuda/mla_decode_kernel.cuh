@@ -28,28 +28,21 @@
 #include <type_traits>
 
 #include "attnd/kernels/dtype.h"
+#include "cp_async.cuh"
+#include "fp8.cuh"
+#include "math.cuh"
+#include "mma.cuh"
 #include "plan/mla_work.h"
-#include "prefill_ptx.cuh"
+#include "softmax.cuh"
+#include "vec.cuh"
 
 namespace attnd::cuda::mla {
-
-using prefill::ConvertPair;
-using prefill::CpAsync16;
-using prefill::CpAsyncCommit;
-using prefill::CpAsyncWait;
-using prefill::LdMatrixX4;
-using prefill::LdMatrixX4Trans;
-using prefill::Mma16816;
-using prefill::PackFloat2;
-using prefill::SharedAddress;
 
 inline constexpr int kThreads = 256;
 inline constexpr int kRows = plan::kMlaRowsPerCta;   // 64
 inline constexpr int kTile = plan::kMlaTileTokens;   // 32
 inline constexpr int kStages = 3;
 inline constexpr int kRopeDim = 64;
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
 
 // What one launch reads, resolved by the launcher (mla_decode.cu).
 struct MlaParams {
@@ -120,10 +113,6 @@ struct MlaShape {
 template <int kDim>
 __device__ __forceinline__ int Swizzle(int row, int chunk) {
   return row * kDim + ((chunk ^ (row & 7)) << 3);
-}
-
-__device__ __forceinline__ float AccurateTanh(float x) {
-  return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
 }
 
 // Eight 16-bit q values (bf16 or fp16 by `bf16`) times `scale`, rounded to T.
@@ -293,17 +282,10 @@ __global__ void __launch_bounds__(kThreads, 1) MlaDecodeKernel(const __grid_cons
       T* tile_base = mma_tile(stage);
       auto convert_chunk = [&](int row, int raw_byte, int first_chunk) {
         const uint4 bits = *reinterpret_cast<const uint4*>(raw + row * kDim + raw_byte);
-        const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
-        uint32_t out[8];
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          out[2 * w] = ConvertPair<T, Stored>(words[w] & 0xffffu);
-          out[2 * w + 1] = ConvertPair<T, Stored>(words[w] >> 16);
-        }
-        *reinterpret_cast<uint4*>(tile_base + Swizzle<kDim>(row, first_chunk)) =
-            make_uint4(out[0], out[1], out[2], out[3]);
-        *reinterpret_cast<uint4*>(tile_base + Swizzle<kDim>(row, first_chunk + 1)) =
-            make_uint4(out[4], out[5], out[6], out[7]);
+        uint4 low, high;
+        ConvertFp8x16<T, Stored>(bits, low, high);
+        *reinterpret_cast<uint4*>(tile_base + Swizzle<kDim>(row, first_chunk)) = low;
+        *reinterpret_cast<uint4*>(tile_base + Swizzle<kDim>(row, first_chunk + 1)) = high;
       };
       constexpr int kRawCkvChunks = kRank / 16;
       constexpr int kCkvLoads = kTile * kRawCkvChunks / kThreads;
@@ -540,7 +522,7 @@ __global__ void __launch_bounds__(kThreads, 1) MlaDecodeKernel(const __grid_cons
         // unchanged) before the cap could make inf finite or -inf could read as masked. A NaN p
         // makes the row's sum NaN: o and lse come out NaN (NaN in, NaN out).
         const float raw = fmaf(score[e], 0.0f, score[e]);
-        float value = params.cap_log2 > 0.0f ? params.cap_log2 * AccurateTanh(raw * params.cap_input_scale)
+        float value = params.cap_log2 > 0.0f ? SoftCapLog2(raw, params.cap_input_scale, params.cap_log2)
                                              : raw * params.score_scale_log2;
         score[e] = visible ? value : -INFINITY;
         tile_max = fmaxf(tile_max, score[e]);

@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/status_macros.h"
-#include "cuda_check.h"
 #include "pod_params.h"
 #include "prefill_launch.h"
 

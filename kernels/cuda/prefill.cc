@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/merge.h"
 #include "attnd/status_macros.h"
-#include "cuda_check.h"
 #include "prefill_launch.h"
 #include "prefill_params.h"
 

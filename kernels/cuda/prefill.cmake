@@ -1,5 +1,5 @@
-# Batch prefill (issue 4): the tensor-core kernels over the paged cache, their launcher and the
-# host planner. Included from kernels/cuda/CMakeLists.txt. mma.sync instantiations are split by
+# Batch prefill (issue 4): the tensor-core kernels over the paged cache and their launcher (the
+# host planner is kernels/plan's). Included from kernels/cuda/CMakeLists.txt. mma.sync instantiations are split by
 # head_dim (prefill_d*.cu, 16 or 12 kernels each) so a 2-core build compiles them in parallel;
 # the Hopper kernel (prefill_hopper.cu, 4 kernels) is built for sm_90a alone, below.
 add_library(attnd_prefill_kernels STATIC
@@ -7,13 +7,10 @@ add_library(attnd_prefill_kernels STATIC
   ${CMAKE_CURRENT_LIST_DIR}/prefill_d64.cu
   ${CMAKE_CURRENT_LIST_DIR}/prefill_d128.cu
   ${CMAKE_CURRENT_LIST_DIR}/prefill_d256.cu
-  ${CMAKE_CURRENT_LIST_DIR}/../plan/prefill_plan.cc
 )
-target_include_directories(attnd_prefill_kernels
-  PUBLIC ${CMAKE_CURRENT_LIST_DIR}/../include ${CMAKE_CURRENT_LIST_DIR}/..
-  PRIVATE ${CMAKE_CURRENT_LIST_DIR})
+target_include_directories(attnd_prefill_kernels PRIVATE ${CMAKE_CURRENT_LIST_DIR})
 target_link_libraries(attnd_prefill_kernels
-  PUBLIC attnd_kernel_types absl::status absl::statusor CUDA::cudart
+  PUBLIC attnd_kernel_types attnd_plan absl::status absl::statusor CUDA::cudart
   PRIVATE attnd_cuda_kernels absl::strings attnd_warnings)  # MergeStates (merge.h)
 target_compile_options(attnd_prefill_kernels PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>)
 set_target_properties(attnd_prefill_kernels PROPERTIES
@@ -26,9 +23,8 @@ set_target_properties(attnd_prefill_kernels PROPERTIES
 # asks for it (ATTND_PREFILL_HOPPER) and the device is compute capability 9.0.
 if(ATTND_CUDA_ARCHITECTURES MATCHES "(^|;)90")
   add_library(attnd_prefill_hopper OBJECT ${CMAKE_CURRENT_LIST_DIR}/prefill_hopper.cu)
-  target_include_directories(attnd_prefill_hopper
-    PRIVATE ${CMAKE_CURRENT_LIST_DIR}/../include ${CMAKE_CURRENT_LIST_DIR}/.. ${CMAKE_CURRENT_LIST_DIR})
-  target_link_libraries(attnd_prefill_hopper PRIVATE attnd_kernel_types CUDA::cudart attnd_warnings)
+  target_include_directories(attnd_prefill_hopper PRIVATE ${CMAKE_CURRENT_LIST_DIR})
+  target_link_libraries(attnd_prefill_hopper PRIVATE attnd_kernel_types attnd_plan CUDA::cudart attnd_warnings)
   target_compile_options(attnd_prefill_hopper
     PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-gencode=arch=compute_90a,code=sm_90a -lineinfo>)
   set_target_properties(attnd_prefill_hopper PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)

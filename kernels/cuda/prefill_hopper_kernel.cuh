@@ -19,7 +19,7 @@
 // pair of named barriers makes them take turns issuing (ping-pong), so one's softmax overlaps the
 // other's matrix products.
 //
-// Shared memory (1024-byte aligned blocks, 128-byte swizzle, see prefill_hopper_ptx.cuh; shapes
+// Shared memory (1024-byte aligned blocks, 128-byte swizzle, see hopper_ptx.cuh; shapes
 // and the producer in prefill_hopper_pipeline.cuh):
 //   Q  [2 consumers][D/64 blocks][64 rows][128 B]  (reused to stage O in the epilogue)
 //   K  [kStages][D/64 blocks][128 rows][128 B]
@@ -29,38 +29,19 @@
 
 #include <cstdint>
 
+#include "hopper_ptx.cuh"
+#include "math.cuh"
+#include "mma.cuh"
 #include "prefill_hopper_pipeline.cuh"
-#include "prefill_hopper_ptx.cuh"
 #include "prefill_params.h"
-#include "prefill_ptx.cuh"
+#include "softmax.cuh"
+#include "vec.cuh"
 
 namespace attnd::cuda::prefill::hopper {
 
 // --- Consumers --------------------------------------------------------------------------------
 
-// Online softmax over one S tile (64 fp32 per thread: rows g and g + 8 of the warp's 16, keys
-// 8j + 2t + e), already capped and masked: updates the running max and sum (log2 domain), turns
-// S into P in place and returns the factor the accumulated O must be scaled by.
-struct SoftmaxParams {
-  float scale_log2;       // applied to raw scores (1 when soft-capped: the cap applies it)
-  float cap_input_scale;  // soft cap: s -> cap_log2 * tanh(s * cap_input_scale)
-  float cap_log2;
-  bool soft_cap;
-};
 
-__device__ __forceinline__ float FastExp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float FastLog2(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// tanh(x) = 1 - 2 / (e^{2x} + 1): relative error ~1e-6 (tanh.approx's ~5e-4 would show in
-// capped logits).
-__device__ __forceinline__ float AccurateTanh(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
 
 // Non-finite inputs (q, or a key's k) make a score NaN or +-inf: s * 0 + s turns both into NaN
 // (finite s unchanged) before the cap could make inf finite or -inf could read as masked; the
@@ -72,10 +53,13 @@ __device__ __forceinline__ void SoftCap(float (&s)[64], const SoftmaxParams& sp)
   for (int i = 0; i < 64; ++i) s[i] = fmaf(s[i], 0.0f, s[i]);
   if (sp.soft_cap) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) s[i] = sp.cap_log2 * AccurateTanh(s[i] * sp.cap_input_scale);
+    for (int i = 0; i < 64; ++i) s[i] = SoftCapLog2(s[i], sp.cap_input_scale, sp.cap_log2);
   }
 }
 
+// Online softmax over one S tile (64 fp32 per thread: rows g and g + 8 of the warp's 16, keys
+// 8j + 2t + e), already capped and masked: updates the running max and sum (log2 domain), turns
+// S into P in place and returns the factor the accumulated O must be scaled by.
 __device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
                                         const SoftmaxParams& sp) {
   float subtract[2];
@@ -168,13 +152,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     row_position[h] = work.position_offset + packed / group;
   }
 
-  const bool soft_cap = params.soft_cap > 0.0f;
-  SoftmaxParams sp;
-  sp.soft_cap = soft_cap;
-  // Without a cap, scores stay raw and exp2(s * scale_log2 - m) folds the scale into one FFMA.
-  sp.scale_log2 = soft_cap ? 1.0f : params.score_scale * kLog2e;
-  sp.cap_input_scale = soft_cap ? params.score_scale / params.soft_cap : 0.0f;
-  sp.cap_log2 = params.soft_cap * kLog2e;
+  const SoftmaxParams sp = SoftmaxParams::Of(params.score_scale, params.soft_cap);
 
   float o[kOut];
 #pragma unroll

@@ -6,9 +6,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "prefill_hopper_ptx.cuh"
+#include "cp_async.cuh"
+#include "hopper_ptx.cuh"
+#include "math.cuh"
 #include "prefill_params.h"
-#include "prefill_ptx.cuh"
 
 namespace attnd::cuda::prefill::hopper {
 
@@ -24,8 +25,6 @@ static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= 512, "6553
 inline constexpr uint32_t kTurnBarrier = 1;       // + consumer index
 inline constexpr uint32_t kConsumerBarrier = 3;   // + consumer index
 
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
 
 template <int kHeadDimArg, int kStagesArg>
 struct HopperShape {

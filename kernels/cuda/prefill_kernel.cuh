@@ -20,14 +20,16 @@
 #include <type_traits>
 #include <utility>
 
+#include "cp_async.cuh"
+#include "fp8.cuh"
+#include "math.cuh"
+#include "mma.cuh"
 #include "prefill_kv_loader.cuh"
 #include "prefill_params.h"
-#include "prefill_ptx.cuh"
+#include "softmax.cuh"
 
 namespace attnd::cuda::prefill {
 
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
 
 constexpr int KvBlocksPerWarp(int tile_rows, int head_dim) {
   // 16-key blocks each warp multiplies per KV tile. Bounded by registers: a thread holds
@@ -102,23 +104,8 @@ __device__ __forceinline__ float TreeReduce(float (&values)[kCount], Op op) {
   return values[0];
 }
 
-__device__ __forceinline__ float FastExp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
-__device__ __forceinline__ float FastLog2(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
-// tanh(x) = 1 - 2 / (e^{2x} + 1): relative error ~1e-6, unlike tanh.approx (~5e-4), which a
-// soft cap of 30-50 would turn into logit errors of a few percent.
-__device__ __forceinline__ float AccurateTanh(float x) {
-  return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
-}
 
 // One CTA's work: logical CTA `cta` of the launch whose work list is `items` (item cta /
 // num_kv_heads, KV head cta % num_kv_heads), in the dynamic shared memory (Shape::kSmemBytes).
@@ -350,7 +337,7 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
 #pragma unroll
         for (int jb = 0; jb < kMmaKv; ++jb) {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) s[mq][jb][e] = cap_log2 * AccurateTanh(s[mq][jb][e] * cap_input_scale);
+          for (int e = 0; e < 8; ++e) s[mq][jb][e] = SoftCapLog2(s[mq][jb][e], cap_input_scale, cap_log2);
         }
       }
     }

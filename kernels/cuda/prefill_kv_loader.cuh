@@ -6,8 +6,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cp_async.cuh"
+#include "fp8.cuh"
 #include "prefill_params.h"
-#include "prefill_ptx.cuh"
 
 namespace attnd::cuda::prefill {
 
@@ -104,20 +105,14 @@ struct KvTileLoader {
       for (int pass = 0; pass < kPasses; ++pass) {
         const int row = first_row + pass * kRowsPerPass;
         const uint4 bits = *reinterpret_cast<const uint4*>(RawChunk(tile, raw, row, load));
-        const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
         if constexpr (kNarrow) {
           // 16 fp8 values -> chunks 2 * load and 2 * load + 1.
-          uint32_t out[8];
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            out[2 * w] = ConvertPair<T, Stored>(words[w] & 0xffffu);
-            out[2 * w + 1] = ConvertPair<T, Stored>(words[w] >> 16);
-          }
-          *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, 2 * load)) =
-              make_uint4(out[0], out[1], out[2], out[3]);
-          *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, 2 * load + 1)) =
-              make_uint4(out[4], out[5], out[6], out[7]);
+          uint4 low, high;
+          ConvertFp8x16<T, Stored>(bits, low, high);
+          *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, 2 * load)) = low;
+          *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, 2 * load + 1)) = high;
         } else {
+          const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
           *reinterpret_cast<uint4*>(tile + Swizzle<Shape::kHeadDim>(row, load)) =
               make_uint4(ConvertPair<T, Stored>(words[0]), ConvertPair<T, Stored>(words[1]),
                          ConvertPair<T, Stored>(words[2]), ConvertPair<T, Stored>(words[3]));

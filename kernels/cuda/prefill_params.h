@@ -1,5 +1,5 @@
 // What one launch of the batch prefill kernel reads: plain device pointers and resolved scalars,
-// passed by value. Built by the launcher (prefill.cu) from the public views; the kernel
+// passed by value. Built by the launcher (prefill.cc) from the public views; the kernel
 // templates (prefill_kernel.cuh) and the per-head-dim instantiation files share it.
 #pragma once
 

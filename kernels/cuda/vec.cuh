@@ -1,4 +1,5 @@
-// Small device primitives shared by the kernels: packed element conversions and cp.async.
+// Small device primitives shared by the kernels: packed element conversions (cp.async is
+// cp_async.cuh's).
 // Conversions round to nearest even (FP8: saturating to +-448), like attnd/kernels/dtype.h, so a
 // kernel stores the bytes the reference stores for the same float.
 #pragma once
@@ -85,14 +86,21 @@ __device__ __forceinline__ void Raw8ToFloat<__nv_fp8_e4m3>(const uint2& raw, flo
   }
 }
 
-// Packs two floats (a in the low half) rounded to T.
-__device__ __forceinline__ uint32_t PackFloat2(float a, float b, __nv_bfloat16*) {
+// Two floats -> one register of two 16-bit values of T (a in the low half), round to nearest
+// even: an MMA operand register, or two elements of a stored row.
+template <typename T>
+__device__ __forceinline__ uint32_t PackFloat2(float a, float b);
+
+template <>
+__device__ __forceinline__ uint32_t PackFloat2<__nv_bfloat16>(float a, float b) {
   const __nv_bfloat162 pair = __floats2bfloat162_rn(a, b);
   uint32_t word;
   memcpy(&word, &pair, sizeof word);
   return word;
 }
-__device__ __forceinline__ uint32_t PackFloat2(float a, float b, __half*) {
+
+template <>
+__device__ __forceinline__ uint32_t PackFloat2<__half>(float a, float b) {
   const __half2 pair = __floats2half2_rn(a, b);
   uint32_t word;
   memcpy(&word, &pair, sizeof word);
@@ -103,10 +111,10 @@ __device__ __forceinline__ uint32_t PackFloat2(float a, float b, __half*) {
 template <typename T>
 __device__ __forceinline__ typename Raw8<T>::type FloatToRaw8(const float* in) {
   uint4 raw;
-  raw.x = PackFloat2(in[0], in[1], static_cast<T*>(nullptr));
-  raw.y = PackFloat2(in[2], in[3], static_cast<T*>(nullptr));
-  raw.z = PackFloat2(in[4], in[5], static_cast<T*>(nullptr));
-  raw.w = PackFloat2(in[6], in[7], static_cast<T*>(nullptr));
+  raw.x = PackFloat2<T>(in[0], in[1]);
+  raw.y = PackFloat2<T>(in[2], in[3]);
+  raw.z = PackFloat2<T>(in[4], in[5]);
+  raw.w = PackFloat2<T>(in[6], in[7]);
   return raw;
 }
 
@@ -122,23 +130,6 @@ __device__ __forceinline__ uint2 FloatToRaw8<__nv_fp8_e4m3>(const float* in) {
     words[i] = low | (high << 16);
   }
   return make_uint2(words[0], words[1]);
-}
-
-// Asynchronous 16-byte global -> shared copy (L2 only). With valid == false nothing is read and
-// the 16 bytes are zero-filled.
-__device__ __forceinline__ void CpAsync16(void* shared, const void* global, bool valid) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
-  const int source_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global),
-               "r"(source_bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int kPendingGroups>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPendingGroups) : "memory");
 }
 
 }  // namespace attnd::cuda

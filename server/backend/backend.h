@@ -15,88 +15,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attnd/kernels/attention_params.h"
+#include "attnd/kernels/cache_geometry.h"  // CacheGeometry
 #include "attnd/kernels/rope.h"
+#include "attnd/kernels/step_batch.h"  // StepBatch, StepOptions, StepPhase
 #include "attnd/kernels/views.h"
 #include "backend/layer_trace.h"
 
 namespace attnd {
-
-// Geometry of one cache's pools, fully resolved (no defaults left). Storage is one region per
-// layer and pool: K then V, each num_pages pages. MLA caches keep ckv in the K pool
-// (k_head_dim = kv_lora_rank) and kpe in the V pool (v_head_dim = rope_dim), one "head".
-struct CacheGeometry {
-  bool mla = false;
-  int32_t num_layers = 0;
-  int32_t num_qo_heads = 0;
-  int32_t num_kv_heads = 0;  // 1 for MLA
-  int32_t k_head_dim = 0;    // MHA: head_dim; MLA: kv_lora_rank
-  int32_t v_head_dim = 0;    // MHA: head_dim; MLA: rope_dim
-  int32_t page_size = 0;
-  int64_t num_pages = 0;
-  DType kv_dtype = DType::kBFloat16;
-  DType q_dtype = DType::kBFloat16;
-  KvLayout layout = KvLayout::kNHD;
-  float k_scale = 1.0f;
-  float v_scale = 1.0f;
-  RopeConfig rope;  // rotary_dim resolved
-
-  int64_t KPageBytes() const {
-    return int64_t{page_size} * num_kv_heads * k_head_dim * DTypeBytes(kv_dtype);
-  }
-  int64_t VPageBytes() const {
-    return int64_t{page_size} * num_kv_heads * v_head_dim * DTypeBytes(kv_dtype);
-  }
-  // One page id across every layer, K and V.
-  int64_t BytesPerPage() const { return (KPageBytes() + VPageBytes()) * num_layers; }
-  int64_t PoolBytes() const { return BytesPerPage() * num_pages; }
-};
-
-// Kernel-level options of a step beyond AttentionParams.
-struct StepOptions {
-  AttentionParams params;  // sm_scale resolved; k/v scales from the cache
-  bool return_lse = false;
-  bool deterministic = false;
-  int32_t fixed_split_tokens = 0;  // 0: planner's choice
-  bool disable_split_kv = false;
-};
-
-enum class StepPhase { kEmpty, kDecode, kPrefill, kMixed };
-
-// Copy-on-write of one page (managed mode, ForkSequence): before a step's first write into a
-// partial last page that other sequences share, the page's bytes (K and V, per layer) are copied
-// to a fresh page, which takes the shared page's place in the writer's page table.
-struct PageCopy {
-  int32_t source = 0;
-  int32_t destination = 0;
-};
-std::string_view StepPhaseName(StepPhase phase);  // "none", "decode", "prefill", "mixed"
-
-// A step's batch in the form the kernels take, built once by the engine at Plan and shared,
-// immutable, by every layer. Padding entries keep their slot with no rows and no pages.
-struct StepBatch {
-  int32_t batch_size = 0;               // plan entries, padding included
-  int64_t num_tokens = 0;               // rows of q/k/v/o per layer
-  std::vector<int32_t> qo_indptr;       // [batch_size + 1] rows of each entry
-  std::vector<int32_t> page_indptr;     // [batch_size + 1] into the page index arrays
-  std::vector<int32_t> k_page_indices;  // page ids, K pool (and V pool when SHARED)
-  // Page ids of the V pool; empty when the page table is SHARED (V pages are the K pages), so a
-  // step does not copy (nor upload) the same ids twice.
-  std::vector<int32_t> v_page_indices;
-  std::vector<int32_t> last_page_len;   // [batch_size]
-  std::vector<int32_t> token_batch_indices;  // [num_tokens] entry of each row
-  std::vector<int32_t> token_positions;      // [num_tokens] position in its sequence
-  // Pages to copy before this step's append, in every layer the step runs (each layer copies
-  // its own K and V regions on the cache's stream before its append kernel). The destination
-  // pages are fresh and already in the page table above.
-  std::vector<PageCopy> page_copies;
-  StepOptions options;
-  StepPhase phase = StepPhase::kEmpty;
-
-  // Views of the vectors above (host memory; valid while this StepBatch lives).
-  PageTableView PageTable(int32_t page_size) const;
-  AppendIndexView AppendIndex() const;
-  int64_t KvLength(int32_t b, int32_t page_size) const { return PageTable(page_size).KvLength(b); }
-};
 
 // Bytes of one input tensor: contiguous at `data`, or, when `pieces` is not empty, the
 // concatenation of the pieces (the slices of a received gRPC message, which a backend copies

@@ -19,6 +19,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions
       cuda.kv_budget_bytes = options.kv_memory_bytes;
       cuda.kv_memory_fraction = options.kv_memory_fraction;
       cuda.observer = options.observer;
+      cuda.pod_mode = options.pod_mode;
+      cuda.decode_kernel = options.decode_kernel;
+      cuda.completion_wait = options.cuda_completion_wait;
       return MakeCudaBackend(cuda);
     }
     // Say why: a missing driver, a container without the GPU, CUDA_VISIBLE_DEVICES="".

@@ -3,11 +3,14 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
-#include "server.h"
+#include "options.h"
+#include "plan/decode_choice.h"
+#include "plan/pod_choice.h"
 
 namespace attnd {
 
@@ -17,6 +20,12 @@ struct BackendFactoryOptions {
   int64_t kv_memory_bytes = 0;  // per device; 0: a fraction of free memory (CUDA) / 1 GiB (CPU)
   double kv_memory_fraction = 0.9;
   BackendObserver* observer = nullptr;
+  // CUDA backend only (CudaBackendOptions): when a mixed step runs as one POD launch, which
+  // decode kernel the decode planner may use, and how its completion threads wait ("blocking"
+  // or "spin"; "" = blocking).
+  plan::PodMode pod_mode = plan::PodMode::kAuto;
+  plan::DecodeKernelChoice decode_kernel = plan::DecodeKernelChoice::kAuto;
+  std::string cuda_completion_wait;
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions& options);

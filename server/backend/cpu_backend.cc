@@ -160,18 +160,7 @@ class CpuCache final : public BackendCache {
   }
 
   PagedKvView Pool(int32_t layer, bool v_pool) const {
-    const int64_t layer_bytes = geometry_.num_pages * (geometry_.KPageBytes() + geometry_.VPageBytes());
-    uint8_t* base = storage_.get() + layer * layer_bytes;
-    if (v_pool) base += geometry_.num_pages * geometry_.KPageBytes();
-    PagedKvView view;
-    view.data = base;
-    view.dtype = geometry_.kv_dtype;
-    view.layout = geometry_.layout;
-    view.num_pages = geometry_.num_pages;
-    view.page_size = geometry_.page_size;
-    view.num_heads = geometry_.num_kv_heads;
-    view.head_dim = v_pool ? geometry_.v_head_dim : geometry_.k_head_dim;
-    return view;
+    return geometry_.Pool(storage_.get(), layer, v_pool);
   }
 
   WorkerPool* workers() const { return workers_; }

@@ -7,19 +7,19 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/mla_decode.h"
 #include "attnd/status_macros.h"
 #include "backend/cuda_cache.h"
 #include "backend/cuda_memory.h"
-#include "backend/cuda_range_allocator.h"
-#include "backend/pod_choice.h"
-#include "cuda/cuda_check.h"
+#include "plan/pod_choice.h"
+#include "plan/range_allocator.h"
 
 namespace attnd {
 namespace {
 
 using cuda_backend::CudaCache;
-using cuda_backend::RangeAllocator;
+using plan::RangeAllocator;
 
 // Kernels are loaded when the CUDA context is created rather than at their first launch (the
 // runtime's default is lazy loading, which made the first layer of the first step take 5.5 ms
@@ -32,7 +32,7 @@ bool IsPowerOfTwo(int64_t value) { return value > 0 && (value & (value - 1)) == 
 // What the CUDA kernels take; the service validates most of this already, so a refusal here
 // names the limit of this backend rather than of the API.
 // MLA caches: one latent "head" (ckv in the K pool, kpe in the V pool), served by the MLA
-// decode kernel for every row (cuda_step_plan.h).
+// decode kernel for every row (plan/step_plan.h).
 absl::Status CheckMlaSupported(const CacheGeometry& g) {
   auto unsupported = [](absl::string_view what) {
     return absl::UnimplementedError(
@@ -198,11 +198,7 @@ class CudaBackend final : public Backend {
 };
 
 absl::StatusOr<cuda_backend::CompletionWait> CompletionWaitOf(const CudaBackendOptions& options) {
-  std::string name = options.completion_wait;
-  if (name.empty()) {
-    const char* from_environment = std::getenv("ATTND_CUDA_COMPLETION");
-    name = from_environment != nullptr ? from_environment : "";
-  }
+  const std::string& name = options.completion_wait;
   if (name.empty() || name == "blocking") return cuda_backend::CompletionWait::kBlockingSync;
   if (name == "spin") return cuda_backend::CompletionWait::kSpin;
   return absl::InvalidArgumentError(
@@ -296,9 +292,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     info.devices.push_back(device.info);
   }
   info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index", "channel_host_shm", "channel_cuda_ipc"};
-  // Mixed steps may run as one POD launch unless ATTND_POD=off (pod_choice.h).
-  const absl::StatusOr<cuda_backend::PodMode> pod_mode = cuda_backend::PodModeFromEnvironment();
-  if (!pod_mode.ok() || *pod_mode != cuda_backend::PodMode::kOff) info.extensions.push_back("pod");
+  // Mixed steps may run as one POD launch unless --pod=off (pod_choice.h).
+  if (options.pod_mode != plan::PodMode::kOff) info.extensions.push_back("pod");
   return std::unique_ptr<CudaBackend>(new CudaBackend(options, info, std::move(devices), wait));
 }
 
@@ -334,7 +329,8 @@ absl::StatusOr<std::unique_ptr<BackendCache>> CudaBackend::CreateCache(
   // The cache's streams, events and buffers belong to its device.
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device->info.ordinal));
   auto cache = CudaCache::Create(geometry, reservation->base() + offset, device->info.ordinal,
-                                 wait_, options_.observer, release);
+                                 wait_, options_.pod_mode, options_.decode_kernel,
+                                 options_.observer, release);
   if (!cache.ok()) {  // the failed cache gave its range back
     return absl::Status(cache.status().code(),
                         absl::StrCat("set up the cache on GPU ", device->info.ordinal, ": ",

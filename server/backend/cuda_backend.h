@@ -16,6 +16,8 @@
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
+#include "plan/decode_choice.h"
+#include "plan/pod_choice.h"
 
 namespace attnd {
 
@@ -26,9 +28,13 @@ struct CudaBackendOptions {
   double kv_memory_fraction = 0.9;  // of each device's memory free at start, in (0, 1]
   BackendObserver* observer = nullptr;  // may be null; must outlive the backend
   // How the completion threads wait for a layer's outputs (cuda_cache.h, CompletionWait):
-  // "blocking" or "spin". Empty: the environment variable ATTND_CUDA_COMPLETION when set (for
-  // measuring both), else "blocking".
+  // "blocking" or "spin" (attnd's --cuda_completion, for measuring both). Empty: "blocking".
   std::string completion_wait;
+  // When a mixed step runs as one POD launch (plan/pod_choice.h; attnd's --pod).
+  plan::PodMode pod_mode = plan::PodMode::kAuto;
+  // The decode kernel each cache's decode planner may use (plan/decode_choice.h; attnd's
+  // --decode_kernel): auto, or one forced for measurements where the cache has it.
+  plan::DecodeKernelChoice decode_kernel = plan::DecodeKernelChoice::kAuto;
 };
 
 // Visible CUDA devices; 0 on any error (no driver, no device), so callers can fall back.

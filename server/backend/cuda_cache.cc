@@ -3,17 +3,17 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/decode.h"
 #include "attnd/kernels/cuda/mla_decode.h"
 #include "attnd/kernels/cuda/pod.h"
 #include "attnd/kernels/cuda/prefill.h"
 #include "attnd/status_macros.h"
 #include "backend/cuda_ipc_channel.h"
-#include "backend/decode_choice.h"
 #include "backend/cuda_step.h"
 #include "channel/host_shm_channel.h"
-#include "backend/cuda_step_plan.h"
-#include "cuda/cuda_check.h"
+#include "plan/decode_choice.h"
+#include "plan/step_plan.h"
 
 namespace attnd::cuda_backend {
 
@@ -28,11 +28,13 @@ CudaCache::CudaCache(const CacheGeometry& geometry, uint8_t* pool, CompletionWai
 absl::StatusOr<std::unique_ptr<CudaCache>> CudaCache::Create(const CacheGeometry& geometry,
                                                              uint8_t* pool, int device,
                                                              CompletionWait wait,
+                                                             plan::PodMode pod_mode,
+                                                             plan::DecodeKernelChoice decode_kernel,
                                                              BackendObserver* observer,
                                                              std::function<void()> release_pool) {
   std::unique_ptr<CudaCache> cache(
       new CudaCache(geometry, pool, wait, observer, std::move(release_pool)));
-  RETURN_IF_ERROR(cache->Init(device));
+  RETURN_IF_ERROR(cache->Init(device, pod_mode, decode_kernel));
   return cache;
 }
 
@@ -42,7 +44,8 @@ absl::Status Lane::CreateStreams() {
   return d2h.Create();
 }
 
-absl::Status CudaCache::Init(int device) {
+absl::Status CudaCache::Init(int device, plan::PodMode pod_mode,
+                             plan::DecodeKernelChoice decode_kernel) {
   device_ = device;
   for (Lane& lane : lanes_) RETURN_IF_ERROR(lane.CreateStreams());
   RETURN_IF_ERROR(transfer_.Create());
@@ -57,7 +60,7 @@ absl::Status CudaCache::Init(int device) {
                                          cudaMemcpyHostToDevice, stream));
   }
   if (geometry_.mla) {
-    // Every MLA row runs the MLA decode kernel (cuda_step_plan.h); no MHA kernel is set up.
+    // Every MLA row runs the MLA decode kernel (plan/step_plan.h); no MHA kernel is set up.
     ASSIGN_OR_RETURN(mla_ctas_per_wave_,
                      cuda::MlaDecodeCtasPerWave({geometry_.q_dtype, geometry_.kv_dtype,
                                                  geometry_.k_head_dim, geometry_.v_head_dim}));
@@ -73,14 +76,13 @@ absl::Status CudaCache::Init(int device) {
       ASSIGN_OR_RETURN(decode_tensor_core_ctas_per_wave_, cuda::TensorCoreDecodeCtasPerWave(config));
       decode_tensor_core_supported_ = decode_tensor_core_ctas_per_wave_ > 0;
     }
-    ASSIGN_OR_RETURN(const plan::DecodeKernelChoice requested, DecodeKernelChoiceFromEnvironment());
-    decode_kernel_choice_ = EffectiveDecodeKernelChoice(requested, decode_cuda_core_supported_,
-                                                        decode_tensor_core_supported_);
+    decode_kernel_choice_ = plan::EffectiveDecodeKernelChoice(
+        decode_kernel, decode_cuda_core_supported_, decode_tensor_core_supported_);
     ASSIGN_OR_RETURN(prefill_ctas_per_wave_,
                      cuda::BatchPrefillCtasPerWave(geometry_.k_head_dim, geometry_.q_dtype,
                                                    geometry_.kv_dtype));
-    ASSIGN_OR_RETURN(pod_mode_, PodModeFromEnvironment());
-    if (pod_mode_ != PodMode::kOff) {
+    pod_mode_ = pod_mode;
+    if (pod_mode_ != plan::PodMode::kOff) {
       ASSIGN_OR_RETURN(pod_ctas_per_wave_,
                        cuda::PodCtasPerWave(geometry_.k_head_dim, geometry_.q_dtype,
                                             geometry_.kv_dtype));
@@ -114,19 +116,7 @@ CudaCache::~CudaCache() {
 }
 
 PagedKvView CudaCache::Pool(int32_t layer, bool v_pool) const {
-  const int64_t layer_bytes =
-      geometry_.num_pages * (geometry_.KPageBytes() + geometry_.VPageBytes());
-  uint8_t* base = pool_ + layer * layer_bytes;
-  if (v_pool) base += geometry_.num_pages * geometry_.KPageBytes();
-  PagedKvView view;
-  view.data = base;
-  view.dtype = geometry_.kv_dtype;
-  view.layout = geometry_.layout;
-  view.num_pages = geometry_.num_pages;
-  view.page_size = geometry_.page_size;
-  view.num_heads = geometry_.num_kv_heads;
-  view.head_dim = v_pool ? geometry_.v_head_dim : geometry_.k_head_dim;
-  return view;
+  return geometry_.Pool(pool_, layer, v_pool);
 }
 
 absl::StatusOr<std::unique_ptr<StepResources>> CudaCache::TakeResources() {
@@ -204,7 +194,7 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStepOn(
     std::shared_ptr<const StepBatch> batch, Lane& lane, bool channel_lane) {
   // Callers' threads (gRPC, the engine) may have another device current.
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  StepPlanContext context;
+  plan::StepPlanContext context;
   context.geometry = &geometry_;
   context.decode_supported = decode_cuda_core_supported_ || decode_tensor_core_supported_;
   context.decode_cuda_core_supported = decode_cuda_core_supported_;
@@ -216,7 +206,7 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStepOn(
   context.mla_ctas_per_wave = mla_ctas_per_wave_;
   context.pod_mode = pod_mode_;
   context.pod_ctas_per_wave = pod_ctas_per_wave_;
-  ASSIGN_OR_RETURN(std::shared_ptr<const StepPlan> plan, plans_.Get(*batch, context));
+  ASSIGN_OR_RETURN(std::shared_ptr<const plan::StepPlan> plan, plans_.Get(*batch, context));
 
   const LayerSizes sizes = LayerSizes::Of(geometry_, batch->num_tokens, batch->options.return_lse);
   const int64_t prefill_work_offset = AlignUp(plan->offsets.total_bytes, kBufferAlignment);

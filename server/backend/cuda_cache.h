@@ -38,8 +38,8 @@
 #include "backend/cuda_output_pool.h"
 #include "backend/cuda_plan_cache.h"
 #include "backend/cuda_step_resources.h"
-#include "backend/pod_choice.h"
 #include "plan/decode_plan.h"
+#include "plan/pod_choice.h"
 #include "plan/pod_plan.h"
 #include "plan/prefill_plan.h"
 
@@ -47,7 +47,7 @@ namespace attnd::cuda_backend {
 
 // How a completion thread waits for a layer's outputs to reach the host. The default sleeps:
 // spinning burns a core per lane (two per cache) for a wake-up that is small next to the wire's
-// latency; spin stays selectable (ATTND_CUDA_COMPLETION=spin) to measure the difference.
+// latency; spin stays selectable (--cuda_completion=spin) to measure the difference.
 enum class CompletionWait {
   kBlockingSync,  // cudaEventSynchronize on a cudaEventBlockingSync event: the thread sleeps
   kSpin,          // cudaEventSynchronize on a default event: the thread spins
@@ -79,6 +79,8 @@ class CudaCache final : public BackendCache {
   static absl::StatusOr<std::unique_ptr<CudaCache>> Create(const CacheGeometry& geometry,
                                                            uint8_t* pool, int device,
                                                            CompletionWait wait,
+                                                           plan::PodMode pod_mode,
+                                                           plan::DecodeKernelChoice decode_kernel,
                                                            BackendObserver* observer,
                                                            std::function<void()> release_pool);
   ~CudaCache() override;
@@ -121,7 +123,7 @@ class CudaCache final : public BackendCache {
 
   CudaCache(const CacheGeometry& geometry, uint8_t* pool, CompletionWait wait,
             BackendObserver* observer, std::function<void()> release_pool);
-  absl::Status Init(int device);
+  absl::Status Init(int device, plan::PodMode pod_mode, plan::DecodeKernelChoice decode_kernel);
   absl::StatusOr<std::unique_ptr<StepResources>> TakeResources();
   int PickLane();
   absl::Status ReserveLane(Lane& lane, int64_t q_rotated_bytes, int64_t workspace_bytes);
@@ -140,9 +142,10 @@ class CudaCache final : public BackendCache {
   int32_t decode_ctas_per_wave_ = 0;
   bool decode_tensor_core_supported_ = false;
   int32_t decode_tensor_core_ctas_per_wave_ = 0;
-  plan::DecodeKernelChoice decode_kernel_choice_ = plan::DecodeKernelChoice::kAuto;  // ATTND_DECODE_KERNEL
+  // CudaBackendOptions::decode_kernel, reduced to a kernel the cache has (decode_choice.h)
+  plan::DecodeKernelChoice decode_kernel_choice_ = plan::DecodeKernelChoice::kAuto;
   plan::PrefillWaveSizes prefill_ctas_per_wave_;
-  PodMode pod_mode_ = PodMode::kOff;  // ATTND_POD, read at creation (pod_choice.h)
+  plan::PodMode pod_mode_ = plan::PodMode::kOff;  // CudaBackendOptions::pod_mode (pod_choice.h)
   plan::PodWaveSizes pod_ctas_per_wave_;
   int32_t mla_ctas_per_wave_ = 0;  // MLA caches only
 

@@ -5,10 +5,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/stream_flags.h"
 #include "attnd/status_macros.h"
 #include "backend/cuda_step.h"
-#include "cuda/cuda_check.h"
 
 namespace attnd::cuda_backend {
 namespace {

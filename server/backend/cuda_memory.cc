@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "cuda/cuda_check.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 
 namespace attnd::cuda_backend {
 namespace {

@@ -11,16 +11,12 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "plan/buffer_alignment.h"
 
 namespace attnd::cuda_backend {
 
-// Round `bytes` up to a multiple of `alignment` (a power of two).
-constexpr int64_t AlignUp(int64_t bytes, int64_t alignment) {
-  return (bytes + alignment - 1) & ~(alignment - 1);
-}
-
-// Offsets of sub-buffers are aligned to this: the kernels want 16 bytes, decode workspaces 256.
-inline constexpr int64_t kBufferAlignment = 256;
+using plan::AlignUp;
+using plan::kBufferAlignment;
 
 // Device memory from cudaMalloc.
 class DeviceBuffer {

@@ -39,8 +39,8 @@ void PlanKeyOf(const StepBatch& batch, int32_t page_size, std::vector<int32_t>& 
   }
 }
 
-absl::StatusOr<std::shared_ptr<const StepPlan>> PlanCache::Get(const StepBatch& batch,
-                                                               const StepPlanContext& context) {
+absl::StatusOr<std::shared_ptr<const plan::StepPlan>> PlanCache::Get(const StepBatch& batch,
+                                                               const plan::StepPlanContext& context) {
   thread_local std::vector<int32_t> key;
   PlanKeyOf(batch, context.geometry->page_size, key);
   const uint64_t hash = HashOf(key);
@@ -55,9 +55,9 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> PlanCache::Get(const StepBatch& 
     }
     ++misses_;
   }
-  absl::StatusOr<StepPlan> built = PlanStep(batch, context);
+  absl::StatusOr<plan::StepPlan> built = plan::PlanStep(batch, context);
   if (!built.ok()) return built.status();
-  auto plan = std::make_shared<const StepPlan>(*std::move(built));
+  auto plan = std::make_shared<const plan::StepPlan>(*std::move(built));
   std::lock_guard lock(mu_);
   entries_.push_front(Entry{hash, key, plan});
   if (entries_.size() > capacity_) entries_.pop_back();

@@ -1,7 +1,7 @@
 // Kernel plans of recent step shapes, reused when a shape repeats (an orchestrator that keeps
 // fixed batch shapes with padding entries, or micro-batches of equal lengths). A plan depends on
 // the shape alone: each entry's query rows and key count, and the step's options; page ids only
-// enter at StepPlan::Fill. So the key is exactly those, and a hit skips the planners.
+// enter at plan::StepPlan::Fill. So the key is exactly those, and a hit skips the planners.
 //
 // Thread-safe; plans are shared and immutable.
 #pragma once
@@ -14,7 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
-#include "backend/cuda_step_plan.h"
+#include "plan/step_plan.h"
 
 namespace attnd::cuda_backend {
 
@@ -22,9 +22,9 @@ class PlanCache {
  public:
   explicit PlanCache(size_t capacity = 16) : capacity_(capacity) {}
 
-  // The plan of `batch`, from the cache or built (PlanStep) and cached.
-  absl::StatusOr<std::shared_ptr<const StepPlan>> Get(const StepBatch& batch,
-                                                      const StepPlanContext& context);
+  // The plan of `batch`, from the cache or built (plan::PlanStep) and cached.
+  absl::StatusOr<std::shared_ptr<const plan::StepPlan>> Get(const StepBatch& batch,
+                                                      const plan::StepPlanContext& context);
 
   int64_t hits() const;
   int64_t misses() const;
@@ -33,7 +33,7 @@ class PlanCache {
   struct Entry {
     uint64_t hash = 0;
     std::vector<int32_t> key;
-    std::shared_ptr<const StepPlan> plan;
+    std::shared_ptr<const plan::StepPlan> plan;
   };
 
   const size_t capacity_;

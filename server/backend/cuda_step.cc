@@ -6,12 +6,12 @@
 #include <cuda_runtime_api.h>
 
 #include "attnd/kernels/cuda/append.h"
+#include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/decode.h"
-#include "attnd/kernels/cuda/pod.h"
 #include "attnd/kernels/cuda/mla_decode.h"
+#include "attnd/kernels/cuda/pod.h"
 #include "attnd/kernels/cuda/prefill.h"
 #include "attnd/status_macros.h"
-#include "cuda/cuda_check.h"
 
 namespace attnd::cuda_backend {
 namespace {
@@ -34,7 +34,7 @@ const T* At(const DeviceBuffer& buffer, int64_t offset) {
 }  // namespace
 
 CudaStep::CudaStep(CudaCache* cache, Lane& lane, std::shared_ptr<const StepBatch> batch,
-                   std::shared_ptr<const StepPlan> plan, std::unique_ptr<StepResources> resources,
+                   std::shared_ptr<const plan::StepPlan> plan, std::unique_ptr<StepResources> resources,
                    int64_t prefill_work_offset)
     : cache_(cache),
       lane_(lane),
@@ -43,7 +43,7 @@ CudaStep::CudaStep(CudaCache* cache, Lane& lane, std::shared_ptr<const StepBatch
       resources_(std::move(resources)),
       sizes_(LayerSizes::Of(cache->geometry(), batch_->num_tokens, batch_->options.return_lse)) {
   const DeviceBuffer& arrays = resources_->device_arrays;
-  const StepArrayOffsets& offsets = plan_->offsets;
+  const plan::StepArrayOffsets& offsets = plan_->offsets;
   qo_indptr_ = At<int32_t>(arrays, offsets.qo_indptr);
   pages_.batch_size = batch_->batch_size;
   pages_.page_size = cache->geometry().page_size;

@@ -16,8 +16,8 @@
 
 #include "backend/backend.h"
 #include "backend/cuda_cache.h"
-#include "backend/cuda_step_plan.h"
 #include "backend/cuda_step_resources.h"
+#include "plan/step_plan.h"
 
 namespace attnd::cuda_backend {
 
@@ -26,7 +26,7 @@ class CudaStep final : public BackendStep {
   // `plan` was built for `batch`, whose arrays are in resources->device_arrays at
   // plan->offsets, with the prefill work list at `prefill_work_offset`.
   CudaStep(CudaCache* cache, Lane& lane, std::shared_ptr<const StepBatch> batch,
-           std::shared_ptr<const StepPlan> plan, std::unique_ptr<StepResources> resources,
+           std::shared_ptr<const plan::StepPlan> plan, std::unique_ptr<StepResources> resources,
            int64_t prefill_work_offset);
   ~CudaStep() override;
 
@@ -65,7 +65,7 @@ class CudaStep final : public BackendStep {
   CudaCache* const cache_;
   Lane& lane_;
   const std::shared_ptr<const StepBatch> batch_;
-  const std::shared_ptr<const StepPlan> plan_;
+  const std::shared_ptr<const plan::StepPlan> plan_;
   std::unique_ptr<StepResources> resources_;
   const LayerSizes sizes_;
 

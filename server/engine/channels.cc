@@ -20,10 +20,6 @@ void RunAll(std::vector<std::function<void()>>& deferred) {
 
 }  // namespace
 
-const char* ChannelKindName(ChannelKind kind) {
-  return kind == ChannelKind::kCudaIpc ? "CUDA_IPC" : "HOST_SHM";
-}
-
 ChannelStatus ChannelStatusOf(const ChannelEntry& channel) {
   ChannelStatus status;
   status.id = channel.id;

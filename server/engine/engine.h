@@ -18,7 +18,7 @@
 #include "absl/time/time.h"
 #include "backend/backend.h"
 #include "engine/specs.h"
-#include "server.h"
+#include "options.h"
 
 namespace attnd {
 

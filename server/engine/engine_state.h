@@ -1,5 +1,6 @@
-// Internal state of the Engine, shared by engine.cc (caches, step end), plan.cc, forward.cc and
-// channels.cc. Everything here is guarded by State::mu.
+// Internal state of the Engine, shared by engine.cc (caches, commit, rollback, step end),
+// plan.cc (Plan), forward.cc (Forward, EndStep), channels.cc (channel steps) and lifecycle.cc
+// (fork, export, import). Everything here is guarded by State::mu.
 #pragma once
 
 #include <cstdint>

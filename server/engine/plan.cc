@@ -186,18 +186,6 @@ absl::Status CheckExternalWrites(const std::vector<PlanEntrySpec>& entries, int3
   return absl::OkStatus();
 }
 
-StepPhase PhaseOf(const std::vector<PlanEntrySpec>& entries) {
-  bool decode = false;
-  bool prefill = false;
-  for (const PlanEntrySpec& entry : entries) {
-    decode |= entry.num_new_tokens == 1;
-    prefill |= entry.num_new_tokens > 1;
-  }
-  if (decode && prefill) return StepPhase::kMixed;
-  if (prefill) return StepPhase::kPrefill;
-  return decode ? StepPhase::kDecode : StepPhase::kEmpty;
-}
-
 }  // namespace
 
 std::shared_ptr<StepBatch> StepBatchPool::Take() {
@@ -404,7 +392,6 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   batch->batch_size = static_cast<int32_t>(spec.entries.size());
   batch->num_tokens = num_tokens;
   batch->options = options;
-  batch->phase = PhaseOf(spec.entries);
   batch->qo_indptr.reserve(spec.entries.size() + 1);
   batch->page_indptr.reserve(spec.entries.size() + 1);
   batch->qo_indptr.push_back(0);
@@ -463,6 +450,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
     batch->last_page_len.push_back(
         pages == 0 ? 0 : static_cast<int32_t>(kv_len - (pages - 1) * page_size));
   }
+  batch->phase = StepPhaseOf(batch->qo_indptr);
 
   auto backend_step = channel != nullptr
                           ? cache->backend->PrepareChannelStep(batch, channel->backend.get())

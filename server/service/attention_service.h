@@ -14,7 +14,7 @@
 #include "engine/engine.h"
 #include "absl/synchronization/mutex.h"
 #include "metrics/metrics.h"
-#include "server.h"
+#include "options.h"
 #include "service/auth.h"
 
 namespace attnd {

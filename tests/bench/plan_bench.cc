@@ -4,7 +4,7 @@
 //   engine    Engine::Plan end to end (validation, slot allocation, the StepBatch, the
 //             backend's PrepareStep, metrics) over a backend whose PrepareStep does nothing, then
 //             EndStep: the engine's own cost.
-//   kernel    the CUDA backend's host planning of the same batch (cuda_backend::PlanStep: the
+//   kernel    the CUDA backend's host planning of the same batch (plan::PlanStep: the
 //             split-KV decode plan, the array layout, then Fill into a host buffer), uncached
 //             and from the plan cache; CUDA builds only (it runs on the CPU, no GPU needed).
 //   decode    plan::PlanBatchDecode alone.
@@ -28,7 +28,7 @@
 #include "plan/decode_plan.h"
 #ifdef ATTND_PLAN_BENCH_CUDA
 #include "backend/cuda_plan_cache.h"
-#include "backend/cuda_step_plan.h"
+#include "plan/step_plan.h"
 #endif
 
 ABSL_FLAG(int32_t, sequences, 256, "decode sequences per step");
@@ -205,7 +205,7 @@ void BenchKernelPlan(const std::string& kind, int32_t sequences, int32_t runs, b
     batch.token_positions.push_back(static_cast<int32_t>(lengths[b] - 1));
   }
   batch.v_page_indices = batch.k_page_indices;
-  cuda_backend::StepPlanContext context;
+  plan::StepPlanContext context;
   context.geometry = &spec.geometry;
   context.decode_supported = true;
   context.decode_ctas_per_wave = absl::GetFlag(FLAGS_ctas_per_wave);
@@ -214,15 +214,15 @@ void BenchKernelPlan(const std::string& kind, int32_t sequences, int32_t runs, b
   std::vector<double> samples;
   for (int32_t run = 0; run < runs + 50; ++run) {
     const Clock::time_point start = Clock::now();
-    std::shared_ptr<const cuda_backend::StepPlan> plan;
+    std::shared_ptr<const plan::StepPlan> plan;
     if (cached) {
       auto got = cache.Get(batch, context);
       if (!got.ok()) return;
       plan = *std::move(got);
     } else {
-      auto built = cuda_backend::PlanStep(batch, context);
+      auto built = plan::PlanStep(batch, context);
       if (!built.ok()) return;
-      plan = std::make_shared<const cuda_backend::StepPlan>(*std::move(built));
+      plan = std::make_shared<const plan::StepPlan>(*std::move(built));
     }
     if (buffer.size() < static_cast<size_t>(plan->offsets.total_bytes)) {
       buffer.resize(plan->offsets.total_bytes);

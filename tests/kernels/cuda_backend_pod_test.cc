@@ -16,7 +16,6 @@
 #include "backend/backend.h"
 #include "backend/cpu_backend.h"
 #include "backend/cuda_backend.h"
-#include "backend/cuda_step_plan.h"
 #include "cuda_backend_test_util.h"
 #include "gtest/gtest.h"
 
@@ -109,7 +108,7 @@ struct Geometry {
 
 TEST(CudaBackendPodTest, MixedStepsRunPodAndMatchTheCpuBackend) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  ::setenv("ATTND_POD", "on", 1);  // read when a cache is created
+  ::setenv("ATTND_POD", "on", 1);  // MakeBackendPair sets the backends' pod_mode from it
   for (const Geometry& shape : {Geometry{"bf16_g4_p16", DType::kBFloat16, 16, 8, 2},
                                 Geometry{"fp8_g8_p1", DType::kFloat8E4M3, 1, 8, 1},
                                 Geometry{"bf16_g1_p16", DType::kBFloat16, 16, 4, 4}}) {
@@ -193,59 +192,6 @@ TEST(CudaBackendPodTest, MixedStepsRunPodAndMatchTheCpuBackend) {
     EXPECT_EQ(observer.non_positive(), 0);
   }
   ::unsetenv("ATTND_POD");
-}
-
-// ---- The step planner's choice (no GPU needed) ----
-
-TEST(PodStepPlanTest, MixedStepsRunPodOnlyWhenTheModeAndOptionsSaySo) {
-  CacheGeometry g;
-  g.num_layers = 1;
-  g.num_qo_heads = 32;
-  g.num_kv_heads = 8;
-  g.k_head_dim = g.v_head_dim = 128;
-  g.page_size = 16;
-  g.num_pages = 4096;
-  SequenceBook book(g, /*separate_kv=*/false, /*seed=*/3);
-  StepOptions options;
-  options.params.sm_scale = 0.1f;
-  book.Plan({{0, 10}, {1, 10}, {2, 10}}, options);
-  const std::shared_ptr<StepBatch> mixed = book.Plan({{0, 1}, {5, 0}, {1, 1}, {3, 600}, {2, 1}}, options);
-  cuda_backend::StepPlanContext context;
-  context.geometry = &g;
-  context.decode_supported = true;
-  context.decode_ctas_per_wave = 528;
-  context.prefill_ctas_per_wave = {396, 396, 396, 132, 264};
-  context.pod_ctas_per_wave = {396, 396};
-
-  context.pod_mode = cuda_backend::PodMode::kOn;
-  auto on = cuda_backend::PlanStep(*mixed, context);
-  ASSERT_TRUE(on.ok()) << on.status();
-  EXPECT_TRUE(on->run_pod);
-  EXPECT_FALSE(on->run_decode || on->run_prefill);
-  EXPECT_EQ(on->KernelName(), "pod");
-  ASSERT_TRUE(on->pod.fused());
-  EXPECT_EQ(on->pod.DecodeRoleCtas(), 3 * 8);  // 3 decodes x 8 KV heads: 11 keys are never split
-
-  context.pod_mode = cuda_backend::PodMode::kOff;
-  auto off = cuda_backend::PlanStep(*mixed, context);
-  ASSERT_TRUE(off.ok());
-  EXPECT_FALSE(off->run_pod);
-  EXPECT_TRUE(off->run_decode && off->run_prefill);
-
-  context.pod_mode = cuda_backend::PodMode::kOn;
-  StepOptions deterministic = options;
-  deterministic.deterministic = true;
-  StepBatch deterministic_batch = *mixed;
-  deterministic_batch.options = deterministic;
-  auto kept = cuda_backend::PlanStep(deterministic_batch, context);
-  ASSERT_TRUE(kept.ok());
-  EXPECT_FALSE(kept->run_pod);
-
-  const std::shared_ptr<StepBatch> decode_only = book.Plan({{0, 1}, {1, 1}}, options);
-  auto decode = cuda_backend::PlanStep(*decode_only, context);
-  ASSERT_TRUE(decode.ok());
-  EXPECT_FALSE(decode->run_pod);
-  EXPECT_EQ(decode->KernelName(), "decode");
 }
 
 }  // namespace

@@ -31,19 +31,19 @@
 #include "backend/backend_factory.h"
 #include "backend/cpu_backend.h"
 #include "backend/cuda_backend.h"
-#include "backend/cuda_range_allocator.h"
-#include "backend/cuda_step_plan.h"
-#include "backend/pod_choice.h"
 #include "cuda_backend_test_util.h"
 #include "gtest/gtest.h"
+#include "plan/pod_choice.h"
 
 namespace attnd {
 namespace {
 
-using cuda_backend::RangeAllocator;
 using testing::Error;
 using testing::MakeBackendPair;
 using testing::MaxLseDifference;
+using testing::MlaCacheConfig;
+using testing::MlaGeometryOf;
+using testing::MlaOptions;
 using testing::NormwiseError;
 using testing::RandomTensor;
 using testing::SequenceBook;
@@ -53,44 +53,6 @@ bool HaveGpu() { return CudaDeviceCount() > 0; }
 
 #define SKIP_WITHOUT_GPU() \
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device"
-
-// ---- Range allocator (no GPU needed) ----
-
-TEST(RangeAllocatorTest, TakesTheLowestRangeThatFits) {
-  RangeAllocator ranges(4096, 256);
-  EXPECT_EQ(ranges.Allocate(1000), 0);     // rounded to 1024
-  EXPECT_EQ(ranges.Allocate(256), 1024);
-  EXPECT_EQ(ranges.Allocate(512), 1280);
-  EXPECT_EQ(ranges.free_bytes(), 4096 - 1792);
-  ranges.Free(0, 1000);
-  EXPECT_EQ(ranges.Allocate(512), 0);       // first fit, in the freed hole
-  EXPECT_EQ(ranges.Allocate(2304), 1792);   // the tail
-  EXPECT_EQ(ranges.Allocate(768), std::nullopt);
-  EXPECT_EQ(ranges.Allocate(512), 512);
-  EXPECT_EQ(ranges.free_bytes(), 0);
-}
-
-TEST(RangeAllocatorTest, FreedNeighboursMergeIntoOneRange) {
-  RangeAllocator ranges(3 * 1024, 1024);
-  const auto a = ranges.Allocate(1024);
-  const auto b = ranges.Allocate(1024);
-  const auto c = ranges.Allocate(1024);
-  ASSERT_TRUE(a && b && c);
-  ranges.Free(*a, 1024);
-  ranges.Free(*c, 1024);
-  EXPECT_EQ(ranges.largest_free_range(), 1024);
-  EXPECT_EQ(ranges.Allocate(2048), std::nullopt);
-  ranges.Free(*b, 1024);
-  EXPECT_EQ(ranges.largest_free_range(), 3 * 1024);
-  EXPECT_EQ(ranges.Allocate(3 * 1024), 0);
-}
-
-TEST(RangeAllocatorTest, RefusesEmptyAndOversizedRequests) {
-  RangeAllocator ranges(1 << 20, 256);
-  EXPECT_EQ(ranges.Allocate(0), std::nullopt);
-  EXPECT_EQ(ranges.Allocate((1 << 20) + 1), std::nullopt);
-  EXPECT_EQ(ranges.free_bytes(), 1 << 20);
-}
 
 // ---- Fixtures ----
 
@@ -276,18 +238,19 @@ StepOptions Options(const CacheGeometry& g) {
 
 // The kernel of a mixed, non-deterministic step of a cache of geometry `g`: POD where the auto
 // rule picks it (pod_choice.h: the separate prefill would not be the Hopper kernel, or page size
-// 1), unless ATTND_POD says otherwise; the separate kernels ("prefill") elsewhere.
+// 1), unless ATTND_POD says otherwise (MakeBackendPair sets the backends' pod_mode from it); the
+// separate kernels ("prefill") elsewhere.
 std::string MixedKernel(const CacheGeometry& g) {
   const auto waves = cuda::BatchPrefillCtasPerWave(g.k_head_dim, g.q_dtype, g.kv_dtype);
   const bool hopper_prefill = waves.ok() && waves->hopper_tile128 > 0;
-  const auto mode = cuda_backend::PodModeFromEnvironment();
-  cuda_backend::PodStepShape shape;
+  const auto mode = plan::PodModeFromEnvironment();
+  plan::PodStepShape shape;
   shape.num_prefill_requests = 1;
   shape.num_decode_requests = 1;
   shape.num_prefill_rows = 12;
   shape.page_size = g.page_size;
   shape.hopper_prefill = hopper_prefill;
-  return mode.ok() && cuda_backend::ChoosePod(*mode, shape) ? "pod" : "prefill";
+  return mode.ok() && plan::ChoosePod(*mode, shape) ? "pod" : "prefill";
 }
 
 // Prefill, split-KV decode, mixed with padding, windowed soft-capped decode, non-causal chunked
@@ -488,51 +451,6 @@ INSTANTIATE_TEST_SUITE_P(Configs, CudaBackendVsCpuTest, ::testing::ValuesIn(Conf
 // both sides), <= 5e-2 for fp8 caches; lse within 5e-3 + 5e-4 |lse|. Pools as for MHA: bitwise
 // without RoPE on a 16-bit cache, else within one ulp.
 
-struct MlaCacheConfig {
-  std::string name;
-  DType q_dtype = DType::kBFloat16;
-  DType kv_dtype = DType::kBFloat16;
-  int32_t kv_lora_rank = 512;
-  int32_t num_heads = 16;
-  int32_t page_size = 64;
-  RopeStyle rope = RopeStyle::kNeox;
-  int32_t rotary_dim = 0;  // 0: rope_dim
-  bool separate_kv = false;
-  float k_scale = 1.0f;  // ckv
-  float v_scale = 1.0f;  // kpe
-  int32_t num_layers = 3;
-};
-
-CacheGeometry MlaGeometryOf(const MlaCacheConfig& config) {
-  CacheGeometry g;
-  g.mla = true;
-  g.num_layers = config.num_layers;
-  g.num_qo_heads = config.num_heads;
-  g.num_kv_heads = 1;
-  g.k_head_dim = config.kv_lora_rank;
-  g.v_head_dim = 64;
-  g.page_size = config.page_size;
-  g.num_pages = 1024 / config.page_size + 16;
-  g.kv_dtype = config.kv_dtype;
-  g.q_dtype = config.q_dtype;
-  g.k_scale = config.k_scale;
-  g.v_scale = config.v_scale;
-  g.rope.style = config.rope;
-  g.rope.theta = 10000.0;
-  g.rope.rotary_dim =
-      config.rope == RopeStyle::kNone ? 0 : (config.rotary_dim > 0 ? config.rotary_dim : 64);
-  return g;
-}
-
-StepOptions MlaOptions(const CacheGeometry& g) {
-  StepOptions options;
-  options.params.sm_scale = 1.0f / std::sqrt(192.0f);
-  options.params.k_scale = g.k_scale;
-  options.params.v_scale = g.v_scale;
-  options.return_lse = true;
-  return options;
-}
-
 // Chunked prefill (several chunks per sequence), decode, speculative rows (2..4 tokens),
 // padding, lse on and off, pinned and automatic KV-split, deterministic mode, soft cap and
 // window, non-causal; in that order over the same sequences.
@@ -584,10 +502,6 @@ std::vector<LayerInputs> RandomMlaInputs(const CacheGeometry& g, int64_t tokens,
   }
   return inputs;
 }
-
-// gtest prints a parameter in test listings and failures; without this, as raw bytes
-// (padding included), which change from build to build.
-void PrintTo(const MlaCacheConfig& c, std::ostream* os) { *os << c.name; }
 
 class CudaBackendMlaVsCpuTest : public ::testing::TestWithParam<MlaCacheConfig> {};
 
@@ -799,176 +713,6 @@ TEST(CudaBackendMlaTest, DeterministicRequestIsBitwiseBatchInvariant) {
               0)
         << "lse differs between batches";
   }
-}
-
-// ---- The MLA step plan (plain C++: runs without a GPU) ----
-
-struct MlaPlanCheck {
-  int64_t units = 0;
-  int64_t split_requests = 0;
-};
-
-// Checks the plan of an MLA step against the batch: every (token, head) row of every request
-// is computed over every key exactly once, units name the step's rows, requests of more than
-// kMlaSplitMaxQueryTokens rows are never split, and each split row merges exactly its chunks'
-// partials, into its own row.
-MlaPlanCheck CheckMlaPlan(const StepBatch& batch, const CacheGeometry& g,
-                          const cuda_backend::StepPlan& step) {
-  MlaPlanCheck check;
-  const plan::MlaPlan& mla = step.mla;
-  const int32_t heads = g.num_qo_heads;
-  // [request] -> per row tile -> covered key ranges.
-  std::map<std::pair<int32_t, int32_t>, std::vector<std::pair<int32_t, int32_t>>> ranges;
-  std::map<int32_t, int32_t> row_of_slot;  // partial slot -> step row
-  for (const plan::MlaWorkUnit& unit : mla.units) {
-    ++check.units;
-    EXPECT_GE(unit.request, 0);
-    const int32_t b = unit.request;
-    const int32_t rows = batch.qo_indptr[b + 1] - batch.qo_indptr[b];
-    EXPECT_EQ(unit.q_row, batch.qo_indptr[b]);
-    EXPECT_EQ(unit.q_len, rows);
-    EXPECT_EQ(unit.kv_len, batch.KvLength(b, g.page_size));
-    EXPECT_EQ(unit.row_begin % plan::kMlaRowsPerCta, 0);
-    EXPECT_LT(unit.row_begin, rows * heads);
-    ranges[{b, unit.row_begin}].push_back({unit.kv_begin, unit.kv_end});
-    if (rows > cuda_backend::kMlaSplitMaxQueryTokens) {
-      EXPECT_EQ(unit.partial_first, -1) << "a prefill request was split";
-    }
-    if (unit.partial_first >= 0) {
-      const int32_t row_end = std::min(unit.row_begin + plan::kMlaRowsPerCta, rows * heads);
-      for (int32_t t = unit.row_begin / heads; t <= (row_end - 1) / heads; ++t) {
-        const int32_t slot = unit.partial_first + t * unit.partial_stride;
-        EXPECT_LT(slot, mla.num_partials);
-        const auto [it, inserted] = row_of_slot.emplace(slot, unit.q_row + t);
-        if (!inserted) {
-          EXPECT_EQ(it->second, unit.q_row + t) << "slot " << slot;
-        }
-      }
-    }
-  }
-  for (int32_t b = 0; b < batch.batch_size; ++b) {
-    const int32_t rows = batch.qo_indptr[b + 1] - batch.qo_indptr[b];
-    const int32_t kv_len = static_cast<int32_t>(batch.KvLength(b, g.page_size));
-    for (int32_t row = 0; row < rows * heads; row += plan::kMlaRowsPerCta) {
-      auto covered = ranges[{b, row}];
-      ranges.erase({b, row});
-      std::sort(covered.begin(), covered.end());
-      EXPECT_FALSE(covered.empty()) << "request " << b << " row tile " << row << " has no unit";
-      int32_t next = 0;
-      for (const auto& [begin, end] : covered) {
-        EXPECT_EQ(begin, next) << "request " << b << " row tile " << row;
-        next = end;
-      }
-      EXPECT_EQ(next, kv_len) << "request " << b;
-      if (row == 0 && covered.size() > 1) ++check.split_requests;
-    }
-  }
-  EXPECT_TRUE(ranges.empty()) << "units outside the requests' rows";
-  EXPECT_EQ(mla.merge_indptr.size(), mla.merge_q_row.size() + 1);
-  if (mla.merge_indptr.size() != mla.merge_q_row.size() + 1) return check;
-  std::set<int32_t> merged_rows;
-  for (size_t r = 0; r < mla.merge_q_row.size(); ++r) {
-    EXPECT_TRUE(merged_rows.insert(mla.merge_q_row[r]).second) << "row merged twice";
-    EXPECT_GT(mla.merge_indptr[r + 1] - mla.merge_indptr[r], 1);
-    for (int32_t slot = mla.merge_indptr[r]; slot < mla.merge_indptr[r + 1]; ++slot) {
-      EXPECT_EQ(row_of_slot[slot], mla.merge_q_row[r]) << "slot " << slot;
-    }
-  }
-  EXPECT_EQ(static_cast<int32_t>(row_of_slot.size()), mla.num_partials);
-  return check;
-}
-
-cuda_backend::StepPlanContext MlaContext(const CacheGeometry& g) {
-  cuda_backend::StepPlanContext context;
-  context.geometry = &g;
-  context.mla_ctas_per_wave = 132;  // an H100's SMs, one CTA each
-  return context;
-}
-
-TEST(MlaStepPlanTest, CoversEveryRowOnceAndNeverSplitsPrefillRows) {
-  MlaCacheConfig config;
-  config.num_heads = 24;  // row tiles that cut tokens
-  config.page_size = 32;
-  const CacheGeometry g = MlaGeometryOf(config);
-  const cuda_backend::StepPlanContext context = MlaContext(g);
-  SequenceBook book(g, /*separate_kv=*/true, /*seed=*/3);
-  StepOptions options = MlaOptions(g);
-  const std::vector<std::vector<std::pair<int, int32_t>>> steps = {
-      {{0, 300}, {1, 7}, {2, 64}, {3, 5}},
-      {{0, 1}, {9, 0}, {1, 3}, {2, 40}, {3, 4}, {4, 2}, {9, 0}},
-  };
-  for (const auto& entries : steps) book.Plan(entries, options);
-  options.fixed_split_tokens = 8;
-  const auto batch = book.Plan({{0, 1}, {9, 0}, {1, 4}, {2, 33}, {3, 2}, {4, 6}, {5, 1}}, options);
-  auto step = cuda_backend::PlanStep(*batch, context);
-  ASSERT_TRUE(step.ok()) << step.status();
-  EXPECT_TRUE(step->run_mla);
-  EXPECT_FALSE(step->run_decode || step->run_prefill);
-  EXPECT_EQ(step->KernelName(), "mla_prefill");
-  const MlaPlanCheck check = CheckMlaPlan(*batch, g, *step);
-  EXPECT_GE(check.split_requests, 3) << step->mla.DebugString();
-  EXPECT_GT(step->mla.num_merge_rows(), 0);
-
-  // The arrays: the packed plan at a 16-byte aligned offset inside the uploaded buffer.
-  EXPECT_EQ(step->offsets.mla_work % 16, 0);
-  std::vector<uint8_t> buffer(step->offsets.total_bytes);
-  step->Fill(*batch, buffer.data());
-  const std::vector<int32_t> packed = step->mla.Pack();
-  ASSERT_LE(step->offsets.mla_work + static_cast<int64_t>(packed.size() * sizeof(int32_t)),
-            step->offsets.total_bytes);
-  EXPECT_EQ(std::memcmp(buffer.data() + step->offsets.mla_work, packed.data(),
-                        packed.size() * sizeof(int32_t)),
-            0);
-
-  // Decode-only and automatic split; all padding.
-  options = MlaOptions(g);
-  const auto decode = book.Plan({{0, 1}, {1, 1}, {9, 0}, {2, 1}}, options);
-  step = cuda_backend::PlanStep(*decode, context);
-  ASSERT_TRUE(step.ok()) << step.status();
-  EXPECT_EQ(step->KernelName(), "mla_decode");
-  CheckMlaPlan(*decode, g, *step);
-  const auto padding = book.Plan({{9, 0}}, options);
-  step = cuda_backend::PlanStep(*padding, context);
-  ASSERT_TRUE(step.ok()) << step.status();
-  EXPECT_FALSE(step->run_mla);
-  EXPECT_EQ(step->KernelName(), "none");
-}
-
-// Deterministic mode: a request's units (its chunking) are the same whatever else is in the
-// batch, so its reduction order is too.
-TEST(MlaStepPlanTest, DeterministicChunkingDependsOnTheRequestAlone) {
-  MlaCacheConfig config;
-  config.num_heads = 128;
-  const CacheGeometry g = MlaGeometryOf(config);
-  const cuda_backend::StepPlanContext context = MlaContext(g);
-  StepOptions options = MlaOptions(g);
-  options.deterministic = true;
-  auto units_of = [&](const StepBatch& batch, const cuda_backend::StepPlan& step, int32_t b) {
-    std::vector<std::array<int32_t, 5>> units;
-    for (const plan::MlaWorkUnit& u : step.mla.units) {
-      if (u.request != b) continue;
-      units.push_back({u.row_begin, u.kv_begin, u.kv_end, u.partial_stride,
-                       u.partial_first >= 0 ? 1 : 0});
-    }
-    std::sort(units.begin(), units.end());
-    (void)batch;
-    return units;
-  };
-  // Sequence 0 reaches 5000 keys (three 2048-token chunks) in both books.
-  SequenceBook alone(g, false, 5);
-  SequenceBook crowded(g, false, 6);
-  alone.Plan({{0, 4999}}, options);
-  crowded.Plan({{1, 3000}, {0, 4999}, {2, 9}}, options);
-  const auto a = alone.Plan({{0, 1}}, options);
-  const auto b = crowded.Plan({{1, 1}, {9, 0}, {2, 30}, {0, 1}}, options);
-  auto step_a = cuda_backend::PlanStep(*a, context);
-  auto step_b = cuda_backend::PlanStep(*b, context);
-  ASSERT_TRUE(step_a.ok() && step_b.ok());
-  CheckMlaPlan(*a, g, *step_a);
-  CheckMlaPlan(*b, g, *step_b);
-  const auto units_a = units_of(*a, *step_a, 0);
-  EXPECT_EQ(units_a.size(), 3u * 2u) << "three chunks of two row tiles";
-  EXPECT_EQ(units_a, units_of(*b, *step_b, 3));
 }
 
 // ---- Backend-level behaviour ----

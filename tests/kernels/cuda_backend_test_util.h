@@ -18,89 +18,9 @@
 #include "backend/backend.h"
 #include "backend/cpu_backend.h"
 #include "backend/cuda_backend.h"
+#include "step_batch_test_util.h"  // SequenceBook (tests/unit/plan)
 
 namespace attnd::testing {
-
-// The engine's managed-page bookkeeping and StepBatch construction (server/engine/plan.cc),
-// with pages handed out in a shuffled order so requests' pages are scattered. SEPARATE_KV tables
-// draw V pages from their own shuffled list, as an external block manager would.
-class SequenceBook {
- public:
-  SequenceBook(const CacheGeometry& geometry, bool separate_kv, uint32_t seed)
-      : page_size_(geometry.page_size), separate_kv_(separate_kv) {
-    std::mt19937 rng(seed);
-    for (auto* free : {&k_free_, &v_free_}) {
-      free->resize(geometry.num_pages);
-      std::iota(free->begin(), free->end(), 0);
-      std::shuffle(free->begin(), free->end(), rng);
-    }
-  }
-
-  // entries: {sequence id, new tokens}; 0 tokens is a padding slot.
-  std::shared_ptr<StepBatch> Plan(const std::vector<std::pair<int, int32_t>>& entries,
-                                  const StepOptions& options) {
-    auto batch = std::make_shared<StepBatch>();
-    batch->batch_size = static_cast<int32_t>(entries.size());
-    batch->options = options;
-    batch->qo_indptr.push_back(0);
-    batch->page_indptr.push_back(0);
-    bool decode = false;
-    bool prefill = false;
-    for (size_t i = 0; i < entries.size(); ++i) {
-      const auto [id, new_tokens] = entries[i];
-      int64_t kv_len = 0;
-      if (new_tokens > 0) {
-        Sequence& sequence = sequences_[id];
-        const int64_t start = sequence.length;
-        sequence.length += new_tokens;
-        kv_len = sequence.length;
-        while (static_cast<int64_t>(sequence.k_pages.size()) * page_size_ < kv_len) {
-          sequence.k_pages.push_back(Take(k_free_));
-          sequence.v_pages.push_back(separate_kv_ ? Take(v_free_) : sequence.k_pages.back());
-        }
-        batch->k_page_indices.insert(batch->k_page_indices.end(), sequence.k_pages.begin(),
-                                     sequence.k_pages.end());
-        batch->v_page_indices.insert(batch->v_page_indices.end(), sequence.v_pages.begin(),
-                                     sequence.v_pages.end());
-        for (int32_t t = 0; t < new_tokens; ++t) {
-          batch->token_batch_indices.push_back(static_cast<int32_t>(i));
-          batch->token_positions.push_back(static_cast<int32_t>(start + t));
-        }
-        decode |= new_tokens == 1;
-        prefill |= new_tokens > 1;
-      }
-      batch->num_tokens += new_tokens;
-      batch->qo_indptr.push_back(batch->qo_indptr.back() + new_tokens);
-      batch->page_indptr.push_back(static_cast<int32_t>(batch->k_page_indices.size()));
-      const int64_t pages = (kv_len + page_size_ - 1) / page_size_;
-      batch->last_page_len.push_back(
-          pages == 0 ? 0 : static_cast<int32_t>(kv_len - (pages - 1) * page_size_));
-    }
-    batch->phase = decode && prefill ? StepPhase::kMixed
-                   : prefill         ? StepPhase::kPrefill
-                   : decode          ? StepPhase::kDecode
-                                     : StepPhase::kEmpty;
-    return batch;
-  }
-
- private:
-  struct Sequence {
-    std::vector<int32_t> k_pages;
-    std::vector<int32_t> v_pages;
-    int64_t length = 0;
-  };
-  static int32_t Take(std::vector<int32_t>& free) {
-    const int32_t page = free.back();
-    free.pop_back();
-    return page;
-  }
-
-  int32_t page_size_;
-  bool separate_kv_;
-  std::vector<int32_t> k_free_;
-  std::vector<int32_t> v_free_;
-  std::map<int, Sequence> sequences_;
-};
 
 inline std::vector<uint8_t> RandomTensor(DType dtype, int64_t elements, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -170,6 +90,14 @@ inline absl::StatusOr<BackendPair> MakeBackendPair(const CacheGeometry& geometry
   CudaBackendOptions cuda_options;
   cuda_options.kv_budget_bytes = budget_bytes;
   cuda_options.observer = observer;
+  // ATTND_POD picks the POD mode of the GPU tests' backends (attnd itself takes --pod).
+  absl::StatusOr<plan::PodMode> pod_mode = plan::PodModeFromEnvironment();
+  if (!pod_mode.ok()) return pod_mode.status();
+  cuda_options.pod_mode = *pod_mode;
+  // ATTND_DECODE_KERNEL likewise forces their decode kernel (attnd takes --decode_kernel).
+  absl::StatusOr<plan::DecodeKernelChoice> decode_kernel = plan::DecodeKernelChoiceFromEnvironment();
+  if (!decode_kernel.ok()) return decode_kernel.status();
+  cuda_options.decode_kernel = *decode_kernel;
   absl::StatusOr<std::unique_ptr<Backend>> gpu_backend = MakeCudaBackend(cuda_options);
   if (!gpu_backend.ok()) return gpu_backend.status();
   pair.gpu_backend = *std::move(gpu_backend);

@@ -4,3 +4,4 @@ attnd_add_test(prefill_tests
   SOURCES ${CMAKE_CURRENT_LIST_DIR}/prefill_test.cc
   LIBS attnd_prefill_kernels attnd_reference CUDA::cudart
   LABELS gpu)
+target_include_directories(prefill_tests PRIVATE ${PROJECT_SOURCE_DIR}/tests/unit/plan)

@@ -1,9 +1,9 @@
-#include "backend/cuda_range_allocator.h"
+#include "plan/range_allocator.h"
 
 #include <algorithm>
 #include <iterator>
 
-namespace attnd::cuda_backend {
+namespace attnd::plan {
 
 RangeAllocator::RangeAllocator(int64_t capacity_bytes, int64_t alignment)
     : capacity_bytes_(capacity_bytes & ~(alignment - 1)),
@@ -53,4 +53,4 @@ int64_t RangeAllocator::largest_free_range() const {
   return largest;
 }
 
-}  // namespace attnd::cuda_backend
+}  // namespace attnd::plan

@@ -7,7 +7,7 @@
 #include <map>
 #include <optional>
 
-namespace attnd::cuda_backend {
+namespace attnd::plan {
 
 class RangeAllocator {
  public:
@@ -32,4 +32,4 @@ class RangeAllocator {
   std::map<int64_t, int64_t> free_;  // offset -> size of each maximal free range
 };
 
-}  // namespace attnd::cuda_backend
+}  // namespace attnd::plan

@@ -1,6 +1,7 @@
-// Host side of a CUDA step, built once at PrepareStep: which attention kernels run for which
-// rows, and the one buffer of int32 arrays (page table, COO append index, decode plan) that is
-// uploaded once and read by every layer. Plain C++ (no CUDA calls), so it is testable anywhere.
+// The step-level kernel choice of the CUDA backend, built once at PrepareStep: which attention
+// kernels run for which rows (over the planners of this directory), and the layout of the one
+// buffer of int32 arrays (page table, COO append index, decode plan) that is uploaded once and
+// read by every layer. Plain C++ (no CUDA calls): tests/unit/plan drives it without a GPU.
 //
 // Kernel choice:
 // - decode-only steps (every entry 1 row or padding): BatchDecode, when a decode kernel exists
@@ -12,7 +13,7 @@
 //   that keeps a decode request's kernel, and so its bits under deterministic=true, the same
 //   whether or not prefill rows share its step. Without a decode kernel BatchPrefill runs
 //   every row (it takes 1-row requests).
-// - mixed steps that pod_choice.h picks (ATTND_POD=on, or auto by its measured rule; never
+// - mixed steps that pod_choice.h picks (--pod=on, or auto by its measured rule; never
 //   deterministic ones): one POD launch over every row (cuda::PodAttention), kernel "pod".
 // - MLA caches: MlaDecode for every row (its units carry any number of query tokens per
 //   request, causal among them), in one launch. Requests of at most kMlaSplitMaxQueryTokens rows
@@ -28,14 +29,16 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "backend/backend.h"
-#include "backend/pod_choice.h"
+#include "attnd/kernels/cache_geometry.h"
+#include "attnd/kernels/step_batch.h"
+#include "plan/buffer_alignment.h"
 #include "plan/decode_plan.h"
 #include "plan/mla_plan.h"
+#include "plan/pod_choice.h"
 #include "plan/pod_plan.h"
 #include "plan/prefill_plan.h"
 
-namespace attnd::cuda_backend {
+namespace attnd::plan {
 
 struct StepPlanContext {
   const CacheGeometry* geometry = nullptr;
@@ -47,12 +50,12 @@ struct StepPlanContext {
   int32_t decode_ctas_per_wave = 0;
   bool decode_tensor_core_supported = false;
   int32_t decode_tensor_core_ctas_per_wave = 0;
-  // ATTND_DECODE_KERNEL (decode_choice.h), already reduced to a kernel the cache has.
-  plan::DecodeKernelChoice decode_kernel_choice = plan::DecodeKernelChoice::kAuto;
-  plan::PrefillWaveSizes prefill_ctas_per_wave;  // attnd::cuda::BatchPrefillCtasPerWave
+  // CudaBackendOptions::decode_kernel (decode_choice.h), already reduced to a kernel the cache has.
+  DecodeKernelChoice decode_kernel_choice = DecodeKernelChoice::kAuto;
+  PrefillWaveSizes prefill_ctas_per_wave;  // attnd::cuda::BatchPrefillCtasPerWave
   int32_t mla_ctas_per_wave = 0;  // attnd::cuda::MlaDecodeCtasPerWave (MLA caches)
-  PodMode pod_mode = PodMode::kOff;      // pod_choice.h: when a mixed step runs POD
-  plan::PodWaveSizes pod_ctas_per_wave;  // attnd::cuda::PodCtasPerWave
+  PodMode pod_mode = PodMode::kOff;  // pod_choice.h: when a mixed step runs POD
+  PodWaveSizes pod_ctas_per_wave;    // attnd::cuda::PodCtasPerWave
 };
 
 // MLA requests with more query rows than this are planned without KV-split (see above).
@@ -75,15 +78,15 @@ struct StepArrayOffsets {
 struct StepPlan {
   bool run_decode = false;   // BatchDecode for the decode rows
   bool run_prefill = false;  // BatchPrefill for the prefill rows (or every row)
-  plan::DecodePlan decode;   // q rows are the step's rows (remapped when mixed)
-  plan::PrefillPlan prefill;
+  DecodePlan decode;         // q rows are the step's rows (remapped when mixed)
+  PrefillPlan prefill;
   bool run_mla = false;       // MlaDecode for every row (MLA caches)
   bool mla_has_prefill = false;  // some MLA request has more than one row
-  plan::MlaPlan mla;          // units' q rows are the step's rows
+  MlaPlan mla;                // units' q rows are the step's rows
   // POD (pod_choice.h): a mixed step whose decode and prefill rows run in one fused launch
   // (cuda::PodAttention over `pod`; run_decode and run_prefill are then false).
   bool run_pod = false;
-  plan::PodPlan pod;
+  PodPlan pod;
   StepArrayOffsets offsets;
 
   // "none", "decode" or "prefill" (a step that runs both reports "prefill", its larger part);
@@ -97,4 +100,9 @@ struct StepPlan {
 
 absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext& context);
 
-}  // namespace attnd::cuda_backend
+// PlanPod over every entry of `batch` (decode rows become the 16-row decode role).
+absl::StatusOr<PodPlan> PlanPodStep(const StepBatch& batch, const CacheGeometry& geometry,
+                                    const PrefillWaveSizes& prefill_ctas_per_wave,
+                                    const PodWaveSizes& pod_ctas_per_wave);
+
+}  // namespace attnd::plan

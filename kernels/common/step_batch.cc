@@ -1,7 +1,4 @@
-#include "backend/backend.h"
-
-#include <algorithm>
-#include <cstring>
+#include "attnd/kernels/step_batch.h"
 
 namespace attnd {
 
@@ -17,6 +14,19 @@ std::string_view StepPhaseName(StepPhase phase) {
       return "mixed";
   }
   return "none";
+}
+
+StepPhase StepPhaseOf(std::span<const int32_t> qo_indptr) {
+  bool decode = false;
+  bool prefill = false;
+  for (size_t b = 0; b + 1 < qo_indptr.size(); ++b) {
+    const int32_t rows = qo_indptr[b + 1] - qo_indptr[b];
+    decode |= rows == 1;
+    prefill |= rows > 1;
+  }
+  if (decode && prefill) return StepPhase::kMixed;
+  if (prefill) return StepPhase::kPrefill;
+  return decode ? StepPhase::kDecode : StepPhase::kEmpty;
 }
 
 PageTableView StepBatch::PageTable(int32_t page_size) const {
@@ -36,33 +46,6 @@ AppendIndexView StepBatch::AppendIndex() const {
   view.batch_indices = token_batch_indices.data();
   view.positions = token_positions.data();
   return view;
-}
-
-}  // namespace attnd
-
-namespace attnd {
-
-void InputBytes::CopyTo(void* destination, int64_t bytes) const {
-  auto* out = static_cast<uint8_t*>(destination);
-  if (pieces.empty()) {
-    if (bytes > 0) std::memcpy(out, data, static_cast<size_t>(bytes));
-    return;
-  }
-  for (const std::string_view piece : pieces) {
-    const int64_t n = std::min<int64_t>(bytes, static_cast<int64_t>(piece.size()));
-    if (n <= 0) break;
-    std::memcpy(out, piece.data(), static_cast<size_t>(n));
-    out += n;
-    bytes -= n;
-  }
-}
-
-const void* InputBytes::Contiguous(int64_t bytes, std::vector<uint8_t>& scratch) const {
-  if (pieces.empty()) return data;
-  if (pieces.size() == 1) return pieces.front().data();
-  scratch.resize(static_cast<size_t>(bytes));
-  CopyTo(scratch.data(), bytes);
-  return scratch.data();
 }
 
 }  // namespace attnd

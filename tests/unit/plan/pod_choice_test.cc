@@ -1,11 +1,11 @@
-// The CUDA backend's POD choice (server/backend/pod_choice.h): which steps run one fused launch.
-#include "backend/pod_choice.h"
+// The CUDA backend's POD choice (plan/pod_choice.h): which steps run one fused launch.
+#include "plan/pod_choice.h"
 
 #include <cstdlib>
 
 #include "gtest/gtest.h"
 
-namespace attnd::cuda_backend {
+namespace attnd::plan {
 namespace {
 
 PodStepShape Mixed(int32_t prefills, int32_t decodes) {
@@ -71,4 +71,4 @@ TEST(PodChoiceTest, ParsesTheModeAndTheEnvironment) {
 }
 
 }  // namespace
-}  // namespace attnd::cuda_backend
+}  // namespace attnd::plan

@@ -1,24 +1,35 @@
-#include "backend/cuda_step_plan.h"
+#include "plan/step_plan.h"
 
 #include <algorithm>
 #include <cstring>
 #include <span>
 
-#include "absl/strings/str_cat.h"
 #include "attnd/status_macros.h"
-#include "backend/cuda_memory.h"
-#include "backend/cuda_pod_step.h"
 
-namespace attnd::cuda_backend {
+namespace attnd::plan {
 namespace {
 
-int32_t Rows(const StepBatch& batch, int32_t b) {
-  return batch.qo_indptr[b + 1] - batch.qo_indptr[b];
+// The prefill planner's input for every entry of `batch`, with the KV lengths given.
+PrefillPlanInput PrefillInputOf(const StepBatch& batch, const CacheGeometry& g,
+                                std::span<const int32_t> kv_lengths,
+                                const PrefillWaveSizes& ctas_per_wave) {
+  PrefillPlanInput input;
+  input.qo_indptr = batch.qo_indptr;
+  input.kv_lengths = kv_lengths;
+  input.num_qo_heads = g.num_qo_heads;
+  input.num_kv_heads = g.num_kv_heads;
+  input.head_dim = g.k_head_dim;
+  input.causal = batch.options.params.causal;
+  input.ctas_per_wave = ctas_per_wave;
+  input.deterministic = batch.options.deterministic;
+  input.disable_split_kv = batch.options.disable_split_kv;
+  input.fixed_split_tokens = batch.options.fixed_split_tokens;
+  return input;
 }
 
 // Decode plan of the 1-row entries: planned over a copy of qo_indptr in which every other
 // entry has no row, then its q rows mapped back onto the step's rows.
-absl::StatusOr<plan::DecodePlan> PlanDecodeRows(const StepBatch& batch,
+absl::StatusOr<DecodePlan> PlanDecodeRows(const StepBatch& batch,
                                                 const StepPlanContext& context) {
   const int32_t page_size = context.geometry->page_size;
   std::vector<int32_t> decode_indptr(batch.batch_size + 1, 0);
@@ -27,7 +38,7 @@ absl::StatusOr<plan::DecodePlan> PlanDecodeRows(const StepBatch& batch,
   row_of_decode_row.reserve(batch.batch_size);
   bool identity = true;  // every row is a decode row: the rows need no mapping
   for (int32_t b = 0; b < batch.batch_size; ++b) {
-    const bool decode = Rows(batch, b) == 1;
+    const bool decode = batch.Rows(b) == 1;
     decode_indptr[b + 1] = decode_indptr[b] + (decode ? 1 : 0);
     if (!decode) continue;
     const int32_t pages = batch.page_indptr[b + 1] - batch.page_indptr[b];
@@ -35,7 +46,7 @@ absl::StatusOr<plan::DecodePlan> PlanDecodeRows(const StepBatch& batch,
     identity &= batch.qo_indptr[b] == static_cast<int32_t>(row_of_decode_row.size());
     row_of_decode_row.push_back(batch.qo_indptr[b]);
   }
-  plan::DecodePlanOptions options;
+  DecodePlanOptions options;
   options.num_kv_heads = context.geometry->num_kv_heads;
   options.ctas_per_wave = context.decode_ctas_per_wave;
   options.cuda_core_supported = context.decode_cuda_core_supported;
@@ -46,8 +57,8 @@ absl::StatusOr<plan::DecodePlan> PlanDecodeRows(const StepBatch& batch,
   options.disable_split_kv = batch.options.disable_split_kv;
   options.deterministic = batch.options.deterministic;
   options.window_left = batch.options.params.window_left;
-  ASSIGN_OR_RETURN(plan::DecodePlan decode,
-                   plan::PlanBatchDecode(decode_indptr, kv_lengths, options));
+  ASSIGN_OR_RETURN(DecodePlan decode,
+                   PlanBatchDecode(decode_indptr, kv_lengths, options));
   if (!identity) {
     for (int32_t& row : decode.item_q_row) row = row_of_decode_row[row];
     for (int32_t& row : decode.merge_q_row) row = row_of_decode_row[row];
@@ -58,37 +69,27 @@ absl::StatusOr<plan::DecodePlan> PlanDecodeRows(const StepBatch& batch,
 // Prefill plan of the step; with `skip_decode_rows`, 1-row entries are left to BatchDecode:
 // they are planned with no keys (so they are never split and own no partial or merge row) and
 // their CTAs are dropped. Items are self-contained, so a launch keeps the rest of its items.
-absl::StatusOr<plan::PrefillPlan> PlanPrefillRows(const StepBatch& batch,
+absl::StatusOr<PrefillPlan> PlanPrefillRows(const StepBatch& batch,
                                                   const StepPlanContext& context,
                                                   bool skip_decode_rows) {
   const CacheGeometry& g = *context.geometry;
   std::vector<int32_t> kv_lengths(batch.batch_size);
   for (int32_t b = 0; b < batch.batch_size; ++b) {
-    const bool skipped = skip_decode_rows && Rows(batch, b) == 1;
+    const bool skipped = skip_decode_rows && batch.Rows(b) == 1;
     kv_lengths[b] = skipped ? 0 : static_cast<int32_t>(batch.KvLength(b, g.page_size));
   }
-  plan::PrefillPlanInput input;
-  input.qo_indptr = batch.qo_indptr;
-  input.kv_lengths = kv_lengths;
-  input.num_qo_heads = g.num_qo_heads;
-  input.num_kv_heads = g.num_kv_heads;
-  input.head_dim = g.k_head_dim;
-  input.causal = batch.options.params.causal;
-  input.ctas_per_wave = context.prefill_ctas_per_wave;
-  input.deterministic = batch.options.deterministic;
-  input.disable_split_kv = batch.options.disable_split_kv;
-  input.fixed_split_tokens = batch.options.fixed_split_tokens;
-  ASSIGN_OR_RETURN(plan::PrefillPlan prefill, plan::PlanPrefill(input));
+  ASSIGN_OR_RETURN(PrefillPlan prefill,
+                   PlanPrefill(PrefillInputOf(batch, g, kv_lengths, context.prefill_ctas_per_wave)));
   if (!skip_decode_rows) return prefill;
 
-  std::vector<plan::PrefillWorkItem> items;
-  std::vector<plan::PrefillLaunch> launches;
-  for (const plan::PrefillLaunch& launch : prefill.launches) {
-    plan::PrefillLaunch kept = launch;
+  std::vector<PrefillWorkItem> items;
+  std::vector<PrefillLaunch> launches;
+  for (const PrefillLaunch& launch : prefill.launches) {
+    PrefillLaunch kept = launch;
     kept.first_item = static_cast<int32_t>(items.size());
     for (int32_t i = launch.first_item; i < launch.first_item + launch.num_items; ++i) {
-      const plan::PrefillWorkItem& item = prefill.items[i];
-      if (Rows(batch, item.request) > 1) {
+      const PrefillWorkItem& item = prefill.items[i];
+      if (batch.Rows(item.request) > 1) {
         items.push_back(item);
       } else if (item.partial_first >= 0) {
         return absl::InternalError("prefill plan split a request planned with no keys");
@@ -104,22 +105,22 @@ absl::StatusOr<plan::PrefillPlan> PlanPrefillRows(const StepBatch& batch,
 
 // MLA plan of the requests whose row count `select` accepts, planned over a copy of qo_indptr
 // in which every other entry has no row, then its q rows mapped back onto the step's rows.
-absl::StatusOr<plan::MlaPlan> PlanMlaRows(const StepBatch& batch,
+absl::StatusOr<MlaPlan> PlanMlaRows(const StepBatch& batch,
                                           std::span<const int64_t> kv_lengths,
-                                          const plan::MlaPlanOptions& options,
+                                          const MlaPlanOptions& options,
                                           bool (*select)(int32_t rows)) {
   std::vector<int32_t> indptr(batch.batch_size + 1, 0);
   std::vector<int32_t> step_row;  // the plan's row -> the step's row
   for (int32_t b = 0; b < batch.batch_size; ++b) {
-    const int32_t rows = Rows(batch, b);
+    const int32_t rows = batch.Rows(b);
     const bool selected = rows > 0 && select(rows);
     indptr[b + 1] = indptr[b] + (selected ? rows : 0);
     if (!selected) continue;
     for (int32_t t = 0; t < rows; ++t) step_row.push_back(batch.qo_indptr[b] + t);
   }
-  ASSIGN_OR_RETURN(plan::MlaPlan mla, plan::PlanMlaDecode(indptr, kv_lengths, options));
+  ASSIGN_OR_RETURN(MlaPlan mla, PlanMlaDecode(indptr, kv_lengths, options));
   // A unit names its request's first row; merge rows name each token's row.
-  for (plan::MlaWorkUnit& unit : mla.units) unit.q_row = batch.qo_indptr[unit.request];
+  for (MlaWorkUnit& unit : mla.units) unit.q_row = batch.qo_indptr[unit.request];
   for (int32_t& row : mla.merge_q_row) row = step_row[row];
   return mla;
 }
@@ -128,28 +129,28 @@ bool IsSplitPlanned(int32_t rows) { return rows <= kMlaSplitMaxQueryTokens; }
 bool IsUnsplit(int32_t rows) { return rows > kMlaSplitMaxQueryTokens; }
 
 // Every row of an MLA step in one plan: the short requests planned with KV-split as the options
-// say, the long ones unsplit (cuda_step_plan.h), their units first (the longest CTAs lead the
+// say, the long ones unsplit (step_plan.h), their units first (the longest CTAs lead the
 // launch order, as the planner orders its own).
-absl::StatusOr<plan::MlaPlan> PlanMla(const StepBatch& batch, const StepPlanContext& context,
+absl::StatusOr<MlaPlan> PlanMla(const StepBatch& batch, const StepPlanContext& context,
                                       bool any_unsplit) {
   const CacheGeometry& g = *context.geometry;
   std::vector<int64_t> kv_lengths(batch.batch_size);
   for (int32_t b = 0; b < batch.batch_size; ++b) kv_lengths[b] = batch.KvLength(b, g.page_size);
-  plan::MlaPlanOptions options;
+  MlaPlanOptions options;
   options.num_heads = g.num_qo_heads;
   options.ctas_per_wave = context.mla_ctas_per_wave;
   if (batch.options.disable_split_kv) {
-    options.split_mode = plan::MlaSplitMode::kNone;
+    options.split_mode = MlaSplitMode::kNone;
   } else {
     options.fixed_split_tokens = batch.options.fixed_split_tokens;
     options.deterministic = batch.options.deterministic;
   }
-  ASSIGN_OR_RETURN(plan::MlaPlan mla, PlanMlaRows(batch, kv_lengths, options, &IsSplitPlanned));
+  ASSIGN_OR_RETURN(MlaPlan mla, PlanMlaRows(batch, kv_lengths, options, &IsSplitPlanned));
   if (!any_unsplit) return mla;
-  plan::MlaPlanOptions unsplit;
+  MlaPlanOptions unsplit;
   unsplit.num_heads = g.num_qo_heads;
-  unsplit.split_mode = plan::MlaSplitMode::kNone;
-  ASSIGN_OR_RETURN(plan::MlaPlan whole, PlanMlaRows(batch, kv_lengths, unsplit, &IsUnsplit));
+  unsplit.split_mode = MlaSplitMode::kNone;
+  ASSIGN_OR_RETURN(MlaPlan whole, PlanMlaRows(batch, kv_lengths, unsplit, &IsUnsplit));
   if (whole.num_partials != 0) {
     return absl::InternalError("the MLA plan split a request planned without KV-split");
   }
@@ -219,24 +220,21 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
       batch.qo_indptr.back() != batch.num_tokens) {
     return absl::InvalidArgumentError("step batch: array sizes disagree with its counts");
   }
-  bool any_decode = false;
-  bool any_prefill = false;
-  for (int32_t b = 0; b < batch.batch_size; ++b) {
-    any_decode |= Rows(batch, b) == 1;
-    any_prefill |= Rows(batch, b) > 1;
-  }
+  const StepPhase phase = StepPhaseOf(batch.qo_indptr);
+  const bool any_decode = phase == StepPhase::kDecode || phase == StepPhase::kMixed;
+  const bool any_prefill = phase == StepPhase::kPrefill || phase == StepPhase::kMixed;
 
   StepPlan step;
   if (g.mla) {
     bool any_unsplit = false;
-    for (int32_t b = 0; b < batch.batch_size; ++b) any_unsplit |= IsUnsplit(Rows(batch, b));
+    for (int32_t b = 0; b < batch.batch_size; ++b) any_unsplit |= IsUnsplit(batch.Rows(b));
     step.run_mla = any_decode || any_prefill;
     step.mla_has_prefill = any_prefill;
     if (step.run_mla) {
       ASSIGN_OR_RETURN(step.mla, PlanMla(batch, context, any_unsplit));
     }
     const int64_t mla_words =
-        step.run_mla ? int64_t{step.mla.num_units()} * (sizeof(plan::MlaWorkUnit) / sizeof(int32_t)) +
+        step.run_mla ? int64_t{step.mla.num_units()} * (sizeof(MlaWorkUnit) / sizeof(int32_t)) +
                            static_cast<int64_t>(step.mla.merge_indptr.size() +
                                                 step.mla.merge_q_row.size())
                      : 0;
@@ -256,7 +254,7 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
       step.offsets = LayOut(batch, 0, 0);
       return step;
     }
-    step.pod = plan::PodPlan();
+    step.pod = PodPlan();
   }
   step.run_decode = any_decode && context.decode_supported;
   step.run_prefill = any_prefill || (any_decode && !context.decode_supported);
@@ -270,4 +268,15 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
   return step;
 }
 
-}  // namespace attnd::cuda_backend
+absl::StatusOr<PodPlan> PlanPodStep(const StepBatch& batch, const CacheGeometry& geometry,
+                                    const PrefillWaveSizes& prefill_ctas_per_wave,
+                                    const PodWaveSizes& pod_ctas_per_wave) {
+  std::vector<int32_t> kv_lengths(batch.batch_size);
+  for (int32_t b = 0; b < batch.batch_size; ++b) {
+    kv_lengths[b] = static_cast<int32_t>(batch.KvLength(b, geometry.page_size));
+  }
+  return PlanPod(PrefillInputOf(batch, geometry, kv_lengths, prefill_ctas_per_wave),
+                 pod_ctas_per_wave);
+}
+
+}  // namespace attnd::plan

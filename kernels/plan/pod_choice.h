@@ -1,9 +1,9 @@
 // When the CUDA backend runs a mixed step (prefill and decode rows) as one POD launch (DESIGN
 // 4.5, kernels/include/attnd/kernels/cuda/pod.h) instead of the decode kernel then the prefill
-// kernel. Plain C++ (no CUDA), so the rule is unit-tested anywhere.
+// kernel. Plain C++ (no CUDA), so the rule is unit-tested anywhere; step_plan.h applies it.
 //
-// The mode comes from the environment variable ATTND_POD (auto|on|off; unset: auto), read once
-// per cache when it is created:
+// The mode is CudaBackendOptions::pod_mode, set from attnd's --pod flag (auto|on|off; default
+// auto; when the flag is not given, the environment variable ATTND_POD, read by main.cc only):
 //   off:  never POD.
 //   on:   POD for every mixed step that is not deterministic (tests, measurements).
 //   auto: the rule below (PodAutoPicks).
@@ -16,14 +16,16 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "attnd/kernels/step_batch.h"
 
-namespace attnd::cuda_backend {
+namespace attnd::plan {
 
 enum class PodMode { kAuto, kOn, kOff };
 
 // "auto", "on", "off"; INVALID_ARGUMENT otherwise (the message names the value).
 absl::StatusOr<PodMode> ParsePodMode(std::string_view name);
-// ATTND_POD, or kAuto when unset or empty.
+// ATTND_POD, or kAuto when unset or empty: the fallback of attnd's --pod flag (main.cc) and of
+// the GPU tests' backends; nothing else reads the environment.
 absl::StatusOr<PodMode> PodModeFromEnvironment();
 
 // What the rule sees of a step.
@@ -35,6 +37,10 @@ struct PodStepShape {
   bool hopper_prefill = false;       // the separate path's prefill would run the Hopper kernel
   bool deterministic = false;
 };
+
+// What the POD rule sees of `batch` on a cache of `page_size` whose separate prefill would run
+// the Hopper kernel when `hopper_prefill`.
+PodStepShape PodShapeOf(const StepBatch& batch, int32_t page_size, bool hopper_prefill);
 
 // The auto rule, from bench/pod_bench on an H100 (docs/benchmarks.md, POD): POD's prefill role
 // runs the mma.sync tiles, so it wins where the separate prefill would too, and loses where the
@@ -53,4 +59,4 @@ bool PodAutoPicks(const PodStepShape& shape);
 // decode request), never deterministic ones; then on: yes, off: no, auto: PodAutoPicks.
 bool ChoosePod(PodMode mode, const PodStepShape& shape);
 
-}  // namespace attnd::cuda_backend
+}  // namespace attnd::plan

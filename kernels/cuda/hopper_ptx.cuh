@@ -1,6 +1,8 @@
-// Thin wrappers over the sm_90a instructions the Hopper prefill kernel is built from: wgmma
+// Thin wrappers over the sm_90a instructions the Hopper kernels (prefill, MLA decode) are built
+// from: wgmma
 // (m64nNk16, fp32 accumulators, A from shared memory or registers, B from shared memory),
-// mbarrier phases, named barriers, register reallocation and the cross-proxy fence. Included only
+// mbarrier phases, cp.async arrivals on them, named barriers, register reallocation and the
+// cross-proxy fence. Included only
 // from files compiled for sm_90a (-gencode=arch=compute_90a,code=sm_90a). Device-only; no state.
 #pragma once
 
@@ -9,7 +11,7 @@
 
 #include <cstdint>
 
-namespace attnd::cuda::prefill::hopper {
+namespace attnd::cuda {
 
 // --- Shared memory matrix descriptors ---------------------------------------------------------
 // Tiles live in 128-byte swizzled blocks: rows of 64 16-bit elements (128 bytes), 16-byte chunk c
@@ -183,4 +185,4 @@ __device__ __forceinline__ void ClaimRegisters() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
-}  // namespace attnd::cuda::prefill::hopper
+}  // namespace attnd::cuda

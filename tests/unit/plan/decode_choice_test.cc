@@ -1,11 +1,9 @@
-#include "backend/decode_choice.h"
+#include "plan/decode_choice.h"
 
 #include "gtest/gtest.h"
 
-namespace attnd::cuda_backend {
+namespace attnd::plan {
 namespace {
-
-using plan::DecodeKernelChoice;
 
 TEST(DecodeChoiceTest, ParsesTheThreeNamesAndRefusesOthersByName) {
   EXPECT_EQ(*ParseDecodeKernelChoice("auto"), DecodeKernelChoice::kAuto);
@@ -31,4 +29,4 @@ TEST(DecodeChoiceTest, AForcedKernelTheCacheLacksFallsBackToThePlannersChoice) {
 }
 
 }  // namespace
-}  // namespace attnd::cuda_backend
+}  // namespace attnd::plan

@@ -1,5 +1,5 @@
-// The one CUDA error check of the kernel launchers: a failed runtime call becomes an
-// absl::Status that names the call, the CUDA error and where it happened.
+// The one CUDA error check of the kernel launchers and the CUDA backend: a failed runtime call
+// becomes an absl::Status that names the call, the CUDA error and where it happened.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,0 +1,35 @@
+// cp.async (sm_80+): asynchronous 16-byte global -> shared copies in commit groups, the load
+// path of every tiled kernel (decode, prefill, POD, MLA). Device-only; no state.
+#pragma once
+
+#include <cstdint>
+
+namespace attnd::cuda {
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// Copies 16 bytes global -> shared, bypassing L1. When `valid` is false nothing is read and the
+// 16 destination bytes are zero-filled (the source address must still be a legal pointer value).
+__device__ __forceinline__ void CpAsync16(uint32_t shared_address, const void* global, bool valid) {
+  const int source_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address),
+               "l"(global), "r"(source_bytes)
+               : "memory");
+}
+
+// The same copy to a generic pointer into shared memory.
+__device__ __forceinline__ void CpAsync16(void* shared, const void* global, bool valid) {
+  CpAsync16(SharedAddress(shared), global, valid);
+}
+
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most `kPending` of the most recent commit groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+}  // namespace attnd::cuda
