@@ -20,7 +20,7 @@ build_dir=${ATTND_BUILD_DIR:-build}
 case ${1:-} in
   pack)
     targets=(attnd attnctl channel_tests channel_test_client integration_tests cuda_backend_test
-             prefill_tests cuda_lifecycle_test)
+             prefill_tests cuda_lifecycle_test handoff_probe)
     cmake --build "$build_dir" -j "${ATTND_JOBS:-$(nproc)}" --target "${targets[@]}" >/dev/null ||
       exit 1
     rm -rf .gpu-pack/channels && mkdir -p .gpu-pack
@@ -31,7 +31,7 @@ case ${1:-} in
       "$build_dir/tests/integration/integration_tests" \
       "$build_dir/tests/kernels/cuda_backend_test" \
       "$build_dir/tests/kernels/prefill_tests" \
-      "$build_dir/tests/kernels/cuda_lifecycle_test" || exit 1
+      "$build_dir/tests/kernels/cuda_lifecycle_test" "$build_dir/bench/handoff_probe" || exit 1
     tar -C .gpu-pack -cf - channels | xz -T"$(nproc)" -6 > .gpu-pack/channels.tar.xz
     rm -rf .gpu-pack/channels
     echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
@@ -108,7 +108,8 @@ case ${1:-} in
           dl_run "e2e_$name" "${ATTND_E2E_LIMIT:-90}" "$B/run" attnctl \
             --server=127.0.0.1:$port bench "${shape[@]}" "$@"; rc=$?
           say "e2e $name rc=$rc $(grep -h '^RESULT' "$logs/e2e_$name.log" || tail -3 "$logs/e2e_$name.log")"
-          grep -E '^  ' "$logs/e2e_$name.log" >> "$OUT/summary.txt"
+          grep -E '^  |^bench: (prompt step on|prompt step kernels|decode kernels)' \
+            "$logs/e2e_$name.log" >> "$OUT/summary.txt"
           stop_attnd "$name" "$daemon"
         fi
         port=$((port + 1))
@@ -118,6 +119,12 @@ case ${1:-} in
           grpc_stream) e2e grpc_stream --stream --window=1 ;;
           shm) e2e shm --transport=shm ;;
           cuda_ipc) e2e cuda_ipc --transport=cuda_ipc ;;
+          probe)  # what one cross-process handoff costs, by way of waiting (bench/handoff_probe.cu)
+            mps on
+            dl_run handoff_probe 60 "$B/run" handoff_probe
+            say "handoff_probe (MPS) rc=$?"
+            grep -v '^$' "$logs/handoff_probe.log" | tail -9 >> "$OUT/summary.txt"
+            mps off ;;
           cuda_ipc_mps|cuda_ipc_mps_mb2|cuda_ipc_mps_mb4)
             mb=1
             [[ $case == *_mb2 ]] && mb=2

@@ -53,6 +53,25 @@ double SecondsOfKernels(const attnd::v1::GetStatsResponse& stats) {
   return total;
 }
 
+// Each kernel's share of a GetStats delta, per layer: "append 6.1 us, decode_tc 40.2 us".
+std::string KernelBreakdown(const attnd::v1::GetStatsResponse& before,
+                            const attnd::v1::GetStatsResponse& after, int64_t layers) {
+  std::map<std::string, double> seconds;
+  for (const auto& kernel : after.kernels()) {
+    seconds[absl::StrCat(kernel.kernel(), "/", kernel.phase())] += kernel.total_seconds();
+  }
+  for (const auto& kernel : before.kernels()) {
+    seconds[absl::StrCat(kernel.kernel(), "/", kernel.phase())] -= kernel.total_seconds();
+  }
+  std::string out;
+  for (const auto& [name, total] : seconds) {
+    if (total <= 0) continue;
+    absl::StrAppend(&out, out.empty() ? "" : ", ", name, " ",
+                    absl::StrFormat("%.1f", total * 1e6 / static_cast<double>(layers)), " us");
+  }
+  return out;
+}
+
 // Inputs come in kVariants sets, layer `layer` of step `step` taking set (7 step + layer) % 4:
 // enough that no two consecutive layers see the same data, few enough that the HOST_SHM
 // emulator generates them once.
@@ -137,6 +156,8 @@ class ChannelBench {
       absl::FPrintF(stderr, "bench: prompt step of %d sequences in %.3f ms\n", entries.size(),
                     absl::ToDoubleMilliseconds(wall));
       if (first == 0 && before.ok() && after.ok()) {
+        absl::FPrintF(stderr, "bench: prompt step kernels per layer: %s\n",
+                      KernelBreakdown(*before, *after, shape_.num_layers()));
         prompt_wall = wall;
         prompt_kernels = SecondsOfKernels(*after) - SecondsOfKernels(*before);
         prompt_tokens = static_cast<int64_t>(entries.size()) * settings_.prompt_tokens;
@@ -173,6 +194,8 @@ class ChannelBench {
                                                                            : before.status());
     const double kernels = SecondsOfKernels(*after) - SecondsOfKernels(*before);
     const int64_t layers = int64_t{settings_.steps} * shape_.num_layers();
+    absl::FPrintF(stderr, "bench: decode kernels per layer: %s\n",
+                  KernelBreakdown(*before, *after, layers));
     const double kernel_us = kernels / layers * 1e6;
     const double p50 = absl::ToDoubleMicroseconds(latency_.Percentile(50));
     const double p99 = absl::ToDoubleMicroseconds(latency_.Percentile(99));
@@ -544,6 +567,21 @@ class ChannelBench {
       if (absl::Status synced = stream_->Synchronize(); !synced.ok()) {
         Fail("synchronize", synced);
         return false;
+      }
+      if (rows > static_cast<int64_t>(entries.size()) && num_layers > 1) {
+        // A prompt step: where its GPU time goes, layer by layer (fill included).
+        std::vector<double> layer_us;
+        for (int32_t layer = 1; layer < num_layers; ++layer) {
+          layer_us.push_back(1e3 * stream_->ElapsedMs(layer - 1, layer));
+        }
+        std::sort(layer_us.begin(), layer_us.end());
+        absl::FPrintF(stderr,
+                      "bench: prompt step on the client's stream: start to layer 0 done %.1f us, "
+                      "later layers p50 %.1f / max %.1f us, start to last done %.1f us, host "
+                      "Plan %.1f us\n",
+                      1e3 * stream_->ElapsedMs(num_layers, 0), layer_us[layer_us.size() / 2],
+                      layer_us.back(), 1e3 * stream_->ElapsedMs(num_layers, num_layers - 1),
+                      absl::ToDoubleMicroseconds(last_plan_wall_));
       }
       if (latency != nullptr) {
         for (int32_t layer = 0; layer < num_layers; ++layer) {
