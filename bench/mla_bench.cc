@@ -22,6 +22,10 @@
 // (decode + merge), median of 15 replays, / N. Bytes: every latent byte (ckv + kpe) read once,
 // q read once, o written once; % copy is against the larger of two copy bandwidths measured at
 // the start of the same run (1 GiB device-to-device: cudaMemcpy and a 16-byte copy kernel).
+// TFLOP/s counts Q K^T (576 wide) and P V (512 wide) of every head and key: at 128 heads a
+// latent row of 1152 bytes carries 278.5 KFLOP, so streaming at 2.23 TB/s takes ~540 TFLOP/s of
+// dense bf16 tensor work: MLA decode at this head count sits near the matmul roof, not only the
+// bandwidth one.
 //
 //   mla_bench [--variants] [--batches=16,32] [--uniform=16,64,128] [--cases=mixed,uniform]
 //             [--only=VARIANT] [--csv=PATH]
@@ -112,6 +116,7 @@ struct Row {
   double seconds = 0;
   double spread = 0;
   double bytes = 0;
+  double flops = 0;
   double error = 0;
   double onewave_seconds = 0;
 };
@@ -252,6 +257,7 @@ class MlaBatch {
     row.variant = spec.name;
     row.plan = description;
     row.bytes = bytes_;
+    row.flops = 2.0 * kHeads * (kRank + kRope + kRank) * static_cast<double>(total_tokens_);
     row.error = Check();
 
     auto enqueue = [&] { CHECK_OK(cuda::MlaDecode(args, stream_)); };
@@ -518,9 +524,10 @@ int Main(int argc, char** argv) {
       if (c.group == uniform_group && c.batch == 64) {
         std::snprintf(versus_peer, sizeof versus_peer, "  x%.2f vs FlashInfer", kFlashInferUniform64Seconds / row.seconds);
       }
-      std::printf("  %-18s %9.1f us %7.3f TB/s %6.1f%% copy  x%.2f vs onewave%s  spread %.2f  err %.1e%s  [%s]\n",
+      std::printf("  %-18s %9.1f us %7.3f TB/s %6.1f%% copy %5.0f TFLOP/s  x%.2f vs onewave%s  spread %.2f  err %.1e%s  [%s]\n",
                   row.variant.c_str(), row.seconds * 1e6, row.bytes / row.seconds / 1e12,
-                  100 * row.bytes / row.seconds / copy_bandwidth, onewave > 0 ? onewave / row.seconds : 0.0,
+                  100 * row.bytes / row.seconds / copy_bandwidth, row.flops / row.seconds / 1e12,
+                  onewave > 0 ? onewave / row.seconds : 0.0,
                   versus_peer, row.spread, row.error, ok ? "" : " FAILED CHECK", row.plan.c_str());
       std::fflush(stdout);
       rows.push_back(row);
@@ -532,11 +539,11 @@ int Main(int argc, char** argv) {
   if (!csv_path.empty()) {
     FILE* file = std::fopen(csv_path.c_str(), "w");
     if (file != nullptr) {
-      std::fprintf(file, "group,batch,variant,time_us,tbps,frac_copy,copy_tbps,speedup_vs_onewave,spread,error,plan\n");
+      std::fprintf(file, "group,batch,variant,time_us,tbps,frac_copy,copy_tbps,tflops,speedup_vs_onewave,spread,error,plan\n");
       for (const Row& row : rows) {
-        std::fprintf(file, "%s,%d,%s,%.2f,%.4f,%.4f,%.4f,%.3f,%.3f,%.2e,%s\n", row.group.c_str(), row.batch,
+        std::fprintf(file, "%s,%d,%s,%.2f,%.4f,%.4f,%.4f,%.1f,%.3f,%.3f,%.2e,%s\n", row.group.c_str(), row.batch,
                      row.variant.c_str(), row.seconds * 1e6, row.bytes / row.seconds / 1e12,
-                     row.bytes / row.seconds / copy_bandwidth, copy_bandwidth / 1e12,
+                     row.bytes / row.seconds / copy_bandwidth, copy_bandwidth / 1e12, row.flops / row.seconds / 1e12,
                      row.onewave_seconds > 0 ? row.onewave_seconds / row.seconds : 0.0, row.spread, row.error,
                      row.plan.c_str());
       }
