@@ -12,14 +12,23 @@
 // order, and as a padded grid (batch x max splits CTAs in request order, the extra CTAs of short
 // requests exiting at once, as a kernel without a planner launches them).
 //
+// After the mixed sweep, the uniform cases FlashInfer's Hopper MLA kernel was measured on
+// (PERFORMANCE.md: 64 x 8192 in 0.279 ms), batch 16, 64 and 128 x 8192 keys, run the same
+// variants on the same shape (--cases=mixed or --cases=uniform runs one group).
+//
 // Each variant is checked first (o poisoned with NaN) against the float64 CPU reference on two
 // requests of the batch (the first and the longest: a full float64 reference of 256 requests
 // of up to 131072 keys x 128 heads would take minutes), then timed: a CUDA graph of N launches
 // (decode + merge), median of 15 replays, / N. Bytes: every latent byte (ckv + kpe) read once,
 // q read once, o written once; % copy is against the larger of two copy bandwidths measured at
 // the start of the same run (1 GiB device-to-device: cudaMemcpy and a 16-byte copy kernel).
+// TFLOP/s counts Q K^T (576 wide) and P V (512 wide) of every head and key: at 128 heads a
+// latent row of 1152 bytes carries 278.5 KFLOP, so streaming at 2.23 TB/s takes ~540 TFLOP/s of
+// dense bf16 tensor work: MLA decode at this head count sits near the matmul roof, not only the
+// bandwidth one.
 //
-//   mla_bench [--variants] [--batches=16,32] [--only=VARIANT] [--csv=PATH]
+//   mla_bench [--variants] [--batches=16,32] [--uniform=16,64,128] [--cases=mixed,uniform]
+//             [--only=VARIANT] [--csv=PATH]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -58,6 +67,9 @@ constexpr int32_t kPageSize = 64;
 constexpr int kReplays = 15;
 constexpr double kTargetGraphSeconds = 5e-3;
 constexpr double kTolerance = 1e-2;
+constexpr int64_t kUniformKeys = 8192;
+// FlashInfer's Hopper MLA kernel, 64 x 8192 on our H100 (PERFORMANCE.md peers).
+constexpr double kFlashInferUniform64Seconds = 0.279e-3;
 
 double TimeOnce(cudaStream_t stream, const std::function<void()>& enqueue) {
   cudaEvent_t start, stop;
@@ -97,12 +109,14 @@ struct VariantSpec {
 };
 
 struct Row {
+  std::string group;  // "mixed" or "uniform8192"
   int32_t batch = 0;
   std::string variant;
   std::string plan;
   double seconds = 0;
   double spread = 0;
   double bytes = 0;
+  double flops = 0;
   double error = 0;
   double onewave_seconds = 0;
 };
@@ -111,8 +125,13 @@ struct Row {
 // timed.
 class MlaBatch {
  public:
-  MlaBatch(int32_t batch, int32_t ctas_per_wave, cudaStream_t stream)
-      : batch_(batch), ctas_per_wave_(ctas_per_wave), stream_(stream), lengths_(DrawLengths(batch)) {
+  MlaBatch(std::string group, std::vector<int64_t> lengths, int32_t ctas_per_wave, cudaStream_t stream)
+      : group_(std::move(group)),
+        batch_(static_cast<int32_t>(lengths.size())),
+        ctas_per_wave_(ctas_per_wave),
+        stream_(stream),
+        lengths_(std::move(lengths)) {
+    const int32_t batch = batch_;
     indptr_.push_back(0);
     for (int64_t length : lengths_) {
       total_tokens_ += length;
@@ -144,7 +163,9 @@ class MlaBatch {
     bytes_ = static_cast<double>(total_tokens_) * (kRank + kRope) * 2 +
              static_cast<double>(batch) * kHeads * (kRank + kRope) * 2 + static_cast<double>(batch) * kHeads * kRank * 2;
     CHECK_CUDA(cudaStreamSynchronize(stream));
-    checked_ = {0, static_cast<int32_t>(std::max_element(lengths_.begin(), lengths_.end()) - lengths_.begin())};
+    // The first request and the longest (the last one when all are equally long).
+    const auto longest = std::max_element(lengths_.rbegin(), lengths_.rend());
+    checked_ = {0, static_cast<int32_t>(lengths_.rend() - longest - 1)};
     if (checked_[1] == 0) checked_.pop_back();
     ComputeReference();
   }
@@ -231,10 +252,12 @@ class MlaBatch {
     CHECK_OK(cuda::MlaDecode(args, stream_));
     CHECK_CUDA(cudaStreamSynchronize(stream_));
     Row row;
+    row.group = group_;
     row.batch = batch_;
     row.variant = spec.name;
     row.plan = description;
     row.bytes = bytes_;
+    row.flops = 2.0 * kHeads * (kRank + kRope + kRank) * static_cast<double>(total_tokens_);
     row.error = Check();
 
     auto enqueue = [&] { CHECK_OK(cuda::MlaDecode(args, stream_)); };
@@ -315,6 +338,7 @@ class MlaBatch {
     return std::sqrt(diff / std::max(norm, 1e-30));
   }
 
+  std::string group_;
   int32_t batch_;
   int32_t ctas_per_wave_;
   cudaStream_t stream_;
@@ -345,11 +369,58 @@ void PrintDevice() {
               l2 >> 20, clock_khz / 1000, driver, runtime);
 }
 
+std::vector<int32_t> ParseList(const char* p) {
+  std::vector<int32_t> values;
+  while (*p != '\0') {
+    char* end = nullptr;
+    values.push_back(static_cast<int32_t>(std::strtol(p, &end, 10)));
+    if (end == p) break;
+    p = *end == ',' ? end + 1 : end;
+  }
+  return values;
+}
+
+// One case of a group: its label, the batch's lengths.
+struct Case {
+  std::string group;
+  int32_t batch;
+  std::vector<int64_t> lengths;
+};
+
+void PrintSummary(const std::vector<Row>& rows, const std::string& group, double copy_bandwidth) {
+  std::printf("\nsummary, %s (%% of copy %.3f TB/s; speedup = onewave time / time)\n", group.c_str(),
+              copy_bandwidth / 1e12);
+  std::printf("batch | nosplit | onewave | oversub | auto | oversub/onewave | auto us\n");
+  std::vector<int32_t> batches;
+  for (const Row& row : rows) {
+    if (row.group == group && std::find(batches.begin(), batches.end(), row.batch) == batches.end()) {
+      batches.push_back(row.batch);
+    }
+  }
+  for (int32_t batch : batches) {
+    double t[4] = {0, 0, 0, 0};
+    double bytes = 0;
+    for (const Row& row : rows) {
+      if (row.group != group || row.batch != batch) continue;
+      bytes = row.bytes;
+      if (row.variant == "nosplit") t[0] = row.seconds;
+      if (row.variant == "onewave") t[1] = row.seconds;
+      if (row.variant == "oversub") t[2] = row.seconds;
+      if (row.variant == "auto") t[3] = row.seconds;
+    }
+    auto percent = [&](double seconds) { return seconds > 0 ? 100 * bytes / seconds / copy_bandwidth : 0.0; };
+    std::printf("%5d | %5.1f%% | %5.1f%% | %5.1f%% | %5.1f%% | %.2fx | %.1f\n", batch, percent(t[0]), percent(t[1]),
+                percent(t[2]), percent(t[3]), t[2] > 0 ? t[1] / t[2] : 0.0, t[3] * 1e6);
+  }
+}
+
 int Main(int argc, char** argv) {
   bool variants = false;
   std::string csv_path;
   std::string only;
   std::vector<int32_t> batches = {16, 32, 64, 128, 256};
+  std::vector<int32_t> uniform_batches = {16, 64, 128};
+  bool run_mixed = true, run_uniform = true;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--variants") {
@@ -359,14 +430,17 @@ int Main(int argc, char** argv) {
     } else if (arg.rfind("--csv=", 0) == 0) {
       csv_path = arg.substr(6);
     } else if (arg.rfind("--batches=", 0) == 0) {
-      batches.clear();
-      for (const char* p = arg.c_str() + 10; *p != '\0';) {
-        char* end = nullptr;
-        batches.push_back(static_cast<int32_t>(std::strtol(p, &end, 10)));
-        p = *end == ',' ? end + 1 : end;
-      }
+      batches = ParseList(arg.c_str() + 10);
+    } else if (arg.rfind("--uniform=", 0) == 0) {
+      uniform_batches = ParseList(arg.c_str() + 10);
+    } else if (arg.rfind("--cases=", 0) == 0) {
+      const std::string cases = arg.substr(8);
+      run_mixed = cases.find("mixed") != std::string::npos;
+      run_uniform = cases.find("uniform") != std::string::npos;
     } else {
-      std::fprintf(stderr, "usage: mla_bench [--variants] [--batches=16,32,...] [--only=VARIANT] [--csv=PATH]\n");
+      std::fprintf(stderr,
+                   "usage: mla_bench [--variants] [--batches=16,32,...] [--uniform=16,64,128] "
+                   "[--cases=mixed,uniform] [--only=VARIANT] [--csv=PATH]\n");
       return 2;
     }
   }
@@ -412,16 +486,33 @@ int Main(int argc, char** argv) {
     std::erase_if(specs, [&](const VariantSpec& spec) { return spec.name != only; });
   }
 
+  const std::string uniform_group = "uniform" + std::to_string(kUniformKeys);
+  std::vector<Case> cases;
+  if (run_mixed) {
+    for (int32_t batch : batches) cases.push_back({"mixed", batch, DrawLengths(batch)});
+  }
+  if (run_uniform) {
+    for (int32_t batch : uniform_batches) {
+      cases.push_back({uniform_group, batch, std::vector<int64_t>(batch, kUniformKeys)});
+    }
+  }
+
   std::vector<Row> rows;
   bool failed = false;
-  for (int32_t batch : batches) {
-    MlaBatch data(batch, *ctas, stream);
-    int64_t counts[6] = {0, 0, 0, 0, 0, 0};
-    for (int64_t length : data.lengths()) counts[static_cast<int>(std::log2(static_cast<double>(length))) - 12]++;
-    std::printf("\nbatch %d: lengths 4k x%lld 8k x%lld 16k x%lld 32k x%lld 64k x%lld 128k x%lld, %.1f MB of latent\n",
-                batch, static_cast<long long>(counts[0]), static_cast<long long>(counts[1]),
-                static_cast<long long>(counts[2]), static_cast<long long>(counts[3]),
-                static_cast<long long>(counts[4]), static_cast<long long>(counts[5]), data.bytes() / 1e6);
+  for (const Case& c : cases) {
+    MlaBatch data(c.group, c.lengths, *ctas, stream);
+    if (c.group == "mixed") {
+      int64_t counts[6] = {0, 0, 0, 0, 0, 0};
+      for (int64_t length : data.lengths()) counts[static_cast<int>(std::log2(static_cast<double>(length))) - 12]++;
+      std::printf("\nbatch %d: lengths 4k x%lld 8k x%lld 16k x%lld 32k x%lld 64k x%lld 128k x%lld, %.1f MB of latent\n",
+                  c.batch, static_cast<long long>(counts[0]), static_cast<long long>(counts[1]),
+                  static_cast<long long>(counts[2]), static_cast<long long>(counts[3]),
+                  static_cast<long long>(counts[4]), static_cast<long long>(counts[5]), data.bytes() / 1e6);
+    } else {
+      std::printf("\nuniform batch %d x %lld keys, %.1f MB of latent%s\n", c.batch,
+                  static_cast<long long>(kUniformKeys), data.bytes() / 1e6,
+                  c.batch == 64 ? " (FlashInfer Hopper MLA on our H100: 279.0 us)" : "");
+    }
     double onewave = 0;
     for (const VariantSpec& spec : specs) {
       Row row = data.Run(spec);
@@ -429,41 +520,32 @@ int Main(int argc, char** argv) {
       row.onewave_seconds = onewave;
       const bool ok = row.error <= kTolerance;
       failed |= !ok;
-      std::printf("  %-18s %9.1f us %7.3f TB/s %6.1f%% copy  x%.2f vs onewave  spread %.2f  err %.1e%s  [%s]\n",
+      char versus_peer[48] = "";
+      if (c.group == uniform_group && c.batch == 64) {
+        std::snprintf(versus_peer, sizeof versus_peer, "  x%.2f vs FlashInfer", kFlashInferUniform64Seconds / row.seconds);
+      }
+      std::printf("  %-18s %9.1f us %7.3f TB/s %6.1f%% copy %5.0f TFLOP/s  x%.2f vs onewave%s  spread %.2f  err %.1e%s  [%s]\n",
                   row.variant.c_str(), row.seconds * 1e6, row.bytes / row.seconds / 1e12,
-                  100 * row.bytes / row.seconds / copy_bandwidth, onewave > 0 ? onewave / row.seconds : 0.0,
-                  row.spread, row.error, ok ? "" : " FAILED CHECK", row.plan.c_str());
+                  100 * row.bytes / row.seconds / copy_bandwidth, row.flops / row.seconds / 1e12,
+                  onewave > 0 ? onewave / row.seconds : 0.0,
+                  versus_peer, row.spread, row.error, ok ? "" : " FAILED CHECK", row.plan.c_str());
       std::fflush(stdout);
       rows.push_back(row);
     }
   }
 
-  std::printf("\nsummary (%% of copy %.3f TB/s; speedup = onewave time / time)\n", copy_bandwidth / 1e12);
-  std::printf("batch | nosplit | onewave | oversub | auto | oversub/onewave\n");
-  for (int32_t batch : batches) {
-    double t[4] = {0, 0, 0, 0};
-    double bytes = 0;
-    for (const Row& row : rows) {
-      if (row.batch != batch) continue;
-      bytes = row.bytes;
-      if (row.variant == "nosplit") t[0] = row.seconds;
-      if (row.variant == "onewave") t[1] = row.seconds;
-      if (row.variant == "oversub") t[2] = row.seconds;
-      if (row.variant == "auto") t[3] = row.seconds;
-    }
-    std::printf("%5d | %5.1f%% | %5.1f%% | %5.1f%% | %5.1f%% | %.2fx\n", batch, 100 * bytes / t[0] / copy_bandwidth,
-                100 * bytes / t[1] / copy_bandwidth, 100 * bytes / t[2] / copy_bandwidth,
-                100 * bytes / t[3] / copy_bandwidth, t[1] / t[2]);
-  }
+  if (run_mixed) PrintSummary(rows, "mixed", copy_bandwidth);
+  if (run_uniform) PrintSummary(rows, uniform_group, copy_bandwidth);
   if (!csv_path.empty()) {
     FILE* file = std::fopen(csv_path.c_str(), "w");
     if (file != nullptr) {
-      std::fprintf(file, "batch,variant,time_us,tbps,frac_copy,copy_tbps,speedup_vs_onewave,spread,error,plan\n");
+      std::fprintf(file, "group,batch,variant,time_us,tbps,frac_copy,copy_tbps,tflops,speedup_vs_onewave,spread,error,plan\n");
       for (const Row& row : rows) {
-        std::fprintf(file, "%d,%s,%.2f,%.4f,%.4f,%.4f,%.3f,%.3f,%.2e,%s\n", row.batch, row.variant.c_str(),
-                     row.seconds * 1e6, row.bytes / row.seconds / 1e12, row.bytes / row.seconds / copy_bandwidth,
-                     copy_bandwidth / 1e12, row.onewave_seconds > 0 ? row.onewave_seconds / row.seconds : 0.0,
-                     row.spread, row.error, row.plan.c_str());
+        std::fprintf(file, "%s,%d,%s,%.2f,%.4f,%.4f,%.4f,%.1f,%.3f,%.3f,%.2e,%s\n", row.group.c_str(), row.batch,
+                     row.variant.c_str(), row.seconds * 1e6, row.bytes / row.seconds / 1e12,
+                     row.bytes / row.seconds / copy_bandwidth, copy_bandwidth / 1e12, row.flops / row.seconds / 1e12,
+                     row.onewave_seconds > 0 ? row.onewave_seconds / row.seconds : 0.0, row.spread, row.error,
+                     row.plan.c_str());
       }
       std::fclose(file);
     }

@@ -3,17 +3,19 @@
 // rotated), v (paged); MLA q_pe (dense, rotated), ckv (paged), kpe (paged, rotated). A job's
 // rows are walked as 8-element units (one 16-byte input vector each); consecutive lanes take
 // consecutive units, so every warp load and store is 512 contiguous bytes, and each thread loads
-// kUnitsInFlight units before transforming any, to keep enough bytes in flight (a neox partner
-// vector is read when rotating, from the L1: the same warp loaded that row). The CTA looks up
-// each token's slot and computes its rotary cos/sin once (shared by every head) while the first
-// loads are out. FP8 units give 8 bytes: lane pairs (always halves of one row) join them into
-// one 16-byte store.
+// kUnitsInFlight units before transforming any, to keep enough bytes in flight. A neox partner
+// vector comes from the lane that loaded it (a row of up to 32 units lies in one warp, and the
+// partner unit is rope_pairs / 8 lanes away), by shuffles rather than a second load. The CTA
+// looks up each token's slot and computes its rotary cos/sin once (shared by every head), in
+// float (rope_angles.h), while the first loads are out. FP8 units give 8 bytes: lane pairs
+// (always halves of one row) join them into one 16-byte store.
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/cuda/append.h"
 #include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/status_macros.h"
+#include "rope_angles.h"
 #include "vec.cuh"
 
 namespace attnd::cuda {
@@ -54,6 +56,14 @@ struct AppendParams {
   int32_t rope_pairs;  // 0: no rotation
   bool interleaved;
 };
+
+// Whether a rotated job's neox partners come by shuffle: the half rotary width a whole number of
+// units (so a unit's partner is one unit), and a row within one warp (at most 32 units, rows
+// start at multiples of their power-of-two unit count).
+__host__ __device__ __forceinline__ bool ShufflePartners(const AppendParams& params, const AppendJob& job) {
+  return job.rotate && !params.interleaved && params.rope_pairs > 0 && params.rope_pairs % 8 == 0 &&
+         job.log2_units_per_row <= 5;
+}
 
 template <typename T>
 __device__ __forceinline__ float LoadOne(const T* source) {
@@ -103,9 +113,12 @@ __device__ __forceinline__ bool HasVectorPartner(const AppendParams& params, con
 // Rotates the elements of x (dims [first_dim, first_dim + 8) of `row`) in the rotary range.
 // Products and sums are rounded separately (no FMA contraction), as the reference's float
 // arithmetic does, so both store the same bits for the same cos/sin.
+// partner_raw: the unit's neox partner vector when ShufflePartners holds (else unused; the
+// partner is read from `row`).
 template <typename InT>
 __device__ __forceinline__ void Rotate8(float* x, const AppendParams& params, const Unit& unit,
-                                        const InT* row, const float2* angles) {
+                                        const InT* row, const float2* angles, bool shuffled,
+                                        const uint4& partner_raw) {
   const int pairs = params.rope_pairs;
   const int rotary_dim = 2 * pairs;
   const int first_dim = unit.first_dim;
@@ -145,10 +158,10 @@ __device__ __forceinline__ void Rotate8(float* x, const AppendParams& params, co
   float partner[kUnit];
   if (HasVectorPartner(params, unit)) {
     // The unit lies wholly in one half: its 8 angles are four 16-byte loads, no per-dim tests.
-    // The partner vector is part of a row this warp has just loaded: an L1 hit, not a register
-    // held since the load phase.
+    // The partner vector came by shuffle, or (rows wider than a warp) is part of a row this warp
+    // has just loaded: an L1 hit.
     const int partner_dim = first_dim < pairs ? first_dim + pairs : first_dim - pairs;
-    Raw8ToFloat<InT>(*reinterpret_cast<const uint4*>(row + partner_dim), partner);
+    Raw8ToFloat<InT>(shuffled ? partner_raw : *reinterpret_cast<const uint4*>(row + partner_dim), partner);
     const bool first_half = first_dim < pairs;
     const float4* unit_angles =
         reinterpret_cast<const float4*>(angles + (first_half ? first_dim : first_dim - pairs));
@@ -230,11 +243,31 @@ __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendS
       const int64_t slot_offset = shared.slot_offset[kJob][unit.token];
       const bool active = index < units && unit.token < tokens_here && slot_offset >= 0;
       uint2 fp8_bytes = make_uint2(0, 0);
+      // Uniform across the CTA (a job's fields), so every lane takes part in the shuffles. FP8
+      // caches keep the L1 partner load: with the shuffled vector live as well, their kernels
+      // spilled at the 64 registers of 4 CTAs per SM.
+      const bool shuffled = !kFp8Cache && ShufflePartners(params, job);
+      uint4 partner_raw = make_uint4(0, 0, 0, 0);
+      if (shuffled) {
+        // Lanes of units outside the rotary range (or of the rotary end) read themselves.
+        const int partner_units = params.rope_pairs / kUnit;
+        const int first_units = unit.first_dim / kUnit;
+        const int lane = threadIdx.x % 32;
+        const int source = index >= units                     ? lane
+                           : first_units < partner_units       ? lane + partner_units
+                           : first_units < 2 * partner_units ? lane - partner_units
+                                                              : lane;
+        partner_raw.x = __shfl_sync(0xffffffffu, value[r].x, source);
+        partner_raw.y = __shfl_sync(0xffffffffu, value[r].y, source);
+        partner_raw.z = __shfl_sync(0xffffffffu, value[r].z, source);
+        partner_raw.w = __shfl_sync(0xffffffffu, value[r].w, source);
+      }
       if (active) {
         float x[kUnit];
         Raw8ToFloat<InT>(value[r], x);
         if (job.rotate && unit.first_dim < 2 * params.rope_pairs) {
-          Rotate8<InT>(x, params, unit, InputRow<InT>(job, unit, first_token), shared.angles[unit.token]);
+          Rotate8<InT>(x, params, unit, InputRow<InT>(job, unit, first_token), shared.angles[unit.token], shuffled,
+                       partner_raw);
         }
         if (!paged) {
           *reinterpret_cast<uint4*>(static_cast<InT*>(job.out) +
@@ -307,12 +340,10 @@ __global__ void __launch_bounds__(kAppendThreads, 4) AppendKvKernel(const Append
     const int pair = i - t * params.rope_pairs;
     if (t < tokens_here && params.batch_indices[first_token + t] >= 0) {
       // Angle in float32 as the reference computes it, float(position) * inv_freq; cos and sin
-      // in double, rounded once: the correctly rounded values, which the host's float cos and
-      // sin give too (nearly always).
-      const float angle = static_cast<float>(params.positions[first_token + t]) * params.inv_freq[pair];
-      double sine, cosine;
-      sincos(static_cast<double>(angle), &sine, &cosine);
-      shared.angles[t][pair] = make_float2(static_cast<float>(cosine), static_cast<float>(sine));
+      // within 2^-23 of the exact values (rope_angles.h; the reference's are correctly rounded).
+      const float angle = __fmul_rn(static_cast<float>(params.positions[first_token + t]), params.inv_freq[pair]);
+      const rope::CosSin value = rope::RopeCosSin(angle);
+      shared.angles[t][pair] = make_float2(value.cos, value.sin);
     }
   }
   __syncthreads();

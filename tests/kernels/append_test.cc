@@ -1,15 +1,17 @@
 // Fused RoPE + quantise + paged append on the GPU against the CPU reference (DESIGN 4.1, 7).
 // Sweep: fp16/bf16 inputs into fp16/bf16/fp8 caches, head dims 64/128/256, page sizes 1/16/128,
 // NHD/HND, SHARED/SEPARATE_KV, neox (full, half and odd partial rotary), interleaved and no
-// RoPE, FP8 scales that saturate; MLA (ckv/kpe/q_pe). The pools start as random bytes and q_out
+// RoPE, FP8 scales that saturate; MLA (ckv/kpe/q_pe); and positions past 131072 (up to 2^20 + 2)
+// for bf16 and fp8 caches, MHA and MLA. The pools start as random bytes and q_out
 // as NaN; padding tokens (batch index -1, with positions that would otherwise hit real slots)
 // are mixed in.
 //
 // Checks: every byte of every slot no real token owns is unchanged (so padding touched
 // nothing), q_out rows of padding tokens stay poisoned, and each written element matches the
 // reference's to within one code of its dtype, or within 16 float ulps of the operands' scale
-// where the rotation cancels (cos/sin on the GPU and the host may differ by an ulp, which can
-// move a rounding), with at most 1% of elements differing at all.
+// where the rotation cancels (the GPU's float cos/sin are within 2^-23 of the exact values, the
+// host's correctly rounded: they may differ by an ulp or two, which can move a rounding), with
+// at most 1% of elements differing at all.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
@@ -18,6 +20,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attnd/kernels/cuda/append.h"
@@ -47,6 +50,7 @@ struct AppendCase {
   int32_t rotary_dim = 0;  // 0: head_dim
   bool with_q = true;
   uint32_t seed = 1;
+  bool long_positions = false;  // MakeLongStep instead of MakeStep
 };
 
 std::string CaseName(const AppendCase& c) {
@@ -56,7 +60,7 @@ std::string CaseName(const AppendCase& c) {
          kernel_test::ShortName(c.cache_dtype) + "_d" + std::to_string(c.head_dim) + "_p" +
          std::to_string(c.page_size) + (c.layout == KvLayout::kNHD ? "_nhd" : "_hnd") +
          (c.separate_kv ? "_sep_" : "_") + rope + std::to_string(c.rotary_dim) +
-         (c.with_q ? "" : "_noq");
+         (c.with_q ? "" : "_noq") + (c.long_positions ? "_long" : "");
 }
 
 // Distance in codes between two stored values of a 1- or 2-byte dtype (sign-magnitude).
@@ -155,6 +159,57 @@ AppendStep MakeStep(int32_t page_size, bool separate_kv, std::mt19937& rng) {
   return step;
 }
 
+// Requests deep into their sequences (new tokens at positions 131069 to 2^20 + 2): each page
+// list covers every earlier position, but only the pages that hold new tokens are distinct;
+// the rest all name page 0, which no token writes (so it must come back unchanged).
+AppendStep MakeLongStep(int32_t page_size, bool separate_kv, std::mt19937& rng) {
+  const std::vector<int64_t> prior = {131069, 131072, 200003, int64_t{1} << 20};
+  const std::vector<int64_t> fresh = {5, 1, 9, 3};
+  AppendStep step;
+  HostPageTable& table = step.table;
+  table.page_size = page_size;
+  int32_t next_k = 1, next_v = 1;
+  for (size_t b = 0; b < prior.size(); ++b) {
+    const int64_t total = prior[b] + fresh[b];
+    const int64_t pages = (total + page_size - 1) / page_size;
+    for (int64_t p = 0; p < pages; ++p) {
+      const bool holds_new = (p + 1) * page_size > prior[b];
+      table.k_indices.push_back(holds_new ? next_k++ : 0);
+      // SEPARATE_KV: V ids in reverse order of K's.
+      table.v_indices.push_back(holds_new ? (separate_kv ? -(next_v++) : table.k_indices.back()) : 0);
+    }
+    table.indptr.push_back(static_cast<int32_t>(table.k_indices.size()));
+    table.last_page_len.push_back(static_cast<int32_t>(total - (pages - 1) * page_size));
+  }
+  table.num_pages = next_k;
+  for (int32_t& id : table.v_indices) {
+    if (id < 0) id = next_k + id;  // -1 .. -(n) -> n .. 1
+  }
+  std::uniform_int_distribution<int32_t> coin(0, 2);
+  for (size_t b = 0; b < prior.size(); ++b) {
+    for (int64_t t = prior[b]; t < prior[b] + fresh[b]; ++t) {
+      if (coin(rng) == 0) {
+        step.batch_indices.push_back(-1);
+        step.positions.push_back(static_cast<int32_t>(t));
+      }
+      step.batch_indices.push_back(static_cast<int32_t>(b));
+      step.positions.push_back(static_cast<int32_t>(t));
+    }
+  }
+  const int64_t slots = table.num_pages * page_size;
+  step.k_written.assign(slots, false);
+  step.v_written.assign(slots, false);
+  for (size_t i = 0; i < step.batch_indices.size(); ++i) {
+    const int32_t b = step.batch_indices[i];
+    if (b < 0) continue;
+    const int32_t slot = table.indptr[b] + step.positions[i] / page_size;
+    const int32_t entry = step.positions[i] % page_size;
+    step.k_written[int64_t{table.k_indices[slot]} * page_size + entry] = true;
+    step.v_written[int64_t{table.v_indices[slot]} * page_size + entry] = true;
+  }
+  return step;
+}
+
 // Compares one pool (all heads of every slot) of the GPU and reference results.
 Comparison ComparePool(const PagedKvView& view, const std::vector<uint8_t>& gpu,
                        const std::vector<uint8_t>& ref, const std::vector<uint8_t>& initial,
@@ -192,7 +247,8 @@ TEST_P(AppendSweepTest, MatchesReference) {
   ATTND_SKIP_WITHOUT_GPU();
   const AppendCase& c = GetParam();
   std::mt19937 rng(c.seed);
-  AppendStep step = MakeStep(c.page_size, c.separate_kv, rng);
+  AppendStep step =
+      c.long_positions ? MakeLongStep(c.page_size, c.separate_kv, rng) : MakeStep(c.page_size, c.separate_kv, rng);
   const int64_t num_tokens = static_cast<int64_t>(step.batch_indices.size());
   const int32_t rotary_dim = c.rotary_dim > 0 ? c.rotary_dim : c.head_dim;
   RopeConfig rope_config;
@@ -346,6 +402,20 @@ INSTANTIATE_TEST_SUITE_P(Sweep, AppendSweepTest, ::testing::ValuesIn(AppendCases
                            return CaseName(info.param) + "_" + std::to_string(info.index);
                          });
 
+// Positions past 131072 (issue 15: the kernel's float cos/sin against the reference's), bf16 and
+// fp8 caches, neox (shuffled partners on 16-bit caches) and interleaved.
+INSTANTIATE_TEST_SUITE_P(
+    LongPositions, AppendSweepTest,
+    ::testing::Values(AppendCase{DType::kBFloat16, DType::kBFloat16, 128, 8, 2, 16, KvLayout::kNHD, false,
+                                 RopeStyle::kNeox, 0, true, 21, true},
+                      AppendCase{DType::kFloat16, DType::kFloat8E4M3, 128, 8, 2, 16, KvLayout::kNHD, true,
+                                 RopeStyle::kNeox, 0, true, 22, true},
+                      AppendCase{DType::kBFloat16, DType::kBFloat16, 64, 4, 1, 64, KvLayout::kHND, true,
+                                 RopeStyle::kInterleaved, 0, true, 23, true},
+                      AppendCase{DType::kBFloat16, DType::kFloat8E4M3, 256, 4, 1, 1, KvLayout::kNHD, false,
+                                 RopeStyle::kNeox, 64, true, 24, true}),
+    [](const ::testing::TestParamInfo<AppendCase>& info) { return CaseName(info.param); });
+
 // A few for compute-sanitizer.
 INSTANTIATE_TEST_SUITE_P(
     SanitizerAppend, AppendSweepTest,
@@ -355,16 +425,17 @@ INSTANTIATE_TEST_SUITE_P(
                                  false, RopeStyle::kInterleaved, 0, true, 12}),
     [](const ::testing::TestParamInfo<AppendCase>& info) { return CaseName(info.param); });
 
-class AppendMlaTest : public ::testing::TestWithParam<std::pair<DType, int32_t>> {};
+// (cache dtype, page size, positions past 131072)
+class AppendMlaTest : public ::testing::TestWithParam<std::tuple<DType, int32_t, bool>> {};
 
 TEST_P(AppendMlaTest, MatchesReference) {
   ATTND_SKIP_WITHOUT_GPU();
-  const DType cache_dtype = GetParam().first;
-  const int32_t page_size = GetParam().second;
+  const auto [cache_dtype, page_size, long_positions] = GetParam();
   const DType in_dtype = DType::kBFloat16;
   constexpr int32_t kLora = 512, kRope = 64, kHeads = 16;
   std::mt19937 rng(77 + page_size);
-  AppendStep step = MakeStep(page_size, /*separate_kv=*/true, rng);
+  AppendStep step = long_positions ? MakeLongStep(page_size, /*separate_kv=*/true, rng)
+                                   : MakeStep(page_size, /*separate_kv=*/true, rng);
   const int64_t num_tokens = static_cast<int64_t>(step.batch_indices.size());
   RopeConfig rope_config;
   rope_config.style = RopeStyle::kNeox;
@@ -436,12 +507,15 @@ TEST_P(AppendMlaTest, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Mla, AppendMlaTest,
-                         ::testing::Values(std::pair{DType::kBFloat16, 1},
-                                           std::pair{DType::kBFloat16, 64},
-                                           std::pair{DType::kFloat8E4M3, 16}),
+                         ::testing::Values(std::tuple{DType::kBFloat16, 1, false},
+                                           std::tuple{DType::kBFloat16, 64, false},
+                                           std::tuple{DType::kFloat8E4M3, 16, false},
+                                           std::tuple{DType::kBFloat16, 64, true},
+                                           std::tuple{DType::kFloat8E4M3, 64, true}),
                          [](const auto& info) {
-                           return std::string(kernel_test::ShortName(info.param.first)) + "_p" +
-                                  std::to_string(info.param.second);
+                           return std::string(kernel_test::ShortName(std::get<0>(info.param))) + "_p" +
+                                  std::to_string(std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "_long" : "");
                          });
 
 TEST(AppendArgsTest, RejectsRotaryWiderThanHead) {
