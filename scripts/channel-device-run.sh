@@ -47,9 +47,11 @@ case ${1:-} in
     dl_init "$logs" "$OUT" logs.tgz "${ATTND_GPU_DEADLINE_S:-570}"
     trap dl_kill_daemons EXIT
     rm -rf /tmp/channels
-    timeout -k 5 120 tar -C /tmp -xJf .gpu-pack/channels.tar.xz ||
+    # ATTND_CHANNEL_PACK: another bundle of the same layout (a channels/ directory).
+    pack=${ATTND_CHANNEL_PACK:-.gpu-pack/channels.tar.xz}
+    timeout -k 5 120 tar -C /tmp -xJf "$pack" ||
       timeout -k 5 120 python3 -c \
-        'import tarfile; tarfile.open(".gpu-pack/channels.tar.xz").extractall("/tmp")' || exit 1
+        "import tarfile; tarfile.open('$pack').extractall('/tmp')" || exit 1
     B=/tmp/channels
     backend=${ATTND_DEVICE_BACKEND:-cuda}  # cpu: a dry run of the script on a machine without GPU
     say() { echo "$*" | tee -a "$OUT/summary.txt"; }

@@ -120,6 +120,7 @@ class ServerImpl final : public Server {
     backend_options.pod_mode = options_.pod_mode;
     backend_options.decode_kernel = options_.decode_kernel;
     backend_options.cuda_completion_wait = options_.cuda_completion_wait;
+    backend_options.channel_timing_stride = options_.channel_kernel_timing;
     ASSIGN_OR_RETURN(backend_, MakeBackend(backend_options));
     const BackendInfo info = backend_->Info();
 

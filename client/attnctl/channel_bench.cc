@@ -47,27 +47,50 @@ namespace {
 using Entries = std::vector<std::pair<uint64_t, int32_t>>;
 using Clock = std::chrono::steady_clock;
 
-double SecondsOfKernels(const attnd::v1::GetStatsResponse& stats) {
-  double total = 0;
-  for (const auto& kernel : stats.kernels()) total += kernel.total_seconds();
-  return total;
-}
-
-// Each kernel's share of a GetStats delta, per layer: "append 6.1 us, decode_tc 40.2 us".
-std::string KernelBreakdown(const attnd::v1::GetStatsResponse& before,
-                            const attnd::v1::GetStatsResponse& after, int64_t layers) {
-  std::map<std::string, double> seconds;
+// The kernel seconds of one layer between two GetStats answers: each kernel's mean over the
+// launches timed in between, summed (every layer runs each of its kernels once). attnd times
+// one CUDA_IPC channel layer in --channel_kernel_timing, so the launch count is not the
+// layer count.
+double KernelSecondsPerLayer(const attnd::v1::GetStatsResponse& before,
+                             const attnd::v1::GetStatsResponse& after) {
+  std::map<std::string, std::pair<double, int64_t>> delta;  // seconds, launches
   for (const auto& kernel : after.kernels()) {
-    seconds[absl::StrCat(kernel.kernel(), "/", kernel.phase())] += kernel.total_seconds();
+    auto& [seconds, count] = delta[absl::StrCat(kernel.kernel(), "/", kernel.phase())];
+    seconds += kernel.total_seconds();
+    count += kernel.count();
   }
   for (const auto& kernel : before.kernels()) {
-    seconds[absl::StrCat(kernel.kernel(), "/", kernel.phase())] -= kernel.total_seconds();
+    auto& [seconds, count] = delta[absl::StrCat(kernel.kernel(), "/", kernel.phase())];
+    seconds -= kernel.total_seconds();
+    count -= kernel.count();
+  }
+  double per_layer = 0;
+  for (const auto& [name, totals] : delta) {
+    if (totals.second > 0) per_layer += totals.first / static_cast<double>(totals.second);
+  }
+  return per_layer;
+}
+
+// Each kernel's mean per launch in a GetStats delta: "append/decode 6.1 us (100 timed), ...".
+std::string KernelBreakdown(const attnd::v1::GetStatsResponse& before,
+                            const attnd::v1::GetStatsResponse& after) {
+  std::map<std::string, std::pair<double, int64_t>> delta;
+  for (const auto& kernel : after.kernels()) {
+    auto& [seconds, count] = delta[absl::StrCat(kernel.kernel(), "/", kernel.phase())];
+    seconds += kernel.total_seconds();
+    count += kernel.count();
+  }
+  for (const auto& kernel : before.kernels()) {
+    auto& [seconds, count] = delta[absl::StrCat(kernel.kernel(), "/", kernel.phase())];
+    seconds -= kernel.total_seconds();
+    count -= kernel.count();
   }
   std::string out;
-  for (const auto& [name, total] : seconds) {
-    if (total <= 0) continue;
+  for (const auto& [name, totals] : delta) {
+    if (totals.second <= 0) continue;
     absl::StrAppend(&out, out.empty() ? "" : ", ", name, " ",
-                    absl::StrFormat("%.1f", total * 1e6 / static_cast<double>(layers)), " us");
+                    absl::StrFormat("%.1f", totals.first * 1e6 / static_cast<double>(totals.second)),
+                    " us (", totals.second, " timed)");
   }
   return out;
 }
@@ -106,8 +129,9 @@ class ChannelBench {
     if (!channel.ok()) return Fail("open channel", channel.status());
     channel_ = *std::move(channel);
     if (kind_ == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+      // Events: after each layer's done wait, 8 of the bench's own, after each layer's fill.
       auto stream = EmulatorStream::Create(channel_->info().device(),
-                                           shape_.num_layers() + 8);
+                                           2 * shape_.num_layers() + 8);
       if (!stream.ok()) return Fail("CUDA stream", stream.status());
       stream_ = *std::move(stream);
     }
@@ -157,9 +181,9 @@ class ChannelBench {
                     absl::ToDoubleMilliseconds(wall));
       if (first == 0 && before.ok() && after.ok()) {
         absl::FPrintF(stderr, "bench: prompt step kernels per layer: %s\n",
-                      KernelBreakdown(*before, *after, shape_.num_layers()));
+                      KernelBreakdown(*before, *after));
         prompt_wall = wall;
-        prompt_kernels = SecondsOfKernels(*after) - SecondsOfKernels(*before);
+        prompt_kernels = KernelSecondsPerLayer(*before, *after) * shape_.num_layers();
         prompt_tokens = static_cast<int64_t>(entries.size()) * settings_.prompt_tokens;
       }
     }
@@ -192,10 +216,10 @@ class ChannelBench {
     auto after = client_.GetStats();
     if (!before.ok() || !after.ok()) return Fail("GetStats", before.ok() ? after.status()
                                                                            : before.status());
-    const double kernels = SecondsOfKernels(*after) - SecondsOfKernels(*before);
     const int64_t layers = int64_t{settings_.steps} * shape_.num_layers();
+    const double kernels = KernelSecondsPerLayer(*before, *after) * static_cast<double>(layers);
     absl::FPrintF(stderr, "bench: decode kernels per layer: %s\n",
-                  KernelBreakdown(*before, *after, layers));
+                  KernelBreakdown(*before, *after));
     const double kernel_us = kernels / layers * 1e6;
     const double p50 = absl::ToDoubleMicroseconds(latency_.Percentile(50));
     const double p99 = absl::ToDoubleMicroseconds(latency_.Percentile(99));
@@ -220,6 +244,15 @@ class ChannelBench {
                  stream_ ? ", emulator fill excluded" : "", p50, p99, kernel_us);
     absl::PrintF("  overhead: p50 %.1f us, p99 %.1f us per layer\n", p50 - kernel_us,
                  p99 - kernel_us);
+    const double attnd_p50 = absl::ToDoubleMicroseconds(attnd_latency_.Percentile(50));
+    const double attnd_p99 = absl::ToDoubleMicroseconds(attnd_latency_.Percentile(99));
+    if (stream_) {
+      // The fill as it ran (3 kernels after a wait) differs from the fill timed back to back:
+      // this view needs no fill estimate.
+      absl::PrintF("  attnd's part (client's fill done to its done wait passed): p50 %.1f us, "
+                   "p99 %.1f us; overhead p50 %.1f us, p99 %.1f us\n",
+                   attnd_p50, attnd_p99, attnd_p50 - kernel_us, attnd_p99 - kernel_us);
+    }
     absl::PrintF("  steps/s %.1f, kernels-only %.1f (%.0f%%)\n", steps_per_second, kernel_rate,
                  kernel_rate > 0 ? 100.0 * steps_per_second / kernel_rate : 0.0);
     const double fill_us = fill_us_;
@@ -273,14 +306,16 @@ class ChannelBench {
         "pipelined_kernels_only_steps_per_s=%.1f chained_steps_per_s=%.1f "
         "chained_kernels_only_steps_per_s=%.1f fill_us_per_layer=%.1f "
         "kernels_and_fill_steps_per_s=%.1f prompt_fill_us_per_layer=%.1f "
-        "prompt_plan_ms=%.3f\n",
+        "prompt_plan_ms=%.3f attnd_layer_p50_us=%.1f attnd_overhead_p50_us=%.1f "
+        "attnd_overhead_p99_us=%.1f\n",
         transport, settings_.sequences, shape_.num_layers(), settings_.steps, p50, p99, kernel_us,
         p50 - kernel_us, p99 - kernel_us, steps_per_second, kernel_rate, prompt_tokens,
         absl::ToDoubleMilliseconds(prompt_wall), prompt_kernels * 1e3,
         checked_ > 0 ? (check_failures_ == 0 ? "PASS" : "FAIL") : "off",
         settings_.micro_batches, pipelined.steps_per_second, pipelined.kernel_rate,
         chained.steps_per_second, chained.kernel_rate, fill_us, gpu_rate, prompt_fill_us_,
-        absl::ToDoubleMilliseconds(prompt_plan_));
+        absl::ToDoubleMilliseconds(prompt_plan_), attnd_p50, attnd_p50 - kernel_us,
+        attnd_p99 - kernel_us);
     return check_failures_ == 0 ? kExitOk : kExitFailure;
   }
 
@@ -375,7 +410,8 @@ class ChannelBench {
     RETURN_IF_ERROR(EndCommitted(previous.step_id()));
     const absl::Duration wall = absl::Now() - start;
     ASSIGN_OR_RETURN(const attnd::v1::GetStatsResponse after, client_.GetStats());
-    const double kernels = SecondsOfKernels(after) - SecondsOfKernels(before);
+    const double kernels =
+        KernelSecondsPerLayer(before, after) * static_cast<double>(steps) * shape_.num_layers();
     Chained result;
     result.steps = steps;
     result.steps_per_second = steps / absl::ToDoubleSeconds(wall);
@@ -400,13 +436,18 @@ class ChannelBench {
   }
 
   // The emulator's q, k and v of (step, layer) written into the layer's slot on `stream`.
+  // The event recorded after layer `layer`'s fill (RunStep).
+  int FilledEvent(int32_t layer) const { return shape_.num_layers() + 8 + layer; }
+
   absl::Status FillLayer(client::Channel& channel, void* stream, int64_t step, int32_t layer,
                          int64_t rows) const {
     const client::ChannelSlot slot = channel.Slot(layer);
     const int variant = VariantOf(step, layer);
-    RETURN_IF_ERROR(FillOnStream(slot.q, rows * q_row_, SeedOf(variant, 0), bf16_, stream));
-    RETURN_IF_ERROR(FillOnStream(slot.k, rows * kv_row_, SeedOf(variant, 1), bf16_, stream));
-    return FillOnStream(slot.v, rows * kv_row_, SeedOf(variant, 2), bf16_, stream);
+    // q, k and v in one launch, as a fused QKV projection writes them.
+    const FillRegion regions[] = {{slot.q, rows * q_row_, SeedOf(variant, 0)},
+                                  {slot.k, rows * kv_row_, SeedOf(variant, 1)},
+                                  {slot.v, rows * kv_row_, SeedOf(variant, 2)}};
+    return FillRegionsOnStream(regions, 3, bf16_, stream);
   }
 
   // Waits for micro-batch `batch`'s open step on its stream and for its commit.
@@ -455,7 +496,8 @@ class ChannelBench {
     for (MicroBatch& batch : batches) RETURN_IF_ERROR(FinishMicroStep(batch));
     const absl::Duration wall = absl::Now() - start;
     ASSIGN_OR_RETURN(const attnd::v1::GetStatsResponse after, client_.GetStats());
-    const double kernels = SecondsOfKernels(after) - SecondsOfKernels(before);
+    const double kernels = KernelSecondsPerLayer(before, after) * static_cast<double>(count) *
+                           settings_.steps * shape_.num_layers();
     Pipelined result;
     result.rounds = settings_.steps;
     result.steps_per_second = settings_.steps / absl::ToDoubleSeconds(wall);
@@ -529,11 +571,17 @@ class ChannelBench {
         *reference_plan.add_entries() = plan.entries(e);
         checked_rows += plan.entries(e).num_new_tokens();
       }
+    }
+    // The reference's step begins inside the timed step only where its layers are checked on
+    // the way; a replay begins it after the step's time.
+    auto begin_reference = [&] {
       if (absl::Status begun = reference_->BeginStep(reference_plan); !begun.ok()) {
         Fail("reference plan", begun);
         return false;
       }
-    }
+      return true;
+    };
+    if (check && !begin_reference()) return false;
     if (stream_) {
       (void)stream_->Record(num_layers);  // the step's start
     }
@@ -543,6 +591,8 @@ class ChannelBench {
       if (stream_) {
         void* stream = stream_->stream();
         status.Update(FillLayer(*channel_, stream, step, layer, rows));
+        // A timing event costs ~2 us of the stream: the fill's own only every other step.
+        if (step % 2 == 1) status.Update(stream_->Record(FilledEvent(layer)));
         status.Update(channel_->SetReadyOnStream(layer, sequence, stream));
         status.Update(channel_->WaitDoneOnStream(layer, sequence, stream));
         status.Update(stream_->Record(layer));
@@ -585,13 +635,21 @@ class ChannelBench {
       }
       if (latency != nullptr) {
         for (int32_t layer = 0; layer < num_layers; ++layer) {
-          const double ms = stream_->ElapsedMs(layer == 0 ? num_layers : layer - 1, layer);
-          latency->Record(absl::Microseconds(ms * 1e3 - fill_us_));
+          if (step % 2 == 1) {
+            // attnd's part as it ran: from the client's fill done (its ready write next) to
+            // the client's done wait passed.
+            attnd_latency_.Record(
+                absl::Microseconds(1e3 * stream_->ElapsedMs(FilledEvent(layer), layer)));
+          } else {
+            const double ms = stream_->ElapsedMs(layer == 0 ? num_layers : layer - 1, layer);
+            latency->Record(absl::Microseconds(ms * 1e3 - fill_us_));
+          }
         }
       }
     }
     last_step_wall_ = absl::Now() - started;
     if (mode == kReplay) {
+      if (!begin_reference()) return false;
       for (int32_t layer = 0; layer < num_layers; ++layer) {
         if (!reference_->Forward(HostLayer(step, layer, checked_rows)).ok()) {
           Fail("reference replay", absl::InternalError("reference forward failed"));
@@ -660,6 +718,7 @@ class ChannelBench {
   absl::Duration last_plan_wall_;
   absl::Duration prompt_plan_;
   LatencyRecorder latency_;
+  LatencyRecorder attnd_latency_;  // CUDA_IPC: fill done to done wait passed, per layer
   double fill_us_ = 0;         // GPU time of the emulator's fill of a decode layer
   double prompt_fill_us_ = 0;  // and of a prompt step's layer
 };

@@ -61,6 +61,19 @@ ATTND_HOST_DEVICE inline uint16_t EmulatedElement(uint64_t seed, uint64_t index,
 // UNIMPLEMENTED in a build without CUDA.
 absl::Status FillOnStream(void* device, int64_t count, uint64_t seed, bool bf16, void* stream);
 
+// One region of FillRegionsOnStream: `count` elements at `device` from `seed`.
+struct FillRegion {
+  void* device = nullptr;
+  int64_t count = 0;
+  uint64_t seed = 0;
+};
+inline constexpr int kMaxFillRegions = 3;
+
+// Fills up to kMaxFillRegions regions in one launch (as an engine's fused QKV projection writes
+// q, k and v with one kernel); each region as FillOnStream would fill it.
+absl::Status FillRegionsOnStream(const FillRegion* regions, int num_regions, bool bf16,
+                                 void* stream);
+
 }  // namespace attnd::attnctl
 
 namespace attnd::attnctl {

@@ -9,7 +9,7 @@ namespace {
 
 // One thread per four elements: one hash, one 8-byte store (the slot regions are 256-byte
 // aligned; a region's tail of fewer than four elements is written element by element).
-__global__ void FillKernel(uint16_t* out, int64_t count, uint64_t seed, bool bf16) {
+__device__ void FillRegionOf(uint16_t* out, int64_t count, uint64_t seed, bool bf16) {
   const int64_t groups = count / 4;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t g = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; g < groups; g += stride) {
@@ -25,6 +25,20 @@ __global__ void FillKernel(uint16_t* out, int64_t count, uint64_t seed, bool bf1
     const int64_t i = groups * 4 + threadIdx.x;
     out[i] = EmulatedElement(seed, static_cast<uint64_t>(i), bf16);
   }
+}
+
+__global__ void FillKernel(uint16_t* out, int64_t count, uint64_t seed, bool bf16) {
+  FillRegionOf(out, count, seed, bf16);
+}
+
+struct FillRegions {
+  FillRegion regions[kMaxFillRegions];
+};
+
+// Region blockIdx.y.
+__global__ void FillRegionsKernel(FillRegions fill, bool bf16) {
+  const FillRegion& region = fill.regions[blockIdx.y];
+  FillRegionOf(static_cast<uint16_t*>(region.device), region.count, region.seed, bf16);
 }
 
 // Holds the stream for `ns` nanoseconds (so that what is enqueued behind it is timed on the GPU
@@ -49,6 +63,32 @@ absl::Status FillOnStream(void* device, int64_t count, uint64_t seed, bool bf16,
   FillKernel<<<static_cast<unsigned>(blocks < 1 ? 1 : blocks < 2048 ? blocks : 2048), 256, 0,
                static_cast<cudaStream_t>(stream)>>>(static_cast<uint16_t*>(device), count, seed,
                                                     bf16);
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) {
+    return absl::InternalError(std::string("emulator fill kernel: ") + cudaGetErrorString(error));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FillRegionsOnStream(const FillRegion* regions, int num_regions, bool bf16,
+                                 void* stream) {
+  if (num_regions < 1 || num_regions > kMaxFillRegions) {
+    return absl::InvalidArgumentError("emulator fill: 1 to 3 regions");
+  }
+  FillRegions fill;
+  int64_t largest = 0;
+  for (int r = 0; r < num_regions; ++r) {
+    if (reinterpret_cast<uintptr_t>(regions[r].device) % 8 != 0) {
+      return absl::InvalidArgumentError("emulator fill: the regions must be 8-byte aligned");
+    }
+    fill.regions[r] = regions[r];
+    largest = regions[r].count > largest ? regions[r].count : largest;
+  }
+  if (largest == 0) return absl::OkStatus();
+  const int64_t blocks = (largest / 4 + 255) / 256;
+  const dim3 grid(static_cast<unsigned>(blocks < 1 ? 1 : blocks < 2048 ? blocks : 2048),
+                  static_cast<unsigned>(num_regions));
+  FillRegionsKernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(fill, bf16);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) {
     return absl::InternalError(std::string("emulator fill kernel: ") + cudaGetErrorString(error));

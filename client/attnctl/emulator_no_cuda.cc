@@ -6,6 +6,10 @@ absl::Status FillOnStream(void*, int64_t, uint64_t, bool, void*) {
   return absl::UnimplementedError("attnctl was built without CUDA: --transport=cuda_ipc needs it");
 }
 
+absl::Status FillRegionsOnStream(const FillRegion*, int, bool, void*) {
+  return absl::UnimplementedError("attnctl was built without CUDA: --transport=cuda_ipc needs it");
+}
+
 }  // namespace attnd::attnctl
 
 namespace attnd::attnctl {

@@ -55,6 +55,9 @@ struct AppendParams {
   const float* inv_freq;
   int32_t rope_pairs;  // 0: no rotation
   bool interleaved;
+  // Small steps (decode): each CTA runs one job (blockIdx.y) of its tokens, so q, k and v run
+  // side by side instead of one after another in a few CTAs.
+  bool split_jobs;
 };
 
 // Whether a rotated job's neox partners come by shuffle: the half rotary width a whole number of
@@ -311,8 +314,17 @@ __global__ void __launch_bounds__(kAppendThreads, 4) AppendKvKernel(const Append
 
   // The first units' loads go out before the CTA waits for its tokens' slots and angles.
   uint4 value[kUnitsInFlight];
-  const bool first_job_present = params.jobs[0].units_per_token > 0;
-  if (first_job_present) LoadUnits<0, InT>(params, 0, first_token, tokens_here, value);
+  const int first_job = params.split_jobs ? static_cast<int>(blockIdx.y) : 0;
+  const bool first_job_present = params.jobs[first_job].units_per_token > 0;
+  if (first_job_present) {
+    if (first_job == 0) {
+      LoadUnits<0, InT>(params, 0, first_token, tokens_here, value);
+    } else if (first_job == 1) {
+      LoadUnits<1, InT>(params, 0, first_token, tokens_here, value);
+    } else {
+      LoadUnits<2, InT>(params, 0, first_token, tokens_here, value);
+    }
+  }
 
   if (threadIdx.x < kTokensPerCta) {
     int32_t slot = -1;
@@ -335,7 +347,10 @@ __global__ void __launch_bounds__(kAppendThreads, 4) AppendKvKernel(const Append
       shared.slot_offset[j][threadIdx.x] = offset;
     }
   }
-  for (int i = threadIdx.x; i < kTokensPerCta * params.rope_pairs; i += kAppendThreads) {
+  // A CTA of one unrotated job (v) needs no angles.
+  const int angle_pairs =
+      params.split_jobs && !params.jobs[first_job].rotate ? 0 : params.rope_pairs;
+  for (int i = threadIdx.x; i < kTokensPerCta * angle_pairs; i += kAppendThreads) {
     const int t = i / params.rope_pairs;
     const int pair = i - t * params.rope_pairs;
     if (t < tokens_here && params.batch_indices[first_token + t] >= 0) {
@@ -348,9 +363,17 @@ __global__ void __launch_bounds__(kAppendThreads, 4) AppendKvKernel(const Append
   }
   __syncthreads();
 
-  RunJob<0, InT, CacheT>(params, shared, first_token, tokens_here, first_job_present, value);
-  RunJob<1, InT, CacheT>(params, shared, first_token, tokens_here, false, value);
-  RunJob<2, InT, CacheT>(params, shared, first_token, tokens_here, false, value);
+  if (!params.split_jobs) {
+    RunJob<0, InT, CacheT>(params, shared, first_token, tokens_here, first_job_present, value);
+    RunJob<1, InT, CacheT>(params, shared, first_token, tokens_here, false, value);
+    RunJob<2, InT, CacheT>(params, shared, first_token, tokens_here, false, value);
+  } else if (first_job == 0) {
+    RunJob<0, InT, CacheT>(params, shared, first_token, tokens_here, first_job_present, value);
+  } else if (first_job == 1) {
+    RunJob<1, InT, CacheT>(params, shared, first_token, tokens_here, first_job_present, value);
+  } else {
+    RunJob<2, InT, CacheT>(params, shared, first_token, tokens_here, first_job_present, value);
+  }
 }
 
 using AppendKernelFn = void (*)(AppendParams);
@@ -504,10 +527,14 @@ absl::Status LaunchAppend(AppendParams& params, const AppendIndexView& tokens,
   while ((1 << params.log2_page_size) < page_size) ++params.log2_page_size;
 
   const int64_t num_ctas = (tokens.num_tokens + kTokensPerCta - 1) / kTokensPerCta;
+  // Up to kSplitJobsMaxCtas token groups (1024 tokens) the grid is too small to hide a CTA's
+  // dependent phases (slot lookup, angles, then each job's loads and stores): one job per CTA.
+  constexpr int64_t kSplitJobsMaxCtas = 256;
+  params.split_jobs = num_ctas <= kSplitJobsMaxCtas;
+  const dim3 grid(static_cast<unsigned>(num_ctas), params.split_jobs ? kMaxJobs : 1);
   void* kernel_args[] = {&params};
-  CUDA_RETURN_IF_ERROR(cudaLaunchKernel(reinterpret_cast<const void*>(kernel),
-                                        dim3(static_cast<unsigned>(num_ctas)), dim3(kAppendThreads),
-                                        kernel_args, 0, stream));
+  CUDA_RETURN_IF_ERROR(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid,
+                                        dim3(kAppendThreads), kernel_args, 0, stream));
   return absl::OkStatus();
 }
 

@@ -26,6 +26,7 @@ struct BackendFactoryOptions {
   plan::PodMode pod_mode = plan::PodMode::kAuto;
   plan::DecodeKernelChoice decode_kernel = plan::DecodeKernelChoice::kAuto;
   std::string cuda_completion_wait;
+  int32_t channel_timing_stride = 16;  // CudaBackendOptions::channel_timing_stride
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions& options);

@@ -328,9 +328,13 @@ absl::StatusOr<std::unique_ptr<BackendCache>> CudaBackend::CreateCache(
   };
   // The cache's streams, events and buffers belong to its device.
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device->info.ordinal));
+  cuda_backend::CudaCacheOptions cache_options;
+  cache_options.wait = wait_;
+  cache_options.pod_mode = options_.pod_mode;
+  cache_options.decode_kernel = options_.decode_kernel;
+  cache_options.channel_timing_stride = options_.channel_timing_stride;
   auto cache = CudaCache::Create(geometry, reservation->base() + offset, device->info.ordinal,
-                                 wait_, options_.pod_mode, options_.decode_kernel,
-                                 options_.observer, release);
+                                 cache_options, options_.observer, release);
   if (!cache.ok()) {  // the failed cache gave its range back
     return absl::Status(cache.status().code(),
                         absl::StrCat("set up the cache on GPU ", device->info.ordinal, ": ",

@@ -35,6 +35,9 @@ struct CudaBackendOptions {
   // The decode kernel each cache's decode planner may use (plan/decode_choice.h; attnd's
   // --decode_kernel): auto, or one forced for measurements where the cache has it.
   plan::DecodeKernelChoice decode_kernel = plan::DecodeKernelChoice::kAuto;
+  // CUDA_IPC channels time the kernels of one layer in this many (1: all, 0: none; attnd's
+  // --channel_kernel_timing). The Forward path times every layer.
+  int32_t channel_timing_stride = 16;
 };
 
 // Visible CUDA devices; 0 on any error (no driver, no device), so callers can fall back.

@@ -17,24 +17,23 @@
 
 namespace attnd::cuda_backend {
 
-CudaCache::CudaCache(const CacheGeometry& geometry, uint8_t* pool, CompletionWait wait,
-                     BackendObserver* observer, std::function<void()> release_pool)
+CudaCache::CudaCache(const CacheGeometry& geometry, uint8_t* pool,
+                     const CudaCacheOptions& options, BackendObserver* observer,
+                     std::function<void()> release_pool)
     : geometry_(geometry),
       pool_(pool),
-      wait_(wait),
+      options_(options),
       observer_(observer),
       release_pool_(std::move(release_pool)) {}
 
 absl::StatusOr<std::unique_ptr<CudaCache>> CudaCache::Create(const CacheGeometry& geometry,
                                                              uint8_t* pool, int device,
-                                                             CompletionWait wait,
-                                                             plan::PodMode pod_mode,
-                                                             plan::DecodeKernelChoice decode_kernel,
+                                                             const CudaCacheOptions& options,
                                                              BackendObserver* observer,
                                                              std::function<void()> release_pool) {
   std::unique_ptr<CudaCache> cache(
-      new CudaCache(geometry, pool, wait, observer, std::move(release_pool)));
-  RETURN_IF_ERROR(cache->Init(device, pod_mode, decode_kernel));
+      new CudaCache(geometry, pool, options, observer, std::move(release_pool)));
+  RETURN_IF_ERROR(cache->Init(device));
   return cache;
 }
 
@@ -44,8 +43,9 @@ absl::Status Lane::CreateStreams() {
   return d2h.Create();
 }
 
-absl::Status CudaCache::Init(int device, plan::PodMode pod_mode,
-                             plan::DecodeKernelChoice decode_kernel) {
+absl::Status CudaCache::Init(int device) {
+  const plan::PodMode pod_mode = options_.pod_mode;
+  const plan::DecodeKernelChoice decode_kernel = options_.decode_kernel;
   device_ = device;
   for (Lane& lane : lanes_) RETURN_IF_ERROR(lane.CreateStreams());
   RETURN_IF_ERROR(transfer_.Create());
@@ -129,7 +129,7 @@ absl::StatusOr<std::unique_ptr<StepResources>> CudaCache::TakeResources() {
     }
   }
   auto resources = std::make_unique<StepResources>();
-  RETURN_IF_ERROR(resources->Init(wait_ == CompletionWait::kBlockingSync));
+  RETURN_IF_ERROR(resources->Init(options_.wait == CompletionWait::kBlockingSync));
   return resources;
 }
 

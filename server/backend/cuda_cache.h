@@ -55,6 +55,16 @@ enum class CompletionWait {
 
 inline constexpr int kLanesPerCache = 2;
 
+// What the backend's options (attnd's flags) set in every cache.
+struct CudaCacheOptions {
+  CompletionWait wait = CompletionWait::kBlockingSync;
+  plan::PodMode pod_mode = plan::PodMode::kAuto;
+  plan::DecodeKernelChoice decode_kernel = plan::DecodeKernelChoice::kAuto;
+  // CUDA_IPC channels time the kernels of one layer in this many (1: every layer, 0: none;
+  // attnd's --channel_kernel_timing): a timing event costs ~2 us of the stream under MPS.
+  int32_t channel_timing_stride = 16;
+};
+
 struct Lane {
   CudaStream h2d;
   CudaStream compute;
@@ -78,9 +88,7 @@ class CudaCache final : public BackendCache {
   // it calls `release_pool`. The observer may be null and must outlive the cache.
   static absl::StatusOr<std::unique_ptr<CudaCache>> Create(const CacheGeometry& geometry,
                                                            uint8_t* pool, int device,
-                                                           CompletionWait wait,
-                                                           plan::PodMode pod_mode,
-                                                           plan::DecodeKernelChoice decode_kernel,
+                                                           const CudaCacheOptions& options,
                                                            BackendObserver* observer,
                                                            std::function<void()> release_pool);
   ~CudaCache() override;
@@ -111,7 +119,8 @@ class CudaCache final : public BackendCache {
     return reinterpret_cast<const float*>(rope_inv_freq_.data());
   }
   BackendObserver* observer() const { return observer_; }
-  CompletionWait completion_wait() const { return wait_; }
+  CompletionWait completion_wait() const { return options_.wait; }
+  int32_t channel_timing_stride() const { return options_.channel_timing_stride; }
   OutputPool& outputs() { return *outputs_; }
   Lane& lane(int index) { return lanes_[index]; }
   void ReturnResources(std::unique_ptr<StepResources> resources);
@@ -121,16 +130,16 @@ class CudaCache final : public BackendCache {
   absl::StatusOr<std::unique_ptr<BackendStep>> PrepareStepOn(
       std::shared_ptr<const StepBatch> batch, Lane& lane, bool channel_lane);
 
-  CudaCache(const CacheGeometry& geometry, uint8_t* pool, CompletionWait wait,
+  CudaCache(const CacheGeometry& geometry, uint8_t* pool, const CudaCacheOptions& options,
             BackendObserver* observer, std::function<void()> release_pool);
-  absl::Status Init(int device, plan::PodMode pod_mode, plan::DecodeKernelChoice decode_kernel);
+  absl::Status Init(int device);
   absl::StatusOr<std::unique_ptr<StepResources>> TakeResources();
   int PickLane();
   absl::Status ReserveLane(Lane& lane, int64_t q_rotated_bytes, int64_t workspace_bytes);
 
   const CacheGeometry geometry_;
   uint8_t* const pool_;  // [layer][K pool, V pool] regions of num_pages pages each
-  const CompletionWait wait_;
+  const CudaCacheOptions options_;
   int device_ = 0;
   BackendObserver* const observer_;
   std::function<void()> release_pool_;

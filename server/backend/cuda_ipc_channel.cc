@@ -175,6 +175,10 @@ void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t 
   const cudaStream_t compute = lane_.compute.get();
   const ChannelSlotLayout& slot = layout_.slots[layout_.SlotOf(layer)];
   uint8_t* ring = ring_.data();
+  // One layer in timing_stride_ is timed (the kernel metrics): a timing event costs ~2 us of
+  // the stream under MPS, three per layer most of the handoff budget.
+  const int32_t stride = cache_->channel_timing_stride();
+  const bool timed = stride > 0 && step.num_tokens() > 0 && layers_enqueued_++ % stride == 0;
   std::lock_guard lock(lane_.submit_mu);
   absl::Status status = [&]() -> absl::Status {
     RETURN_IF_ERROR(cuda::StreamWaitFlag(compute, ring + layout_.ready[layer], active->sequence));
@@ -187,9 +191,9 @@ void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t 
       buffers.q_pe = ring + slot.q_pe;
       buffers.o = ring + slot.o;
       buffers.lse = step.returns_lse() ? reinterpret_cast<float*>(ring + slot.lse) : nullptr;
-      CUDA_RETURN_IF_ERROR(cudaEventRecord(events->started.get(), compute));
+      if (timed) CUDA_RETURN_IF_ERROR(cudaEventRecord(events->started.get(), compute));
       const CudaEvent* attended = nullptr;
-      RETURN_IF_ERROR(step.EnqueueKernels(*events, buffers, layer, &attended));
+      RETURN_IF_ERROR(step.EnqueueKernels(*events, timed, buffers, layer, &attended));
     }
     return cuda::StreamWriteFlag(compute, ring + layout_.done[layer], active->sequence);
   }();
@@ -199,19 +203,20 @@ void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t 
   if (status.ok() && recorded != cudaSuccess) {
     status = cuda::CudaErrorToStatus(recorded, "cudaEventRecord(finished)", __FILE__, __LINE__);
   }
-  lane_.completions->Post([this, active, layer, events, status = std::move(status)]() mutable {
-    Complete(active, layer, events, std::move(status));
-  });
+  lane_.completions->Post(
+      [this, active, layer, events, timed, status = std::move(status)]() mutable {
+        Complete(active, layer, events, timed, std::move(status));
+      });
 }
 
 void CudaIpcChannel::Complete(const std::shared_ptr<ActiveStep>& active, int32_t layer,
-                              LayerEvents* events, absl::Status status) {
+                              LayerEvents* events, bool timed, absl::Status status) {
   const cudaError_t waited = cudaEventSynchronize(events->finished.get());
   if (status.ok() && waited != cudaSuccess) {
     status = cuda::CudaErrorToStatus(waited, "cudaEventSynchronize(channel layer)", __FILE__,
                                      __LINE__);
   }
-  if (status.ok() && active->step->num_tokens() > 0) active->step->ReportChannelLayer(*events);
+  if (status.ok() && timed) active->step->ReportChannelLayer(*events);
   {
     std::lock_guard lock(mu_);
     active->completed[layer] = 1;

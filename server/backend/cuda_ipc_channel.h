@@ -74,7 +74,7 @@ class CudaIpcChannel final : public BackendChannel {
   // Enqueues one layer (wait, kernels, done write) and posts its completion.
   void Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t layer, LayerEvents* events);
   void Complete(const std::shared_ptr<ActiveStep>& active, int32_t layer, LayerEvents* events,
-                absl::Status status);
+                bool timed, absl::Status status);
   // A layer that will not run: done[l] and the aborted word written (on the signal stream).
   void Skip(const ActiveStep& active, int32_t layer);
   absl::Status WriteFlag(int64_t offset, uint32_t value);
@@ -94,6 +94,7 @@ class CudaIpcChannel final : public BackendChannel {
   std::mutex mu_;
   std::condition_variable wake_;
   std::vector<LayerEvents*> free_events_;
+  int64_t layers_enqueued_ = 0;  // by the enqueuer thread only: which layers are timed
   std::deque<std::shared_ptr<ActiveStep>> steps_;  // in start order
   bool stopping_ = false;
   std::thread enqueuer_;

@@ -185,7 +185,7 @@ absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, const LayerIo& io, uint8_t
                     ? reinterpret_cast<float*>(device_out + sizes_.lse_offset)
                     : nullptr;
   const CudaEvent* attended = nullptr;
-  RETURN_IF_ERROR(EnqueueKernels(slot, buffers, layer, &attended));
+  RETURN_IF_ERROR(EnqueueKernels(slot, /*timed=*/true, buffers, layer, &attended));
   // The output copy runs on the D2H stream, so the next layer's kernels need not wait for it.
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, attended->get(), 0));
   if (host_out == nullptr) {
@@ -202,18 +202,31 @@ absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, const LayerIo& io, uint8_t
   return absl::OkStatus();
 }
 
-absl::Status CudaStep::EnqueueKernels(LayerEvents& slot, const LayerBuffers& buffers,
+namespace {
+
+// Records events->*which on `stream`, or nothing for an untimed layer (events null).
+absl::Status RecordIfTimed(LayerEvents* events, CudaEvent LayerEvents::*which,
+                           cudaStream_t stream) {
+  if (events == nullptr) return absl::OkStatus();
+  CUDA_RETURN_IF_ERROR(cudaEventRecord((events->*which).get(), stream));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CudaStep::EnqueueKernels(LayerEvents& slot, bool timed, const LayerBuffers& buffers,
                                       int32_t layer, const CudaEvent** attended_event) {
   // Copy-on-write (ForkSequence): shared partial pages into their fresh copies, on the compute
   // stream ahead of the append that writes the copies. Timed as part of the append.
   if (!batch_->page_copies.empty()) {
     RETURN_IF_ERROR(cache_->EnqueuePageCopies(layer, batch_->page_copies, lane_.compute.get()));
   }
-  return cache_->geometry().mla ? EnqueueMlaKernels(slot, buffers, layer, attended_event)
-                                : EnqueueMhaKernels(slot, buffers, layer, attended_event);
+  LayerEvents* const events = timed ? &slot : nullptr;
+  return cache_->geometry().mla ? EnqueueMlaKernels(events, buffers, layer, attended_event)
+                                : EnqueueMhaKernels(events, buffers, layer, attended_event);
 }
 
-absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, const LayerBuffers& buffers,
+absl::Status CudaStep::EnqueueMhaKernels(LayerEvents* events, const LayerBuffers& buffers,
                                          int32_t layer, const CudaEvent** attended_event) {
   const CacheGeometry& g = cache_->geometry();
   const cudaStream_t compute = lane_.compute.get();
@@ -234,12 +247,12 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, const LayerBuffers& 
   append.k_scale = g.k_scale;
   append.v_scale = g.v_scale;
   RETURN_IF_ERROR(cuda::AppendKv(append, compute));
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.appended.get(), compute));
+  RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::appended, compute));
 
   const TokenHeadsView q = append.q_out;
   const TokenHeadsView o = Rows(buffers.o, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
   float* lse = buffers.lse;
-  const CudaEvent* attended = &slot.appended;
+  const CudaEvent* attended = events != nullptr ? &events->appended : nullptr;
   if (plan_->run_decode) {
     cuda::BatchDecodeArgs decode;
     decode.q = q;
@@ -253,8 +266,8 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, const LayerBuffers& 
     decode.workspace = lane_.decode_workspace.data();
     decode.workspace_bytes = lane_.decode_workspace.capacity();
     RETURN_IF_ERROR(cuda::BatchDecode(decode, compute));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.attended_first.get(), compute));
-    attended = &slot.attended_first;
+    RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::attended_first, compute));
+    if (events != nullptr) attended = &events->attended_first;
   }
   if (plan_->run_prefill || plan_->run_pod) {
     cuda::BatchPrefillArgs prefill;
@@ -274,8 +287,10 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, const LayerBuffers& 
       RETURN_IF_ERROR(cuda::BatchPrefill(plan_->prefill, prefill, prefill_work_,
                                          prefill_work_bytes_, compute));
     }
-    attended = plan_->run_decode ? &slot.attended_second : &slot.attended_first;
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(attended->get(), compute));
+    CudaEvent LayerEvents::*const last =
+        plan_->run_decode ? &LayerEvents::attended_second : &LayerEvents::attended_first;
+    RETURN_IF_ERROR(RecordIfTimed(events, last, compute));
+    if (events != nullptr) attended = &(events->*last);
   }
   *attended_event = attended;
   return absl::OkStatus();
@@ -283,7 +298,7 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, const LayerBuffers& 
 
 // MLA: ckv (K pool) and kpe (V pool, rotated) appended and q_pe rotated in one launch, then the
 // MLA decode kernel over every row of the step, with its merge when the plan splits.
-absl::Status CudaStep::EnqueueMlaKernels(LayerEvents& slot, const LayerBuffers& buffers,
+absl::Status CudaStep::EnqueueMlaKernels(LayerEvents* events, const LayerBuffers& buffers,
                                          int32_t layer, const CudaEvent** attended_event) {
   const CacheGeometry& g = cache_->geometry();
   const cudaStream_t compute = lane_.compute.get();
@@ -306,8 +321,8 @@ absl::Status CudaStep::EnqueueMlaKernels(LayerEvents& slot, const LayerBuffers& 
   append.ckv_scale = g.k_scale;
   append.kpe_scale = g.v_scale;
   RETURN_IF_ERROR(cuda::AppendMla(append, compute));
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.appended.get(), compute));
-  *attended_event = &slot.appended;
+  RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::appended, compute));
+  *attended_event = events != nullptr ? &events->appended : nullptr;
   if (!plan_->run_mla) return absl::OkStatus();
 
   cuda::MlaDecodeArgs attention;
@@ -323,8 +338,8 @@ absl::Status CudaStep::EnqueueMlaKernels(LayerEvents& slot, const LayerBuffers& 
   attention.workspace = lane_.decode_workspace.data();
   attention.workspace_bytes = lane_.decode_workspace.capacity();
   RETURN_IF_ERROR(cuda::MlaDecode(attention, compute));
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.attended_first.get(), compute));
-  *attended_event = &slot.attended_first;
+  RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::attended_first, compute));
+  *attended_event = events != nullptr ? &events->attended_first : nullptr;
   return absl::OkStatus();
 }
 

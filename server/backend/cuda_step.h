@@ -34,11 +34,13 @@ class CudaStep final : public BackendStep {
   void RunLayer(const LayerIo& io, DoneCallback done) override;
 
   // For CUDA_IPC channels (cuda_ipc_channel.h): the append and attention kernels of a layer
-  // on the step's lane's compute stream, reading and writing `buffers`; `attended` is the event
-  // recorded after the last of them (the `started` event is the caller's to record). Call with
-  // the lane's submit_mu held. Also reports the layer's kernel times once `events` completed.
-  absl::Status EnqueueKernels(LayerEvents& events, const LayerBuffers& buffers, int32_t layer,
-                              const CudaEvent** attended);
+  // on the step's lane's compute stream, reading and writing `buffers`. `timed`: the kernels'
+  // events are recorded (the `started` event is the caller's to record) and `attended` is the
+  // one after the last of them; else no event is recorded and `attended` is null. Call with
+  // the lane's submit_mu held. ReportChannelLayer reports a timed layer's kernel times once
+  // `events` completed.
+  absl::Status EnqueueKernels(LayerEvents& events, bool timed, const LayerBuffers& buffers,
+                              int32_t layer, const CudaEvent** attended);
   void ReportChannelLayer(const LayerEvents& events) const { ReportTimes(events, false); }
   int64_t num_tokens() const { return batch_->num_tokens; }
   bool returns_lse() const { return batch_->options.return_lse; }
@@ -54,9 +56,10 @@ class CudaStep final : public BackendStep {
   void Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done);
   // host_out: the output buffer to copy o | lse into; null for registered io (o, lse direct).
   absl::Status EnqueueLocked(LayerSlot& slot, const LayerIo& io, uint8_t* host_out);
-  absl::Status EnqueueMhaKernels(LayerEvents& events, const LayerBuffers& buffers,
+  // `events` null: an untimed channel layer (no event recorded, *attended null).
+  absl::Status EnqueueMhaKernels(LayerEvents* events, const LayerBuffers& buffers,
                                  int32_t layer, const CudaEvent** attended);
-  absl::Status EnqueueMlaKernels(LayerEvents& events, const LayerBuffers& buffers,
+  absl::Status EnqueueMlaKernels(LayerEvents* events, const LayerBuffers& buffers,
                                  int32_t layer, const CudaEvent** attended);
   // On the completion thread: waits, lends or copies out, reports, frees the slot, calls done.
   void Complete(LayerSlot* slot);
