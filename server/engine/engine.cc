@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/status_macros.h"
 #include "engine/engine_state.h"
 
 namespace attnd {
@@ -312,9 +313,21 @@ void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
   step.backend_step.reset();
 }
 
-absl::StatusOr<CacheStatus> Engine::CreateCache(const CacheSpec& spec) {
+absl::StatusOr<CacheStatus> Engine::CreateCache(const CacheSpec& spec,
+                                                const CacheAdmission& admit) {
   {
     absl::MutexLock lock(&state_->mu);
+    if (admit) {
+      std::vector<std::pair<std::string, int64_t>> held;
+      held.reserve(state_->caches.size() + state_->creating.size());
+      for (const auto& [name, cache] : state_->caches) {
+        held.emplace_back(name, cache->spec.geometry.num_pages);
+      }
+      for (const auto& [name, geometry] : state_->creating) {
+        held.emplace_back(name, geometry.num_pages);
+      }
+      RETURN_IF_ERROR(admit(held));
+    }
     if (state_->caches.contains(spec.name) || state_->creating.contains(spec.name)) {
       return absl::AlreadyExistsError(
           absl::StrCat("name: a cache named '", spec.name, "' exists"));

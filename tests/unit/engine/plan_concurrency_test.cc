@@ -402,6 +402,31 @@ TEST_F(PlanConcurrencyTest, CreateCacheAllocatesWithoutTheLock) {
   EXPECT_TRUE(engine_->CreateCache(SmallCache("slow3")).ok());
 }
 
+TEST_F(PlanConcurrencyTest, AdmissionCountsCachesBeingCreated) {
+  // A quota of 20 pages over caches named "t/...", of 16 pages each: one fits.
+  auto quota = [](const std::vector<std::pair<std::string, int64_t>>& caches) {
+    int64_t held = 0;
+    for (const auto& [name, pages] : caches) held += name.rfind("t/", 0) == 0 ? pages : 0;
+    return held + 16 > 20 ? absl::ResourceExhaustedError("over quota") : absl::OkStatus();
+  };
+  backend_.create.Arm();
+  absl::StatusOr<CacheStatus> first;
+  std::thread creator([&] { first = engine_->CreateCache(SmallCache("t/1"), quota); });
+  ASSERT_TRUE(backend_.create.WaitEntered());
+  CompletesWhileGated([&] {
+    // Refused before it reaches the backend: the cache being created counts.
+    EXPECT_EQ(engine_->CreateCache(SmallCache("t/2"), quota).status().code(),
+              absl::StatusCode::kResourceExhausted);
+  }, backend_.create);
+  backend_.create.Release();
+  creator.join();
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(engine_->CreateCache(SmallCache("t/2"), quota).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(engine_->DeleteCache("t/1", false).ok());
+  EXPECT_TRUE(engine_->CreateCache(SmallCache("t/2"), quota).ok());
+}
+
 TEST_F(PlanConcurrencyTest, DeleteDuringOpenChannelRefusesTheChannel) {
   SlowChannel().Arm();
   ChannelOpenSpec open;
