@@ -44,64 +44,98 @@ ChannelStatus ChannelStatusOf(const ChannelEntry& channel) {
 
 absl::StatusOr<ChannelStatus> Engine::OpenChannel(
     const ChannelOpenSpec& spec, std::function<void(std::string reason)> on_closed) {
-  absl::MutexLock lock(&state_->mu);
-  if (state_->draining) {
-    return absl::UnavailableError("server is draining: no new channels are accepted");
-  }
-  ASSIGN_OR_RETURN(const std::shared_ptr<CacheEntry> cache, state_->UsableCacheLocked(spec.cache));
-  const ServerLimitsOptions& limits = state_->options.limits;
-  const CacheGeometry& geometry = cache->spec.geometry;
-  if (spec.max_tokens < 1 || spec.max_tokens > limits.max_step_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_tokens: expected 1..", limits.max_step_tokens, " (--max_step_tokens), got ",
-        spec.max_tokens));
-  }
-  int32_t slots = spec.num_slots;
-  if (slots == 0) slots = std::min(kDefaultChannelSlots, geometry.num_layers);
-  if (slots < 1 || slots > geometry.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("slots: expected 1..", geometry.num_layers,
-                                                   " (the cache's num_layers; 0 = ",
-                                                   kDefaultChannelSlots, "), got ",
-                                                   spec.num_slots));
-  }
-  if (static_cast<int32_t>(state_->channels.size()) >= limits.max_channels) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "channels: ", state_->channels.size(), " are open, the limit (--max_channels)"));
-  }
+  std::shared_ptr<CacheEntry> cache;
   ChannelSpec backend_spec;
-  backend_spec.kind = spec.kind;
-  backend_spec.id = state_->next_channel_id;
-  backend_spec.max_tokens = spec.max_tokens;
-  backend_spec.num_slots = slots;
-  backend_spec.with_lse = spec.with_lse;
-  auto layout = std::make_shared<const ChannelLayout>(
-      MakeChannelLayout(geometry, spec.max_tokens, slots, spec.with_lse));
-  if (state_->channel_bytes + layout->ring_bytes > limits.max_channel_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "max_tokens: the ring needs ", layout->ring_bytes, " bytes (", slots, " slots of ",
-        spec.max_tokens, " tokens) but open channels hold ", state_->channel_bytes, " of the ",
-        limits.max_channel_bytes, " allowed (--max_channel_bytes)"));
+  std::shared_ptr<const ChannelLayout> layout;
+  {
+    absl::MutexLock lock(&state_->mu);
+    if (state_->draining) {
+      return absl::UnavailableError("server is draining: no new channels are accepted");
+    }
+    ASSIGN_OR_RETURN(cache, state_->UsableCacheLocked(spec.cache));
+    const ServerLimitsOptions& limits = state_->options.limits;
+    const CacheGeometry& geometry = cache->spec.geometry;
+    if (spec.max_tokens < 1 || spec.max_tokens > limits.max_step_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "max_tokens: expected 1..", limits.max_step_tokens, " (--max_step_tokens), got ",
+          spec.max_tokens));
+    }
+    int32_t slots = spec.num_slots;
+    if (slots == 0) slots = std::min(kDefaultChannelSlots, geometry.num_layers);
+    if (slots < 1 || slots > geometry.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("slots: expected 1..", geometry.num_layers,
+                                                     " (the cache's num_layers; 0 = ",
+                                                     kDefaultChannelSlots, "), got ",
+                                                     spec.num_slots));
+    }
+    const size_t channels = state_->channels.size() + state_->opening_channels;
+    if (static_cast<int32_t>(channels) >= limits.max_channels) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("channels: ", channels, " are open, the limit (--max_channels)"));
+    }
+    backend_spec.kind = spec.kind;
+    backend_spec.max_tokens = spec.max_tokens;
+    backend_spec.num_slots = slots;
+    backend_spec.with_lse = spec.with_lse;
+    layout = std::make_shared<const ChannelLayout>(
+        MakeChannelLayout(geometry, spec.max_tokens, slots, spec.with_lse));
+    if (state_->channel_bytes + layout->ring_bytes > limits.max_channel_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "max_tokens: the ring needs ", layout->ring_bytes, " bytes (", slots, " slots of ",
+          spec.max_tokens, " tokens) but open channels hold ", state_->channel_bytes,
+          " of the ", limits.max_channel_bytes, " allowed (--max_channel_bytes)"));
+    }
+    // The id (which names the shared-memory object) and the ring's bytes are the channel's
+    // from here; the ring is made without the lock.
+    backend_spec.id = state_->next_channel_id++;
+    state_->channel_bytes += layout->ring_bytes;
+    ++state_->opening_channels;
   }
-  // The ring is allocated under the lock: an allocation, not a device wait.
-  absl::StatusOr<std::unique_ptr<BackendChannel>> backend =
+  // Memory the device maps (cudaMalloc, or a shared-memory object registered with CUDA).
+  absl::StatusOr<std::unique_ptr<BackendChannel>> created =
       cache->backend->CreateChannel(backend_spec);
-  if (!backend.ok()) {
-    return absl::Status(backend.status().code(),
-                        absl::StrCat("open ", ChannelKindName(spec.kind), " channel on cache '",
-                                     spec.cache, "': ", backend.status().message()));
+  absl::Status refused = created.status();
+  std::unique_ptr<BackendChannel> ring;
+  if (created.ok()) ring = std::move(created).value();
+  absl::StatusOr<ChannelStatus> opened;
+  {
+    absl::MutexLock lock(&state_->mu);
+    --state_->opening_channels;
+    if (refused.ok()) {
+      // The cache may have been deleted (or have failed) meanwhile.
+      absl::StatusOr<std::shared_ptr<CacheEntry>> usable = state_->UsableCacheLocked(spec.cache);
+      if (!usable.ok()) {
+        refused = usable.status();
+      } else if (*usable != cache) {
+        refused = absl::NotFoundError(absl::StrCat("cache: cache '", spec.cache,
+                                                   "' was deleted while the channel opened"));
+      }
+    }
+    if (!refused.ok()) {
+      state_->channel_bytes -= layout->ring_bytes;
+      // A refused open leaves no gap in the ids when nothing else took one meanwhile.
+      if (state_->next_channel_id == backend_spec.id + 1) state_->next_channel_id = backend_spec.id;
+      opened = absl::Status(refused.code(), absl::StrCat("open ", ChannelKindName(spec.kind),
+                                                         " channel on cache '", spec.cache,
+                                                         "': ", refused.message()));
+    } else {
+      auto channel = std::make_shared<ChannelEntry>();
+      channel->id = backend_spec.id;
+      channel->tenant = spec.tenant;
+      channel->cache = cache;
+      channel->spec = backend_spec;
+      channel->layout = layout;
+      channel->backend = std::move(ring);
+      channel->on_closed = std::move(on_closed);
+      state_->channels[channel->id] = channel;
+      if (state_->metrics) state_->metrics->SetOpenChannels(state_->channels.size());
+      opened = ChannelStatusOf(*channel);
+    }
   }
-  auto channel = std::make_shared<ChannelEntry>();
-  channel->id = state_->next_channel_id++;
-  channel->tenant = spec.tenant;
-  channel->cache = cache;
-  channel->spec = backend_spec;
-  channel->layout = layout;
-  channel->backend = std::move(backend).value();
-  channel->on_closed = std::move(on_closed);
-  state_->channels[channel->id] = channel;
-  state_->channel_bytes += layout->ring_bytes;
-  if (state_->metrics) state_->metrics->SetOpenChannels(state_->channels.size());
-  return ChannelStatusOf(*channel);
+  // A ring made for a cache deleted meanwhile goes here, without the lock (as does the last
+  // reference to that cache).
+  ring.reset();
+  return opened;
 }
 
 void Engine::State::CloseChannelLocked(std::shared_ptr<ChannelEntry> channel,

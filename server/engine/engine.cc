@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/status_macros.h"
 #include "engine/engine_state.h"
 
 namespace attnd {
@@ -65,10 +66,7 @@ Engine::~Engine() {
   {
     // Backend callbacks of running layers reference the state: let them land first.
     absl::MutexLock lock(&state_->mu);
-    auto idle = [state = state_.get()]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
-      return state->layers_in_flight == 0;
-    };
-    state_->mu.Await(absl::Condition(&idle));
+    state_->mu.Await(absl::Condition(state_.get(), &State::NoLayerInFlight));
   }
   // Abort what is still open so sequences and pages are consistent until destruction; layers
   // still in flight hold their own references to the cache.
@@ -91,6 +89,7 @@ Engine::~Engine() {
 void Engine::State::ExpireLocked(absl::Time now, Deferred& deferred) {
   std::vector<std::shared_ptr<StepEntry>> expired;
   for (auto& [id, step] : open_steps) {
+    if (step->preparing) continue;  // its Plan is running
     // A step with a layer on the device is active, whatever its last call's age; a channel
     // step's layers are in flight from Plan on, waiting for their ready words, so it expires
     // when no layer of it has finished for the TTL.
@@ -253,7 +252,7 @@ void Engine::State::EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcom
 
 void Engine::State::TryFinalizeLocked(const std::shared_ptr<StepEntry>& step,
                                       Deferred& deferred) {
-  if (!step->ending || step->finalized || step->in_flight != 0) return;
+  if (!step->ending || step->finalized || step->in_flight != 0 || step->preparing) return;
   if (step->outcome == StepOutcome::kCommitted) {
     // Its sequences' lengths move past its parents' tokens only once those are committed.
     for (const auto& parent : step->parents) {
@@ -298,7 +297,10 @@ void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
   --cache.open_steps;
   if (step.channel != nullptr) --step.channel->open_steps;
   PublishPagesLocked(cache);
-  if (metrics) metrics->StepEnded(committed, step.decode_tokens, step.prefill_tokens);
+  // A step refused at the end of its Plan was never a step for the client.
+  if (metrics && step.planned) {
+    metrics->StepEnded(committed, step.decode_tokens, step.prefill_tokens);
+  }
   const EndStepResult result{step.outcome, step.layers_done};
   // Layers that were running when the step's fate was decided have landed by now: a later
   // EndStep reports them too.
@@ -311,28 +313,52 @@ void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
   step.backend_step.reset();
 }
 
-absl::StatusOr<CacheStatus> Engine::CreateCache(const CacheSpec& spec) {
-  absl::MutexLock lock(&state_->mu);
-  if (state_->caches.contains(spec.name)) {
-    return absl::AlreadyExistsError(absl::StrCat("name: a cache named '", spec.name, "' exists"));
+absl::StatusOr<CacheStatus> Engine::CreateCache(const CacheSpec& spec,
+                                                const CacheAdmission& admit) {
+  {
+    absl::MutexLock lock(&state_->mu);
+    if (admit) {
+      std::vector<std::pair<std::string, int64_t>> held;
+      held.reserve(state_->caches.size() + state_->creating.size());
+      for (const auto& [name, cache] : state_->caches) {
+        held.emplace_back(name, cache->spec.geometry.num_pages);
+      }
+      for (const auto& [name, geometry] : state_->creating) {
+        held.emplace_back(name, geometry.num_pages);
+      }
+      RETURN_IF_ERROR(admit(held));
+    }
+    if (state_->caches.contains(spec.name) || state_->creating.contains(spec.name)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("name: a cache named '", spec.name, "' exists"));
+    }
+    state_->creating.emplace(spec.name, spec.geometry);
   }
+  // The pools are carved (and, on a GPU, set up: streams, events, buffers) without the lock;
+  // the name is taken meanwhile.
   auto backend_cache = state_->backend->CreateCache(spec.geometry, spec.device);
-  if (!backend_cache.ok()) {
-    return absl::Status(backend_cache.status().code(),
-                        absl::StrCat("create cache '", spec.name, "': ",
-                                     backend_cache.status().message()));
+  absl::StatusOr<CacheStatus> created;
+  {
+    absl::MutexLock lock(&state_->mu);
+    state_->creating.erase(spec.name);
+    if (!backend_cache.ok()) {
+      return absl::Status(backend_cache.status().code(),
+                          absl::StrCat("create cache '", spec.name, "': ",
+                                       backend_cache.status().message()));
+    }
+    auto cache = std::make_shared<CacheEntry>();
+    cache->spec = spec;
+    cache->backend = std::move(backend_cache).value();
+    cache->spec.device = cache->backend->device();
+    if (!spec.external_pages) {
+      cache->allocator = std::make_unique<PageAllocator>(spec.geometry.num_pages);
+    }
+    state_->caches[spec.name] = cache;
+    state_->PublishPagesLocked(*cache);
+    created = StatusOf(*cache, state_->channels);
   }
-  auto cache = std::make_shared<CacheEntry>();
-  cache->spec = spec;
-  cache->backend = std::move(backend_cache).value();
-  cache->spec.device = cache->backend->device();
-  if (!spec.external_pages) {
-    cache->allocator = std::make_unique<PageAllocator>(spec.geometry.num_pages);
-  }
-  state_->caches[spec.name] = cache;
-  state_->PublishPagesLocked(*cache);
   state_->PublishDevices();
-  return StatusOf(*cache, state_->channels);
+  return created;
 }
 
 absl::StatusOr<CacheStatus> Engine::GetCache(const std::string& name) const {
@@ -355,13 +381,16 @@ std::vector<CacheStatus> Engine::ListCaches() const {
 
 absl::Status Engine::DeleteCache(const std::string& name, bool force) {
   State::Deferred deferred;
+  // The last reference to the cache may be this one: its pools (and a GPU's streams, which
+  // their destruction waits for) go after the lock.
+  std::shared_ptr<CacheEntry> cache;
   {
     absl::MutexLock lock(&state_->mu);
     auto it = state_->caches.find(name);
     if (it == state_->caches.end()) {
       return absl::NotFoundError(absl::StrCat("name: no cache named '", name, "'"));
     }
-    std::shared_ptr<CacheEntry> cache = it->second;
+    cache = it->second;
     if (cache->open_steps > 0 && !force) {
       return absl::FailedPreconditionError(
           absl::StrCat("name: cache '", name, "' has ", cache->open_steps,
@@ -385,6 +414,7 @@ absl::Status Engine::DeleteCache(const std::string& name, bool force) {
   }
   RunAll(deferred);
   ReapIdleChannels();
+  cache.reset();
   state_->PublishDevices();
   return absl::OkStatus();
 }
@@ -446,7 +476,7 @@ void Engine::EndStep(uint64_t step_id, bool abort,
     absl::MutexLock lock(&state_->mu);
     auto it = state_->open_steps.find(step_id);
     if (it != state_->open_steps.end() && it->second->tenant == tenant &&
-        it->second->channel != nullptr) {
+        !it->second->preparing && it->second->channel != nullptr) {
       const StepEntry& step = *it->second;
       for (size_t layer = 0; layer < step.layers.size(); ++layer) {
         if (step.layers[layer] != LayerState::kDone) {
@@ -471,8 +501,11 @@ void Engine::EndStep(uint64_t step_id, bool abort,
   {
     absl::MutexLock lock(&state_->mu);
     auto it = state_->open_steps.find(step_id);
-    if (it != state_->open_steps.end() && it->second->tenant != tenant) {
-      it = state_->open_steps.end();  // another tenant's step does not exist for this caller
+    if (it != state_->open_steps.end() &&
+        (it->second->tenant != tenant || it->second->preparing)) {
+      // Another tenant's step does not exist for this caller; a step still being planned
+      // does not exist yet.
+      it = state_->open_steps.end();
     }
     if (it == state_->open_steps.end()) {
       auto finished = state_->finished.find(step_id);

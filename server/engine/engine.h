@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -40,7 +41,14 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  absl::StatusOr<CacheStatus> CreateCache(const CacheSpec& spec);
+  // Decides whether a cache may be created, given every cache there is or is being created
+  // (name, num_pages): a tenant's page quota. Runs under the engine's lock, so that concurrent
+  // creations are counted against each other; it must be quick and must not call the engine.
+  using CacheAdmission =
+      std::function<absl::Status(const std::vector<std::pair<std::string, int64_t>>& caches)>;
+  // The pools are allocated without the engine's lock, the name reserved meanwhile.
+  absl::StatusOr<CacheStatus> CreateCache(const CacheSpec& spec,
+                                          const CacheAdmission& admit = nullptr);
   absl::StatusOr<CacheStatus> GetCache(const std::string& name) const;
   std::vector<CacheStatus> ListCaches() const;
   absl::Status DeleteCache(const std::string& name, bool force);

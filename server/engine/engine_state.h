@@ -1,6 +1,22 @@
 // Internal state of the Engine, shared by engine.cc (caches, commit, rollback, step end),
 // plan.cc (Plan), forward.cc (Forward, EndStep), channels.cc (channel steps) and lifecycle.cc
-// (fork, export, import). Everything here is guarded by State::mu.
+// (fork, export, import). Everything here is guarded by State::mu unless it says otherwise.
+//
+// Locks, in the order they are taken (a thread holding one takes only those below it):
+//   1. CacheEntry::plan_mu  one per cache: Plans of that cache run one at a time, from their
+//                           reservation through the backend's PrepareStep to their publication
+//                           (so channel sequences, chained steps and lanes see plan order).
+//                           Held across device work; no other call of the engine waits for it.
+//   2. State::mu            the engine's state: caches, sequences, pages, steps, channels.
+//                           Never held across a backend call that can wait for or allocate on
+//                           the device (PrepareStep, CreateCache, CreateChannel, ReadPages, a
+//                           cache's or channel's destruction). Held across calls that only queue
+//                           or signal (BackendChannel::StartStep, SignalReady) and across
+//                           BackendCache::CopyPages of an early commit (CommitCopies), a rare
+//                           path kept under the lock so no one sees the copy missing.
+//   3. StepBatchPool::mu_, and the backend's own locks (taken inside backend calls).
+// Backend callbacks (a layer landed) take State::mu on backend threads: nothing that holds
+// State::mu may wait for a backend thread.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +50,8 @@ struct Sequence {
 };
 
 struct CacheEntry {
+  // Serialises this cache's Plans (lock order: before State::mu). Guards nothing else.
+  absl::Mutex plan_mu;
   CacheSpec spec;
   std::unique_ptr<BackendCache> backend;
   std::unique_ptr<PageAllocator> allocator;  // MANAGED mode only
@@ -67,7 +85,7 @@ struct ChannelEntry {
   std::shared_ptr<const ChannelLayout> layout;
   std::unique_ptr<BackendChannel> backend;
   uint32_t last_sequence = 0;
-  int32_t open_steps = 0;  // planned and not yet finalized
+  int32_t open_steps = 0;  // planned (or being planned) and not yet finalized
   bool closed = false;
   std::function<void(std::string)> on_closed;
   int64_t bytes_in = 0;
@@ -78,6 +96,14 @@ enum class LayerState : uint8_t { kPending, kRunning, kDone };
 
 struct StepEntry {
   uint64_t id = 0;
+  // Plan reserved the step's pages and sequences but its backend step is being prepared,
+  // outside State::mu. Such a step counts as open (limits, GetCache, a non-forced DeleteCache)
+  // and may be aborted (forced delete, its channel closing, its parent aborting, its stream
+  // ending), but Forward and EndStep do not see it, the TTL does not expire it, and it is not
+  // finalized until Plan lets go of it: like a layer in flight, preparing holds its pages.
+  bool preparing = false;
+  // Plan published the step (its id went to the client).
+  bool planned = false;
   uint64_t owner = 0;
   std::string tenant;
   std::shared_ptr<CacheEntry> cache;
@@ -133,6 +159,9 @@ struct Engine::State {
 
   mutable absl::Mutex mu;
   absl::flat_hash_map<std::string, std::shared_ptr<CacheEntry>> caches ABSL_GUARDED_BY(mu);
+  // Names of caches whose pools CreateCache is allocating (outside the lock), with their
+  // geometry: taken, but not yet caches.
+  absl::flat_hash_map<std::string, CacheGeometry> creating ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<uint64_t, std::shared_ptr<StepEntry>> open_steps ABSL_GUARDED_BY(mu);
   // Outcomes of recently ended steps, so a late EndStep or Forward (of the step's tenant) gets a
   // precise answer.
@@ -149,12 +178,17 @@ struct Engine::State {
   // Closed channels whose steps still have layers in flight; the reaper frees them.
   std::vector<std::shared_ptr<ChannelEntry>> closing_channels ABSL_GUARDED_BY(mu);
   uint64_t next_channel_id ABSL_GUARDED_BY(mu) = 1;
+  // OpenChannel calls making their rings (without the lock); they count as open channels.
+  int32_t opening_channels ABSL_GUARDED_BY(mu) = 0;
   int64_t channel_bytes ABSL_GUARDED_BY(mu) = 0;
   bool draining ABSL_GUARDED_BY(mu) = false;
   bool stopping ABSL_GUARDED_BY(mu) = false;
   // Layers running on the backend across all steps; the engine outlives them (destructor waits).
   int64_t layers_in_flight ABSL_GUARDED_BY(mu) = 0;
   std::thread reaper;
+
+  // A condition for mu.Await (which evaluates it with mu held).
+  bool NoLayerInFlight() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return layers_in_flight == 0; }
 
   // Callbacks collected under the lock and run after it is released.
   using Deferred = std::vector<std::function<void()>>;
@@ -187,8 +221,29 @@ struct Engine::State {
   // A channel step's layer reached its end (ChannelLayerDone).
   void ChannelLayerDone(const std::shared_ptr<StepEntry>& step, int32_t layer,
                         absl::Status status);
-  // Starts a planned channel step on its channel. Not under the lock.
-  void StartChannelStep(const std::shared_ptr<StepEntry>& step);
+  // Starts a planned channel step on its channel. Under the lock (StartStep only queues), so it
+  // precedes any CancelStep of the step, which an abort defers to after the lock.
+  void StartChannelStep(const std::shared_ptr<StepEntry>& step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Plan (plan.cc), in three parts. ReservePlanLocked validates the spec against `cache`,
+  // allocates the step's slots all-or-nothing, builds its batch and registers it as preparing
+  // (see StepEntry::preparing). The caller then prepares the backend step without the lock and
+  // hands it to PublishPlanLocked, which makes the step plannable-on and runnable, or, when the
+  // preparation failed or the step was aborted meanwhile, rolls the reservation back and
+  // returns why.
+  struct PlanReservation {
+    std::shared_ptr<StepEntry> step;
+    std::shared_ptr<StepBatch> batch;
+    std::shared_ptr<ChannelEntry> channel;
+    PlanResult result;
+  };
+  absl::Status ReservePlanLocked(const PlanSpec& spec, uint64_t owner,
+                                 const std::shared_ptr<CacheEntry>& cache,
+                                 PlanReservation& reservation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status PublishPlanLocked(const PlanSpec& spec, PlanReservation& reservation,
+                                 std::unique_ptr<BackendStep>& backend_step,
+                                 absl::Status prepared, Deferred& deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   // The cache a new step or channel may use: NOT_FOUND, or INTERNAL when it failed.
   absl::StatusOr<std::shared_ptr<CacheEntry>> UsableCacheLocked(const std::string& name) const

@@ -102,7 +102,8 @@ void Engine::ForwardThroughChannel(const ForwardArgs& args, ForwardOutputs* outp
   {
     absl::MutexLock lock(&state_->mu);
     auto it = state_->open_steps.find(args.step_id);
-    if (it == state_->open_steps.end() || it->second->tenant != args.tenant) {
+    if (it == state_->open_steps.end() || it->second->tenant != args.tenant ||
+        it->second->preparing) {
       rejected = state_->NotOpenLocked(args.step_id, args.tenant);
     } else {
       StepEntry& step = *it->second;
@@ -168,8 +169,10 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
   {
     absl::MutexLock lock(&state_->mu);
     auto it = state_->open_steps.find(args.step_id);
-    if (it != state_->open_steps.end() && it->second->tenant != args.tenant) {
-      it = state_->open_steps.end();  // another tenant's step does not exist for this caller
+    if (it != state_->open_steps.end() &&
+        (it->second->tenant != args.tenant || it->second->preparing)) {
+      // Another tenant's step does not exist for this caller, nor one still being planned.
+      it = state_->open_steps.end();
     }
     if (it == state_->open_steps.end()) {
       rejected = state_->NotOpenLocked(args.step_id, args.tenant);

@@ -225,24 +225,77 @@ void StepBatchPool::Return(StepBatch* batch) {
 
 absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   const absl::Time started = absl::Now();
-  absl::MutexLock lock(&state_->mu);
-  if (state_->draining) {
+  // The cache's plan lock comes before State::mu: find the cache, take its plan lock, then
+  // make sure the name still means that cache (it may have been deleted, or replaced, between).
+  std::shared_ptr<CacheEntry> cache;
+  State::PlanReservation reservation;
+  for (;;) {
+    {
+      absl::MutexLock lock(&state_->mu);
+      if (state_->draining) {
+        return absl::UnavailableError("server is draining: no new steps are accepted");
+      }
+      ASSIGN_OR_RETURN(cache, state_->UsableCacheLocked(spec.cache));
+    }
+    absl::MutexLock plan_lock(&cache->plan_mu);
+    {
+      absl::MutexLock lock(&state_->mu);
+      auto registered = state_->caches.find(spec.cache);
+      if (registered != state_->caches.end() && registered->second != cache) continue;
+      RETURN_IF_ERROR(state_->ReservePlanLocked(spec, owner, cache, reservation));
+    }
+    // The device work (plan upload, buffer growth, waits for a reused buffer's last upload)
+    // runs without State::mu: other caches' Plans, every Forward's completion, EndStep, the
+    // registry and the reaper go on meanwhile. The reservation's pages and sequences are the
+    // step's, and the channel (if any) outlives it (the step is one of its open steps).
+    StepEntry& step = *reservation.step;
+    absl::StatusOr<std::unique_ptr<BackendStep>> prepared =
+        reservation.channel != nullptr
+            ? cache->backend->PrepareChannelStep(reservation.batch,
+                                                 reservation.channel->backend.get())
+            : cache->backend->PrepareStep(reservation.batch);
+    std::unique_ptr<BackendStep> backend_step;
+    if (prepared.ok()) backend_step = std::move(prepared).value();
+    State::Deferred deferred;
+    absl::Status published;
+    {
+      absl::MutexLock lock(&state_->mu);
+      published = state_->PublishPlanLocked(spec, reservation, backend_step,
+                                            prepared.status(), deferred);
+      if (published.ok() && state_->metrics) {
+        state_->metrics->ObservePlan(absl::ToDoubleSeconds(absl::Now() - started),
+                                     step.decode_tokens, step.prefill_tokens);
+      }
+    }
+    // A refused step's backend step goes here, outside the lock (before the cache it uses).
+    backend_step.reset();
+    for (auto& callback : deferred) callback();
+    RETURN_IF_ERROR(published);
+    return std::move(reservation.result);
+  }
+}
+
+absl::Status Engine::State::ReservePlanLocked(const PlanSpec& spec, uint64_t owner,
+                                              const std::shared_ptr<CacheEntry>& cache,
+                                              PlanReservation& reservation) {
+  if (draining) {
     return absl::UnavailableError("server is draining: no new steps are accepted");
   }
-  ASSIGN_OR_RETURN(const std::shared_ptr<CacheEntry> cache, state_->UsableCacheLocked(spec.cache));
-  const ServerLimitsOptions& limits = state_->options.limits;
+  // The cache may have been deleted or failed while this Plan waited for its plan lock.
+  RETURN_IF_ERROR(UsableCacheLocked(spec.cache).status());
+  const ServerLimitsOptions& limits = options.limits;
   if (static_cast<int64_t>(spec.entries.size()) > limits.max_plan_entries) {
     return absl::InvalidArgumentError(absl::StrCat("entries: at most ", limits.max_plan_entries,
                                                    " per plan (--max_plan_entries), got ",
                                                    spec.entries.size()));
   }
-  if (static_cast<int32_t>(state_->open_steps.size()) >= limits.max_open_steps) {
+  if (static_cast<int32_t>(open_steps.size()) >= limits.max_open_steps) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "steps: ", state_->open_steps.size(), " steps are open, the limit (--max_open_steps)"));
+        "steps: ", open_steps.size(), " steps are open, the limit (--max_open_steps)"));
   }
   if (!spec.tenant.empty()) {
-    auto count = state_->open_steps_by_tenant.find(spec.tenant);
-    const int32_t open = count == state_->open_steps_by_tenant.end() ? 0 : count->second;
+    auto count = open_steps_by_tenant.find(spec.tenant);
+    const int32_t open = count == open_steps_by_tenant.end() ? 0 : count->second;
     if (open >= limits.max_open_steps_per_tenant) {
       return absl::ResourceExhaustedError(
           absl::StrCat("steps: this tenant has ", open,
@@ -253,8 +306,8 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   RETURN_IF_ERROR(ResolveOptions(spec.options, cache->spec, options));
   std::shared_ptr<ChannelEntry> channel;
   if (spec.channel_id != 0) {
-    auto channel_it = state_->channels.find(spec.channel_id);
-    if (channel_it == state_->channels.end() || channel_it->second->tenant != spec.tenant) {
+    auto channel_it = channels.find(spec.channel_id);
+    if (channel_it == channels.end() || channel_it->second->tenant != spec.tenant) {
       return absl::NotFoundError(
           absl::StrCat("channel_id: no open channel ", spec.channel_id));
     }
@@ -381,14 +434,14 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
         "' has ", cache->allocator->free_pages(), " free of ", geometry.num_pages));
   }
 
-  // Allocate and build the batch. Nothing below can fail until PrepareStep, whose failure
-  // rolls the allocation back.
+  // Allocate and build the batch. Nothing below can fail; a failure of PrepareStep (or an
+  // abort while it runs) rolls the allocation back (PublishPlanLocked).
   auto step = std::make_shared<StepEntry>();
-  step->id = state_->next_step_id++;
+  step->id = next_step_id++;
   step->owner = owner;
   step->tenant = spec.tenant;
   step->cache = cache;
-  std::shared_ptr<StepBatch> batch = state_->batches->Take();
+  std::shared_ptr<StepBatch> batch = batches->Take();
   batch->batch_size = static_cast<int32_t>(spec.entries.size());
   batch->num_tokens = num_tokens;
   batch->options = options;
@@ -400,7 +453,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   batch->token_positions.reserve(num_tokens);
   batch->k_page_indices.reserve(table_pages);
   if (cache->spec.separate_kv) batch->v_page_indices.reserve(table_pages);
-  PlanResult result;
+  PlanResult& result = reservation.result;
   result.entries.resize(spec.entries.size());
   for (size_t i = 0; i < spec.entries.size(); ++i) {
     const PlanEntrySpec& entry = spec.entries[i];
@@ -452,49 +505,84 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
   }
   batch->phase = StepPhaseOf(batch->qo_indptr);
 
-  auto backend_step = channel != nullptr
-                          ? cache->backend->PrepareChannelStep(batch, channel->backend.get())
-                          : cache->backend->PrepareStep(batch);
-  if (!backend_step.ok()) {
-    // Undo the allocation: nothing of this step may survive.
-    for (const SequenceChange& change : step->changes) {
-      EndSequenceChange(*cache, *step, change, /*committed=*/false);
-    }
-    cache->allocator->Free(step->fresh_pages);
-    return absl::Status(backend_step.status().code(),
-                        absl::StrCat("plan step for cache '", spec.cache,
-                                     "': ", backend_step.status().message()));
-  }
-  step->backend_step = std::move(backend_step).value();
+  batch->phase = StepPhaseOf(batch->qo_indptr);
+
+  // Registered as preparing: open for the limits and for aborts, unseen by Forward and EndStep.
+  step->preparing = true;
   step->batch = batch;
   for (const auto& parent : parents) parent->children.push_back(step);
   step->parents = std::move(parents);
   step->layers.assign(geometry.num_layers, LayerState::kPending);
   step->last_activity = absl::Now();
   ++cache->open_steps;
-  state_->open_steps[step->id] = step;
-  if (!spec.tenant.empty()) ++state_->open_steps_by_tenant[spec.tenant];
-  state_->PublishPagesLocked(*cache);
-
+  open_steps[step->id] = step;
+  if (!spec.tenant.empty()) ++open_steps_by_tenant[spec.tenant];
+  if (channel != nullptr) {
+    // Its channel's ring stays until the step is finalized (TakeIdleChannelsLocked).
+    step->channel = channel;
+    ++channel->open_steps;
+  }
+  PublishPagesLocked(*cache);
   result.step_id = step->id;
   result.num_tokens = num_tokens;
+  reservation.step = std::move(step);
+  reservation.batch = std::move(batch);
+  reservation.channel = std::move(channel);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::State::PublishPlanLocked(const PlanSpec& spec,
+                                              PlanReservation& reservation,
+                                              std::unique_ptr<BackendStep>& backend_step,
+                                              absl::Status prepared, Deferred& deferred) {
+  const std::shared_ptr<StepEntry>& step = reservation.step;
+  CacheEntry& cache = *step->cache;
+  step->preparing = false;
+  absl::Status refused;
+  if (!prepared.ok()) {
+    refused = absl::Status(prepared.code(), absl::StrCat("plan step for cache '", spec.cache,
+                                                         "': ", prepared.message()));
+  } else if (step->ending) {
+    // Aborted while it was prepared: by a forced DeleteCache, its channel closing, the step it
+    // follows aborting, or its stream ending.
+    auto registered = caches.find(spec.cache);
+    const bool deleted = registered == caches.end() || registered->second != step->cache;
+    const bool closed = step->channel != nullptr && step->channel->closed;
+    refused = absl::AbortedError(absl::StrCat(
+        "plan step for cache '", spec.cache, "': step ", step->id, " was aborted while it was "
+        "planned (", deleted ? "the cache was deleted"
+                     : closed ? absl::StrCat("channel ", step->channel->id, " closed")
+                              : "a step it follows aborted, or its stream ended", ")"));
+  } else if (cache.failed) {
+    refused = absl::InternalError(absl::StrCat("cache '", spec.cache, "' failed: ", cache.failure,
+                                               "; delete it"));
+  }
+  if (!refused.ok()) {
+    // Nothing of this step may survive: EndLocked (or the abort that already ended it) rolls
+    // its sequences back and frees its fresh pages now that Plan no longer holds it.
+    if (step->ending) {
+      TryFinalizeLocked(step, deferred);
+    } else {
+      EndLocked(step, StepOutcome::kAborted, deferred);
+    }
+    return refused;
+  }
+  step->backend_step = std::move(backend_step);
+  step->planned = true;
+  step->last_activity = absl::Now();
+  PlanResult& result = reservation.result;
   result.kernel = std::string(step->backend_step->KernelName());
-  if (channel != nullptr) {
+  if (step->channel != nullptr) {
     // Every layer is in flight from now on, waiting for its ready word on the channel.
-    step->channel = channel;
-    step->channel_sequence = ++channel->last_sequence;
-    ++channel->open_steps;
+    ChannelEntry& channel = *step->channel;
+    step->channel_sequence = ++channel.last_sequence;
     std::fill(step->layers.begin(), step->layers.end(), LayerState::kRunning);
-    step->in_flight = geometry.num_layers;
-    state_->layers_in_flight += geometry.num_layers;
+    step->in_flight = static_cast<int32_t>(step->layers.size());
+    layers_in_flight += step->in_flight;
     result.channel_sequence = step->channel_sequence;
-    state_->StartChannelStep(step);
+    StartChannelStep(step);
   }
-  if (state_->metrics) {
-    state_->metrics->ObservePlan(absl::ToDoubleSeconds(absl::Now() - started),
-                                 step->decode_tokens, step->prefill_tokens);
-  }
-  return result;
+  return absl::OkStatus();
 }
 
 }  // namespace attnd

@@ -185,23 +185,26 @@ grpc::ServerUnaryReactor* AttentionService::CreateCache(grpc::CallbackServerCont
   return FinishNow(context_, ctx, "CreateCache", [&](const Tenant& tenant) -> absl::Status {
     ASSIGN_OR_RETURN(CacheSpec spec, CacheSpecFromProto(*request));
     spec.name = tenant.CacheKey(spec.name);
-    absl::StatusOr<CacheStatus> created;
-    if (tenant.page_quota == kUnlimitedPages) {
-      created = context_.engine->CreateCache(spec);
-    } else {
-      absl::MutexLock lock(&quota_mu_);
-      int64_t held_pages = 0;
-      for (const CacheStatus& cache : context_.engine->ListCaches()) {
-        if (tenant.Owns(cache.spec.name)) held_pages += cache.spec.geometry.num_pages;
-      }
-      if (held_pages + spec.geometry.num_pages > tenant.page_quota) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "config.num_pages: the tenant's page quota is ", tenant.page_quota,
-            " pages (token file or --tenant_page_quota); its caches hold ", held_pages,
-            " and this cache needs ", spec.geometry.num_pages));
-      }
-      created = context_.engine->CreateCache(spec);
+    // The quota is checked by the engine under its lock, against the caches there are and
+    // those being created, so concurrent creates of one tenant cannot both fit in its last
+    // pages; no lock of ours is held while the pools are allocated.
+    Engine::CacheAdmission admit;
+    if (tenant.page_quota != kUnlimitedPages) {
+      admit = [&tenant, &spec](const std::vector<std::pair<std::string, int64_t>>& caches) {
+        int64_t held_pages = 0;
+        for (const auto& [name, num_pages] : caches) {
+          if (tenant.Owns(name)) held_pages += num_pages;
+        }
+        if (held_pages + spec.geometry.num_pages > tenant.page_quota) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "config.num_pages: the tenant's page quota is ", tenant.page_quota,
+              " pages (token file or --tenant_page_quota); its caches hold ", held_pages,
+              " and this cache needs ", spec.geometry.num_pages));
+        }
+        return absl::OkStatus();
+      };
     }
+    absl::StatusOr<CacheStatus> created = context_.engine->CreateCache(spec, admit);
     if (!created.ok()) return created.status();
     CacheStatusToProto(ForClient(tenant, *created), response->mutable_cache());
     return absl::OkStatus();

@@ -12,7 +12,6 @@
 #include "attnd/v1/attnd.grpc.pb.h"
 #include "backend/backend.h"
 #include "engine/engine.h"
-#include "absl/synchronization/mutex.h"
 #include "metrics/metrics.h"
 #include "options.h"
 #include "service/auth.h"
@@ -110,9 +109,6 @@ class AttentionService final : public AttentionServiceBase {
   ServiceContext context_;
   std::unique_ptr<ForwardCallPool> unary_calls_;
   std::atomic<uint64_t> next_stream_id_{1};
-  // Serialises quota checks with the creation they admit, so concurrent creates of one
-  // tenant cannot both fit in the quota's last pages.
-  absl::Mutex quota_mu_;
 };
 
 // Shared by the unary handlers and ForwardStream, on behalf of an authenticated tenant: one
