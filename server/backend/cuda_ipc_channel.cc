@@ -175,10 +175,17 @@ void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t 
   const cudaStream_t compute = lane_.compute.get();
   const ChannelSlotLayout& slot = layout_.slots[layout_.SlotOf(layer)];
   uint8_t* ring = ring_.data();
-  // One layer in timing_stride_ is timed (the kernel metrics): a timing event costs ~2 us of
-  // the stream under MPS, three per layer most of the handoff budget.
+  // One layer in `stride`, drawn at random, is timed (the kernel metrics): a timing event costs
+  // ~2 us of the stream under MPS, three per layer most of the handoff budget. At random, not
+  // every stride-th layer: that would time the same layers of every step (layer 0 follows the
+  // host's Plan and runs slower).
   const int32_t stride = cache_->channel_timing_stride();
-  const bool timed = stride > 0 && step.num_tokens() > 0 && layers_enqueued_++ % stride == 0;
+  timing_rng_ ^= timing_rng_ >> 12;  // xorshift64*
+  timing_rng_ ^= timing_rng_ << 25;
+  timing_rng_ ^= timing_rng_ >> 27;
+  const uint64_t draw = (timing_rng_ * 0x2545F4914F6CDD1Dull) >> 32;
+  const bool timed = stride > 0 && step.num_tokens() > 0 &&
+                     draw % static_cast<uint64_t>(stride) == 0;
   std::lock_guard lock(lane_.submit_mu);
   absl::Status status = [&]() -> absl::Status {
     RETURN_IF_ERROR(cuda::StreamWaitFlag(compute, ring + layout_.ready[layer], active->sequence));
