@@ -68,7 +68,8 @@ case ${1:-} in
     start_attnd() {
       local name=$1 port=$2
       dl_daemon_start "attnd_$name" "$B/run" attnd --backend="$backend" \
-        --listen_address=127.0.0.1:"$port" --metrics_address= --exit_grace=2s --drain_grace=2s
+        --listen_address=127.0.0.1:"$port" --metrics_address= --exit_grace=2s --drain_grace=2s \
+        ${DAEMON_ARGS:-}
       dl_daemon_ready "$DL_PID" 30 "$B/run" attnctl --server=127.0.0.1:"$port" health ||
         { say "$name: attnd did not come up"; return 1; }
     }
@@ -126,6 +127,10 @@ case ${1:-} in
             dl_run handoff_probe 60 "$B/run" handoff_probe
             say "handoff_probe (MPS) rc=$?"
             grep -v '^$' "$logs/handoff_probe.log" | tail -9 >> "$OUT/summary.txt"
+            mps off ;;
+          cuda_ipc_mps_timed)  # every channel layer's kernels timed (--channel_kernel_timing=1)
+            mps on
+            DAEMON_ARGS=--channel_kernel_timing=1 e2e "$case" --transport=cuda_ipc
             mps off ;;
           cuda_ipc_mps|cuda_ipc_mps_mb2|cuda_ipc_mps_mb4)
             mb=1
