@@ -121,6 +121,8 @@ case ${1:-} in
         case $case in
           grpc_stream) e2e grpc_stream --stream --window=1 ;;
           shm) e2e shm --transport=shm ;;
+          shm_spin)  # completion threads spin, the client spins up to 2 ms on done words
+            DAEMON_ARGS=--cuda_completion=spin e2e "$case" --transport=shm --host_spin_us=2000 ;;
           cuda_ipc) e2e cuda_ipc --transport=cuda_ipc ;;
           probe)  # what one cross-process handoff costs, by way of waiting (bench/handoff_probe.cu)
             mps on

@@ -40,6 +40,8 @@
 ABSL_FLAG(int32_t, check_sequences, 2,
           "bench (channels): sequences whose outputs are checked against the CPU reference in "
           "the prompt step and the first decode step (0: no check)");
+ABSL_FLAG(int32_t, host_spin_us, 200,
+          "bench (shm): how long the client spins on a done word before it sleeps on it");
 
 namespace attnd::attnctl {
 namespace {
@@ -125,6 +127,7 @@ class ChannelBench {
     client::ChannelOptions options;
     options.kind = kind_;
     options.max_tokens = max_tokens;
+    options.host_spin = absl::Microseconds(absl::GetFlag(FLAGS_host_spin_us));
     auto channel = client::Channel::Open(client_, cache_.name(), options);
     if (!channel.ok()) return Fail("open channel", channel.status());
     channel_ = *std::move(channel);

@@ -47,6 +47,7 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(Client& client, std::stri
     return status;
   }
   channel->info_ = first.channel();
+  channel->host_spin_ = options.host_spin;
   if (absl::Status mapped = channel->Map(); !mapped.ok()) {
     channel->call_->TryCancel();
     attnd::v1::OpenChannelResponse rest;
@@ -189,7 +190,7 @@ absl::Status Channel::WaitDone(int32_t layer, uint32_t sequence, absl::Duration 
                                                       sequence, " within ",
                                                       absl::FormatDuration(timeout)));
     }
-    if (now - start < std::chrono::microseconds(200)) continue;  // spin first
+    if (now - start < absl::ToChronoNanoseconds(host_spin_)) continue;  // spin first
     if (host) {
       timespec slice{0, 1000000};  // 1 ms, re-checking the deadline and the channel
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(ring_ + offset), FUTEX_WAIT, seen, &slice,

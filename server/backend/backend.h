@@ -73,6 +73,10 @@ struct LayerIo {
   // The pointers above (inputs and o/lse) are in host memory the backend registered for
   // direct device access (a HOST_SHM channel's ring): copy straight to and from it, no staging.
   bool host_registered = false;
+  // With host_registered, a HOST_SHM channel's done word for this layer: the device may write
+  // done_value there once the outputs are in place (the channel writes it again on completion).
+  uint32_t* done_word = nullptr;
+  uint32_t done_value = 0;
 
   // The input as InputBytes, whichever way it was given.
   static InputBytes Input(const void* pointer, const InputBytes& bytes) {

@@ -175,7 +175,8 @@ absl::StatusOr<std::unique_ptr<BackendChannel>> CudaCache::CreateChannel(
   }
   HostShmChannel::DeviceHooks hooks;
   hooks.register_ring = [](void* ring, int64_t bytes) -> absl::Status {
-    CUDA_RETURN_IF_ERROR(cudaHostRegister(ring, bytes, cudaHostRegisterDefault));
+    // Mapped: the device also writes the ring's done words (LayerIo::done_word).
+    CUDA_RETURN_IF_ERROR(cudaHostRegister(ring, bytes, cudaHostRegisterMapped));
     return absl::OkStatus();
   };
   hooks.unregister_ring = [](void* ring) { cudaHostUnregister(ring); };

@@ -131,6 +131,8 @@ void HostShmChannel::RunLayer(const ActiveStep& active, int32_t layer) {
   io.lse = with_lse_ ? reinterpret_cast<float*>(base + slot.lse) : nullptr;
   const int64_t done_offset = layout_.done[layer];
   const uint32_t sequence = active.sequence;
+  io.done_word = reinterpret_cast<uint32_t*>(base + done_offset);
+  io.done_value = sequence;
   ChannelLayerDone layer_done = active.layer_done;
   // The engine frees the channel only once no layer of it is in flight: `this` outlives this.
   active.step->RunLayer(io, [this, base, done_offset, sequence, layer,

@@ -29,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/time/time.h"
 #include "attnd/v1/attnd.grpc.pb.h"
 
 namespace attnd::client {
@@ -40,6 +41,10 @@ struct ChannelOptions {
   int32_t max_tokens = 0;  // largest step (rows of q) the channel carries
   int32_t slots = 0;       // 0: the server's default (2)
   bool with_lse = false;
+  // WaitDone from the host spins this long on the done word before it sleeps on it (a futex
+  // attnd wakes). A layer longer than the spin pays a wake-up (~tens of us); spinning costs a
+  // core while it lasts.
+  absl::Duration host_spin = absl::Microseconds(200);
 };
 
 // Pointers into one slot of the ring (host or device memory, see above). Null where the
@@ -101,6 +106,7 @@ class Channel {
   void ReadUntilClosed();
 
   attnd::v1::ChannelInfo info_;
+  absl::Duration host_spin_ = absl::Microseconds(200);
   uint8_t* ring_ = nullptr;  // host mapping (HOST_SHM) or device pointer (CUDA_IPC)
   int64_t ring_bytes_ = 0;
   int cuda_device_ = -1;     // CUDA_IPC: the device the ring was opened on
