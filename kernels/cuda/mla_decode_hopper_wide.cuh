@@ -301,15 +301,23 @@ __device__ __forceinline__ void Score(const MlaParams& params, const HopperWork&
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = SoftCapLog2(s[i], params.cap_input_scale, params.cap_log2);
     }
+    // Most tiles show every key to both rows: the per-key mask is skipped there (it sits on the
+    // path between Q K^T and P V, where the tensor cores wait).
+    const bool all_visible = rows.valid[0] && rows.valid[1] && tile_start + kWideTile <= work.kv_end &&
+                             (!params.causal || tile_start + kWideTile - 1 <= min(rows.position[0], rows.position[1])) &&
+                             (params.window_left < 0 ||
+                              tile_start >= max(rows.position[0], rows.position[1]) - params.window_left);
+    if (!all_visible) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = tile_start + 8 * j + 2 * (lane % 4) + (e % 2);
-        const int position = rows.position[e / 2];
-        const bool visible = rows.valid[e / 2] && key < work.kv_end && (!params.causal || key <= position) &&
-                             (params.window_left < 0 || key >= position - params.window_left);
-        if (!visible) s[4 * j + e] = -INFINITY;
+        for (int e = 0; e < 4; ++e) {
+          const int key = tile_start + 8 * j + 2 * (lane % 4) + (e % 2);
+          const int position = rows.position[e / 2];
+          const bool visible = rows.valid[e / 2] && key < work.kv_end && (!params.causal || key <= position) &&
+                               (params.window_left < 0 || key >= position - params.window_left);
+          if (!visible) s[4 * j + e] = -INFINITY;
+        }
       }
     }
 #pragma unroll
