@@ -6,7 +6,9 @@
 //   onewave   the smallest chunk whose CTAs fit one wave (the batch-decode rule)
 //   oversub   oversubscription with the planner's defaults (longest chunks launched first)
 //   auto      what the planner picks by its cost estimate
-// (all with the kernel MlaDecode picks: the Hopper one on an H100) and with --variants: one wave
+// (all with the kernel MlaDecode picks: the Hopper one on an H100; --hopper_variant=new runs them
+// on the wide-tile Hopper kernel instead, =both on both, the wide ones named *_wide, each with its
+// own summary) and with --variants: one wave
 // and oversubscription on the mma.sync kernel; oversubscription by the plain rule (no search
 // over min_tokens_per_cta doublings), with other min_tokens_per_cta / max_waves, in request
 // order, and as a padded grid (batch x max splits CTAs in request order, the extra CTAs of short
@@ -28,7 +30,7 @@
 // bandwidth one.
 //
 //   mla_bench [--variants] [--batches=16,32] [--uniform=16,64,128] [--cases=mixed,uniform]
-//             [--only=VARIANT] [--csv=PATH]
+//             [--hopper_variant=old|new|both] [--only=VARIANT] [--csv=PATH]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -387,9 +389,11 @@ struct Case {
   std::vector<int64_t> lengths;
 };
 
-void PrintSummary(const std::vector<Row>& rows, const std::string& group, double copy_bandwidth) {
-  std::printf("\nsummary, %s (%% of copy %.3f TB/s; speedup = onewave time / time)\n", group.c_str(),
-              copy_bandwidth / 1e12);
+// `suffix`: the variants' name suffix ("" or "_wide": the wide-tile Hopper kernel's rows).
+void PrintSummary(const std::vector<Row>& rows, const std::string& group, double copy_bandwidth,
+                  const std::string& suffix) {
+  std::printf("\nsummary, %s%s (%% of copy %.3f TB/s; speedup = onewave time / time)\n", group.c_str(),
+              suffix.c_str(), copy_bandwidth / 1e12);
   std::printf("batch | nosplit | onewave | oversub | auto | oversub/onewave | auto us\n");
   std::vector<int32_t> batches;
   for (const Row& row : rows) {
@@ -403,10 +407,10 @@ void PrintSummary(const std::vector<Row>& rows, const std::string& group, double
     for (const Row& row : rows) {
       if (row.group != group || row.batch != batch) continue;
       bytes = row.bytes;
-      if (row.variant == "nosplit") t[0] = row.seconds;
-      if (row.variant == "onewave") t[1] = row.seconds;
-      if (row.variant == "oversub") t[2] = row.seconds;
-      if (row.variant == "auto") t[3] = row.seconds;
+      if (row.variant == "nosplit" + suffix) t[0] = row.seconds;
+      if (row.variant == "onewave" + suffix) t[1] = row.seconds;
+      if (row.variant == "oversub" + suffix) t[2] = row.seconds;
+      if (row.variant == "auto" + suffix) t[3] = row.seconds;
     }
     auto percent = [&](double seconds) { return seconds > 0 ? 100 * bytes / seconds / copy_bandwidth : 0.0; };
     std::printf("%5d | %5.1f%% | %5.1f%% | %5.1f%% | %5.1f%% | %.2fx | %.1f\n", batch, percent(t[0]), percent(t[1]),
@@ -421,6 +425,7 @@ int Main(int argc, char** argv) {
   std::vector<int32_t> batches = {16, 32, 64, 128, 256};
   std::vector<int32_t> uniform_batches = {16, 64, 128};
   bool run_mixed = true, run_uniform = true;
+  std::string hopper_variant = "old";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--variants") {
@@ -433,6 +438,9 @@ int Main(int argc, char** argv) {
       batches = ParseList(arg.c_str() + 10);
     } else if (arg.rfind("--uniform=", 0) == 0) {
       uniform_batches = ParseList(arg.c_str() + 10);
+    } else if (arg.rfind("--hopper_variant=", 0) == 0 &&
+               (arg.substr(17) == "old" || arg.substr(17) == "new" || arg.substr(17) == "both")) {
+      hopper_variant = arg.substr(17);
     } else if (arg.rfind("--cases=", 0) == 0) {
       const std::string cases = arg.substr(8);
       run_mixed = cases.find("mixed") != std::string::npos;
@@ -440,7 +448,7 @@ int Main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: mla_bench [--variants] [--batches=16,32,...] [--uniform=16,64,128] "
-                   "[--cases=mixed,uniform] [--only=VARIANT] [--csv=PATH]\n");
+                   "[--cases=mixed,uniform] [--hopper_variant=old|new|both] [--only=VARIANT] [--csv=PATH]\n");
       return 2;
     }
   }
@@ -463,10 +471,26 @@ int Main(int argc, char** argv) {
               kHeads, kRank, kRope, kPageSize, *ctas);
   std::fflush(stdout);
 
-  std::vector<VariantSpec> specs = {{"nosplit", Variant::kNoSplit},
-                                    {"onewave", Variant::kOneWave},
-                                    {"oversub", Variant::kOversub},
-                                    {"auto", Variant::kAuto}};
+  if (hopper_variant != "old") {
+    auto wide = cuda::MlaDecodeCtasPerWave(
+        {DType::kBFloat16, DType::kBFloat16, kRank, kRope, cuda::MlaKernel::kHopperWide});
+    CHECK_OK(wide.status());
+    std::printf("wide-tile Hopper kernel: %d CTAs per wave%s\n", *wide,
+                *wide == *ctas ? "" : " (differs: its plans still use the default kernel's count)");
+  }
+  std::vector<VariantSpec> specs;
+  const std::pair<std::string, Variant> base_specs[] = {{"nosplit", Variant::kNoSplit},
+                                                        {"onewave", Variant::kOneWave},
+                                                        {"oversub", Variant::kOversub},
+                                                        {"auto", Variant::kAuto}};
+  // "new" keeps the names (the summary is the wide kernel's); "both" adds *_wide rows.
+  for (const auto& [name, kind] : base_specs) {
+    if (hopper_variant != "new") specs.push_back({name, kind});
+  }
+  for (const auto& [name, kind] : base_specs) {
+    if (hopper_variant == "new") specs.push_back({name, kind, 0, 0, cuda::MlaKernel::kHopperWide});
+    if (hopper_variant == "both") specs.push_back({name + "_wide", kind, 0, 0, cuda::MlaKernel::kHopperWide});
+  }
   if (variants) {
     specs.push_back({"onewave_mma", Variant::kOneWave, 0, 0, cuda::MlaKernel::kMmaSync});
     specs.push_back({"oversub_mma", Variant::kOversub, 0, 0, cuda::MlaKernel::kMmaSync});
@@ -516,7 +540,7 @@ int Main(int argc, char** argv) {
     double onewave = 0;
     for (const VariantSpec& spec : specs) {
       Row row = data.Run(spec);
-      if (spec.name == "onewave") onewave = row.seconds;
+      if (spec.name == "onewave" || spec.name == "onewave_wide") onewave = row.seconds;  // per kernel
       row.onewave_seconds = onewave;
       const bool ok = row.error <= kTolerance;
       failed |= !ok;
@@ -534,8 +558,15 @@ int Main(int argc, char** argv) {
     }
   }
 
-  if (run_mixed) PrintSummary(rows, "mixed", copy_bandwidth);
-  if (run_uniform) PrintSummary(rows, uniform_group, copy_bandwidth);
+  const char* kernel_names = hopper_variant == "new" ? "wide-tile Hopper kernel" : "default kernel";
+  std::printf("\nsummaries below: %s%s\n", kernel_names,
+              hopper_variant == "both" ? "; then *_wide: the wide-tile Hopper kernel" : "");
+  if (run_mixed) PrintSummary(rows, "mixed", copy_bandwidth, "");
+  if (run_uniform) PrintSummary(rows, uniform_group, copy_bandwidth, "");
+  if (hopper_variant == "both") {
+    if (run_mixed) PrintSummary(rows, "mixed", copy_bandwidth, "_wide");
+    if (run_uniform) PrintSummary(rows, uniform_group, copy_bandwidth, "_wide");
+  }
   if (!csv_path.empty()) {
     FILE* file = std::fopen(csv_path.c_str(), "w");
     if (file != nullptr) {

@@ -62,12 +62,20 @@ __device__ __forceinline__ void FenceRegisters(float (&values)[kCount]) {
       "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
 #define ATTND_ACC32 ATTND_ACC8(0), ATTND_ACC8(8), ATTND_ACC8(16), ATTND_ACC8(24)
 #define ATTND_ACC64 ATTND_ACC32, ATTND_ACC8(32), ATTND_ACC8(40), ATTND_ACC8(48), ATTND_ACC8(56)
+#define ATTND_ACC128                                                                                 \
+  ATTND_ACC64, ATTND_ACC8(64), ATTND_ACC8(72), ATTND_ACC8(80), ATTND_ACC8(88), ATTND_ACC8(96), ATTND_ACC8(104), \
+      ATTND_ACC8(112), ATTND_ACC8(120)
 #define ATTND_REGS32                                                                                     \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define ATTND_REGS64                                                                                     \
   ATTND_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, " \
                "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define ATTND_REGS128                                                                                      \
+  ATTND_REGS64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, "   \
+               "%81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, " \
+               "%99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, "  \
+               "%114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
 // d[N/2] (+)= A[64x16] * B[16xN]: A and B K-major in shared memory. accumulate = 0 overwrites d.
 template <int kN, typename T>
@@ -76,6 +84,11 @@ __device__ __forceinline__ void WgmmaSS(float (&d)[kN / 2], uint64_t a, uint64_t
 // B MN-major in shared memory (transposed: N contiguous).
 template <int kN, typename T>
 __device__ __forceinline__ void WgmmaRS(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t b);
+
+// d[N/2] (+)= A[64x16] * B[16xN]: A K-major in shared memory, B MN-major in shared memory (V as
+// the B of P V, with P staged in shared memory). accumulate = 0 overwrites d.
+template <int kN, typename T>
+__device__ __forceinline__ void WgmmaSSTransposedB(float (&d)[kN / 2], uint64_t a, uint64_t b, int accumulate);
 
 #define ATTND_DEFINE_WGMMA_SS128(TYPE, PTX_TYPE)                                                          \
   template <>                                                                                          \
@@ -111,16 +124,77 @@ __device__ __forceinline__ void WgmmaRS(float (&d)[kN / 2], const uint32_t (&a)[
                  : "memory");                                                                          \
   }
 
+#define ATTND_DEFINE_WGMMA_SS64(TYPE, PTX_TYPE)                                                           \
+  template <>                                                                                          \
+  __device__ __forceinline__ void WgmmaSS<64, TYPE>(float(&d)[32], uint64_t a, uint64_t b, int accumulate) { \
+    asm volatile(                                                                                      \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                   \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE " {" ATTND_REGS32           \
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                                             \
+        : ATTND_ACC32                                                                                  \
+        : "l"(a), "l"(b), "r"(accumulate)                                                              \
+        : "memory");                                                                                   \
+  }
+
+#define ATTND_DEFINE_WGMMA_RS256(TYPE, PTX_TYPE)                                                          \
+  template <>                                                                                          \
+  __device__ __forceinline__ void WgmmaRS<256, TYPE>(float(&d)[128], const uint32_t(&a)[4], uint64_t b) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                       \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_TYPE "." PTX_TYPE " {" ATTND_REGS128  \
+                 "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                                 \
+                 : ATTND_ACC128                                                                        \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)                          \
+                 : "memory");                                                                          \
+  }
+
+#define ATTND_DEFINE_WGMMA_SST256(TYPE, PTX_TYPE)                                                         \
+  template <>                                                                                          \
+  __device__ __forceinline__ void WgmmaSSTransposedB<256, TYPE>(float(&d)[128], uint64_t a, uint64_t b,  \
+                                                                int accumulate) {                     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                       \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_TYPE "." PTX_TYPE " {" ATTND_REGS128  \
+                 "}, %128, %129, p, 1, 1, 0, 1;\n}\n"                                                  \
+                 : ATTND_ACC128                                                                        \
+                 : "l"(a), "l"(b), "r"(accumulate)                                                     \
+                 : "memory");                                                                          \
+  }
+
+#define ATTND_DEFINE_WGMMA_SST128(TYPE, PTX_TYPE)                                                         \
+  template <>                                                                                          \
+  __device__ __forceinline__ void WgmmaSSTransposedB<128, TYPE>(float(&d)[64], uint64_t a, uint64_t b,   \
+                                                                int accumulate) {                     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                        \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE " {" ATTND_REGS64   \
+                 "}, %64, %65, p, 1, 1, 0, 1;\n}\n"                                                    \
+                 : ATTND_ACC64                                                                         \
+                 : "l"(a), "l"(b), "r"(accumulate)                                                     \
+                 : "memory");                                                                          \
+  }
+
 ATTND_DEFINE_WGMMA_SS128(__nv_bfloat16, "bf16")
 ATTND_DEFINE_WGMMA_SS128(__half, "f16")
 ATTND_DEFINE_WGMMA_RS128(__nv_bfloat16, "bf16")
 ATTND_DEFINE_WGMMA_RS128(__half, "f16")
 ATTND_DEFINE_WGMMA_RS64(__nv_bfloat16, "bf16")
 ATTND_DEFINE_WGMMA_RS64(__half, "f16")
+ATTND_DEFINE_WGMMA_SS64(__nv_bfloat16, "bf16")
+ATTND_DEFINE_WGMMA_SS64(__half, "f16")
+ATTND_DEFINE_WGMMA_RS256(__nv_bfloat16, "bf16")
+ATTND_DEFINE_WGMMA_RS256(__half, "f16")
+ATTND_DEFINE_WGMMA_SST256(__nv_bfloat16, "bf16")
+ATTND_DEFINE_WGMMA_SST256(__half, "f16")
+ATTND_DEFINE_WGMMA_SST128(__nv_bfloat16, "bf16")
+ATTND_DEFINE_WGMMA_SST128(__half, "f16")
 
 #undef ATTND_DEFINE_WGMMA_SS128
 #undef ATTND_DEFINE_WGMMA_RS128
 #undef ATTND_DEFINE_WGMMA_RS64
+#undef ATTND_DEFINE_WGMMA_SS64
+#undef ATTND_DEFINE_WGMMA_RS256
+#undef ATTND_DEFINE_WGMMA_SST256
+#undef ATTND_DEFINE_WGMMA_SST128
+#undef ATTND_REGS128
+#undef ATTND_ACC128
 #undef ATTND_REGS64
 #undef ATTND_REGS32
 #undef ATTND_ACC64

@@ -15,11 +15,13 @@ set_target_properties(attnd_mla_kernels PROPERTIES
   CUDA_ARCHITECTURES "${ATTND_CUDA_ARCHITECTURES}"
   POSITION_INDEPENDENT_CODE ON)
 
-# The Hopper kernel (wgmma, setmaxnreg: sm_90a only) is its own object library compiled with that
-# one -gencode, when 90 is among the architectures built; the launcher uses it on compute
+# The Hopper kernels (split-K and wide-tile; wgmma, setmaxnreg: sm_90a only) are their own object
+# library compiled with that one -gencode, when 90 is among the architectures built; the launcher uses it on compute
 # capability 9.0 for caches of q's 16-bit type (ATTND_MLA_HOPPER).
 if(ATTND_CUDA_ARCHITECTURES MATCHES "(^|;)90")
-  add_library(attnd_mla_hopper OBJECT ${CMAKE_CURRENT_LIST_DIR}/mla_decode_hopper.cu)
+  add_library(attnd_mla_hopper OBJECT
+    ${CMAKE_CURRENT_LIST_DIR}/mla_decode_hopper.cu
+    ${CMAKE_CURRENT_LIST_DIR}/mla_decode_hopper_wide.cu)
   target_include_directories(attnd_mla_hopper PRIVATE ${CMAKE_CURRENT_LIST_DIR})
   target_link_libraries(attnd_mla_hopper PRIVATE attnd_kernel_types attnd_plan CUDA::cudart attnd_warnings)
   target_compile_options(attnd_mla_hopper

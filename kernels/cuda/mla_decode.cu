@@ -53,12 +53,13 @@ absl::StatusOr<MlaKernel> ResolveKernel(const MlaDecodeConfig& config, bool scal
     case MlaKernel::kMmaSync:
       return MlaKernel::kMmaSync;
     case MlaKernel::kHopper:
+    case MlaKernel::kHopperWide:
       if (!hopper) {
         return absl::InvalidArgumentError(
-            "MLA decode: the Hopper kernel needs compute capability 9.0, an sm_90a build, q and cache of "
+            "MLA decode: the Hopper kernels need compute capability 9.0, an sm_90a build, q and cache of "
             "one 16-bit type and kpe_scale == ckv_scale");
       }
-      return MlaKernel::kHopper;
+      return config.kernel;
     case MlaKernel::kAuto:
       break;
   }
@@ -70,6 +71,9 @@ cudaError_t Launch(const mla::MlaParams& params, const MlaDecodeConfig& config, 
 #if ATTND_MLA_HOPPER
   if (kernel == MlaKernel::kHopper) {
     return mla::LaunchMlaHopper(params, config.kv_lora_rank, config.q_dtype, num_ctas, stream, ctas_per_sm);
+  }
+  if (kernel == MlaKernel::kHopperWide) {
+    return mla::LaunchMlaHopperWide(params, config.kv_lora_rank, config.q_dtype, num_ctas, stream, ctas_per_sm);
   }
 #else
   (void)kernel;

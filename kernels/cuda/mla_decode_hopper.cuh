@@ -99,6 +99,37 @@ struct HopperWork {
   int page_begin;
 };
 
+// Decodes this CTA's unit (plan::MlaWorkUnit) for tiles of kTileKeys keys, with the causal and
+// window limits applied to the key range; false for a placeholder unit (nothing to do). Shared
+// by the Hopper kernels (mla_decode_hopper_wide.cuh too), so they cut units the same way.
+template <int kTileKeys>
+__device__ __forceinline__ bool LoadHopperWork(const MlaParams& params, HopperWork* work) {
+  const int4* const unit_words = reinterpret_cast<const int4*>(params.units + blockIdx.x);
+  const int4 w0 = unit_words[0];
+  const int4 w1 = unit_words[1];
+  const int4 w2 = unit_words[2];
+  if (w0.x < 0) return false;
+  work->request = w0.x;
+  work->q_row = w0.y;
+  const int q_len = w0.z;
+  const int kv_len = w0.w;
+  work->row_begin = w1.x;
+  work->partial_first = w1.w;
+  work->partial_stride = w2.x;
+  const int num_heads = params.num_heads;
+  work->row_end = min(work->row_begin + kRows, q_len * num_heads);
+  work->position_offset = kv_len - q_len;
+  const int first_position = work->position_offset + work->row_begin / num_heads;
+  const int last_position = work->position_offset + (work->row_end - 1) / num_heads;
+  work->kv_begin = w1.y;
+  work->kv_end = w1.z;
+  if (params.causal) work->kv_end = min(work->kv_end, last_position + 1);
+  if (params.window_left >= 0) work->kv_begin = max(work->kv_begin, first_position - params.window_left);
+  work->num_tiles = work->kv_end > work->kv_begin ? (work->kv_end - work->kv_begin + kTileKeys - 1) / kTileKeys : 0;
+  work->page_begin = params.page_indptr[work->request];
+  return true;
+}
+
 // Producer: thread t copies row t / 4 of each tile, chunks t % 4 + 4k (k = 0..kChunks/4-1), so a
 // warp instruction moves 64 contiguous bytes of each of 8 rows. Chunk c of a row lands in block
 // c / 8 at position (c % 8) ^ (row % 8): for c = t % 4 + 4k that is block k / 2, position
@@ -468,33 +499,11 @@ template <int kRank, typename T>
 __global__ void __launch_bounds__(kHopperThreads, 1) MlaDecodeHopperKernel(const __grid_constant__ MlaParams params) {
   using Shape = HopperShape<kRank>;
   extern __shared__ __align__(1024) uint8_t shared_bytes[];
-  const int4* const unit_words = reinterpret_cast<const int4*>(params.units + blockIdx.x);
-  const int4 w0 = unit_words[0];
-  const int4 w1 = unit_words[1];
-  const int4 w2 = unit_words[2];
-  if (w0.x < 0) return;  // a placeholder unit: nothing to do
+  HopperWork work;
+  if (!LoadHopperWork<kTile>(params, &work)) return;  // a placeholder unit: nothing to do
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-  HopperWork work;
-  work.request = w0.x;
-  work.q_row = w0.y;
-  const int q_len = w0.z;
-  const int kv_len = w0.w;
-  work.row_begin = w1.x;
-  work.partial_first = w1.w;
-  work.partial_stride = w2.x;
-  const int num_heads = params.num_heads;
-  work.row_end = min(work.row_begin + kRows, q_len * num_heads);
-  work.position_offset = kv_len - q_len;
-  const int first_position = work.position_offset + work.row_begin / num_heads;
-  const int last_position = work.position_offset + (work.row_end - 1) / num_heads;
-  work.kv_begin = w1.y;
-  work.kv_end = w1.z;
-  if (params.causal) work.kv_end = min(work.kv_end, last_position + 1);
-  if (params.window_left >= 0) work.kv_begin = max(work.kv_begin, first_position - params.window_left);
-  work.num_tiles = work.kv_end > work.kv_begin ? (work.kv_end - work.kv_begin + kTile - 1) / kTile : 0;
-  work.page_begin = params.page_indptr[work.request];
 
   // The swizzle phase follows address bits 7-9, so every block must sit on a 1024-byte boundary.
   const uint32_t raw = SharedAddress(shared_bytes);

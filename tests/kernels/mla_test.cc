@@ -3,7 +3,8 @@
 // and 256, q/cache dtypes fp16, bf16 and fp8_e4m3 (with distinct ckv and kpe scales), page sizes
 // 32 and 64 (plus 1 and 16: any power of two), SHARED and SEPARATE_KV tables, every split
 // scheme of the planner (auto, oversubscription, one wave, none, pinned, deterministic),
-// lengths 0, 1, tile and page boundaries, long (to 131072) in one batch. Outputs are poisoned
+// lengths 0, 1, tile and page boundaries, long (to 131072) in one batch; each Hopper-eligible
+// case also with the wide-tile Hopper kernel (kHopperWide). Outputs are poisoned
 // (NaN) before each launch and cache slots no request owns hold NaN, so a read past a
 // sequence's end or an unwritten output shows.
 //
@@ -79,7 +80,13 @@ std::string CaseName(const MlaCase& c) {
   if (!c.causal) name += "_noncausal";
   if (c.kernel == cuda::MlaKernel::kMmaSync) name += "_mma";
   if (c.kernel == cuda::MlaKernel::kHopper) name += "_hopper";
+  if (c.kernel == cuda::MlaKernel::kHopperWide) name += "_wide";
   return name;
+}
+
+// A case that forces a Hopper kernel skips on devices without it (kAuto and kMmaSync run anywhere).
+bool KernelAvailable(const MlaCase& c) {
+  return cuda::MlaDecodeCtasPerWave({c.q_dtype, c.kv_dtype, c.rank, kRopeDim, c.kernel}).ok();
 }
 
 std::vector<int64_t> StandardLengths() {
@@ -302,6 +309,7 @@ class MlaSweepTest : public ::testing::TestWithParam<MlaCase> {};
 
 TEST_P(MlaSweepTest, MatchesFloat64Reference) {
   ATTND_SKIP_WITHOUT_GPU();
+  if (!KernelAvailable(GetParam())) GTEST_SKIP() << "no " << CaseName(GetParam()) << " kernel on this device";
   MlaProblem problem = MakeProblem(GetParam());
   MlaOutput gpu;
   ASSERT_TRUE(RunGpu(problem, &gpu));
@@ -417,6 +425,48 @@ std::vector<MlaCase> SweepCases() {
     non_causal.seed = seed++;
     cases.push_back(non_causal);
   }
+  // The wide-tile Hopper kernel on every case the Hopper kernels take (q and cache of one 16-bit
+  // type), then on chunk ends inside its 64-key tiles (pinned 37- and 200-key chunks), pages of
+  // 1 and 16, and a window.
+  const size_t all = cases.size();
+  for (size_t i = 0; i < all; ++i) {
+    if (cases[i].kernel != cuda::MlaKernel::kAuto || cases[i].q_dtype != cases[i].kv_dtype) continue;
+    MlaCase c = cases[i];
+    c.kernel = cuda::MlaKernel::kHopperWide;
+    c.seed += 2000;
+    cases.push_back(c);
+  }
+  {
+    MlaCase c;
+    c.kernel = cuda::MlaKernel::kHopperWide;
+    c.num_heads = 32;
+    c.q_lens = {1, 3};
+    c.fixed_split_tokens = 37;
+    c.seed = seed++;
+    cases.push_back(c);
+    c.q_dtype = DType::kFloat16;
+    c.kv_dtype = DType::kFloat16;
+    c.num_heads = 128;
+    c.q_lens = {1};
+    c.page_size = 16;
+    c.separate_kv = true;
+    c.fixed_split_tokens = 200;
+    c.seed = seed++;
+    cases.push_back(c);
+    c.rank = 256;
+    c.page_size = 1;
+    c.fixed_split_tokens = 0;
+    c.seed = seed++;
+    cases.push_back(c);
+    MlaCase window;
+    window.kernel = cuda::MlaKernel::kHopperWide;
+    window.num_heads = 16;
+    window.q_lens = {3};
+    window.window_left = 100;
+    window.fixed_split_tokens = 64;
+    window.seed = seed++;
+    cases.push_back(window);
+  }
   return cases;
 }
 
@@ -430,9 +480,7 @@ class MlaNonFiniteTest : public ::testing::TestWithParam<MlaCase> {};
 TEST_P(MlaNonFiniteTest, NaNRowsAreExactlyThoseThatReadANonFiniteInput) {
   ATTND_SKIP_WITHOUT_GPU();
   const MlaCase& c = GetParam();
-  if (!cuda::MlaDecodeCtasPerWave({c.q_dtype, c.kv_dtype, c.rank, kRopeDim, c.kernel}).ok()) {
-    GTEST_SKIP() << "no " << CaseName(c) << " kernel on this device";
-  }
+  if (!KernelAvailable(c)) GTEST_SKIP() << "no " << CaseName(c) << " kernel on this device";
   MlaProblem clean = MakeProblem(c);
   MlaProblem poisoned = clean;
   // Requests (a padding slot sits at index 1): 0: 300 keys, 2: 1029, 3: 45, 4: 7; 4 tokens each.
@@ -484,7 +532,7 @@ TEST_P(MlaNonFiniteTest, NaNRowsAreExactlyThoseThatReadANonFiniteInput) {
 std::vector<MlaCase> NonFiniteCases() {
   std::vector<MlaCase> cases;
   uint32_t seed = 1700;
-  for (cuda::MlaKernel kernel : {cuda::MlaKernel::kMmaSync, cuda::MlaKernel::kHopper}) {
+  for (cuda::MlaKernel kernel : {cuda::MlaKernel::kMmaSync, cuda::MlaKernel::kHopper, cuda::MlaKernel::kHopperWide}) {
     for (int32_t rank : {512, 256}) {
       for (int32_t fixed_split : {0, 64}) {
         MlaCase c;
@@ -539,6 +587,7 @@ class MlaLongTest : public ::testing::TestWithParam<MlaCase> {};
 
 TEST_P(MlaLongTest, MatchesFloat64Reference) {
   ATTND_SKIP_WITHOUT_GPU();
+  if (!KernelAvailable(GetParam())) GTEST_SKIP() << "no " << CaseName(GetParam()) << " kernel on this device";
   MlaProblem problem = MakeProblem(GetParam());
   MlaOutput gpu;
   ASSERT_TRUE(RunGpu(problem, &gpu));
@@ -563,7 +612,14 @@ std::vector<MlaCase> LongCases() {
   mma.kernel = cuda::MlaKernel::kMmaSync;
   mma.mode = MlaSplitMode::kAuto;
   mma.seed = 502;
-  return {over, wave, mma};
+  MlaCase wide = over;
+  wide.kernel = cuda::MlaKernel::kHopperWide;
+  wide.seed = 503;
+  MlaCase wide_unsplit = wide;
+  wide_unsplit.mode = MlaSplitMode::kNone;
+  wide_unsplit.lengths = {131072, 1, 8191, 0, 64, 65};
+  wide_unsplit.seed = 504;
+  return {over, wave, mma, wide, wide_unsplit};
 }
 
 INSTANTIATE_TEST_SUITE_P(Long, MlaLongTest, ::testing::ValuesIn(LongCases()),
@@ -581,6 +637,7 @@ TEST_P(MlaDeterminismTest, RequestResultIsBitwiseBatchInvariant) {
   MlaCase base;
   base.kv_dtype = GetParam().first;
   base.kernel = GetParam().second;
+  if (!KernelAvailable(base)) GTEST_SKIP() << "no " << CaseName(base) << " kernel on this device";
   base.num_heads = 64;
   base.q_lens = {3, 1, 2};
   base.deterministic = true;
@@ -631,10 +688,14 @@ TEST_P(MlaDeterminismTest, RequestResultIsBitwiseBatchInvariant) {
 INSTANTIATE_TEST_SUITE_P(KvDtypes, MlaDeterminismTest,
                          ::testing::Values(std::pair{DType::kBFloat16, cuda::MlaKernel::kAuto},
                                            std::pair{DType::kBFloat16, cuda::MlaKernel::kMmaSync},
+                                           std::pair{DType::kBFloat16, cuda::MlaKernel::kHopperWide},
                                            std::pair{DType::kFloat8E4M3, cuda::MlaKernel::kAuto}),
                          [](const ::testing::TestParamInfo<std::pair<DType, cuda::MlaKernel>>& info) {
+                           const cuda::MlaKernel kernel = info.param.second;
                            return std::string(kernel_test::ShortName(info.param.first)) +
-                                  (info.param.second == cuda::MlaKernel::kMmaSync ? "_mma" : "_auto");
+                                  (kernel == cuda::MlaKernel::kMmaSync      ? "_mma"
+                                   : kernel == cuda::MlaKernel::kHopperWide ? "_wide"
+                                                                            : "_auto");
                          });
 
 // A small sweep for compute-sanitizer (run with --gtest_filter='SanitizerMla*').
@@ -642,6 +703,7 @@ class SanitizerMlaTest : public ::testing::TestWithParam<MlaCase> {};
 
 TEST_P(SanitizerMlaTest, MatchesReference) {
   ATTND_SKIP_WITHOUT_GPU();
+  if (!KernelAvailable(GetParam())) GTEST_SKIP() << "no " << CaseName(GetParam()) << " kernel on this device";
   MlaProblem problem = MakeProblem(GetParam());
   MlaOutput gpu;
   ASSERT_TRUE(RunGpu(problem, &gpu));
@@ -667,6 +729,8 @@ std::vector<MlaCase> SanitizerCases() {
       cases.push_back(c);
       if (kv_dtype == DType::kBFloat16) {
         c.kernel = cuda::MlaKernel::kMmaSync;
+        cases.push_back(c);
+        c.kernel = cuda::MlaKernel::kHopperWide;
         cases.push_back(c);
       }
     }

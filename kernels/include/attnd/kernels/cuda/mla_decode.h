@@ -34,9 +34,11 @@ namespace attnd::cuda {
 // a power of two). Page size (any power of two) is a runtime value.
 // Which kernel runs. kAuto: the Hopper kernel (wgmma, warp-specialised; 2-3x the mma.sync
 // kernel's rate) where it applies (compute capability 9.0, a build with sm_90a code, q and cache
-// of one 16-bit type, kpe_scale == ckv_scale), the mma.sync kernel elsewhere. Each is
-// deterministic on its own; kAuto's choice depends on the cache and device alone.
-enum class MlaKernel : int32_t { kAuto = 0, kMmaSync = 1, kHopper = 2 };
+// of one 16-bit type, kpe_scale == ckv_scale), the mma.sync kernel elsewhere. kHopperWide: the
+// Hopper kernel's wide-tile variant (64-key tiles, one warpgroup computing all of S; issue 15),
+// where kHopper applies; never chosen by kAuto. Each is deterministic on its own; kAuto's
+// choice depends on the cache and device alone.
+enum class MlaKernel : int32_t { kAuto = 0, kMmaSync = 1, kHopper = 2, kHopperWide = 3 };
 
 struct MlaDecodeConfig {
   DType q_dtype = DType::kBFloat16;
@@ -72,7 +74,7 @@ struct MlaDecodeArgs {
   float* lse = nullptr;     // [T_q][num_heads] natural log, or null
   void* workspace = nullptr;  // 256-byte aligned, MlaDecodeWorkspaceBytes(work.num_partials..)
   int64_t workspace_bytes = 0;
-  MlaKernel kernel = MlaKernel::kAuto;  // kHopper where it does not apply: INVALID_ARGUMENT
+  MlaKernel kernel = MlaKernel::kAuto;  // kHopper(Wide) where it does not apply: INVALID_ARGUMENT
 };
 
 // Launches the decode, then MergeStates when the plan splits, on `stream`. Allocates nothing,
