@@ -6,9 +6,9 @@
 //   onewave   the smallest chunk whose CTAs fit one wave (the batch-decode rule)
 //   oversub   oversubscription with the planner's defaults (longest chunks launched first)
 //   auto      what the planner picks by its cost estimate
-// (all with the kernel MlaDecode picks: the Hopper one on an H100; --hopper_variant=new runs them
-// on the wide-tile Hopper kernel instead, =both on both, the wide ones named *_wide, each with its
-// own summary) and with --variants: one wave
+// (all with the kernel MlaDecode picks: the wide-tile Hopper one on an H100;
+// --hopper_variant=old runs them on the two-CTA Hopper kernel, =new on the wide-tile one, =both on
+// both, the wide ones named *_wide, each with its own summary) and with --variants: one wave
 // and oversubscription on the mma.sync kernel; oversubscription by the plain rule (no search
 // over min_tokens_per_cta doublings), with other min_tokens_per_cta / max_waves, in request
 // order, and as a padded grid (batch x max splits CTAs in request order, the extra CTAs of short
@@ -30,7 +30,7 @@
 // bandwidth one.
 //
 //   mla_bench [--variants] [--batches=16,32] [--uniform=16,64,128] [--cases=mixed,uniform]
-//             [--hopper_variant=old|new|both] [--only=VARIANT] [--csv=PATH]
+//             [--hopper_variant=auto|old|new|both] [--only=VARIANT] [--csv=PATH]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -425,7 +425,7 @@ int Main(int argc, char** argv) {
   std::vector<int32_t> batches = {16, 32, 64, 128, 256};
   std::vector<int32_t> uniform_batches = {16, 64, 128};
   bool run_mixed = true, run_uniform = true;
-  std::string hopper_variant = "old";
+  std::string hopper_variant = "auto";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--variants") {
@@ -439,7 +439,8 @@ int Main(int argc, char** argv) {
     } else if (arg.rfind("--uniform=", 0) == 0) {
       uniform_batches = ParseList(arg.c_str() + 10);
     } else if (arg.rfind("--hopper_variant=", 0) == 0 &&
-               (arg.substr(17) == "old" || arg.substr(17) == "new" || arg.substr(17) == "both")) {
+               (arg.substr(17) == "auto" || arg.substr(17) == "old" || arg.substr(17) == "new" ||
+                arg.substr(17) == "both")) {
       hopper_variant = arg.substr(17);
     } else if (arg.rfind("--cases=", 0) == 0) {
       const std::string cases = arg.substr(8);
@@ -448,7 +449,7 @@ int Main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: mla_bench [--variants] [--batches=16,32,...] [--uniform=16,64,128] "
-                   "[--cases=mixed,uniform] [--hopper_variant=old|new|both] [--only=VARIANT] [--csv=PATH]\n");
+                   "[--cases=mixed,uniform] [--hopper_variant=auto|old|new|both] [--only=VARIANT] [--csv=PATH]\n");
       return 2;
     }
   }
@@ -471,7 +472,7 @@ int Main(int argc, char** argv) {
               kHeads, kRank, kRope, kPageSize, *ctas);
   std::fflush(stdout);
 
-  if (hopper_variant != "old") {
+  if (hopper_variant == "new" || hopper_variant == "both") {
     auto wide = cuda::MlaDecodeCtasPerWave(
         {DType::kBFloat16, DType::kBFloat16, kRank, kRope, cuda::MlaKernel::kHopperWide});
     CHECK_OK(wide.status());
@@ -483,9 +484,13 @@ int Main(int argc, char** argv) {
                                                         {"onewave", Variant::kOneWave},
                                                         {"oversub", Variant::kOversub},
                                                         {"auto", Variant::kAuto}};
-  // "new" keeps the names (the summary is the wide kernel's); "both" adds *_wide rows.
+  // auto: the kernel MlaDecode picks; old: the two-CTA Hopper kernel; new: the wide-tile one
+  // (the names kept, its own summary); both: old, then *_wide rows.
   for (const auto& [name, kind] : base_specs) {
-    if (hopper_variant != "new") specs.push_back({name, kind});
+    if (hopper_variant == "auto") specs.push_back({name, kind});
+    if (hopper_variant == "old" || hopper_variant == "both") {
+      specs.push_back({name, kind, 0, 0, cuda::MlaKernel::kHopper});
+    }
   }
   for (const auto& [name, kind] : base_specs) {
     if (hopper_variant == "new") specs.push_back({name, kind, 0, 0, cuda::MlaKernel::kHopperWide});

@@ -63,7 +63,10 @@ absl::StatusOr<MlaKernel> ResolveKernel(const MlaDecodeConfig& config, bool scal
     case MlaKernel::kAuto:
       break;
   }
-  return hopper ? MlaKernel::kHopper : MlaKernel::kMmaSync;
+  // The wide-tile kernel where a Hopper kernel applies: on the H100 it took 64 x 8192 keys in
+  // 350 us against the two-CTA kernel's 442, 16 and 128 x 8192 likewise faster (mla_bench
+  // --hopper_variant=both, docs/benchmarks.md).
+  return hopper ? MlaKernel::kHopperWide : MlaKernel::kMmaSync;
 }
 
 cudaError_t Launch(const mla::MlaParams& params, const MlaDecodeConfig& config, MlaKernel kernel,

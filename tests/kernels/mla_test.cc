@@ -3,8 +3,9 @@
 // and 256, q/cache dtypes fp16, bf16 and fp8_e4m3 (with distinct ckv and kpe scales), page sizes
 // 32 and 64 (plus 1 and 16: any power of two), SHARED and SEPARATE_KV tables, every split
 // scheme of the planner (auto, oversubscription, one wave, none, pinned, deterministic),
-// lengths 0, 1, tile and page boundaries, long (to 131072) in one batch; each Hopper-eligible
-// case also with the wide-tile Hopper kernel (kHopperWide). Outputs are poisoned
+// lengths 0, 1, tile and page boundaries, long (to 131072) in one batch; kAuto runs the
+// wide-tile Hopper kernel on an H100, and each Hopper-eligible case runs again on the first
+// Hopper kernel (kHopper). Outputs are poisoned
 // (NaN) before each launch and cache slots no request owns hold NaN, so a read past a
 // sequence's end or an unwritten output shows.
 //
@@ -425,14 +426,15 @@ std::vector<MlaCase> SweepCases() {
     non_causal.seed = seed++;
     cases.push_back(non_causal);
   }
-  // The wide-tile Hopper kernel on every case the Hopper kernels take (q and cache of one 16-bit
-  // type), then on chunk ends inside its 64-key tiles (pinned 37- and 200-key chunks), pages of
-  // 1 and 16, and a window.
+  // kAuto runs the wide-tile Hopper kernel on an H100; the first Hopper kernel (kHopper) on
+  // every case the Hopper kernels take (q and cache of one 16-bit type), then the wide-tile one
+  // forced on chunk ends inside its 64-key tiles (pinned 37- and 200-key chunks), pages of 1 and
+  // 16, and a window.
   const size_t all = cases.size();
   for (size_t i = 0; i < all; ++i) {
     if (cases[i].kernel != cuda::MlaKernel::kAuto || cases[i].q_dtype != cases[i].kv_dtype) continue;
     MlaCase c = cases[i];
-    c.kernel = cuda::MlaKernel::kHopperWide;
+    c.kernel = cuda::MlaKernel::kHopper;
     c.seed += 2000;
     cases.push_back(c);
   }

@@ -32,12 +32,13 @@ namespace attnd::cuda {
 // dequantised exactly in shared memory). fp16 q over a bf16 cache is therefore rounded to bf16
 // (3 mantissa bits; lse moves by ~1e-3). kpe_scale / ckv_scale is folded into q_pe (exact when
 // a power of two). Page size (any power of two) is a runtime value.
-// Which kernel runs. kAuto: the Hopper kernel (wgmma, warp-specialised; 2-3x the mma.sync
-// kernel's rate) where it applies (compute capability 9.0, a build with sm_90a code, q and cache
-// of one 16-bit type, kpe_scale == ckv_scale), the mma.sync kernel elsewhere. kHopperWide: the
-// Hopper kernel's wide-tile variant (64-key tiles, one warpgroup computing all of S; issue 15),
-// where kHopper applies; never chosen by kAuto. Each is deterministic on its own; kAuto's
-// choice depends on the cache and device alone.
+// Which kernel runs. kAuto: the wide-tile Hopper kernel (kHopperWide) where a Hopper kernel
+// applies (compute capability 9.0, a build with sm_90a code, q and cache of one 16-bit type,
+// kpe_scale == ckv_scale), the mma.sync kernel elsewhere. kHopper: the first Hopper kernel (each
+// request's heads as two 64-row CTAs, 32-key tiles, S split across the consumer warpgroups);
+// kHopperWide: 64-key tiles, one warpgroup computing all of S and sharing P with the other
+// (issue 15), ~20% faster on the H100. Each is deterministic on its own; kAuto's choice depends
+// on the cache and device alone.
 enum class MlaKernel : int32_t { kAuto = 0, kMmaSync = 1, kHopper = 2, kHopperWide = 3 };
 
 struct MlaDecodeConfig {
