@@ -561,6 +561,82 @@ TEST(BatchPrefillHopperTest, NonFiniteInputsGiveNaNRowsTheyTouchAndNoOthers) {
   for (const Config& config : NonFiniteConfigs(plan::PrefillKernel::kHopper)) CheckNonFiniteRows(config);
 }
 
+// Non-finite inputs in KV tiles that every row of a query tile sees whole (no masked key), where
+// the Hopper kernel leaves scores alone and checks them on the side, and at the edges (first
+// tile, the causal diagonal, the last partial tile). q_lens {200, 40, 1}, kv_lens {400, 300,
+// 129}: +-inf k under rows whose q has either sign in that dim (scores +inf for some rows, -inf
+// for others: -inf must not read as masked), +inf and NaN v of fully seen keys, NaN k mid-way
+// (fully seen by later query tiles, on the diagonal of earlier ones), -inf v of the last key
+// (seen by the last row alone), +inf q of the last row and -inf q of the first.
+std::vector<Poison> SeenTilePoisons(int32_t head_dim) {
+  using Where = Poison::Where;
+  return {{Where::kK, 1, 100, 0, 5, INFINITY},      {Where::kK, 0, 3, 1, 0, -INFINITY},
+          {Where::kV, 1, 200, 1, 7, INFINITY},      {Where::kV, 2, 0, 0, 0, NAN},
+          {Where::kV, 0, 399, 0, head_dim - 1, -INFINITY}, {Where::kK, 0, 250, 0, 2, NAN},
+          {Where::kQ, 0, 199, 3, 1, INFINITY},      {Where::kQ, 0, 0, 5, 4, -INFINITY}};
+}
+
+void CheckSeenTileNonFiniteRows(const Config& config) {
+  SCOPED_TRACE(config.Name());
+  const Batch clean = MakeBatch(config, {200, 40, 1}, {400, 300, 129});
+  Batch poisoned = clean;
+  const int64_t marked = ApplyPoisons(poisoned, SeenTilePoisons(config.head_dim));
+  const Output clean_out = RunGpu(clean);
+  const Output out = RunGpu(poisoned);
+  ASSERT_TRUE(clean_out.ok && out.ok);
+  if (config.fixed_split_tokens > 0) {
+    EXPECT_TRUE(out.split_kv) << "expected a split";
+  }
+  const Expected expected = RunReference(poisoned);
+  kernel_test::ExpectNonFiniteRows(config.q_dtype, poisoned.num_rows * config.num_qo_heads, config.head_dim,
+                                   expected.lse, out.o, out.lse, clean_out.o, clean_out.lse, marked);
+}
+
+std::vector<Config> SeenTileNonFiniteConfigs(plan::PrefillKernel kernel) {
+  std::vector<Config> configs;
+  Config base;
+  base.kernel = kernel;
+  base.params.causal = true;
+  base.split_kv = false;  // whole requests: several KV tiles per query tile
+  base.seed = 1600;
+  configs.push_back(base);
+  Config half = base;
+  half.q_dtype = DType::kFloat16;
+  half.kv_dtype = DType::kFloat16;
+  half.head_dim = 64;
+  half.seed = 1601;
+  configs.push_back(half);
+  Config capped = base;  // tanh(+-inf) is finite: checked before the cap
+  capped.params.logits_soft_cap = 30.0f;
+  configs.push_back(capped);
+  Config window = base;  // window edges hide keys on the left of a tile
+  window.params.window_left = 150;
+  window.page_size = 1;
+  configs.push_back(window);
+  Config split = base;  // a poisoned partial makes the merged row NaN; chunks of whole tiles
+  split.split_kv = true;
+  split.fixed_split_tokens = 256;
+  configs.push_back(split);
+  Config full = base;  // non-causal: every row sees every key of its request
+  full.params.causal = false;
+  configs.push_back(full);
+  return configs;
+}
+
+TEST(BatchPrefillTest, NonFiniteInputsInFullySeenTilesGiveNaNRowsTheyTouchAndNoOthers) {
+  ATTND_SKIP_WITHOUT_GPU();
+  for (const Config& config : SeenTileNonFiniteConfigs(plan::PrefillKernel::kMmaSync)) {
+    CheckSeenTileNonFiniteRows(config);
+  }
+}
+
+TEST(BatchPrefillHopperTest, NonFiniteInputsInFullySeenTilesGiveNaNRowsTheyTouchAndNoOthers) {
+  SKIP_WITHOUT_HOPPER();
+  for (const Config& config : SeenTileNonFiniteConfigs(plan::PrefillKernel::kHopper)) {
+    CheckSeenTileNonFiniteRows(config);
+  }
+}
+
 TEST(BatchPrefillTest, SplitKvMatchesReference) {
   ATTND_SKIP_WITHOUT_GPU();
   uint32_t seed = 300;
