@@ -308,6 +308,11 @@ template <typename InT, typename CacheT>
 __global__ void __launch_bounds__(kAppendThreads, 4) AppendKvKernel(const AppendParams params) {
   __shared__ __align__(16) AppendShared shared;
 
+  // The attention kernel after it (decode) may be scheduled once every CTA of this grid runs;
+  // it waits (griddepcontrol.wait) for this grid's results before it reads them.
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const int64_t first_token = static_cast<int64_t>(blockIdx.x) * kTokensPerCta;
   const int tokens_here =
       static_cast<int>(min(static_cast<int64_t>(kTokensPerCta), params.num_tokens - first_token));

@@ -18,6 +18,7 @@
 #include "attnd/status_macros.h"
 #include "cp_async.cuh"
 #include "decode_tc_launch.h"
+#include "launch.cuh"
 #include "math.cuh"
 #include "softmax.cuh"
 #include "vec.cuh"
@@ -126,8 +127,11 @@ __global__ void __launch_bounds__(kDecodeThreads, (DecodeTraits<kHeadDim, KvT, k
   const int tid = threadIdx.x;
   // Lets a following merge grid be scheduled as soon as every CTA of this one is running; it
   // still waits (griddepcontrol.wait) for this grid's results. Hides the merge's launch latency.
+  // Launched itself as a programmatic dependent of the append that wrote q and the new keys:
+  // wait for that grid before reading anything (an ordinary launch passes straight through).
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const int tx = tid % kBdx;
   const int ty = (tid / kBdx) % kBdy;
@@ -594,10 +598,10 @@ absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream) {
                            : nullptr;
 
   void* kernel_args[] = {&params};
-  CUDA_RETURN_IF_ERROR(cudaLaunchKernel(reinterpret_cast<const void*>(kernel),
-                                        dim3(static_cast<unsigned>(int64_t{args.work.num_items} * k.num_heads)),
-                                        dim3(kDecodeThreads),
-                                        kernel_args, 0, stream));
+  CUDA_RETURN_IF_ERROR(LaunchAfterPrecedingGrid(
+      reinterpret_cast<const void*>(kernel),
+      dim3(static_cast<unsigned>(int64_t{args.work.num_items} * k.num_heads)), dim3(kDecodeThreads),
+      0, stream, kernel_args));
   return MergePartials(args, params.partial_o, params.partial_lse, stream);
 }
 

@@ -8,6 +8,7 @@
 #include "attnd/kernels/cuda/cuda_check.h"
 #include "decode_tc.cuh"
 #include "decode_tc_launch.h"
+#include "launch.cuh"
 #include "softmax.cuh"
 
 namespace attnd::cuda {
@@ -133,10 +134,10 @@ absl::Status LaunchTensorCoreDecode(const BatchDecodeArgs& args, int32_t log2_pa
 
   CUDA_RETURN_IF_ERROR(Prepare(kernel));
   void* kernel_args[] = {&params};
-  CUDA_RETURN_IF_ERROR(cudaLaunchKernel(
+  CUDA_RETURN_IF_ERROR(LaunchAfterPrecedingGrid(
       reinterpret_cast<const void*>(kernel.function),
       dim3(static_cast<unsigned>(int64_t{args.work.num_items} * k.num_heads)),
-      dim3(decode_tc::kThreads), kernel_args, static_cast<size_t>(kernel.smem_bytes), stream));
+      dim3(decode_tc::kThreads), static_cast<size_t>(kernel.smem_bytes), stream, kernel_args));
   return absl::OkStatus();
 }
 

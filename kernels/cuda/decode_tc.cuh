@@ -148,9 +148,11 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
   const int item = blockIdx.x / params.num_kv_heads;
   const int kv_head = blockIdx.x - item * params.num_kv_heads;
   // Lets a following merge grid be scheduled once every CTA of this one runs; it still waits
-  // (griddepcontrol.wait) for this grid's results.
+  // (griddepcontrol.wait) for this grid's results. Launched itself as a programmatic dependent
+  // of the append that wrote q and the new keys: wait for that grid before reading anything.
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const int tid = threadIdx.x;
   const int lane = tid & 31;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/merge.h"
+#include "launch.cuh"
 #include "vec.cuh"
 
 namespace attnd::cuda {
@@ -175,20 +176,12 @@ absl::Status MergeStates(const MergeStatesArgs& args, cudaStream_t stream) {
   MergeParams params{args.partial_o, args.partial_lse, args.indptr, args.out_rows,
                      args.num_heads,  args.head_dim,    args.o.data, args.o.dtype,
                      args.lse};
-  // Programmatic stream serialization: the merge may be scheduled while the kernel before it
-  // finishes (it waits for that kernel's results in griddepcontrol.wait); without a preceding
-  // kernel that allows it, this is an ordinary launch.
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(args.num_rows, args.num_heads);
-  config.blockDim = dim3(kMergeThreads);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, MergeStatesKernel, params));
+  // Programmatic stream serialization (launch.cuh): the merge may be scheduled while the kernel
+  // before it finishes (it waits for that kernel's results in griddepcontrol.wait).
+  void* kernel_args[] = {&params};
+  CUDA_RETURN_IF_ERROR(LaunchAfterPrecedingGrid(reinterpret_cast<const void*>(&MergeStatesKernel),
+                                                dim3(args.num_rows, args.num_heads),
+                                                dim3(kMergeThreads), 0, stream, kernel_args));
   return absl::OkStatus();
 }
 
