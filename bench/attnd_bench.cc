@@ -6,12 +6,14 @@
 // with events (median of the replays, divided by N). Each case reports its time and the
 // fraction of the device-to-device copy bandwidth measured at the start of the same run.
 //
-//   attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14]
+//   attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14] [--contiguous-pages]
 //               [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH]
 // (no case flag: both). --quick runs a reduced sweep; --variants adds decode cases with pinned
 // chunk sizes next to the planner's choice; --issue14 runs only the decode shapes of issue 14's
 // table. --decode-kernel forces the decode kernel (default auto: the planner's choice); "all"
 // runs every case with each of auto, cuda_core and tensor_core (names suffixed _auto, _cc, _tc).
+// --contiguous-pages gives each request's decode pages in order (FlashInfer's measurement in
+// issue 14 used contiguous page ids) instead of shuffled.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -37,6 +39,9 @@
 
 namespace attnd::bench {
 namespace {
+
+// --contiguous-pages: decode page tables in order instead of shuffled.
+bool g_contiguous_pages = false;
 
 using bench::DeviceMemory;
 using bench::CopyToDevice;
@@ -189,7 +194,8 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   CHECK_CUDA(FillRandom(v_pool.get(), DType::kBFloat16, pool_bytes / 2, 12, 1.0f, stream));
   CHECK_CUDA(FillRandom(q.get(), DType::kBFloat16, sets * batch * row_bytes / 2, 13, 3.0f, stream));
 
-  // Page tables: set s owns pages [s * pages_per_set, (s + 1) * pages_per_set), shuffled.
+  // Page tables: set s owns pages [s * pages_per_set, (s + 1) * pages_per_set), shuffled (in
+  // order with --contiguous-pages, as FlashInfer's figures in issue 14 were measured).
   std::mt19937 rng(17);
   std::vector<int32_t> indptr = {0};
   for (int64_t length : spec.lengths) indptr.push_back(indptr.back() + static_cast<int32_t>((length + kPageSize - 1) / kPageSize));
@@ -199,7 +205,7 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   for (int s = 0; s < sets; ++s) {
     k_indices[s].resize(pages_per_set);
     std::iota(k_indices[s].begin(), k_indices[s].end(), static_cast<int32_t>(s * pages_per_set));
-    std::shuffle(k_indices[s].begin(), k_indices[s].end(), rng);
+    if (!g_contiguous_pages) std::shuffle(k_indices[s].begin(), k_indices[s].end(), rng);
     CopyToDevice(indices_device.get<int32_t>() + s * pages_per_set, k_indices[s]);
   }
 
@@ -520,6 +526,8 @@ int Main(int argc, char** argv) {
       quick = true;
     } else if (arg == "--variants") {
       variants = true;
+    } else if (arg == "--contiguous-pages") {
+      g_contiguous_pages = true;
     } else if (arg == "--issue14") {
       issue14 = true;
       decode = true;
@@ -537,6 +545,7 @@ int Main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14]\n"
+                   "                   [--contiguous-pages]\n"
                    "                   [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH]\n");
       return 2;
     }
