@@ -14,10 +14,6 @@ namespace {
 
 constexpr int32_t kDefaultChannelSlots = 2;
 
-void RunAll(std::vector<std::function<void()>>& deferred) {
-  for (auto& callback : deferred) callback();
-}
-
 }  // namespace
 
 ChannelStatus ChannelStatusOf(const ChannelEntry& channel) {
@@ -151,7 +147,7 @@ void Engine::State::CloseChannelLocked(std::shared_ptr<ChannelEntry> channel,
   closing_channels.push_back(channel);
   if (metrics) metrics->SetOpenChannels(channels.size());
   if (channel->on_closed) {
-    deferred.push_back([on_closed = std::move(channel->on_closed), reason] { on_closed(reason); });
+    deferred.Add([on_closed = std::move(channel->on_closed), reason] { on_closed(reason); });
     channel->on_closed = nullptr;
   }
 }
@@ -181,7 +177,7 @@ absl::Status Engine::CloseChannel(uint64_t channel_id, const std::string& tenant
     }
     state_->CloseChannelLocked(it->second, reason, deferred);
   }
-  RunAll(deferred);
+  deferred.Run();
   ReapIdleChannels();
   return absl::OkStatus();
 }
@@ -203,7 +199,7 @@ void Engine::CloseAllChannels(const std::string& reason) {
     for (auto& [id, channel] : state_->channels) open.push_back(channel);
     for (auto& channel : open) state_->CloseChannelLocked(channel, reason, deferred);
   }
-  RunAll(deferred);
+  deferred.Run();
   ReapIdleChannels();
 }
 
@@ -252,11 +248,11 @@ void Engine::State::ChannelLayerDone(const std::shared_ptr<StepEntry>& step, int
         answer = absl::AbortedError(absl::StrCat("step_id: step ", step->id,
                                                  " was aborted while layer ", layer, " ran"));
       }
-      deferred.push_back([waiter = std::move(waiter), answer] { waiter(answer); });
+      deferred.Add([waiter = std::move(waiter), answer] { waiter(answer); });
     }
     TryFinalizeLocked(step, deferred);
   }
-  RunAll(deferred);
+  deferred.Run();
 }
 
 }  // namespace attnd

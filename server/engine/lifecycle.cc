@@ -74,7 +74,7 @@ std::string ShapeMismatch(const CacheGeometry& target, const CacheGeometry& sour
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// Copy-on-write (called from Plan and FinalizeLocked)
+// Copy-on-write (called from Plan, and at commit from TryFinalizeLocked and FinalizeLocked)
 // ---------------------------------------------------------------------------------------------
 
 int64_t CopyOnWritePagesNeeded(const CacheEntry& cache, const Sequence& sequence,
@@ -127,18 +127,19 @@ void EndSequenceChange(CacheEntry& cache, const StepEntry& step, const SequenceC
   }
 }
 
-void CommitCopies(CacheEntry& cache, StepEntry& step) {
-  if (step.batch == nullptr || step.batch->page_copies.empty()) return;
-  for (size_t layer = 0; layer < step.layers.size(); ++layer) {
-    if (step.layers[layer] == LayerState::kDone || cache.failed) continue;
-    const absl::Status copied =
-        cache.backend->CopyPages(static_cast<int32_t>(layer), step.batch->page_copies);
-    if (!copied.ok()) {
-      cache.failed = true;
-      cache.failure = absl::StrCat("copy-on-write of layer ", layer, " at commit: ",
-                                   copied.message());
-    }
+std::vector<int32_t> LayersToCopyAtCommit(const CacheEntry& cache, const StepEntry& step) {
+  std::vector<int32_t> layers;
+  if (cache.allocator == nullptr || cache.failed || step.batch == nullptr ||
+      step.batch->page_copies.empty()) {
+    return layers;
   }
+  for (size_t layer = 0; layer < step.layers.size(); ++layer) {
+    if (step.layers[layer] != LayerState::kDone) layers.push_back(static_cast<int32_t>(layer));
+  }
+  return layers;
+}
+
+void ReleaseReplacedPages(CacheEntry& cache, const StepEntry& step) {
   for (const SequenceChange& change : step.changes) {
     if (change.replaced_page >= 0) {
       cache.allocator->Free(std::span<const int32_t>(&change.replaced_page, 1));

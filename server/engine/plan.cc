@@ -269,7 +269,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
     }
     // A refused step's backend step goes here, outside the lock (before the cache it uses).
     backend_step.reset();
-    for (auto& callback : deferred) callback();
+    deferred.Run();
     RETURN_IF_ERROR(published);
     return std::move(reservation.result);
   }
