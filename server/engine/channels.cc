@@ -16,7 +16,7 @@ constexpr int32_t kDefaultChannelSlots = 2;
 
 }  // namespace
 
-ChannelStatus ChannelStatusOf(const ChannelEntry& channel) {
+ChannelStatus Engine::State::ChannelStatusLocked(const ChannelEntry& channel) const {
   ChannelStatus status;
   status.id = channel.id;
   status.cache = channel.cache->spec.name;
@@ -125,7 +125,7 @@ absl::StatusOr<ChannelStatus> Engine::OpenChannel(
       channel->on_closed = std::move(on_closed);
       state_->channels[channel->id] = channel;
       if (state_->metrics) state_->metrics->SetOpenChannels(state_->channels.size());
-      opened = ChannelStatusOf(*channel);
+      opened = state_->ChannelStatusLocked(*channel);
     }
   }
   // A ring made for a cache deleted meanwhile goes here, without the lock (as does the last

@@ -13,25 +13,6 @@ namespace {
 
 constexpr size_t kFinishedStepsKept = 4096;
 
-CacheStatus StatusOf(const CacheEntry& cache,
-                     const absl::flat_hash_map<uint64_t, std::shared_ptr<ChannelEntry>>& channels) {
-  CacheStatus status;
-  for (const auto& [id, channel] : channels) {
-    if (channel->cache.get() == &cache) status.channels.push_back(ChannelStatusOf(*channel));
-  }
-  std::sort(status.channels.begin(), status.channels.end(),
-            [](const ChannelStatus& a, const ChannelStatus& b) { return a.id < b.id; });
-  status.spec = cache.spec;
-  status.failed = cache.failed;
-  status.failure = cache.failure;
-  status.pool_bytes = cache.spec.geometry.PoolBytes();
-  status.used_pages = cache.allocator ? cache.allocator->used_pages() : 0;
-  status.shared_pages = cache.allocator ? cache.allocator->shared_pages() : 0;
-  status.num_sequences = static_cast<int64_t>(cache.sequences.size());
-  status.open_steps = cache.open_steps;
-  return status;
-}
-
 }  // namespace
 
 void Engine::State::Deferred::Release(std::vector<std::shared_ptr<StepEntry>>&& steps) {
@@ -46,6 +27,24 @@ void Engine::State::Deferred::Run() {
   // What the callbacks captured (an early commit's step) goes with them.
   callbacks.clear();
   steps_.clear();
+}
+
+CacheStatus Engine::State::CacheStatusLocked(const CacheEntry& cache) const {
+  CacheStatus status;
+  for (const auto& [id, channel] : channels) {
+    if (channel->cache.get() == &cache) status.channels.push_back(ChannelStatusLocked(*channel));
+  }
+  std::sort(status.channels.begin(), status.channels.end(),
+            [](const ChannelStatus& a, const ChannelStatus& b) { return a.id < b.id; });
+  status.spec = cache.spec;
+  status.failed = cache.failed;
+  status.failure = cache.failure;
+  status.pool_bytes = cache.spec.geometry.PoolBytes();
+  status.used_pages = cache.allocator ? cache.allocator->used_pages() : 0;
+  status.shared_pages = cache.allocator ? cache.allocator->shared_pages() : 0;
+  status.num_sequences = static_cast<int64_t>(cache.sequences.size());
+  status.open_steps = cache.open_steps;
+  return status;
 }
 
 Engine::Engine(const EngineOptions& options, Backend* backend, Metrics* metrics)
@@ -309,7 +308,7 @@ bool Engine::State::StartCommitCopiesLocked(const std::shared_ptr<StepEntry>& st
   if (step->outcome != StepOutcome::kCommitted || step->copies_made) return false;
   step->copies_made = true;
   CacheEntry& cache = *step->cache;
-  std::vector<int32_t> layers = LayersToCopyAtCommit(cache, *step);
+  std::vector<int32_t> layers = LayersToCopyAtCommitLocked(cache, *step);
   if (layers.empty()) return false;
   step->copying = true;
   ++copies_in_flight;
@@ -353,9 +352,9 @@ void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
   CacheEntry& cache = *step.cache;
   const bool committed = step.outcome == StepOutcome::kCommitted;
   for (const SequenceChange& change : step.changes) {
-    EndSequenceChange(cache, step, change, committed);
+    EndSequenceChangeLocked(cache, step, change, committed);
   }
-  if (committed && cache.allocator) ReleaseReplacedPages(cache, step);
+  if (committed && cache.allocator) ReleaseReplacedPagesLocked(cache, step);
   if (!committed && cache.allocator) cache.allocator->Free(step.fresh_pages);
   step.fresh_pages.clear();
   step.changes.clear();
@@ -420,7 +419,7 @@ absl::StatusOr<CacheStatus> Engine::CreateCache(const CacheSpec& spec,
     }
     state_->caches[spec.name] = cache;
     state_->PublishPagesLocked(*cache);
-    created = StatusOf(*cache, state_->channels);
+    created = state_->CacheStatusLocked(*cache);
   }
   state_->PublishDevices();
   return created;
@@ -432,13 +431,15 @@ absl::StatusOr<CacheStatus> Engine::GetCache(const std::string& name) const {
   if (it == state_->caches.end()) {
     return absl::NotFoundError(absl::StrCat("name: no cache named '", name, "'"));
   }
-  return StatusOf(*it->second, state_->channels);
+  return state_->CacheStatusLocked(*it->second);
 }
 
 std::vector<CacheStatus> Engine::ListCaches() const {
   absl::MutexLock lock(&state_->mu);
   std::vector<CacheStatus> list;
-  for (const auto& [name, cache] : state_->caches) list.push_back(StatusOf(*cache, state_->channels));
+  for (const auto& [name, cache] : state_->caches) {
+    list.push_back(state_->CacheStatusLocked(*cache));
+  }
   std::sort(list.begin(), list.end(),
             [](const CacheStatus& a, const CacheStatus& b) { return a.spec.name < b.spec.name; });
   return list;

@@ -19,6 +19,22 @@
 //   3. StepBatchPool::mu_, and the backend's own locks (taken inside backend calls).
 // Backend callbacks (a layer landed) take State::mu on backend threads: nothing that holds
 // State::mu may wait for a backend thread.
+//
+// What clang's -Wthread-safety checks (clang builds: the fuzz preset): State's own fields are
+// ABSL_GUARDED_BY(mu). The per-cache objects below (CacheEntry, Sequence, StepEntry,
+// ChannelEntry) are guarded by State::mu as well, but are not annotated field by field: the
+// analysis names a mutex by the expression that reaches it and has no alias analysis, so a
+// field of CacheEntry cannot name State::mu (a member pointing at it, `cache->engine_mu`, is
+// another expression than the `state_->mu` the code locks, at every use). Instead, every
+// function that touches those fields is either a State method annotated
+// ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) (the *Locked methods, copy-on-write and status included),
+// whose callers the analysis checks, or an Engine method that takes mu itself around the
+// access. The fields read without the lock are set before the object is shared and never
+// written after: CacheEntry::spec, backend, the allocator pointer (not its contents);
+// StepEntry::id, owner, tenant, cache, batch, channel (set by ReservePlanLocked) and
+// backend_step (set by PublishPlanLocked, reset by FinalizeLocked, which waits for every layer
+// in flight); ChannelEntry::id, tenant, cache, spec, layout, and backend (reset only once the
+// channel is out of the engine: TakeIdleChannelsLocked).
 #pragma once
 
 #include <cstdint>
@@ -300,33 +316,46 @@ struct Engine::State {
   absl::Status LayerLandedLocked(const std::shared_ptr<StepEntry>& step, int32_t layer,
                                  absl::Status status, Deferred& deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // What GetCache/ListCaches and OpenChannel report (engine.cc, channels.cc).
+  CacheStatus CacheStatusLocked(const CacheEntry& cache) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  ChannelStatus ChannelStatusLocked(const ChannelEntry& channel) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Copy-on-write and a step's hold on its sequences (lifecycle.cc).
+  // Pages a step appending `new_tokens` to `sequence` must allocate for copies: 1 when it
+  // writes into a partial last page that others hold, else 0.
+  int64_t CopyOnWritePagesNeededLocked(const CacheEntry& cache, const Sequence& sequence,
+                                       int32_t new_tokens) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Replaces such a page in `sequence` by a fresh copy (a fresh page of `step`, a copy of
+  // `batch`), noting it in `change`. Call before the step's other pages are allocated; the pool
+  // holds the page (checked by CopyOnWritePagesNeededLocked).
+  void CopyOnWriteLocked(CacheEntry& cache, Sequence& sequence, SequenceChange& change,
+                         StepEntry& step, StepBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Undoes `change` on `sequence` (abort, or Plan failing after allocation): length and pages
+  // as they were, the replaced page back in place. The step's fresh pages are freed by the
+  // caller.
+  void RestoreSequenceLocked(Sequence& sequence, const SequenceChange& change)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // `step` lets go of the sequence `change` names: it leaves the sequence's open steps (its
+  // latest open step reverts to the one before), and the sequence's length moves to the step's
+  // end (`committed`) or the change is undone (RestoreSequenceLocked), the sequence erased when
+  // nothing of it is left. Used by FinalizeLocked, for every end of a step (a Plan that fails
+  // after allocating included).
+  void EndSequenceChangeLocked(CacheEntry& cache, const StepEntry& step,
+                               const SequenceChange& change, bool committed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // The layers whose copy-on-write copies a committing step must still make: those it never ran
+  // (an early commit), so the copied prefix is whole in every layer. Empty when the step made
+  // no copies, ran every layer, or its cache failed.
+  std::vector<int32_t> LayersToCopyAtCommitLocked(const CacheEntry& cache,
+                                                  const StepEntry& step) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // A committed step lets go of the shared pages its copies replaced.
+  void ReleaseReplacedPagesLocked(CacheEntry& cache, const StepEntry& step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
 
-ChannelStatus ChannelStatusOf(const ChannelEntry& channel);
-
-// Copy-on-write at Plan (lifecycle.cc). Pages a step appending `new_tokens` to `sequence` must
-// allocate for copies: 1 when it writes into a partial last page that others hold, else 0.
-int64_t CopyOnWritePagesNeeded(const CacheEntry& cache, const Sequence& sequence,
-                               int32_t new_tokens);
-// Replaces such a page in `sequence` by a fresh copy (a fresh page of `step`, a copy of
-// `batch`), noting it in `change`. Call before the step's other pages are allocated; the pool
-// holds the page (checked by CopyOnWritePagesNeeded).
-void CopyOnWrite(CacheEntry& cache, Sequence& sequence, SequenceChange& change, StepEntry& step,
-                 StepBatch& batch);
-// Undoes `change` on `sequence` (abort, or Plan failing after allocation): length and pages as
-// they were, the replaced page back in place. The step's fresh pages are freed by the caller.
-void RestoreSequence(Sequence& sequence, const SequenceChange& change);
-// `step` lets go of the sequence `change` names: it leaves the sequence's open steps (its
-// latest open step reverts to the one before), and the sequence's length moves to the step's
-// end (`committed`) or the change is undone (RestoreSequence), the sequence erased when nothing
-// of it is left. Used by Finalize and by a Plan that fails after allocating.
-void EndSequenceChange(CacheEntry& cache, const StepEntry& step, const SequenceChange& change,
-                       bool committed);
-// The layers whose copy-on-write copies a committing step must still make: those it never ran
-// (an early commit), so the copied prefix is whole in every layer. Empty when the step made no
-// copies, ran every layer, or its cache failed.
-std::vector<int32_t> LayersToCopyAtCommit(const CacheEntry& cache, const StepEntry& step);
-// A committed step lets go of the shared pages its copies replaced.
-void ReleaseReplacedPages(CacheEntry& cache, const StepEntry& step);
 
 }  // namespace attnd

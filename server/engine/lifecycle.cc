@@ -77,8 +77,9 @@ std::string ShapeMismatch(const CacheGeometry& target, const CacheGeometry& sour
 // Copy-on-write (called from Plan, and at commit from TryFinalizeLocked and FinalizeLocked)
 // ---------------------------------------------------------------------------------------------
 
-int64_t CopyOnWritePagesNeeded(const CacheEntry& cache, const Sequence& sequence,
-                               int32_t new_tokens) {
+int64_t Engine::State::CopyOnWritePagesNeededLocked(const CacheEntry& cache,
+                                                    const Sequence& sequence,
+                                                    int32_t new_tokens) const {
   const int32_t page_size = cache.spec.geometry.page_size;
   if (new_tokens <= 0 || sequence.pending_length % page_size == 0 || sequence.pages.empty()) {
     return 0;
@@ -89,8 +90,8 @@ int64_t CopyOnWritePagesNeeded(const CacheEntry& cache, const Sequence& sequence
   return cache.allocator->holders(sequence.pages.back()) > 1 ? 1 : 0;
 }
 
-void CopyOnWrite(CacheEntry& cache, Sequence& sequence, SequenceChange& change, StepEntry& step,
-                 StepBatch& batch) {
+void Engine::State::CopyOnWriteLocked(CacheEntry& cache, Sequence& sequence,
+                                      SequenceChange& change, StepEntry& step, StepBatch& batch) {
   std::vector<int32_t> fresh;
   cache.allocator->Allocate(1, fresh);  // cannot fail: counted in the step's pages
   const int32_t shared = sequence.pages.back();
@@ -100,7 +101,7 @@ void CopyOnWrite(CacheEntry& cache, Sequence& sequence, SequenceChange& change, 
   batch.page_copies.push_back({shared, fresh[0]});
 }
 
-void RestoreSequence(Sequence& sequence, const SequenceChange& change) {
+void Engine::State::RestoreSequenceLocked(Sequence& sequence, const SequenceChange& change) {
   // Steps chained on top of this one rolled back first; a parent rolling back later shrinks
   // more: rollback only shrinks.
   sequence.pages.resize(std::min(sequence.pages.size(), change.old_num_pages));
@@ -110,8 +111,8 @@ void RestoreSequence(Sequence& sequence, const SequenceChange& change) {
   }
 }
 
-void EndSequenceChange(CacheEntry& cache, const StepEntry& step, const SequenceChange& change,
-                       bool committed) {
+void Engine::State::EndSequenceChangeLocked(CacheEntry& cache, const StepEntry& step,
+                                            const SequenceChange& change, bool committed) {
   auto it = cache.sequences.find(change.sequence_id);
   if (it == cache.sequences.end()) return;
   Sequence& sequence = it->second;
@@ -121,13 +122,14 @@ void EndSequenceChange(CacheEntry& cache, const StepEntry& step, const SequenceC
     sequence.length = change.new_length;
     return;
   }
-  RestoreSequence(sequence, change);
+  RestoreSequenceLocked(sequence, change);
   if (sequence.open_steps == 0 && sequence.length == 0 && sequence.pages.empty()) {
     cache.sequences.erase(it);
   }
 }
 
-std::vector<int32_t> LayersToCopyAtCommit(const CacheEntry& cache, const StepEntry& step) {
+std::vector<int32_t> Engine::State::LayersToCopyAtCommitLocked(const CacheEntry& cache,
+                                                               const StepEntry& step) const {
   std::vector<int32_t> layers;
   if (cache.allocator == nullptr || cache.failed || step.batch == nullptr ||
       step.batch->page_copies.empty()) {
@@ -139,7 +141,7 @@ std::vector<int32_t> LayersToCopyAtCommit(const CacheEntry& cache, const StepEnt
   return layers;
 }
 
-void ReleaseReplacedPages(CacheEntry& cache, const StepEntry& step) {
+void Engine::State::ReleaseReplacedPagesLocked(CacheEntry& cache, const StepEntry& step) {
   for (const SequenceChange& change : step.changes) {
     if (change.replaced_page >= 0) {
       cache.allocator->Free(std::span<const int32_t>(&change.replaced_page, 1));
