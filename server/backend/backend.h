@@ -198,8 +198,8 @@ class BackendCache {
   // defaults are for test doubles).
   //
   // Copies layer `layer`'s K and V regions of each copy's source page to its destination: the
-  // copy-on-write of a step that committed before running this layer (called under the engine's
-  // lock, a rare path, so the sequence is never seen with the copy missing).
+  // copy-on-write of a step that committed before running this layer (called without the
+  // engine's lock; the engine keeps the step's sequences out of reach until it returns).
   virtual absl::Status CopyPages(int32_t layer, std::span<const PageCopy> copies) {
     (void)layer, (void)copies;
     return absl::UnimplementedError("this backend cannot copy pages");

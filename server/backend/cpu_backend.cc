@@ -199,16 +199,6 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-TokenHeadsView Rows(const void* data, DType dtype, int64_t tokens, int32_t heads, int32_t dim) {
-  TokenHeadsView view;
-  view.data = const_cast<void*>(data);
-  view.dtype = dtype;
-  view.num_tokens = tokens;
-  view.num_heads = heads;
-  view.head_dim = dim;
-  return view;
-}
-
 class CpuStep final : public BackendStep {
  public:
   CpuStep(CpuCache* cache, std::shared_ptr<const StepBatch> batch)
@@ -300,10 +290,10 @@ void CpuStep::Run(const CpuCache& cache, const StepBatch& batch, const LayerIo& 
     append.pages = pages;
     append.rope_style = g.rope.style;
     append.rope_inv_freq = cache.inv_freq();
-    append.q_in = Rows(io.q, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
-    append.q_out = Rows(rotated_q.data(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
-    append.k_in = Rows(io.k, g.q_dtype, tokens, g.num_kv_heads, g.k_head_dim);
-    append.v_in = Rows(io.v, g.q_dtype, tokens, g.num_kv_heads, g.v_head_dim);
+    append.q_in = RowsOf(io.q, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+    append.q_out = RowsOf(rotated_q.data(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+    append.k_in = RowsOf(io.k, g.q_dtype, tokens, g.num_kv_heads, g.k_head_dim);
+    append.v_in = RowsOf(io.v, g.q_dtype, tokens, g.num_kv_heads, g.v_head_dim);
     append.k_cache = cache.Pool(io.layer, false);
     append.v_cache = cache.Pool(io.layer, true);
     append.k_scale = g.k_scale;
@@ -315,10 +305,10 @@ void CpuStep::Run(const CpuCache& cache, const StepBatch& batch, const LayerIo& 
     append.pages = pages;
     append.rope_style = g.rope.style;
     append.rope_inv_freq = cache.inv_freq();
-    append.q_pe_in = Rows(io.q_pe, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
-    append.q_pe_out = Rows(rotated_q.data(), g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
-    append.ckv_in = Rows(io.ckv, g.q_dtype, tokens, 1, g.k_head_dim);
-    append.kpe_in = Rows(io.kpe, g.q_dtype, tokens, 1, g.v_head_dim);
+    append.q_pe_in = RowsOf(io.q_pe, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
+    append.q_pe_out = RowsOf(rotated_q.data(), g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
+    append.ckv_in = RowsOf(io.ckv, g.q_dtype, tokens, 1, g.k_head_dim);
+    append.kpe_in = RowsOf(io.kpe, g.q_dtype, tokens, 1, g.v_head_dim);
     append.ckv_cache = cache.Pool(io.layer, false);
     append.kpe_cache = cache.Pool(io.layer, true);
     append.ckv_scale = g.k_scale;
@@ -330,25 +320,25 @@ void CpuStep::Run(const CpuCache& cache, const StepBatch& batch, const LayerIo& 
   start = std::chrono::steady_clock::now();
   if (!g.mla) {
     reference::BatchAttentionArgs attention;
-    attention.q = Rows(rotated_q.data(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+    attention.q = RowsOf(rotated_q.data(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
     attention.qo_indptr = batch.qo_indptr.data();
     attention.pages = pages;
     attention.k_cache = cache.Pool(io.layer, false);
     attention.v_cache = cache.Pool(io.layer, true);
     attention.params = batch.options.params;
-    attention.o = Rows(io.o, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
+    attention.o = RowsOf(io.o, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
     attention.lse = io.lse;
     reference::BatchAttention(attention);
   } else {
     reference::MlaAttentionArgs attention;
-    attention.q_nope = Rows(io.q, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
-    attention.q_pe = Rows(rotated_q.data(), g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
+    attention.q_nope = RowsOf(io.q, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+    attention.q_pe = RowsOf(rotated_q.data(), g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
     attention.qo_indptr = batch.qo_indptr.data();
     attention.pages = pages;
     attention.ckv_cache = cache.Pool(io.layer, false);
     attention.kpe_cache = cache.Pool(io.layer, true);
     attention.params = batch.options.params;
-    attention.o = Rows(io.o, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+    attention.o = RowsOf(io.o, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
     attention.lse = io.lse;
     reference::MlaAttention(attention);
   }

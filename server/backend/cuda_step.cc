@@ -17,16 +17,6 @@
 namespace attnd::cuda_backend {
 namespace {
 
-TokenHeadsView Rows(const void* data, DType dtype, int64_t tokens, int32_t heads, int32_t dim) {
-  TokenHeadsView view;
-  view.data = const_cast<void*>(data);
-  view.dtype = dtype;
-  view.num_tokens = tokens;
-  view.num_heads = heads;
-  view.head_dim = dim;
-  return view;
-}
-
 template <typename T>
 const T* At(const DeviceBuffer& buffer, int64_t offset) {
   return reinterpret_cast<const T*>(buffer.data() + offset);
@@ -281,10 +271,10 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents* events, const LayerBuffers
   append.rope_style = g.rope.style;
   append.rope_inv_freq = cache_->rope_inv_freq();
   append.rotary_dim = g.rope.style == RopeStyle::kNone ? 0 : g.rope.rotary_dim;
-  append.q_in = Rows(buffers.q, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
-  append.q_out = Rows(lane_.q_rotated.data(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
-  append.k_in = Rows(buffers.k, g.q_dtype, tokens, g.num_kv_heads, g.k_head_dim);
-  append.v_in = Rows(buffers.v, g.q_dtype, tokens, g.num_kv_heads, g.v_head_dim);
+  append.q_in = RowsOf(buffers.q, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+  append.q_out = RowsOf(lane_.q_rotated.data(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+  append.k_in = RowsOf(buffers.k, g.q_dtype, tokens, g.num_kv_heads, g.k_head_dim);
+  append.v_in = RowsOf(buffers.v, g.q_dtype, tokens, g.num_kv_heads, g.v_head_dim);
   append.k_cache = cache_->Pool(layer, false);
   append.v_cache = cache_->Pool(layer, true);
   append.k_scale = g.k_scale;
@@ -293,7 +283,7 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents* events, const LayerBuffers
   RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::appended, compute));
 
   const TokenHeadsView q = append.q_out;
-  const TokenHeadsView o = Rows(buffers.o, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
+  const TokenHeadsView o = RowsOf(buffers.o, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
   float* lse = buffers.lse;
   const CudaEvent* attended = events != nullptr ? &events->appended : nullptr;
   if (plan_->run_decode) {
@@ -355,10 +345,10 @@ absl::Status CudaStep::EnqueueMlaKernels(LayerEvents* events, const LayerBuffers
   append.rope_style = g.rope.style;
   append.rope_inv_freq = cache_->rope_inv_freq();
   append.rotary_dim = g.rope.style == RopeStyle::kNone ? 0 : g.rope.rotary_dim;
-  append.q_pe_in = Rows(buffers.q_pe, g.q_dtype, tokens, g.num_qo_heads, rope_dim);
-  append.q_pe_out = Rows(lane_.q_rotated.data(), g.q_dtype, tokens, g.num_qo_heads, rope_dim);
-  append.ckv_in = Rows(buffers.k, g.q_dtype, tokens, 1, rank);
-  append.kpe_in = Rows(buffers.v, g.q_dtype, tokens, 1, rope_dim);
+  append.q_pe_in = RowsOf(buffers.q_pe, g.q_dtype, tokens, g.num_qo_heads, rope_dim);
+  append.q_pe_out = RowsOf(lane_.q_rotated.data(), g.q_dtype, tokens, g.num_qo_heads, rope_dim);
+  append.ckv_in = RowsOf(buffers.k, g.q_dtype, tokens, 1, rank);
+  append.kpe_in = RowsOf(buffers.v, g.q_dtype, tokens, 1, rope_dim);
   append.ckv_cache = cache_->Pool(layer, false);
   append.kpe_cache = cache_->Pool(layer, true);
   append.ckv_scale = g.k_scale;
@@ -369,14 +359,14 @@ absl::Status CudaStep::EnqueueMlaKernels(LayerEvents* events, const LayerBuffers
   if (!plan_->run_mla) return absl::OkStatus();
 
   cuda::MlaDecodeArgs attention;
-  attention.q_nope = Rows(buffers.q, g.q_dtype, tokens, g.num_qo_heads, rank);
+  attention.q_nope = RowsOf(buffers.q, g.q_dtype, tokens, g.num_qo_heads, rank);
   attention.q_pe = append.q_pe_out;
   attention.pages = pages_;
   attention.ckv_cache = append.ckv_cache;
   attention.kpe_cache = append.kpe_cache;
   attention.params = batch_->options.params;  // k_scale dequantises ckv, v_scale kpe
   attention.work = mla_work_;
-  attention.o = Rows(buffers.o, g.q_dtype, tokens, g.num_qo_heads, rank);
+  attention.o = RowsOf(buffers.o, g.q_dtype, tokens, g.num_qo_heads, rank);
   attention.lse = buffers.lse;
   attention.workspace = lane_.decode_workspace.data();
   attention.workspace_bytes = lane_.decode_workspace.capacity();

@@ -14,13 +14,9 @@ namespace {
 
 constexpr int32_t kDefaultChannelSlots = 2;
 
-void RunAll(std::vector<std::function<void()>>& deferred) {
-  for (auto& callback : deferred) callback();
-}
-
 }  // namespace
 
-ChannelStatus ChannelStatusOf(const ChannelEntry& channel) {
+ChannelStatus Engine::State::ChannelStatusLocked(const ChannelEntry& channel) const {
   ChannelStatus status;
   status.id = channel.id;
   status.cache = channel.cache->spec.name;
@@ -129,7 +125,7 @@ absl::StatusOr<ChannelStatus> Engine::OpenChannel(
       channel->on_closed = std::move(on_closed);
       state_->channels[channel->id] = channel;
       if (state_->metrics) state_->metrics->SetOpenChannels(state_->channels.size());
-      opened = ChannelStatusOf(*channel);
+      opened = state_->ChannelStatusLocked(*channel);
     }
   }
   // A ring made for a cache deleted meanwhile goes here, without the lock (as does the last
@@ -151,7 +147,7 @@ void Engine::State::CloseChannelLocked(std::shared_ptr<ChannelEntry> channel,
   closing_channels.push_back(channel);
   if (metrics) metrics->SetOpenChannels(channels.size());
   if (channel->on_closed) {
-    deferred.push_back([on_closed = std::move(channel->on_closed), reason] { on_closed(reason); });
+    deferred.Add([on_closed = std::move(channel->on_closed), reason] { on_closed(reason); });
     channel->on_closed = nullptr;
   }
 }
@@ -181,7 +177,7 @@ absl::Status Engine::CloseChannel(uint64_t channel_id, const std::string& tenant
     }
     state_->CloseChannelLocked(it->second, reason, deferred);
   }
-  RunAll(deferred);
+  deferred.Run();
   ReapIdleChannels();
   return absl::OkStatus();
 }
@@ -203,7 +199,7 @@ void Engine::CloseAllChannels(const std::string& reason) {
     for (auto& [id, channel] : state_->channels) open.push_back(channel);
     for (auto& channel : open) state_->CloseChannelLocked(channel, reason, deferred);
   }
-  RunAll(deferred);
+  deferred.Run();
   ReapIdleChannels();
 }
 
@@ -252,11 +248,11 @@ void Engine::State::ChannelLayerDone(const std::shared_ptr<StepEntry>& step, int
         answer = absl::AbortedError(absl::StrCat("step_id: step ", step->id,
                                                  " was aborted while layer ", layer, " ran"));
       }
-      deferred.push_back([waiter = std::move(waiter), answer] { waiter(answer); });
+      deferred.Add([waiter = std::move(waiter), answer] { waiter(answer); });
     }
     TryFinalizeLocked(step, deferred);
   }
-  RunAll(deferred);
+  deferred.Run();
 }
 
 }  // namespace attnd

@@ -13,11 +13,26 @@ namespace {
 
 constexpr size_t kFinishedStepsKept = 4096;
 
-CacheStatus StatusOf(const CacheEntry& cache,
-                     const absl::flat_hash_map<uint64_t, std::shared_ptr<ChannelEntry>>& channels) {
+}  // namespace
+
+void Engine::State::Deferred::Release(std::vector<std::shared_ptr<StepEntry>>&& steps) {
+  for (std::shared_ptr<StepEntry>& step : steps) Release(std::move(step));
+  steps.clear();
+}
+
+void Engine::State::Deferred::Run() {
+  std::vector<std::function<void()>> callbacks = std::move(callbacks_);
+  callbacks_.clear();
+  for (auto& callback : callbacks) callback();
+  // What the callbacks captured (an early commit's step) goes with them.
+  callbacks.clear();
+  steps_.clear();
+}
+
+CacheStatus Engine::State::CacheStatusLocked(const CacheEntry& cache) const {
   CacheStatus status;
   for (const auto& [id, channel] : channels) {
-    if (channel->cache.get() == &cache) status.channels.push_back(ChannelStatusOf(*channel));
+    if (channel->cache.get() == &cache) status.channels.push_back(ChannelStatusLocked(*channel));
   }
   std::sort(status.channels.begin(), status.channels.end(),
             [](const ChannelStatus& a, const ChannelStatus& b) { return a.id < b.id; });
@@ -31,12 +46,6 @@ CacheStatus StatusOf(const CacheEntry& cache,
   status.open_steps = cache.open_steps;
   return status;
 }
-
-void RunAll(std::vector<std::function<void()>>& deferred) {
-  for (auto& callback : deferred) callback();
-}
-
-}  // namespace
 
 Engine::Engine(const EngineOptions& options, Backend* backend, Metrics* metrics)
     : state_(std::make_unique<State>()) {
@@ -64,9 +73,10 @@ Engine::~Engine() {
   // Channel steps keep their layers in flight until the channel lets go of its waits.
   CloseAllChannels("server stopping");
   {
-    // Backend callbacks of running layers reference the state: let them land first.
+    // Backend callbacks of running layers (and early commits' copies) reference the state: let
+    // them land first.
     absl::MutexLock lock(&state_->mu);
-    state_->mu.Await(absl::Condition(state_.get(), &State::NoLayerInFlight));
+    state_->mu.Await(absl::Condition(state_.get(), &State::NothingInFlight));
   }
   // Abort what is still open so sequences and pages are consistent until destruction; layers
   // still in flight hold their own references to the cache.
@@ -77,7 +87,7 @@ Engine::~Engine() {
     for (auto& [id, step] : state_->open_steps) open.push_back(step);
     for (auto& step : open) state_->EndLocked(step, StepOutcome::kAborted, deferred);
   }
-  RunAll(deferred);
+  deferred.Run();
   std::vector<std::shared_ptr<ChannelEntry>> idle;
   {
     absl::MutexLock lock(&state_->mu);
@@ -118,7 +128,7 @@ void Engine::State::ReaperLoop() {
     std::vector<std::shared_ptr<ChannelEntry>> idle = TakeIdleChannelsLocked();
     if (!deferred.empty() || !idle.empty()) {
       mu.Unlock();
-      RunAll(deferred);
+      deferred.Run();
       // Joins the channel's threads: never under the lock.
       for (auto& channel : idle) channel->backend.reset();
       idle.clear();
@@ -134,7 +144,7 @@ void Engine::ExpireSteps(absl::Time now) {
     absl::MutexLock lock(&state_->mu);
     state_->ExpireLocked(now, deferred);
   }
-  RunAll(deferred);
+  deferred.Run();
   ReapIdleChannels();
 }
 
@@ -231,6 +241,7 @@ void Engine::State::EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcom
         }
       }
       EndLocked(child, StepOutcome::kAborted, deferred);
+      deferred.Release(std::move(child));
     }
   }
   if (step->in_flight != 0 && step->channel != nullptr && outcome == StepOutcome::kAborted) {
@@ -242,7 +253,7 @@ void Engine::State::EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcom
       below_goes_on |= !parent->finalized &&
                        !(parent->ending && parent->outcome == StepOutcome::kAborted);
     }
-    deferred.push_back([channel = step->channel, sequence = step->channel_sequence,
+    deferred.Add([channel = step->channel, sequence = step->channel_sequence,
                         mark = !below_goes_on] {
       if (channel->backend) channel->backend->CancelStep(sequence, mark);
     });
@@ -252,7 +263,10 @@ void Engine::State::EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcom
 
 void Engine::State::TryFinalizeLocked(const std::shared_ptr<StepEntry>& step,
                                       Deferred& deferred) {
-  if (!step->ending || step->finalized || step->in_flight != 0 || step->preparing) return;
+  if (!step->ending || step->finalized || step->in_flight != 0 || step->preparing ||
+      step->copying) {
+    return;
+  }
   if (step->outcome == StepOutcome::kCommitted) {
     // Its sequences' lengths move past its parents' tokens only once those are committed.
     for (const auto& parent : step->parents) {
@@ -265,6 +279,8 @@ void Engine::State::TryFinalizeLocked(const std::shared_ptr<StepEntry>& step,
       if (child != nullptr && !child->finalized) return;
     }
   }
+  // An early commit's copies come first (MakeCommitCopies comes back here once they landed).
+  if (StartCommitCopiesLocked(step, deferred)) return;
   FinalizeLocked(*step, deferred);
   step->finalized = true;
   std::vector<std::shared_ptr<StepEntry>> waiting;
@@ -279,18 +295,66 @@ void Engine::State::TryFinalizeLocked(const std::shared_ptr<StepEntry>& step,
   } else {
     waiting = step->parents;
   }
-  step->parents.clear();
+  // These links may hold the last reference to a step of a deleted cache, and through it to the
+  // cache: they go after the lock.
+  deferred.Release(std::move(step->parents));
   step->children.clear();
   for (const auto& next : waiting) TryFinalizeLocked(next, deferred);
+  deferred.Release(std::move(waiting));
+}
+
+bool Engine::State::StartCommitCopiesLocked(const std::shared_ptr<StepEntry>& step,
+                                            Deferred& deferred) {
+  if (step->outcome != StepOutcome::kCommitted || step->copies_made) return false;
+  step->copies_made = true;
+  CacheEntry& cache = *step->cache;
+  std::vector<int32_t> layers = LayersToCopyAtCommitLocked(cache, *step);
+  if (layers.empty()) return false;
+  step->copying = true;
+  ++copies_in_flight;
+  deferred.Add([this, step, backend = cache.backend.get(), batch = step->batch,
+                layers = std::move(layers)] { MakeCommitCopies(step, backend, batch, layers); });
+  return true;
+}
+
+void Engine::State::MakeCommitCopies(const std::shared_ptr<StepEntry>& step,
+                                     BackendCache* backend,
+                                     std::shared_ptr<const StepBatch> batch,
+                                     std::vector<int32_t> layers) {
+  // The copies' sources are pages the step still holds, their destinations its fresh pages in
+  // layers no step writes: nothing else touches them until the step is finalized.
+  absl::Status copied;
+  int32_t failed_layer = -1;
+  for (const int32_t layer : layers) {
+    copied = backend->CopyPages(layer, batch->page_copies);
+    if (!copied.ok()) {
+      failed_layer = layer;
+      break;
+    }
+  }
+  Deferred deferred;
+  {
+    absl::MutexLock lock(&mu);
+    --copies_in_flight;
+    step->copying = false;
+    CacheEntry& cache = *step->cache;
+    if (!copied.ok() && !cache.failed) {
+      cache.failed = true;
+      cache.failure = absl::StrCat("copy-on-write of layer ", failed_layer, " at commit: ",
+                                   copied.message());
+    }
+    TryFinalizeLocked(step, deferred);
+  }
+  deferred.Run();
 }
 
 void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
   CacheEntry& cache = *step.cache;
   const bool committed = step.outcome == StepOutcome::kCommitted;
   for (const SequenceChange& change : step.changes) {
-    EndSequenceChange(cache, step, change, committed);
+    EndSequenceChangeLocked(cache, step, change, committed);
   }
-  if (committed && cache.allocator) CommitCopies(cache, step);
+  if (committed && cache.allocator) ReleaseReplacedPagesLocked(cache, step);
   if (!committed && cache.allocator) cache.allocator->Free(step.fresh_pages);
   step.fresh_pages.clear();
   step.changes.clear();
@@ -306,7 +370,7 @@ void Engine::State::FinalizeLocked(StepEntry& step, Deferred& deferred) {
   // EndStep reports them too.
   if (auto done = finished.find(step.id); done != finished.end()) done->second.result = result;
   for (auto& waiter : step.end_waiters) {
-    deferred.push_back([waiter = std::move(waiter), result] { waiter(result); });
+    deferred.Add([waiter = std::move(waiter), result] { waiter(result); });
   }
   step.end_waiters.clear();
   // Release the device-side plan now rather than when the last reference goes.
@@ -355,7 +419,7 @@ absl::StatusOr<CacheStatus> Engine::CreateCache(const CacheSpec& spec,
     }
     state_->caches[spec.name] = cache;
     state_->PublishPagesLocked(*cache);
-    created = StatusOf(*cache, state_->channels);
+    created = state_->CacheStatusLocked(*cache);
   }
   state_->PublishDevices();
   return created;
@@ -367,13 +431,15 @@ absl::StatusOr<CacheStatus> Engine::GetCache(const std::string& name) const {
   if (it == state_->caches.end()) {
     return absl::NotFoundError(absl::StrCat("name: no cache named '", name, "'"));
   }
-  return StatusOf(*it->second, state_->channels);
+  return state_->CacheStatusLocked(*it->second);
 }
 
 std::vector<CacheStatus> Engine::ListCaches() const {
   absl::MutexLock lock(&state_->mu);
   std::vector<CacheStatus> list;
-  for (const auto& [name, cache] : state_->caches) list.push_back(StatusOf(*cache, state_->channels));
+  for (const auto& [name, cache] : state_->caches) {
+    list.push_back(state_->CacheStatusLocked(*cache));
+  }
   std::sort(list.begin(), list.end(),
             [](const CacheStatus& a, const CacheStatus& b) { return a.spec.name < b.spec.name; });
   return list;
@@ -412,7 +478,7 @@ absl::Status Engine::DeleteCache(const std::string& name, bool force) {
     if (state_->metrics) state_->metrics->RemoveCache(name);
     // The pools go when the last in-flight layer drops its reference to the cache.
   }
-  RunAll(deferred);
+  deferred.Run();
   ReapIdleChannels();
   cache.reset();
   state_->PublishDevices();
@@ -513,7 +579,7 @@ void Engine::EndStep(uint64_t step_id, bool abort,
         finished = state_->finished.end();
       }
       if (finished == state_->finished.end()) {
-        deferred.push_back([done, step_id] {
+        deferred.Add([done, step_id] {
           done(absl::NotFoundError(absl::StrCat("step_id: no open step ", step_id)));
         });
       } else {
@@ -521,12 +587,12 @@ void Engine::EndStep(uint64_t step_id, bool abort,
         // comes after the step committed changes nothing and answers COMMITTED: the caller
         // needs that outcome (its lengths moved) more than an error.
         const EndStepResult result = finished->second.result;
-        deferred.push_back([done, result] { done(result); });
+        deferred.Add([done, result] { done(result); });
       }
     } else if (!abort && it->second->channel != nullptr &&
                it->second->layers_done < static_cast<int32_t>(it->second->layers.size())) {
       if (unsignalled >= 0) {
-        deferred.push_back([done, step_id, unsignalled] {
+        deferred.Add([done, step_id, unsignalled] {
           done(absl::FailedPreconditionError(absl::StrCat(
               "step_id: step ", step_id, " runs through a channel and its layer ", unsignalled,
               " has not been signalled (ready word); it commits after its last layer: signal "
@@ -543,7 +609,7 @@ void Engine::EndStep(uint64_t step_id, bool abort,
       state_->EndLocked(step, abort ? StepOutcome::kAborted : StepOutcome::kCommitted, deferred);
     }
   }
-  RunAll(deferred);
+  deferred.Run();
 }
 
 void Engine::AbortOwnedSteps(uint64_t owner) {
@@ -557,7 +623,7 @@ void Engine::AbortOwnedSteps(uint64_t owner) {
     }
     for (auto& step : owned) state_->EndLocked(step, StepOutcome::kAborted, deferred);
   }
-  RunAll(deferred);
+  deferred.Run();
 }
 
 void Engine::SetDraining(bool draining) {

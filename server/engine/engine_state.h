@@ -11,12 +11,30 @@
 //                           Never held across a backend call that can wait for or allocate on
 //                           the device (PrepareStep, CreateCache, CreateChannel, ReadPages, a
 //                           cache's or channel's destruction). Held across calls that only queue
-//                           or signal (BackendChannel::StartStep, SignalReady) and across
-//                           BackendCache::CopyPages of an early commit (CommitCopies), a rare
-//                           path kept under the lock so no one sees the copy missing.
+//                           or signal (BackendChannel::StartStep, SignalReady). Work that must
+//                           wait for the lock's release goes into a Deferred, which the caller
+//                           runs after it: answers, channel cancels, an early commit's page
+//                           copies (StartCommitCopiesLocked), and the step references a call let
+//                           go of (the last one to a deleted cache's step frees its pools).
 //   3. StepBatchPool::mu_, and the backend's own locks (taken inside backend calls).
 // Backend callbacks (a layer landed) take State::mu on backend threads: nothing that holds
 // State::mu may wait for a backend thread.
+//
+// What clang's -Wthread-safety checks (clang builds: the fuzz preset): State's own fields are
+// ABSL_GUARDED_BY(mu). The per-cache objects below (CacheEntry, Sequence, StepEntry,
+// ChannelEntry) are guarded by State::mu as well, but are not annotated field by field: the
+// analysis names a mutex by the expression that reaches it and has no alias analysis, so a
+// field of CacheEntry cannot name State::mu (a member pointing at it, `cache->engine_mu`, is
+// another expression than the `state_->mu` the code locks, at every use). Instead, every
+// function that touches those fields is either a State method annotated
+// ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) (the *Locked methods, copy-on-write and status included),
+// whose callers the analysis checks, or an Engine method that takes mu itself around the
+// access. The fields read without the lock are set before the object is shared and never
+// written after: CacheEntry::spec, backend, the allocator pointer (not its contents);
+// StepEntry::id, owner, tenant, cache, batch, channel (set by ReservePlanLocked) and
+// backend_step (set by PublishPlanLocked, reset by FinalizeLocked, which waits for every layer
+// in flight); ChannelEntry::id, tenant, cache, spec, layout, and backend (reset only once the
+// channel is out of the engine: TakeIdleChannelsLocked).
 #pragma once
 
 #include <cstdint>
@@ -131,6 +149,12 @@ struct StepEntry {
   // after its parents have; an aborting step aborts its children and rolls back after them.
   std::vector<std::shared_ptr<StepEntry>> parents;  // released when this step is finalized
   std::vector<std::weak_ptr<StepEntry>> children;
+  // A step that commits before running every layer copies its copy-on-write pages in the layers
+  // it did not run before it is finalized (State::StartCommitCopiesLocked). The copies are made
+  // without State::mu (`copying`); meanwhile the step is not finalized, so its sequences stay in
+  // an open step: no Plan, fork, export or free sees them with a copy missing.
+  bool copying = false;
+  bool copies_made = false;  // started once; not again when the step is finalized after them
   bool finalized = false;
 };
 
@@ -183,15 +207,40 @@ struct Engine::State {
   int64_t channel_bytes ABSL_GUARDED_BY(mu) = 0;
   bool draining ABSL_GUARDED_BY(mu) = false;
   bool stopping ABSL_GUARDED_BY(mu) = false;
-  // Layers running on the backend across all steps; the engine outlives them (destructor waits).
+  // Layers running on the backend across all steps, and early commits' page copies being made;
+  // the engine outlives them (destructor waits).
   int64_t layers_in_flight ABSL_GUARDED_BY(mu) = 0;
+  int64_t copies_in_flight ABSL_GUARDED_BY(mu) = 0;
   std::thread reaper;
 
   // A condition for mu.Await (which evaluates it with mu held).
-  bool NoLayerInFlight() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return layers_in_flight == 0; }
+  bool NothingInFlight() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return layers_in_flight == 0 && copies_in_flight == 0;
+  }
 
-  // Callbacks collected under the lock and run after it is released.
-  using Deferred = std::vector<std::function<void()>>;
+  // What a call made under mu leaves for after the lock's release; the caller runs it then.
+  // Callbacks: answers, channel cancels, an early commit's page copies. Released steps: step
+  // references the call let go of, any of which may be the last one to its step and through it
+  // to a deleted cache (its pools; on a GPU, its streams, which their destruction waits for) or
+  // a channel: a step is destroyed only here, after the lock.
+  class Deferred {
+   public:
+    Deferred() = default;
+    Deferred(const Deferred&) = delete;
+    Deferred& operator=(const Deferred&) = delete;
+    void Add(std::function<void()> callback) { callbacks_.push_back(std::move(callback)); }
+    void Release(std::shared_ptr<StepEntry> step) {
+      if (step != nullptr) steps_.push_back(std::move(step));
+    }
+    void Release(std::vector<std::shared_ptr<StepEntry>>&& steps);
+    bool empty() const { return callbacks_.empty() && steps_.empty(); }
+    // Runs the callbacks in order, then drops them and the released steps. Without mu.
+    void Run();
+
+   private:
+    std::vector<std::function<void()>> callbacks_;
+    std::vector<std::shared_ptr<StepEntry>> steps_;
+  };
 
   // Decides the step's fate; applies it now if nothing is in flight. Returns callbacks to run.
   void EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcome outcome, Deferred& deferred)
@@ -203,6 +252,16 @@ struct Engine::State {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Commits lengths or rolls back pages. Called by TryFinalizeLocked only.
   void FinalizeLocked(StepEntry& step, Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // A step committing before it ran every layer: when it replaced shared pages by copies
+  // (copy-on-write), the layers it did not run need the copies too. Marks the step `copying`
+  // and defers MakeCommitCopies (device copies and a wait: not under the lock); returns false
+  // when there is nothing to copy (or it was done) and the step may be finalized now.
+  bool StartCommitCopiesLocked(const std::shared_ptr<StepEntry>& step, Deferred& deferred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Makes those copies (without mu), then finalizes the step (a failed copy fails the cache).
+  void MakeCommitCopies(const std::shared_ptr<StepEntry>& step, BackendCache* backend,
+                        std::shared_ptr<const StepBatch> batch, std::vector<int32_t> layers)
+      ABSL_LOCKS_EXCLUDED(mu);
   void PublishPagesLocked(const CacheEntry& cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // attnd_device_kv_bytes of every device (at start, and when a cache is created or deleted; a
   // deleted cache whose last layer is still landing frees its budget a moment later).
@@ -257,30 +316,46 @@ struct Engine::State {
   absl::Status LayerLandedLocked(const std::shared_ptr<StepEntry>& step, int32_t layer,
                                  absl::Status status, Deferred& deferred)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // What GetCache/ListCaches and OpenChannel report (engine.cc, channels.cc).
+  CacheStatus CacheStatusLocked(const CacheEntry& cache) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  ChannelStatus ChannelStatusLocked(const ChannelEntry& channel) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Copy-on-write and a step's hold on its sequences (lifecycle.cc).
+  // Pages a step appending `new_tokens` to `sequence` must allocate for copies: 1 when it
+  // writes into a partial last page that others hold, else 0.
+  int64_t CopyOnWritePagesNeededLocked(const CacheEntry& cache, const Sequence& sequence,
+                                       int32_t new_tokens) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Replaces such a page in `sequence` by a fresh copy (a fresh page of `step`, a copy of
+  // `batch`), noting it in `change`. Call before the step's other pages are allocated; the pool
+  // holds the page (checked by CopyOnWritePagesNeededLocked).
+  void CopyOnWriteLocked(CacheEntry& cache, Sequence& sequence, SequenceChange& change,
+                         StepEntry& step, StepBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Undoes `change` on `sequence` (abort, or Plan failing after allocation): length and pages
+  // as they were, the replaced page back in place. The step's fresh pages are freed by the
+  // caller.
+  void RestoreSequenceLocked(Sequence& sequence, const SequenceChange& change)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // `step` lets go of the sequence `change` names: it leaves the sequence's open steps (its
+  // latest open step reverts to the one before), and the sequence's length moves to the step's
+  // end (`committed`) or the change is undone (RestoreSequenceLocked), the sequence erased when
+  // nothing of it is left. Used by FinalizeLocked, for every end of a step (a Plan that fails
+  // after allocating included).
+  void EndSequenceChangeLocked(CacheEntry& cache, const StepEntry& step,
+                               const SequenceChange& change, bool committed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // The layers whose copy-on-write copies a committing step must still make: those it never ran
+  // (an early commit), so the copied prefix is whole in every layer. Empty when the step made
+  // no copies, ran every layer, or its cache failed.
+  std::vector<int32_t> LayersToCopyAtCommitLocked(const CacheEntry& cache,
+                                                  const StepEntry& step) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // A committed step lets go of the shared pages its copies replaced.
+  void ReleaseReplacedPagesLocked(CacheEntry& cache, const StepEntry& step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
 
-ChannelStatus ChannelStatusOf(const ChannelEntry& channel);
-
-// Copy-on-write at Plan (lifecycle.cc). Pages a step appending `new_tokens` to `sequence` must
-// allocate for copies: 1 when it writes into a partial last page that others hold, else 0.
-int64_t CopyOnWritePagesNeeded(const CacheEntry& cache, const Sequence& sequence,
-                               int32_t new_tokens);
-// Replaces such a page in `sequence` by a fresh copy (a fresh page of `step`, a copy of
-// `batch`), noting it in `change`. Call before the step's other pages are allocated; the pool
-// holds the page (checked by CopyOnWritePagesNeeded).
-void CopyOnWrite(CacheEntry& cache, Sequence& sequence, SequenceChange& change, StepEntry& step,
-                 StepBatch& batch);
-// Undoes `change` on `sequence` (abort, or Plan failing after allocation): length and pages as
-// they were, the replaced page back in place. The step's fresh pages are freed by the caller.
-void RestoreSequence(Sequence& sequence, const SequenceChange& change);
-// `step` lets go of the sequence `change` names: it leaves the sequence's open steps (its
-// latest open step reverts to the one before), and the sequence's length moves to the step's
-// end (`committed`) or the change is undone (RestoreSequence), the sequence erased when nothing
-// of it is left. Used by Finalize and by a Plan that fails after allocating.
-void EndSequenceChange(CacheEntry& cache, const StepEntry& step, const SequenceChange& change,
-                       bool committed);
-// A committing step lets go of the pages its copies replaced, and makes the copies of layers it
-// never ran (an early commit) so the copied prefix is whole in every layer. Under State::mu.
-void CommitCopies(CacheEntry& cache, StepEntry& step);
 
 }  // namespace attnd

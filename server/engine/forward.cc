@@ -272,7 +272,7 @@ void Engine::Forward(const ForwardArgs& args, ForwardOutputs* outputs,
     // The step (and with it the backend step) may end here, outside the lock.
     step.reset();
     done(status);
-    for (auto& callback : deferred) callback();
+    deferred.Run();
   });
 }
 

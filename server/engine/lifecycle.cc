@@ -74,11 +74,12 @@ std::string ShapeMismatch(const CacheGeometry& target, const CacheGeometry& sour
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// Copy-on-write (called from Plan and FinalizeLocked)
+// Copy-on-write (called from Plan, and at commit from TryFinalizeLocked and FinalizeLocked)
 // ---------------------------------------------------------------------------------------------
 
-int64_t CopyOnWritePagesNeeded(const CacheEntry& cache, const Sequence& sequence,
-                               int32_t new_tokens) {
+int64_t Engine::State::CopyOnWritePagesNeededLocked(const CacheEntry& cache,
+                                                    const Sequence& sequence,
+                                                    int32_t new_tokens) const {
   const int32_t page_size = cache.spec.geometry.page_size;
   if (new_tokens <= 0 || sequence.pending_length % page_size == 0 || sequence.pages.empty()) {
     return 0;
@@ -89,8 +90,8 @@ int64_t CopyOnWritePagesNeeded(const CacheEntry& cache, const Sequence& sequence
   return cache.allocator->holders(sequence.pages.back()) > 1 ? 1 : 0;
 }
 
-void CopyOnWrite(CacheEntry& cache, Sequence& sequence, SequenceChange& change, StepEntry& step,
-                 StepBatch& batch) {
+void Engine::State::CopyOnWriteLocked(CacheEntry& cache, Sequence& sequence,
+                                      SequenceChange& change, StepEntry& step, StepBatch& batch) {
   std::vector<int32_t> fresh;
   cache.allocator->Allocate(1, fresh);  // cannot fail: counted in the step's pages
   const int32_t shared = sequence.pages.back();
@@ -100,7 +101,7 @@ void CopyOnWrite(CacheEntry& cache, Sequence& sequence, SequenceChange& change, 
   batch.page_copies.push_back({shared, fresh[0]});
 }
 
-void RestoreSequence(Sequence& sequence, const SequenceChange& change) {
+void Engine::State::RestoreSequenceLocked(Sequence& sequence, const SequenceChange& change) {
   // Steps chained on top of this one rolled back first; a parent rolling back later shrinks
   // more: rollback only shrinks.
   sequence.pages.resize(std::min(sequence.pages.size(), change.old_num_pages));
@@ -110,8 +111,8 @@ void RestoreSequence(Sequence& sequence, const SequenceChange& change) {
   }
 }
 
-void EndSequenceChange(CacheEntry& cache, const StepEntry& step, const SequenceChange& change,
-                       bool committed) {
+void Engine::State::EndSequenceChangeLocked(CacheEntry& cache, const StepEntry& step,
+                                            const SequenceChange& change, bool committed) {
   auto it = cache.sequences.find(change.sequence_id);
   if (it == cache.sequences.end()) return;
   Sequence& sequence = it->second;
@@ -121,24 +122,26 @@ void EndSequenceChange(CacheEntry& cache, const StepEntry& step, const SequenceC
     sequence.length = change.new_length;
     return;
   }
-  RestoreSequence(sequence, change);
+  RestoreSequenceLocked(sequence, change);
   if (sequence.open_steps == 0 && sequence.length == 0 && sequence.pages.empty()) {
     cache.sequences.erase(it);
   }
 }
 
-void CommitCopies(CacheEntry& cache, StepEntry& step) {
-  if (step.batch == nullptr || step.batch->page_copies.empty()) return;
-  for (size_t layer = 0; layer < step.layers.size(); ++layer) {
-    if (step.layers[layer] == LayerState::kDone || cache.failed) continue;
-    const absl::Status copied =
-        cache.backend->CopyPages(static_cast<int32_t>(layer), step.batch->page_copies);
-    if (!copied.ok()) {
-      cache.failed = true;
-      cache.failure = absl::StrCat("copy-on-write of layer ", layer, " at commit: ",
-                                   copied.message());
-    }
+std::vector<int32_t> Engine::State::LayersToCopyAtCommitLocked(const CacheEntry& cache,
+                                                               const StepEntry& step) const {
+  std::vector<int32_t> layers;
+  if (cache.allocator == nullptr || cache.failed || step.batch == nullptr ||
+      step.batch->page_copies.empty()) {
+    return layers;
   }
+  for (size_t layer = 0; layer < step.layers.size(); ++layer) {
+    if (step.layers[layer] != LayerState::kDone) layers.push_back(static_cast<int32_t>(layer));
+  }
+  return layers;
+}
+
+void Engine::State::ReleaseReplacedPagesLocked(CacheEntry& cache, const StepEntry& step) {
   for (const SequenceChange& change : step.changes) {
     if (change.replaced_page >= 0) {
       cache.allocator->Free(std::span<const int32_t>(&change.replaced_page, 1));

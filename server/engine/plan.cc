@@ -269,7 +269,7 @@ absl::StatusOr<PlanResult> Engine::Plan(const PlanSpec& spec, uint64_t owner) {
     }
     // A refused step's backend step goes here, outside the lock (before the cache it uses).
     backend_step.reset();
-    for (auto& callback : deferred) callback();
+    deferred.Run();
     RETURN_IF_ERROR(published);
     return std::move(reservation.result);
   }
@@ -386,7 +386,7 @@ absl::Status Engine::State::ReservePlanLocked(const PlanSpec& spec, uint64_t own
       }
       length = sequence.pending_length;
       pages_held = static_cast<int64_t>(sequence.pages.size());
-      pages_needed += CopyOnWritePagesNeeded(*cache, sequence, entry.num_new_tokens);
+      pages_needed += CopyOnWritePagesNeededLocked(*cache, sequence, entry.num_new_tokens);
     } else if (cache->importing.contains(entry.sequence_id)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "entries[", i, "].sequence_id: sequence ", entry.sequence_id,
@@ -464,8 +464,8 @@ absl::Status Engine::State::ReservePlanLocked(const PlanSpec& spec, uint64_t own
       Sequence& sequence = cache->sequences[entry.sequence_id];
       SequenceChange change{entry.sequence_id, sequence.pending_length, sequence.pages.size(),
                             sequence.pending_length + new_tokens, sequence.last_step};
-      if (CopyOnWritePagesNeeded(*cache, sequence, new_tokens) > 0) {
-        CopyOnWrite(*cache, sequence, change, *step, *batch);
+      if (CopyOnWritePagesNeededLocked(*cache, sequence, new_tokens) > 0) {
+        CopyOnWriteLocked(*cache, sequence, change, *step, *batch);
       }
       const int64_t more = PagesFor(change.new_length, page_size) -
                            static_cast<int64_t>(sequence.pages.size());

@@ -1,10 +1,12 @@
 // The engine holds no daemon-wide lock across a backend call that can touch the device: while
-// one cache's Plan is in PrepareStep (or a cache's pools, or a channel's ring, are being made),
-// every other call completes; and whatever ends a step meanwhile (a forced delete, TTL expiry of
-// the step it follows, its stream ending, the preparation failing) leaves no half step behind.
+// one cache's Plan is in PrepareStep (or a cache's pools, or a channel's ring, are being made,
+// or an early commit's copy-on-write pages are being copied), every other call completes; and
+// whatever ends a step meanwhile (a forced delete, TTL expiry of the step it follows, its
+// stream ending, the preparation failing) leaves no half step behind.
 //
-// The backend is the CPU backend behind a wrapper whose PrepareStep, CreateCache and
-// CreateChannel block at a gate when armed, standing in for a device that takes its time.
+// The backend is the CPU backend behind a wrapper whose PrepareStep, CreateCache,
+// CreateChannel and CopyPages block at a gate when armed, standing in for a device that takes
+// its time.
 #include <functional>
 #include <thread>
 
@@ -70,6 +72,7 @@ class Gate {
 struct CacheGates {
   Gate prepare;  // PrepareStep and PrepareChannelStep
   Gate channel;  // CreateChannel
+  Gate copy;     // CopyPages
 };
 
 class GatedCache final : public BackendCache {
@@ -98,6 +101,7 @@ class GatedCache final : public BackendCache {
     return inner_->ReadPages(layer, v_pool, first_page, bytes);
   }
   absl::Status CopyPages(int32_t layer, std::span<const PageCopy> copies) override {
+    if (absl::Status status = gates_->copy.Pass(); !status.ok()) return status;
     return inner_->CopyPages(layer, copies);
   }
 
@@ -142,6 +146,7 @@ class GatedBackend final : public Backend {
     for (auto& gates : gates_) {
       gates->prepare.Release();
       gates->channel.Release();
+      gates->copy.Release();
     }
   }
 
@@ -183,6 +188,7 @@ class PlanConcurrencyTest : public ::testing::Test {
   // The gates of cache "slow" (created first); "fast" is never gated.
   Gate& SlowPrepare() { return backend_.gates(0).prepare; }
   Gate& SlowChannel() { return backend_.gates(0).channel; }
+  Gate& SlowCopy() { return backend_.gates(0).copy; }
   // Starts a Plan on cache "slow" on another thread and waits until it blocks in PrepareStep.
   void StartGatedPlan(PlanSpec spec, uint64_t owner = 0) {
     SlowPrepare().Arm(prepare_failure_);
@@ -197,6 +203,38 @@ class PlanConcurrencyTest : public ::testing::Test {
     return gated_plan_;
   }
   int64_t UsedPages(const std::string& cache) { return engine_->GetCache(cache)->used_pages; }
+  // Layer `layer`'s K and V pools of cache "slow", page by page.
+  std::vector<std::string> SlowPages(int32_t layer) {
+    std::vector<std::string> pages;
+    for (const bool v_pool : {false, true}) {
+      const int64_t page_bytes = v_pool ? geometry_.VPageBytes() : geometry_.KPageBytes();
+      std::string pool(page_bytes * geometry_.num_pages, '\0');
+      EXPECT_TRUE(engine_
+                      ->ReadPages("slow", layer, v_pool, 0,
+                                  std::span<uint8_t>(reinterpret_cast<uint8_t*>(pool.data()),
+                                                     pool.size()))
+                      .ok());
+      for (int64_t page = 0; page < geometry_.num_pages; ++page) {
+        pages.push_back(pool.substr(page * page_bytes, page_bytes));
+      }
+    }
+    return pages;
+  }
+  // Sequence 2 of cache "slow": a fork of sequence 1's 6 tokens (two pages, the second partial
+  // and shared), planned for one token, which copies the shared page; layer 0 run. Returns
+  // the step, ready to commit early: layer 1 gets its copy at the commit.
+  uint64_t PlanForkedDecodeWithLayerZero() {
+    auto source = engine_->Plan(Decode("slow", {{1, 6}}));
+    EXPECT_TRUE(source.ok()) << source.status();
+    RunAllLayers(*engine_, geometry_, *source);
+    EXPECT_TRUE(engine_->ForkSequence(ForkSpec{"slow", 1, 2, 0}).ok());
+    auto plan = engine_->Plan(Decode("slow", {{2, 1}}));
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(UsedPages("slow"), 3);  // the source's two and the copy
+    const testing::LayerTensors t = RandomLayer(geometry_, 1, 9);
+    EXPECT_TRUE(ForwardSync(*engine_, t.Args(plan->step_id, 0, geometry_, 1))->status.ok());
+    return plan->step_id;
+  }
   // Pages come back once nothing of a step runs: a channel step's cancelled layers land on the
   // channel's own thread, so wait a little for them.
   bool SettlesTo(const std::string& cache, int64_t used_pages) {
@@ -370,6 +408,82 @@ TEST_F(PlanConcurrencyTest, ChannelClosingDuringPlanAbortsIt) {
   EXPECT_THAT(plan.status().message(), HasSubstr("closed"));
   EXPECT_TRUE(SettlesTo("slow", 0));
   EXPECT_EQ(engine_->SequenceLength("slow", 1, /*pending=*/true).value(), 0);
+}
+
+TEST_F(PlanConcurrencyTest, EarlyCommitCopiesPagesWithoutTheLockAndHidesTheSequence) {
+  const uint64_t step_id = PlanForkedDecodeWithLayerZero();
+  const std::vector<std::string> layer1_before = SlowPages(1);
+  SlowCopy().Arm();
+  absl::StatusOr<EndStepResult> ended;
+  std::thread ender([&] { ended = EndStepSync(*engine_, step_id, /*abort=*/false); });
+  ASSERT_TRUE(SlowCopy().WaitEntered()) << "the early commit never copied layer 1";
+  CompletesWhileGated([&] {
+    // Other caches, and other sequences of this cache, go on.
+    auto fast = engine_->Plan(Decode("fast", {{1, 5}}));
+    ASSERT_TRUE(fast.ok()) << fast.status();
+    RunAllLayers(*engine_, geometry_, *fast);
+    EXPECT_EQ(engine_->SequenceLength("fast", 1).value(), 5);
+    auto other = engine_->Plan(Decode("slow", {{3, 2}}));
+    ASSERT_TRUE(other.ok()) << other.status();
+    RunAllLayers(*engine_, geometry_, *other);
+    EXPECT_EQ(engine_->SequenceLength("slow", 3).value(), 2);
+    // The committing step is still open on its cache, and its sequence out of reach: not
+    // plannable, forkable, exportable or freeable, its committed length not yet moved.
+    EXPECT_EQ(engine_->GetCache("slow")->open_steps, 1);
+    EXPECT_EQ(engine_->SequenceLength("slow", 2).value(), 6);
+    EXPECT_EQ(engine_->Plan(Decode("slow", {{2, 1}})).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(engine_->ForkSequence(ForkSpec{"slow", 2, 4, 0}).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(engine_->ExportSequence("slow", 2).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(engine_->FreeSequences("slow", {2}).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(engine_->DeleteCache("slow", /*force=*/false).code(),
+              absl::StatusCode::kFailedPrecondition);
+  }, SlowCopy());
+  SlowCopy().Release();
+  ender.join();
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_EQ(ended->outcome, StepOutcome::kCommitted);
+  EXPECT_EQ(ended->layers_run, 1);
+  EXPECT_EQ(engine_->SequenceLength("slow", 2).value(), 7);
+  EXPECT_EQ(engine_->GetCache("slow")->open_steps, 0);
+  EXPECT_FALSE(engine_->GetCache("slow")->failed);
+  // In layer 1, which the step never ran, the copy holds the shared page's bytes: of the pages
+  // that changed there (the copy, and sequence 3's page), one is a copy of a page written before.
+  const std::vector<std::string> layer1_after = SlowPages(1);
+  int copies = 0;
+  for (size_t page = 0; page < layer1_after.size(); ++page) {
+    if (layer1_after[page] == layer1_before[page]) continue;
+    for (size_t source = 0; source < layer1_before.size(); ++source) {
+      if (source != page && layer1_after[page] == layer1_before[source] &&
+          layer1_before[source] != std::string(layer1_before[source].size(), '\0')) {
+        ++copies;
+        break;
+      }
+    }
+  }
+  EXPECT_EQ(copies, 2);  // K and V
+  EXPECT_TRUE(engine_->Plan(Decode("slow", {{2, 1}})).ok());
+}
+
+TEST_F(PlanConcurrencyTest, FailedEarlyCommitCopyFailsTheCache) {
+  const uint64_t step_id = PlanForkedDecodeWithLayerZero();
+  SlowCopy().Arm(absl::InternalError("device lost"));
+  absl::StatusOr<EndStepResult> ended;
+  std::thread ender([&] { ended = EndStepSync(*engine_, step_id, /*abort=*/false); });
+  ASSERT_TRUE(SlowCopy().WaitEntered());
+  SlowCopy().Release();
+  ender.join();
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_EQ(ended->outcome, StepOutcome::kCommitted);
+  auto slow = engine_->GetCache("slow");
+  EXPECT_TRUE(slow->failed);
+  EXPECT_THAT(slow->failure, HasSubstr("copy-on-write of layer 1 at commit: device lost"));
+  EXPECT_EQ(slow->open_steps, 0);
+  EXPECT_EQ(engine_->Plan(Decode("slow", {{3, 1}})).status().code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(engine_->DeleteCache("slow", /*force=*/false).ok());
 }
 
 TEST_F(PlanConcurrencyTest, CreateCacheAllocatesWithoutTheLock) {

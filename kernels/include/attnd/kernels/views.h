@@ -29,6 +29,19 @@ struct TokenHeadsView {
   int64_t NumElements() const { return num_tokens * num_heads * static_cast<int64_t>(head_dim); }
 };
 
+// The view of `num_tokens` rows of `num_heads` x `head_dim` elements of `dtype` at `data`
+// (a step's q/k/v/o buffers, which the view does not own).
+inline TokenHeadsView RowsOf(const void* data, DType dtype, int64_t num_tokens, int32_t num_heads,
+                             int32_t head_dim) {
+  TokenHeadsView view;
+  view.data = const_cast<void*>(data);
+  view.dtype = dtype;
+  view.num_tokens = num_tokens;
+  view.num_heads = num_heads;
+  view.head_dim = head_dim;
+  return view;
+}
+
 // One layer's K (or V) pool. For MLA caches the K pool holds ckv (num_heads 1, head_dim
 // kv_lora_rank) and the V pool holds kpe (num_heads 1, head_dim rope_dim).
 struct PagedKvView {
