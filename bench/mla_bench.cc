@@ -55,6 +55,11 @@
 namespace attnd::bench {
 namespace {
 
+// The planner's cost-model constants for every variant (-1: MlaPlanOptions' defaults), to re-fit
+// them for a kernel.
+int32_t g_cta_overhead_tokens = -1;
+int32_t g_merge_tokens_per_partial_row = -1;
+
 using bench::DeviceMemory;
 using bench::CopyToDevice;
 using bench::Median;
@@ -179,6 +184,10 @@ class MlaBatch {
     plan::MlaPlanOptions options;
     options.num_heads = kHeads;
     options.ctas_per_wave = ctas_per_wave_;
+    if (g_cta_overhead_tokens >= 0) options.cta_overhead_tokens = g_cta_overhead_tokens;
+    if (g_merge_tokens_per_partial_row >= 0) {
+      options.merge_tokens_per_partial_row = g_merge_tokens_per_partial_row;
+    }
     switch (spec.kind) {
       case Variant::kNoSplit:
         options.split_mode = plan::MlaSplitMode::kNone;
@@ -442,6 +451,10 @@ int Main(int argc, char** argv) {
                (arg.substr(17) == "auto" || arg.substr(17) == "old" || arg.substr(17) == "new" ||
                 arg.substr(17) == "both")) {
       hopper_variant = arg.substr(17);
+    } else if (arg.rfind("--cta_overhead_tokens=", 0) == 0) {
+      g_cta_overhead_tokens = std::atoi(arg.c_str() + 22);
+    } else if (arg.rfind("--merge_tokens_per_partial_row=", 0) == 0) {
+      g_merge_tokens_per_partial_row = std::atoi(arg.c_str() + 31);
     } else if (arg.rfind("--cases=", 0) == 0) {
       const std::string cases = arg.substr(8);
       run_mixed = cases.find("mixed") != std::string::npos;
@@ -449,7 +462,8 @@ int Main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: mla_bench [--variants] [--batches=16,32,...] [--uniform=16,64,128] "
-                   "[--cases=mixed,uniform] [--hopper_variant=auto|old|new|both] [--only=VARIANT] [--csv=PATH]\n");
+                   "[--cases=mixed,uniform] [--hopper_variant=auto|old|new|both] [--only=VARIANT] [--csv=PATH]\n"
+                   "                 [--cta_overhead_tokens=N] [--merge_tokens_per_partial_row=N]\n");
       return 2;
     }
   }
