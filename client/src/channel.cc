@@ -36,6 +36,10 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(Client& client, std::stri
   request.set_max_tokens(options.max_tokens);
   request.set_slots(options.slots);
   request.set_with_lse(options.with_lse);
+  // attnd checks that this GPU reaches the ring (peer access) and refuses the channel if not.
+  if (options.kind == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+    request.set_client_pci_bus_id(internal::CurrentPciBusId());
+  }
   // The call lives as long as the channel: no deadline.
   channel->call_ = client.NewContext(/*with_deadline=*/false);
   channel->reader_ = client.stub().OpenChannel(channel->call_.get(), request);
@@ -90,6 +94,13 @@ std::string Channel::closed_reason() const {
 
 absl::Status Channel::Map() {
   ring_bytes_ = info_.layout().ring_bytes();
+  if (info_.kind() == attnd::v1::CHANNEL_KIND_NCCL) {
+    // The peer side (join the communicator, grouped ncclSend/ncclRecv per layer) is the next
+    // step of issue 19 (docs/issue19-device-plan.md); the channel is closed again here.
+    return absl::UnimplementedError(
+        "CHANNEL_KIND_NCCL: this client library cannot drive NCCL channels yet; join the "
+        "communicator with ChannelInfo.nccl_unique_id yourself, or use HOST_SHM / CUDA_IPC");
+  }
   if (info_.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
     ASSIGN_OR_RETURN(ring_, internal::OpenIpcRing(info_.cuda_ipc_handle(), info_.pci_bus_id(),
                                                   &cuda_device_));

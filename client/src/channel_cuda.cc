@@ -21,6 +21,17 @@ absl::Status CudaStatus(cudaError_t error, const char* call) {
 
 }  // namespace
 
+std::string CurrentPciBusId() {
+  int current = 0;
+  char bus_id[64] = {};
+  if (cudaGetDevice(&current) != cudaSuccess ||
+      cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), current) != cudaSuccess) {
+    cudaGetLastError();
+    return {};
+  }
+  return bus_id;
+}
+
 absl::StatusOr<uint8_t*> OpenIpcRing(const std::string& handle, const std::string& pci_bus_id,
                                      int* device) {
   if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
@@ -35,18 +46,30 @@ absl::StatusOr<uint8_t*> OpenIpcRing(const std::string& handle, const std::strin
         "attnd's GPU (PCI bus id ", pci_bus_id,
         ") is not visible to this process (CUDA_VISIBLE_DEVICES?); use HOST_SHM"));
   }
+  // The mapping is opened on the device whose kernels write the ring: this thread's current
+  // one. On another GPU than attnd's, cudaIpcMemLazyEnablePeerAccess enables peer access to
+  // attnd's (its kernels then write over NVLink or PCIe); attnd already refused the channel if
+  // the two cannot reach each other (ChannelInfo.peer_access), but check here too for a
+  // server that was not asked.
   int current = 0;
-  cudaGetDevice(&current);
-  if (absl::Status set = CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice"); !set.ok()) {
-    return set;
+  if (absl::Status got = CudaStatus(cudaGetDevice(&current), "cudaGetDevice"); !got.ok()) {
+    return got;
+  }
+  if (current != ordinal) {
+    int can_access = 0;
+    if (cudaDeviceCanAccessPeer(&can_access, current, ordinal) != cudaSuccess || !can_access) {
+      cudaGetLastError();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "this process's current GPU (ordinal ", current, ") has no peer access to attnd's GPU ",
+          pci_bus_id, "; use HOST_SHM, or NCCL"));
+    }
   }
   cudaIpcMemHandle_t ipc;
   std::memcpy(&ipc, handle.data(), sizeof(ipc));
   void* ring = nullptr;
   const cudaError_t opened = cudaIpcOpenMemHandle(&ring, ipc, cudaIpcMemLazyEnablePeerAccess);
-  cudaSetDevice(current);
   if (opened != cudaSuccess) return CudaStatus(opened, "cudaIpcOpenMemHandle");
-  *device = ordinal;
+  *device = current;
   return static_cast<uint8_t*>(ring);
 }
 

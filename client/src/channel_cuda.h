@@ -9,7 +9,12 @@
 
 namespace attnd::client::internal {
 
-// Opens the 64-byte cudaIpcMemHandle on the device with this PCI bus id; `device` is set.
+// The PCI bus id of this thread's current CUDA device ("" without CUDA or on any error): what
+// OpenChannelRequest.client_pci_bus_id says for a CUDA_IPC channel.
+std::string CurrentPciBusId();
+// Opens the 64-byte cudaIpcMemHandle of a ring on the device with this PCI bus id. From the
+// current device: directly when it is that device, else with peer access enabled (the current
+// device must reach it). `device` is set to the device the mapping was opened on.
 absl::StatusOr<uint8_t*> OpenIpcRing(const std::string& handle, const std::string& pci_bus_id,
                                      int* device);
 void CloseIpcRing(uint8_t* ring, int device);

@@ -3,6 +3,7 @@
 
 namespace attnd::client::internal {
 
+std::string CurrentPciBusId() { return {}; }
 absl::StatusOr<uint8_t*> OpenIpcRing(const std::string&, const std::string&, int*) {
   return absl::UnimplementedError(
       "CUDA_IPC channels need a client built with CUDA (this one was not); use HOST_SHM");

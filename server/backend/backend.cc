@@ -6,7 +6,15 @@
 namespace attnd {
 
 const char* ChannelKindName(ChannelKind kind) {
-  return kind == ChannelKind::kCudaIpc ? "CUDA_IPC" : "HOST_SHM";
+  switch (kind) {
+    case ChannelKind::kCudaIpc:
+      return "CUDA_IPC";
+    case ChannelKind::kNccl:
+      return "NCCL";
+    case ChannelKind::kHostShm:
+      break;
+  }
+  return "HOST_SHM";
 }
 
 void InputBytes::CopyTo(void* destination, int64_t bytes) const {

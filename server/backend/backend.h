@@ -114,8 +114,8 @@ class BackendStep {
   virtual void RunLayer(const LayerIo& io, DoneCallback done) = 0;
 };
 
-enum class ChannelKind { kHostShm, kCudaIpc };
-const char* ChannelKindName(ChannelKind kind);  // "HOST_SHM", "CUDA_IPC"
+enum class ChannelKind { kHostShm, kCudaIpc, kNccl };
+const char* ChannelKindName(ChannelKind kind);  // "HOST_SHM", "CUDA_IPC", "NCCL"
 
 struct ChannelSpec {
   ChannelKind kind = ChannelKind::kHostShm;
@@ -123,6 +123,14 @@ struct ChannelSpec {
   int32_t max_tokens = 0;
   int32_t num_slots = 0;
   bool with_lse = false;
+  // CUDA_IPC: the client's GPU (PCI bus id, normalised by NormalizePciBusId; empty: unchecked).
+  // The backend refuses the channel (FAILED_PRECONDITION) when that GPU cannot reach the ring.
+  std::string client_pci_bus_id;
+  // Called at most once, on a backend thread with none of the channel's locks held, when the
+  // channel can carry no more steps (an NCCL peer that never joined or failed): the engine
+  // closes the channel. Its destruction may start on another thread meanwhile (and joins
+  // the calling thread), so the caller touches nothing shared after it returns.
+  std::function<void(absl::Status why)> on_broken;
 };
 
 struct ChannelLayout;
@@ -140,11 +148,15 @@ class BackendChannel {
   virtual ~BackendChannel() = default;
   virtual const ChannelLayout& layout() const = 0;
   // What a client needs to map the ring: the shared-memory object's name (HOST_SHM), or the
-  // cudaIpcMemHandle_t bytes, PCI bus id and device ordinal (CUDA_IPC).
+  // cudaIpcMemHandle_t bytes, PCI bus id and device ordinal (CUDA_IPC), or the ncclUniqueId
+  // bytes to join the channel's communicator (NCCL). peer_access: CUDA_IPC opened with a
+  // client_pci_bus_id that reaches the ring.
   virtual std::string shm_name() const { return {}; }
   virtual std::string cuda_ipc_handle() const { return {}; }
   virtual std::string pci_bus_id() const { return {}; }
   virtual int32_t device() const { return 0; }
+  virtual bool peer_access() const { return false; }
+  virtual std::string nccl_unique_id() const { return {}; }
   // Runs every layer of `step` (prepared with this channel) in layer order: waits for
   // ready[l] to reach `sequence`, runs the layer from slot l mod slots into the same slot, sets
   // done[l] = sequence, then calls layer_done(l, status) on a backend thread. Steps run in the
@@ -157,7 +169,8 @@ class BackendChannel {
   // `sequence` (it reads as "every step up to here aborted": not for a step the client aborted
   // on top of one that still runs, see Engine::EndStep).
   virtual void CancelStep(uint32_t sequence, bool mark_aborted) = 0;
-  // Sets ready[layer] to `sequence` for the client (Forward with use_channel).
+  // Sets ready[layer] to `sequence` for the client (Forward with use_channel). Not called for
+  // NCCL channels (their inputs arrive only from the peer).
   virtual void SignalReady(int32_t layer, uint32_t sequence) = 0;
   // Whether ready[layer] has reached `sequence` (the client signalled that layer). May read
   // device memory: never call it under a daemon-wide lock.

@@ -12,8 +12,10 @@
 #include "attnd/status_macros.h"
 #include "backend/cuda_cache.h"
 #include "backend/cuda_memory.h"
+#include "backend/nccl_loader.h"
 #include "plan/pod_choice.h"
 #include "plan/range_allocator.h"
+#include "util/log.h"
 
 namespace attnd {
 namespace {
@@ -294,6 +296,13 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   info.extensions = {"mla", "fp8_kv", "deterministic", "separate_kv_index", "channel_host_shm", "channel_cuda_ipc"};
   // Mixed steps may run as one POD launch unless --pod=off (pod_choice.h).
   if (options.pod_mode != plan::PodMode::kOff) info.extensions.push_back("pod");
+  // NCCL channels only where libnccl.so.2 loads (it is not a build dependency).
+  if (absl::StatusOr<const nccl::NcclLibrary*> nccl = nccl::NcclLibrary::Shared(); nccl.ok()) {
+    info.extensions.push_back("channel_nccl");
+    LogInfo(absl::StrCat("NCCL ", (*nccl)->version(), " loaded: NCCL channels available"));
+  } else {
+    LogInfo(absl::StrCat("no NCCL channels: ", nccl.status().message()));
+  }
   return std::unique_ptr<CudaBackend>(new CudaBackend(options, info, std::move(devices), wait));
 }
 

@@ -11,11 +11,38 @@
 #include "attnd/status_macros.h"
 #include "backend/cuda_ipc_channel.h"
 #include "backend/cuda_step.h"
+#include "backend/nccl_channel.h"
+#include "backend/nccl_loader.h"
+#include "backend/peer_access.h"
 #include "channel/host_shm_channel.h"
 #include "plan/decode_choice.h"
 #include "plan/step_plan.h"
 
 namespace attnd::cuda_backend {
+namespace {
+
+// The devices this process sees, as the CUDA runtime reports them.
+class CudaTopology final : public DeviceTopology {
+ public:
+  std::optional<int> OrdinalOf(const std::string& pci_bus_id) const override {
+    int ordinal = 0;
+    if (cudaDeviceGetByPCIBusId(&ordinal, pci_bus_id.c_str()) != cudaSuccess) {
+      cudaGetLastError();
+      return std::nullopt;
+    }
+    return ordinal;
+  }
+  bool CanAccessPeer(int from, int to) const override {
+    int can = 0;
+    if (cudaDeviceCanAccessPeer(&can, from, to) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return can != 0;
+  }
+};
+
+}  // namespace
 
 CudaCache::CudaCache(const CacheGeometry& geometry, uint8_t* pool,
                      const CudaCacheOptions& options, BackendObserver* observer,
@@ -171,7 +198,18 @@ absl::StatusOr<std::unique_ptr<BackendChannel>> CudaCache::CreateChannel(
     const ChannelSpec& spec) {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   if (spec.kind == ChannelKind::kCudaIpc) {
+    // Checked before the ring is made: a client that cannot reach it learns why at once.
+    if (!spec.client_pci_bus_id.empty()) {
+      char ring_bus_id[64] = {};
+      CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(ring_bus_id, sizeof(ring_bus_id), device_));
+      RETURN_IF_ERROR(
+          CheckPeerAccess(spec.client_pci_bus_id, device_, ring_bus_id, CudaTopology()));
+    }
     return CudaIpcChannel::Create(this, spec, device_);
+  }
+  if (spec.kind == ChannelKind::kNccl) {
+    ASSIGN_OR_RETURN(const nccl::NcclLibrary* library, nccl::NcclLibrary::Shared());
+    return NcclChannel::Create(this, spec, device_, library, options_.nccl_init_timeout);
   }
   HostShmChannel::DeviceHooks hooks;
   hooks.register_ring = [](void* ring, int64_t bytes) -> absl::Status {
@@ -187,6 +225,9 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareChannelStep(
     std::shared_ptr<const StepBatch> batch, BackendChannel* channel) {
   if (auto* ipc = dynamic_cast<CudaIpcChannel*>(channel); ipc != nullptr) {
     return PrepareStepOn(std::move(batch), ipc->lane(), /*channel_lane=*/true);
+  }
+  if (auto* nccl = dynamic_cast<NcclChannel*>(channel); nccl != nullptr) {
+    return PrepareStepOn(std::move(batch), nccl->lane(), /*channel_lane=*/true);
   }
   return PrepareStep(std::move(batch));
 }

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "backend/backend.h"
 #include "backend/cuda_completion_queue.h"
 #include "backend/cuda_memory.h"
@@ -63,6 +64,8 @@ struct CudaCacheOptions {
   // CUDA_IPC channels time the kernels of one layer in this many (1: every layer, 0: none;
   // attnd's --channel_kernel_timing): a timing event costs ~2 us of the stream under MPS.
   int32_t channel_timing_stride = 16;
+  // How long an NCCL channel waits for its peer to join before it closes (issue 19).
+  absl::Duration nccl_init_timeout = absl::Seconds(60);
 };
 
 struct Lane {
@@ -121,6 +124,7 @@ class CudaCache final : public BackendCache {
   BackendObserver* observer() const { return observer_; }
   CompletionWait completion_wait() const { return options_.wait; }
   int32_t channel_timing_stride() const { return options_.channel_timing_stride; }
+  absl::Duration nccl_init_timeout() const { return options_.nccl_init_timeout; }
   OutputPool& outputs() { return *outputs_; }
   Lane& lane(int index) { return lanes_[index]; }
   void ReturnResources(std::unique_ptr<StepResources> resources);

@@ -30,7 +30,8 @@ CudaIpcChannel::CudaIpcChannel(CudaCache* cache, const ChannelSpec& spec, int de
       layout_(MakeChannelLayout(cache->geometry(), spec.max_tokens, spec.num_slots,
                                 spec.with_lse)),
       device_(device),
-      with_lse_(spec.with_lse) {}
+      with_lse_(spec.with_lse),
+      peer_access_(!spec.client_pci_bus_id.empty()) {}
 
 absl::Status CudaIpcChannel::Init() {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));

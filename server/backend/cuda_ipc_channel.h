@@ -49,6 +49,7 @@ class CudaIpcChannel final : public BackendChannel {
   std::string cuda_ipc_handle() const override { return ipc_handle_; }
   std::string pci_bus_id() const override { return pci_bus_id_; }
   int32_t device() const override { return device_; }
+  bool peer_access() const override { return peer_access_; }
   void StartStep(BackendStep* step, uint32_t sequence, int64_t num_tokens,
                  ChannelLayerDone layer_done) override;
   void CancelStep(uint32_t sequence, bool mark_aborted) override;
@@ -84,6 +85,8 @@ class CudaIpcChannel final : public BackendChannel {
   const ChannelLayout layout_;
   const int device_;
   const bool with_lse_;
+  // Opened with a client_pci_bus_id, which CudaCache::CreateChannel found able to reach it.
+  const bool peer_access_;
   DeviceBuffer ring_;
   std::string ipc_handle_;
   std::string pci_bus_id_;

@@ -30,6 +30,8 @@ ChannelStatus Engine::State::ChannelStatusLocked(const ChannelEntry& channel) co
     status.cuda_ipc_handle = channel.backend->cuda_ipc_handle();
     status.pci_bus_id = channel.backend->pci_bus_id();
     status.device = channel.backend->device();
+    status.peer_access = channel.backend->peer_access();
+    status.nccl_unique_id = channel.backend->nccl_unique_id();
   }
   status.open_steps = channel.open_steps;
   status.last_sequence = channel.last_sequence;
@@ -73,6 +75,7 @@ absl::StatusOr<ChannelStatus> Engine::OpenChannel(
     backend_spec.max_tokens = spec.max_tokens;
     backend_spec.num_slots = slots;
     backend_spec.with_lse = spec.with_lse;
+    backend_spec.client_pci_bus_id = spec.client_pci_bus_id;
     layout = std::make_shared<const ChannelLayout>(
         MakeChannelLayout(geometry, spec.max_tokens, slots, spec.with_lse));
     if (state_->channel_bytes + layout->ring_bytes > limits.max_channel_bytes) {
@@ -84,6 +87,11 @@ absl::StatusOr<ChannelStatus> Engine::OpenChannel(
     // The id (which names the shared-memory object) and the ring's bytes are the channel's
     // from here; the ring is made without the lock.
     backend_spec.id = state_->next_channel_id++;
+    // A channel that breaks on its own (an NCCL peer gone) closes as CloseChannel would; the
+    // reaper thread destroys it later (never the channel's own thread, which this runs on).
+    backend_spec.on_broken = [state = state_.get(), id = backend_spec.id](absl::Status why) {
+      state->CloseBrokenChannel(id, why);
+    };
     state_->channel_bytes += layout->ring_bytes;
     ++state_->opening_channels;
   }
@@ -150,6 +158,17 @@ void Engine::State::CloseChannelLocked(std::shared_ptr<ChannelEntry> channel,
     deferred.Add([on_closed = std::move(channel->on_closed), reason] { on_closed(reason); });
     channel->on_closed = nullptr;
   }
+}
+
+void Engine::State::CloseBrokenChannel(uint64_t channel_id, const absl::Status& why) {
+  Deferred deferred;
+  {
+    absl::MutexLock lock(&mu);
+    auto it = channels.find(channel_id);
+    if (it == channels.end()) return;  // already closing
+    CloseChannelLocked(it->second, absl::StrCat("channel broke: ", why.message()), deferred);
+  }
+  deferred.Run();
 }
 
 std::vector<std::shared_ptr<ChannelEntry>> Engine::State::TakeIdleChannelsLocked() {

@@ -273,6 +273,10 @@ struct Engine::State {
   // By value: the caller's reference may be the registry's own entry, which this erases.
   void CloseChannelLocked(std::shared_ptr<ChannelEntry> channel, const std::string& reason,
                           Deferred& deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // A backend channel's on_broken: closes it (if still open) with the reason; takes the lock.
+  // Destroys nothing: the reaper thread does, once the channel is idle.
+  void CloseBrokenChannel(uint64_t channel_id, const absl::Status& why)
+      ABSL_LOCKS_EXCLUDED(mu);
   // Takes closed channels with no step left out of the engine: their destruction (which joins
   // backend threads) must run outside the lock, so the caller destroys them.
   std::vector<std::shared_ptr<ChannelEntry>> TakeIdleChannelsLocked()

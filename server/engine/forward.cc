@@ -111,6 +111,10 @@ void Engine::ForwardThroughChannel(const ForwardArgs& args, ForwardOutputs* outp
       if (step.channel == nullptr) {
         rejected = absl::InvalidArgumentError(absl::StrCat(
             "use_channel: step ", step.id, " was not planned on a channel (Plan channel_id)"));
+      } else if (step.channel->spec.kind == ChannelKind::kNccl) {
+        rejected = absl::FailedPreconditionError(absl::StrCat(
+            "use_channel: step ", step.id, " runs on an NCCL channel, whose inputs come only "
+            "from the peer's ncclSend; Forward cannot signal them"));
       } else if (args.layer < 0 || args.layer >= geometry.num_layers) {
         rejected = absl::InvalidArgumentError(absl::StrCat(
             "layer: expected 0..", geometry.num_layers - 1, ", got ", args.layer));

@@ -139,6 +139,8 @@ struct ChannelOpenSpec {
   int32_t max_tokens = 0;
   int32_t num_slots = 0;  // 0: the default (2, at most num_layers)
   bool with_lse = false;
+  // CUDA_IPC: the client's GPU, normalised (backend/peer_access.h); empty: not checked.
+  std::string client_pci_bus_id;
   std::string tenant;
 };
 
@@ -154,6 +156,8 @@ struct ChannelStatus {
   std::string cuda_ipc_handle;
   std::string pci_bus_id;
   int32_t device = 0;
+  bool peer_access = false;
+  std::string nccl_unique_id;
   int32_t open_steps = 0;
   uint32_t last_sequence = 0;
   int64_t bytes_in = 0;

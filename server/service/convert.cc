@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attnd/status_macros.h"
+#include "backend/peer_access.h"
 
 namespace attnd {
 namespace {
@@ -446,24 +447,44 @@ absl::StatusOr<ChannelOpenSpec> ChannelOpenSpecFromProto(const v1::OpenChannelRe
   switch (request.kind()) {
     case v1::CHANNEL_KIND_HOST_SHM:
       spec.kind = ChannelKind::kHostShm;
-      return spec;
+      break;
     case v1::CHANNEL_KIND_CUDA_IPC:
       spec.kind = ChannelKind::kCudaIpc;
-      return spec;
+      break;
+    case v1::CHANNEL_KIND_NCCL:
+      spec.kind = ChannelKind::kNccl;
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrCat(
-          "kind: expected CHANNEL_KIND_HOST_SHM or CHANNEL_KIND_CUDA_IPC, got ",
+          "kind: expected CHANNEL_KIND_HOST_SHM, CHANNEL_KIND_CUDA_IPC or CHANNEL_KIND_NCCL, got ",
           v1::ChannelKind_Name(request.kind()).empty()
               ? absl::StrCat(static_cast<int>(request.kind()), " (not a defined value)")
               : v1::ChannelKind_Name(request.kind())));
   }
+  // Checked whatever the kind (it is wire input); only CUDA_IPC uses it.
+  if (!request.client_pci_bus_id().empty()) {
+    ASSIGN_OR_RETURN(spec.client_pci_bus_id,
+                     NormalizePciBusId(request.client_pci_bus_id(), "client_pci_bus_id"));
+  }
+  return spec;
+}
+
+v1::ChannelKind ChannelKindToProto(ChannelKind kind) {
+  switch (kind) {
+    case ChannelKind::kCudaIpc:
+      return v1::CHANNEL_KIND_CUDA_IPC;
+    case ChannelKind::kNccl:
+      return v1::CHANNEL_KIND_NCCL;
+    case ChannelKind::kHostShm:
+      break;
+  }
+  return v1::CHANNEL_KIND_HOST_SHM;
 }
 
 void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info) {
   info->set_channel_id(status.id);
   info->set_cache(status.cache);
-  info->set_kind(status.kind == ChannelKind::kCudaIpc ? v1::CHANNEL_KIND_CUDA_IPC
-                                                      : v1::CHANNEL_KIND_HOST_SHM);
+  info->set_kind(ChannelKindToProto(status.kind));
   info->set_max_tokens(status.max_tokens);
   info->set_slots(status.num_slots);
   info->set_shm_name(status.shm_name);
@@ -474,6 +495,8 @@ void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info) {
   info->set_last_sequence(status.last_sequence);
   info->set_bytes_in(status.bytes_in);
   info->set_bytes_out(status.bytes_out);
+  info->set_peer_access(status.peer_access);
+  info->set_nccl_unique_id(status.nccl_unique_id);
   if (status.layout == nullptr) return;
   const ChannelLayout& layout = *status.layout;
   v1::ChannelLayout* out = info->mutable_layout();

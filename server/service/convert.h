@@ -21,8 +21,9 @@ void CacheStatusToProto(const CacheStatus& status, v1::CacheInfo* info);
 absl::StatusOr<PlanSpec> PlanSpecFromProto(const v1::PlanRequest& request);
 void PlanResultToProto(const PlanResult& result, v1::PlanResponse* response);
 void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info);
+v1::ChannelKind ChannelKindToProto(ChannelKind kind);
 // The request's fields as the engine takes them (cache and tenant left for the caller); the
-// kind must be a defined one.
+// kind must be a defined one, client_pci_bus_id empty or a PCI bus id (normalised here).
 absl::StatusOr<ChannelOpenSpec> ChannelOpenSpecFromProto(const v1::OpenChannelRequest& request);
 
 // A ForwardRequest in the codec's form (attnd/wire/forward_wire.h), from the codec's decoder or

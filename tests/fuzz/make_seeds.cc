@@ -12,6 +12,8 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "attnd/kernels/dtype.h"
 #include "case_builder.h"
@@ -329,6 +331,26 @@ void WriteAll(SeedWriter& out) {
     *open_action.mutable_open_channel() = open;
     *m.fuzz_case.add_actions() = open_action;
     out.Write("channel_steps", m.fuzz_case);
+  }
+  {  // Issue 19's fields: NCCL refused on the cpu backend, client_pci_bus_id malformed
+     // (refused by field), well-formed (ignored by HOST_SHM), and on CUDA_IPC.
+    Managed m;
+    attnd::v1::OpenChannelRequest open;
+    open.set_cache("fuzz");
+    open.set_max_tokens(4);
+    Action open_action;
+    for (const auto& [kind, bus_id] :
+         std::vector<std::pair<attnd::v1::ChannelKind, std::string>>{
+             {attnd::v1::CHANNEL_KIND_NCCL, ""},
+             {attnd::v1::CHANNEL_KIND_HOST_SHM, "not:a:bus:id"},
+             {attnd::v1::CHANNEL_KIND_HOST_SHM, "0000:3B:00.0"},
+             {attnd::v1::CHANNEL_KIND_CUDA_IPC, "3b:00.0"}}) {
+      open.set_kind(kind);
+      open.set_client_pci_bus_id(bus_id);
+      *open_action.mutable_open_channel() = open;
+      *m.fuzz_case.add_actions() = open_action;
+    }
+    out.Write("channel_kinds", m.fuzz_case);
   }
   {  // Forwards the validation must refuse, then the same layer right.
     Managed m;

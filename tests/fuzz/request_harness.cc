@@ -18,6 +18,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "backend/cpu_backend.h"
+#include "backend/peer_access.h"
 #include "case_builder.h"
 #include "engine/engine.h"
 #include "metrics/metrics.h"
@@ -450,6 +451,29 @@ struct RequestHarness::State {
             spec.ok() ? engine->OpenChannel(*spec, [](std::string) {})
                       : absl::StatusOr<ChannelStatus>(spec.status());
         if (channels.size() < kCaseChannelIds) channels.push_back(opened.ok() ? opened->id : 0);
+        // Issue 19's fields: a malformed client_pci_bus_id is refused by field whatever the
+        // kind; the cpu backend opens HOST_SHM only (NCCL and CUDA_IPC: UNIMPLEMENTED), so
+        // nothing it opens reports peer access or an NCCL id.
+        const v1::OpenChannelRequest& open = action.open_channel();
+        if (!open.client_pci_bus_id().empty() &&
+            !NormalizePciBusId(open.client_pci_bus_id(), "client_pci_bus_id").ok()) {
+          HARNESS_CHECK(opened.status().code() == absl::StatusCode::kInvalidArgument,
+                        "OpenChannel with a malformed client_pci_bus_id answered ",
+                        opened.status().ToString());
+        }
+        if (opened.ok()) {
+          HARNESS_CHECK(opened->kind == ChannelKind::kHostShm && !opened->peer_access &&
+                            opened->nccl_unique_id.empty(),
+                        "the cpu backend opened a ", ChannelKindName(opened->kind),
+                        " channel reporting peer access or an NCCL id");
+        } else if (open.kind() == v1::CHANNEL_KIND_NCCL &&
+                   opened.status().code() != absl::StatusCode::kInvalidArgument &&
+                   opened.status().code() != absl::StatusCode::kNotFound &&
+                   opened.status().code() != absl::StatusCode::kResourceExhausted &&
+                   opened.status().code() != absl::StatusCode::kUnavailable) {
+          HARNESS_CHECK(opened.status().code() == absl::StatusCode::kUnimplemented,
+                        "an NCCL open on the cpu backend answered ", opened.status().ToString());
+        }
         if (opened.ok()) {
           HARNESS_CHECK(opened->layout != nullptr &&
                             opened->layout->ring_bytes > 0 &&

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -276,6 +277,70 @@ TEST_F(ChannelTest, BadOpensAreRefusedByField) {
   }
   ASSERT_OK_AND_ASSIGN(auto cache, client().GetCache("c"));
   EXPECT_EQ(cache.channels_size(), 0) << "a refused open left a channel behind";
+}
+
+// OpenChannel through the stub, for fields the client library fills itself: the first
+// message's channel, or the call's status when the open was refused.
+absl::StatusOr<attnd::v1::ChannelInfo> OpenRaw(client::Client& client,
+                                               const attnd::v1::OpenChannelRequest& request) {
+  std::unique_ptr<grpc::ClientContext> context = client.NewContext(/*with_deadline=*/false);
+  auto reader = client.stub().OpenChannel(context.get(), request);
+  attnd::v1::OpenChannelResponse first;
+  if (reader->Read(&first)) {
+    context->TryCancel();  // closes the channel
+    while (reader->Read(&first)) {
+    }
+    reader->Finish().error_code();
+    return first.channel();
+  }
+  const grpc::Status status = reader->Finish();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+TEST_F(ChannelTest, NcclChannelsAreRefusedWhereTheyCannotRun) {
+  ASSERT_OK(client().CreateCache("c", SmallConfig(64)).status());
+  ASSERT_OK_AND_ASSIGN(auto info, client().GetServerInfo());
+  const bool listed = std::find(info.extensions().begin(), info.extensions().end(),
+                                "channel_nccl") != info.extensions().end();
+  attnd::v1::OpenChannelRequest request;
+  request.set_cache("c");
+  request.set_kind(attnd::v1::CHANNEL_KIND_NCCL);
+  request.set_max_tokens(8);
+  if (TestBackendName() == "cpu") {
+    EXPECT_FALSE(listed) << "the cpu backend has no NCCL channels";
+    EXPECT_ERROR(OpenRaw(client(), request), Code::kUnimplemented, "kind: NCCL");
+  } else if (!listed) {
+    EXPECT_ERROR(OpenRaw(client(), request), Code::kFailedPrecondition,
+                 "NCCL is not available: libnccl.so.2 did not load");
+  } else {
+    GTEST_SKIP() << "libnccl.so.2 loads here: docs/issue19-device-plan.md runs NCCL channels";
+  }
+  ASSERT_OK_AND_ASSIGN(auto cache, client().GetCache("c"));
+  EXPECT_EQ(cache.channels_size(), 0) << "a refused open left a channel behind";
+}
+
+TEST_F(ChannelTest, TheClientsBusIdIsCheckedAndOnlyCudaIpcUsesIt) {
+  ASSERT_OK(client().CreateCache("c", SmallConfig(64)).status());
+  attnd::v1::OpenChannelRequest request;
+  request.set_cache("c");
+  request.set_kind(attnd::v1::CHANNEL_KIND_HOST_SHM);
+  request.set_max_tokens(8);
+  request.set_client_pci_bus_id("not a bus id");
+  EXPECT_ERROR(OpenRaw(client(), request), Code::kInvalidArgument, "client_pci_bus_id");
+  // HOST_SHM ignores a well-formed one (nothing is checked: peer_access stays false).
+  request.set_client_pci_bus_id("0000:3b:00.0");
+  ASSERT_OK_AND_ASSIGN(auto opened, OpenRaw(client(), request));
+  EXPECT_FALSE(opened.peer_access());
+  if (TestBackendName() == "cpu") {
+    // The cpu backend has no CUDA_IPC at all: the kind is refused before any bus id matters.
+    request.set_kind(attnd::v1::CHANNEL_KIND_CUDA_IPC);
+    EXPECT_ERROR(OpenRaw(client(), request), Code::kUnimplemented, "kind");
+  } else {
+    // A GPU no host has: attnd cannot see it, so it cannot reach the ring.
+    request.set_kind(attnd::v1::CHANNEL_KIND_CUDA_IPC);
+    request.set_client_pci_bus_id("ffff:ff:1f.7");
+    EXPECT_ERROR(OpenRaw(client(), request), Code::kFailedPrecondition, "client_pci_bus_id");
+  }
 }
 
 TEST_F(ChannelTest, PlanChecksTheChannel) {

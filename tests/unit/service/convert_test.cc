@@ -277,5 +277,62 @@ TEST(ForwardArgsFromWireTest, FastAndSlowPathsGiveTheSameArgs) {
   EXPECT_THAT(ForwardArgsFromWire(fast_wire, fast).message(), HasSubstr("v.shape[0]"));
 }
 
+TEST(ChannelOpenSpecFromProtoTest, TakesEveryKindAndNormalisesTheClientsBusId) {
+  v1::OpenChannelRequest request;
+  request.set_cache("c");
+  request.set_max_tokens(8);
+  request.set_kind(v1::CHANNEL_KIND_NCCL);
+  absl::StatusOr<ChannelOpenSpec> spec = ChannelOpenSpecFromProto(request);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->kind, ChannelKind::kNccl);
+  EXPECT_EQ(spec->client_pci_bus_id, "");
+  request.set_kind(v1::CHANNEL_KIND_CUDA_IPC);
+  request.set_client_pci_bus_id("00000000:3B:00.0");
+  spec = ChannelOpenSpecFromProto(request);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->kind, ChannelKind::kCudaIpc);
+  EXPECT_EQ(spec->client_pci_bus_id, "0000:3b:00.0");
+}
+
+TEST(ChannelOpenSpecFromProtoTest, RefusesAMalformedBusIdWhateverTheKind) {
+  v1::OpenChannelRequest request;
+  request.set_kind(v1::CHANNEL_KIND_HOST_SHM);
+  request.set_client_pci_bus_id("gpu0");
+  const absl::Status refused = ChannelOpenSpecFromProto(request).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("client_pci_bus_id"));
+  request.set_client_pci_bus_id("");
+  request.set_kind(static_cast<v1::ChannelKind>(77));
+  EXPECT_THAT(ChannelOpenSpecFromProto(request).status().message(),
+              HasSubstr("CHANNEL_KIND_NCCL"));
+}
+
+TEST(ChannelStatusToProtoTest, CarriesPeerAccessAndTheNcclUniqueIdThroughTheWire) {
+  ChannelStatus status;
+  status.id = 7;
+  status.kind = ChannelKind::kNccl;
+  status.nccl_unique_id = std::string(128, '\x5a');
+  status.nccl_unique_id[0] = '\0';  // bytes, not a C string
+  status.peer_access = true;
+  v1::OpenChannelResponse response;
+  ChannelStatusToProto(status, response.mutable_channel());
+  v1::OpenChannelResponse parsed;
+  ASSERT_TRUE(parsed.ParseFromString(response.SerializeAsString()));
+  EXPECT_EQ(parsed.channel().kind(), v1::CHANNEL_KIND_NCCL);
+  EXPECT_EQ(parsed.channel().nccl_unique_id(), status.nccl_unique_id);
+  EXPECT_TRUE(parsed.channel().peer_access());
+  EXPECT_EQ(ChannelKindToProto(ChannelKind::kCudaIpc), v1::CHANNEL_KIND_CUDA_IPC);
+  EXPECT_EQ(ChannelKindToProto(ChannelKind::kHostShm), v1::CHANNEL_KIND_HOST_SHM);
+}
+
+TEST(OpenChannelRequestTest, TheClientsBusIdRoundTrips) {
+  v1::OpenChannelRequest request;
+  request.set_kind(v1::CHANNEL_KIND_CUDA_IPC);
+  request.set_client_pci_bus_id("0000:3b:00.0");
+  v1::OpenChannelRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(request.SerializeAsString()));
+  EXPECT_EQ(parsed.client_pci_bus_id(), "0000:3b:00.0");
+}
+
 }  // namespace
 }  // namespace attnd

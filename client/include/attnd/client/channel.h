@@ -10,7 +10,10 @@
 // are host atomics (WaitDone spins briefly, then sleeps on the word's futex).
 // CUDA_IPC (builds with CUDA): Slot pointers are device memory of attnd's GPU mapped into this
 // process; signal from a CUDA stream with SetReadyOnStream/WaitDoneOnStream (stream memory
-// operations: no host on the path), or from the host with SetReady/WaitDone.
+// operations: no host on the path), or from the host with SetReady/WaitDone. Open it with the
+// GPU that will write the ring current: Open names that GPU to attnd (client_pci_bus_id), which
+// refuses a GPU that cannot reach its own, and maps the ring there (peer access enabled when it
+// is not attnd's GPU). NCCL channels are not driven by this class yet (issue 19).
 //
 // The channel lives as long as this object (its OpenChannel call): destroying it closes the
 // channel, and attnd aborts the channel's open steps. Thread-safe for distinct layers.

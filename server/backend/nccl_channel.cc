@@ -1,0 +1,387 @@
+#include "backend/nccl_channel.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/cuda_check.h"
+#include "attnd/status_macros.h"
+#include "backend/cuda_step.h"
+
+namespace attnd::cuda_backend {
+namespace {
+
+using nccl::ncclInProgress;
+using nccl::ncclResult_t;
+using nccl::ncclSuccess;
+
+// How often the watcher asks the communicator for asynchronous errors (a peer that died).
+constexpr absl::Duration kWatchPeriod = absl::Milliseconds(10);
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Create(CudaCache* cache,
+                                                                 const ChannelSpec& spec,
+                                                                 int device,
+                                                                 const nccl::NcclLibrary* nccl,
+                                                                 absl::Duration init_timeout) {
+  std::unique_ptr<NcclChannel> channel(new NcclChannel(cache, spec, device, nccl, init_timeout));
+  RETURN_IF_ERROR(channel->Init());
+  return channel;
+}
+
+NcclChannel::NcclChannel(CudaCache* cache, const ChannelSpec& spec, int device,
+                         const nccl::NcclLibrary* nccl, absl::Duration init_timeout)
+    : cache_(cache),
+      geometry_(cache->geometry()),
+      layout_(MakeChannelLayout(cache->geometry(), spec.max_tokens, spec.num_slots,
+                                spec.with_lse)),
+      device_(device),
+      nccl_(nccl),
+      init_timeout_(init_timeout),
+      on_broken_(spec.on_broken) {}
+
+absl::Status NcclChannel::Init() {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  RETURN_IF_ERROR(lane_.compute.Create());
+  RETURN_IF_ERROR(ring_.Reserve(layout_.ring_bytes));
+  // Zeroed: a layer that runs after an abort reads zeros, not another tenant's stale bytes.
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(ring_.data(), 0, layout_.ring_bytes, lane_.compute.get()));
+  const int32_t q_dim = geometry_.mla ? geometry_.v_head_dim : geometry_.k_head_dim;
+  RETURN_IF_ERROR(lane_.q_rotated.Reserve(int64_t{layout_.max_tokens} * geometry_.num_qo_heads *
+                                          q_dim * DTypeBytes(geometry_.q_dtype)));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(lane_.compute.get()));
+  char bus_id[64] = {};
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device_));
+  pci_bus_id_ = bus_id;
+  nccl::ncclUniqueId id;
+  if (const ncclResult_t result = nccl_->api().GetUniqueId(&id); result != ncclSuccess) {
+    return absl::UnavailableError(nccl_->Describe("ncclGetUniqueId", result));
+  }
+  unique_id_.assign(id.internal, sizeof(id.internal));
+  const bool blocking = cache_->completion_wait() == CompletionWait::kBlockingSync;
+  for (WindowEvents& events : events_) {
+    RETURN_IF_ERROR(events.layer.Create(blocking));
+    RETURN_IF_ERROR(events.received.Create(/*timing=*/false));
+    free_events_.push_back(&events);
+  }
+  const int device = device_;
+  lane_.completions = std::make_unique<CompletionQueue>([device] { cudaSetDevice(device); });
+  watcher_ = std::thread([this] { WatchLoop(); });
+  enqueuer_ = std::thread([this] { EnqueueLoop(); });
+  return absl::OkStatus();
+}
+
+NcclChannel::~NcclChannel() {
+  // The engine destroys a channel only once no layer of it is in flight.
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (enqueuer_.joinable()) enqueuer_.join();
+  if (watcher_.joinable()) watcher_.join();  // aborts the communicator on its way out
+  if (lane_.completions) lane_.completions->Shutdown();
+  if (lane_.compute.get() != nullptr) cudaStreamSynchronize(lane_.compute.get());
+  for (uint8_t* retired : lane_.retired) cudaFree(retired);
+}
+
+void NcclChannel::WatchLoop() {
+  cudaSetDevice(device_);
+  const nccl::NcclApi& api = nccl_->api();
+  absl::Status failure;
+  {
+    // Non-blocking: a peer that never joins must not hold this thread (nor the channel's
+    // close) forever; ncclCommAbort below ends the attempt.
+    nccl::ncclConfig_t config;
+    config.blocking = 0;
+    nccl::ncclUniqueId id;
+    std::memcpy(id.internal, unique_id_.data(), sizeof(id.internal));
+    std::lock_guard lock(nccl_mu_);
+    const ncclResult_t result =
+        api.CommInitRankConfig(&comm_, /*nranks=*/2, id, kAttndRank, &config);
+    if (result != ncclSuccess && result != ncclInProgress) {
+      failure = absl::UnavailableError(nccl_->Describe("ncclCommInitRankConfig", result));
+    }
+  }
+  const absl::Time deadline = absl::Now() + init_timeout_;
+  bool connected = false;
+  std::unique_lock lock(mu_);
+  while (failure.ok() && !stopping_ && !broken_) {
+    lock.unlock();
+    ncclResult_t state = ncclInProgress;
+    {
+      std::lock_guard comm_lock(nccl_mu_);
+      if (comm_ != nullptr) api.CommGetAsyncError(comm_, &state);
+    }
+    if (state != ncclSuccess && state != ncclInProgress) {
+      failure = absl::UnavailableError(nccl_->Describe(
+          connected ? "the NCCL communicator failed (the peer is gone?)"
+                    : "the NCCL peer's join failed",
+          state));
+    } else if (!connected && state == ncclSuccess) {
+      connected = true;
+    } else if (!connected && absl::Now() > deadline) {
+      failure = absl::DeadlineExceededError(absl::StrCat(
+          "the NCCL peer did not join within ", absl::FormatDuration(init_timeout_),
+          " (ncclCommInitRank with ChannelInfo.nccl_unique_id as rank 1)"));
+    }
+    lock.lock();
+    if (connected && !connected_) {
+      connected_ = true;
+      wake_.notify_all();
+    }
+    if (!failure.ok()) break;
+    wake_.wait_for(lock, absl::ToChronoNanoseconds(connected ? kWatchPeriod
+                                                             : absl::Milliseconds(1)),
+                   [&] { return stopping_ || broken_; });
+  }
+  if (!failure.ok()) BreakLocked(failure);
+  const bool report = broken_ && !stopping_;
+  const absl::Status why = break_reason_;
+  lock.unlock();
+  {
+    // Local and immediate, whatever the peer does: NCCL's kernels still waiting on the stream
+    // exit, so the completion thread's waits end. Also how a channel closes normally (a
+    // ncclCommDestroy could wait for a peer that is gone).
+    std::lock_guard comm_lock(nccl_mu_);
+    if (comm_ != nullptr) api.CommAbort(comm_);
+    comm_ = nullptr;
+  }
+  wake_.notify_all();
+  if (report && on_broken_) on_broken_(why);
+}
+
+void NcclChannel::BreakLocked(absl::Status why) {
+  if (broken_) return;
+  broken_ = true;
+  break_reason_ = std::move(why);
+  wake_.notify_all();
+}
+
+absl::Status NcclChannel::Settle(ncclResult_t result, const char* call) {
+  const nccl::NcclApi& api = nccl_->api();
+  while (result == ncclInProgress) {
+    {
+      std::lock_guard lock(mu_);
+      if (broken_ || stopping_) {
+        return absl::UnavailableError(absl::StrCat(call, ": the NCCL channel closed"));
+      }
+    }
+    std::this_thread::yield();
+    std::lock_guard comm_lock(nccl_mu_);
+    if (comm_ == nullptr) return absl::UnavailableError("the NCCL communicator was aborted");
+    if (api.CommGetAsyncError(comm_, &result) != ncclSuccess) break;
+  }
+  if (result != ncclSuccess) return absl::UnavailableError(nccl_->Describe(call, result));
+  return absl::OkStatus();
+}
+
+absl::Status NcclChannel::Group(bool send,
+                                const std::vector<std::pair<uint8_t*, int64_t>>& buffers) {
+  const nccl::NcclApi& api = nccl_->api();
+  const char* call = send ? "ncclSend group" : "ncclRecv group";
+  ncclResult_t result = ncclSuccess;
+  {
+    std::lock_guard comm_lock(nccl_mu_);
+    if (comm_ == nullptr) return absl::UnavailableError("the NCCL communicator was aborted");
+    result = api.GroupStart();
+    for (const auto& [buffer, bytes] : buffers) {
+      if (result != ncclSuccess || bytes <= 0) continue;
+      const size_t count = static_cast<size_t>(bytes);
+      result = send ? api.Send(buffer, count, nccl::ncclUint8, kClientRank, comm_,
+                               lane_.compute.get())
+                    : api.Recv(buffer, count, nccl::ncclUint8, kClientRank, comm_,
+                               lane_.compute.get());
+    }
+    // Ended even after a failed call: a group left open would swallow the next one.
+    const ncclResult_t ended = api.GroupEnd();
+    if (result == ncclSuccess) result = ended;
+  }
+  return Settle(result, call);
+}
+
+void NcclChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t /*num_tokens*/,
+                            ChannelLayerDone layer_done) {
+  auto active = std::make_shared<ActiveStep>();
+  active->step = static_cast<CudaStep*>(step);
+  active->sequence = sequence;
+  active->layer_done = std::move(layer_done);
+  active->completed.assign(geometry_.num_layers, 0);
+  active->in_flight.assign(geometry_.num_layers, nullptr);
+  {
+    std::lock_guard lock(mu_);
+    steps_.push_back(std::move(active));
+  }
+  wake_.notify_all();
+}
+
+void NcclChannel::CancelStep(uint32_t sequence, bool /*mark_aborted*/) {
+  std::lock_guard lock(mu_);
+  for (auto& active : steps_) {
+    if (active->sequence != sequence) continue;
+    active->cancelled = true;
+    // Receives already on the stream wait for sends the peer may never make, and the peer
+    // would pair its next sends with them: only an aborted communicator ends both.
+    for (int32_t layer = 0; layer < active->next_layer; ++layer) {
+      if (!active->completed[layer] && active->step->num_tokens() > 0) {
+        BreakLocked(absl::AbortedError(absl::StrCat(
+            "channel step ", sequence, " was aborted with layer ", layer,
+            " on the wire; an NCCL channel cannot skip it")));
+        break;
+      }
+    }
+  }
+  wake_.notify_all();
+}
+
+bool NcclChannel::ReadyReached(int32_t layer, uint32_t sequence) {
+  std::lock_guard lock(mu_);
+  for (const auto& active : steps_) {
+    if (active->sequence != sequence) continue;
+    if (active->completed[layer]) return true;
+    const WindowEvents* events = active->in_flight[layer];
+    return events != nullptr && cudaEventQuery(events->received.get()) == cudaSuccess;
+  }
+  // No longer queued: every layer of it was enqueued and has completed, or was skipped.
+  return true;
+}
+
+void NcclChannel::Skip(const ActiveStep& active, int32_t layer, const absl::Status& why) {
+  active.layer_done(layer, absl::CancelledError(absl::StrCat(
+                               "layer ", layer, " of channel step ", active.sequence,
+                               " did not run: ", why.message())));
+}
+
+void NcclChannel::EnqueueLoop() {
+  cudaSetDevice(device_);
+  const int32_t num_layers = geometry_.num_layers;
+  std::unique_lock lock(mu_);
+  for (;;) {
+    wake_.wait(lock, [&] {
+      if (stopping_ || steps_.empty()) return stopping_;
+      const ActiveStep& front = *steps_.front();
+      if (front.cancelled || broken_) return true;
+      return connected_ && (front.next_layer >= num_layers || !free_events_.empty());
+    });
+    if (steps_.empty()) return;  // stopping
+    std::shared_ptr<ActiveStep> active = steps_.front();
+    if (active->cancelled || broken_ || stopping_) {
+      const int32_t first = active->next_layer;
+      active->next_layer = num_layers;
+      steps_.pop_front();
+      const absl::Status why = broken_ ? break_reason_
+                                       : absl::CancelledError("the step was aborted");
+      lock.unlock();
+      for (int32_t layer = first; layer < num_layers; ++layer) Skip(*active, layer, why);
+      lock.lock();
+      continue;
+    }
+    if (active->next_layer >= num_layers) {
+      steps_.pop_front();
+      continue;
+    }
+    const int32_t layer = active->next_layer++;
+    WindowEvents* events = free_events_.back();
+    free_events_.pop_back();
+    active->in_flight[layer] = events;
+    lock.unlock();
+    Enqueue(active, layer, events);
+    lock.lock();
+  }
+}
+
+void NcclChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t layer,
+                          WindowEvents* events) {
+  CudaStep& step = *active->step;
+  const cudaStream_t compute = lane_.compute.get();
+  const ChannelSlotLayout& slot = layout_.slots[layout_.SlotOf(layer)];
+  uint8_t* ring = ring_.data();
+  const int64_t rows = step.num_tokens();
+  // As CudaIpcChannel: one layer in `stride`, drawn at random, records kernel timing events.
+  const int32_t stride = cache_->channel_timing_stride();
+  timing_rng_ ^= timing_rng_ >> 12;  // xorshift64*
+  timing_rng_ ^= timing_rng_ << 25;
+  timing_rng_ ^= timing_rng_ >> 27;
+  const uint64_t draw = (timing_rng_ * 0x2545F4914F6CDD1Dull) >> 32;
+  const bool timed = stride > 0 && rows > 0 && draw % static_cast<uint64_t>(stride) == 0;
+  std::lock_guard lock(lane_.submit_mu);
+  absl::Status status = [&]() -> absl::Status {
+    // A step with no rows moves nothing and runs no kernel (the peer knows T from Plan too).
+    if (rows == 0) return absl::OkStatus();
+    // The wire order of the proto's CHANNEL_KIND_NCCL: q, k, v (MLA q_nope, q_pe, ckv, kpe).
+    std::vector<std::pair<uint8_t*, int64_t>> inputs;
+    if (geometry_.mla) {
+      inputs = {{ring + slot.q, rows * layout_.q_row},
+                {ring + slot.q_pe, rows * layout_.q_pe_row},
+                {ring + slot.ckv, rows * layout_.ckv_row},
+                {ring + slot.kpe, rows * layout_.kpe_row}};
+    } else {
+      inputs = {{ring + slot.q, rows * layout_.q_row},
+                {ring + slot.k, rows * layout_.k_row},
+                {ring + slot.v, rows * layout_.v_row}};
+    }
+    RETURN_IF_ERROR(Group(/*send=*/false, inputs));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events->received.get(), compute));
+    LayerBuffers buffers;
+    buffers.q = ring + slot.q;
+    buffers.k = ring + (geometry_.mla ? slot.ckv : slot.k);
+    buffers.v = ring + (geometry_.mla ? slot.kpe : slot.v);
+    buffers.q_pe = ring + slot.q_pe;
+    buffers.o = ring + slot.o;
+    buffers.lse = step.returns_lse() ? reinterpret_cast<float*>(ring + slot.lse) : nullptr;
+    if (timed) CUDA_RETURN_IF_ERROR(cudaEventRecord(events->layer.started.get(), compute));
+    const CudaEvent* attended = nullptr;
+    RETURN_IF_ERROR(step.EnqueueKernels(events->layer, timed, buffers, layer, &attended));
+    std::vector<std::pair<uint8_t*, int64_t>> outputs = {{ring + slot.o, rows * layout_.o_row}};
+    if (step.returns_lse()) outputs.emplace_back(ring + slot.lse, rows * layout_.lse_row);
+    return Group(/*send=*/true, outputs);
+  }();
+  // Recorded even after a failed enqueue: the events are reused only once the work that was
+  // enqueued has passed this point.
+  const cudaError_t recorded = cudaEventRecord(events->layer.finished.get(), compute);
+  if (status.ok() && recorded != cudaSuccess) {
+    status = cuda::CudaErrorToStatus(recorded, "cudaEventRecord(finished)", __FILE__, __LINE__);
+  }
+  if (!status.ok() && status.code() != absl::StatusCode::kInternal) {
+    // The communicator failed (not the device): the channel cannot go on.
+    std::lock_guard state_lock(mu_);
+    BreakLocked(status);
+  }
+  lane_.completions->Post(
+      [this, active, layer, events, timed, status = std::move(status)]() mutable {
+        Complete(active, layer, events, timed, std::move(status));
+      });
+}
+
+void NcclChannel::Complete(const std::shared_ptr<ActiveStep>& active, int32_t layer,
+                           WindowEvents* events, bool timed, absl::Status status) {
+  const cudaError_t waited = cudaEventSynchronize(events->layer.finished.get());
+  if (status.ok() && waited != cudaSuccess) {
+    status = cuda::CudaErrorToStatus(waited, "cudaEventSynchronize(channel layer)", __FILE__,
+                                     __LINE__);
+  }
+  if (status.ok() && timed) active->step->ReportChannelLayer(events->layer);
+  {
+    std::lock_guard lock(mu_);
+    // A layer that ended because the communicator was aborted under it did not run: its
+    // receive may have been cut short.
+    if (status.ok() && broken_) {
+      status = absl::CancelledError(absl::StrCat("layer ", layer, " of channel step ",
+                                                 active->sequence, " was cut short: ",
+                                                 break_reason_.message()));
+    } else if (!status.ok() && status.code() != absl::StatusCode::kInternal) {
+      status = absl::CancelledError(status.message());
+    }
+    active->completed[layer] = 1;
+    active->in_flight[layer] = nullptr;
+    free_events_.push_back(events);
+  }
+  wake_.notify_all();
+  // May end the step (and destroy the CudaStep): nothing of it is touched after this.
+  active->layer_done(layer, std::move(status));
+}
+
+}  // namespace attnd::cuda_backend

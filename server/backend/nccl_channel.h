@@ -1,0 +1,136 @@
+// NcclChannel: a CHANNEL_KIND_NCCL channel (issue 19; DESIGN 3b's "later kinds"). For a client
+// on another host, or on a GPU without peer access to attnd's: nothing is shared, the layer's
+// tensors travel over a 2-rank NCCL communicator (attnd rank 0, the client rank 1) that attnd
+// creates; OpenChannel hands out its ncclUniqueId.
+//
+// The ring is attnd's own device memory in the channel layout (ChannelLayout's slots; its flag
+// words are unused): per layer l of a step of T rows, on the channel's compute stream,
+//   group{ncclRecv q, k, v (MLA q_nope, q_pe, ckv, kpe) into slot l mod slots}
+//   -> append + attention from the slot into its o (lse)
+//   -> group{ncclSend o (, lse)}
+// so the receive is the ready word and the send the done word, ordered with the step's kernels
+// on one stream; no host on the per-layer path. A step of 0 rows moves nothing.
+//
+// Threads: the watcher creates the communicator without blocking OpenChannel (non-blocking
+// init, given up after `init_timeout` with ncclCommAbort), then polls it for asynchronous
+// errors (a peer that died); either failure aborts the communicator (NCCL's kernels waiting on
+// the stream then exit) and calls ChannelSpec::on_broken, and the engine closes the channel.
+// The enqueuer puts layers on the stream (at most kWindow ahead of their completions, as
+// CudaIpcChannel) once the communicator is up; the completion thread reports them. A step
+// cancelled with layers on the stream breaks the channel the same way: the peer's sends and
+// attnd's receives no longer pair up.
+#pragma once
+
+#include <array>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "backend/backend.h"
+#include "backend/cuda_cache.h"
+#include "backend/cuda_memory.h"
+#include "backend/cuda_step_resources.h"
+#include "backend/nccl_loader.h"
+#include "channel/channel_layout.h"
+
+namespace attnd::cuda_backend {
+
+class CudaStep;
+
+class NcclChannel final : public BackendChannel {
+ public:
+  static constexpr int kWindow = 8;
+  static constexpr int kAttndRank = 0;
+  static constexpr int kClientRank = 1;
+
+  static absl::StatusOr<std::unique_ptr<NcclChannel>> Create(CudaCache* cache,
+                                                             const ChannelSpec& spec, int device,
+                                                             const nccl::NcclLibrary* nccl,
+                                                             absl::Duration init_timeout);
+  ~NcclChannel() override;
+
+  const ChannelLayout& layout() const override { return layout_; }
+  std::string nccl_unique_id() const override { return unique_id_; }
+  std::string pci_bus_id() const override { return pci_bus_id_; }
+  int32_t device() const override { return device_; }
+  void StartStep(BackendStep* step, uint32_t sequence, int64_t num_tokens,
+                 ChannelLayerDone layer_done) override;
+  void CancelStep(uint32_t sequence, bool mark_aborted) override;
+  // Forward{use_channel} is refused for NCCL channels by the engine: nothing to signal.
+  void SignalReady(int32_t /*layer*/, uint32_t /*sequence*/) override {}
+  // Whether the layer's inputs have arrived (its receive completed on the device).
+  bool ReadyReached(int32_t layer, uint32_t sequence) override;
+
+  Lane& lane() { return lane_; }
+
+ private:
+  struct WindowEvents {
+    LayerEvents layer;
+    CudaEvent received;  // after the layer's receive group
+  };
+  struct ActiveStep {
+    CudaStep* step = nullptr;
+    uint32_t sequence = 0;
+    ChannelLayerDone layer_done;
+    int32_t next_layer = 0;                 // the first layer not yet enqueued
+    std::vector<uint8_t> completed;         // [num_layers]
+    std::vector<WindowEvents*> in_flight;   // [num_layers] while enqueued and not completed
+    bool cancelled = false;
+  };
+
+  NcclChannel(CudaCache* cache, const ChannelSpec& spec, int device,
+              const nccl::NcclLibrary* nccl, absl::Duration init_timeout);
+  absl::Status Init();
+  void WatchLoop();
+  void EnqueueLoop();
+  void Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t layer, WindowEvents* events);
+  void Complete(const std::shared_ptr<ActiveStep>& active, int32_t layer, WindowEvents* events,
+                bool timed, absl::Status status);
+  void Skip(const ActiveStep& active, int32_t layer, const absl::Status& why);
+  // Asks the watcher to abort the communicator and report the channel broken (once).
+  void BreakLocked(absl::Status why);
+  // One group of sends or receives of `buffers` (pointer, bytes) with the client, under
+  // nccl_mu_; then settles it (a non-blocking communicator may answer ncclInProgress while it
+  // connects to the peer, lazily, at the first send).
+  absl::Status Group(bool send, const std::vector<std::pair<uint8_t*, int64_t>>& buffers);
+  // After a call answered ncclInProgress: polls the communicator until it settles (or breaks).
+  absl::Status Settle(nccl::ncclResult_t result, const char* call);
+
+  CudaCache* const cache_;
+  const CacheGeometry geometry_;
+  const ChannelLayout layout_;
+  const int device_;
+  const nccl::NcclLibrary* const nccl_;
+  const absl::Duration init_timeout_;
+  const std::function<void(absl::Status)> on_broken_;
+  DeviceBuffer ring_;
+  std::string unique_id_;
+  std::string pci_bus_id_;
+  Lane lane_;
+  std::array<WindowEvents, kWindow> events_;
+
+  // Serialises calls on the communicator (NCCL's rule for one communicator) and guards it.
+  std::mutex nccl_mu_;
+  nccl::ncclComm_t comm_ = nullptr;
+
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::vector<WindowEvents*> free_events_;
+  std::deque<std::shared_ptr<ActiveStep>> steps_;  // in start order
+  bool connected_ = false;
+  bool broken_ = false;        // the communicator was (or is being) aborted
+  absl::Status break_reason_;  // set once; the watcher acts on it
+  bool stopping_ = false;
+  uint64_t timing_rng_ = 0x9E3779B97F4A7C15ull;  // the enqueuer's: which layers are timed
+  std::thread watcher_;
+  std::thread enqueuer_;
+};
+
+}  // namespace attnd::cuda_backend
