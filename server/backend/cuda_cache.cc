@@ -74,6 +74,10 @@ absl::Status CudaCache::Init(int device) {
   const plan::PodMode pod_mode = options_.pod_mode;
   const plan::DecodeKernelChoice decode_kernel = options_.decode_kernel;
   device_ = device;
+  int host_pointers = 0;
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
+      &host_pointers, cudaDevAttrCanUseHostPointerForRegisteredMem, device));
+  host_pointers_on_device_ = host_pointers != 0;
   for (Lane& lane : lanes_) RETURN_IF_ERROR(lane.CreateStreams());
   RETURN_IF_ERROR(transfer_.Create());
   const cudaStream_t stream = lanes_[0].compute.get();

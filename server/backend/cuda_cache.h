@@ -124,6 +124,9 @@ class CudaCache final : public BackendCache {
   BackendObserver* observer() const { return observer_; }
   CompletionWait completion_wait() const { return options_.wait; }
   int32_t channel_timing_stride() const { return options_.channel_timing_stride; }
+  // Whether the device reaches registered host memory (a HOST_SHM ring) at its host address
+  // (cudaDevAttrCanUseHostPointerForRegisteredMem), so stream operations may name it.
+  bool host_pointers_on_device() const { return host_pointers_on_device_; }
   absl::Duration nccl_init_timeout() const { return options_.nccl_init_timeout; }
   OutputPool& outputs() { return *outputs_; }
   Lane& lane(int index) { return lanes_[index]; }
@@ -145,6 +148,7 @@ class CudaCache final : public BackendCache {
   uint8_t* const pool_;  // [layer][K pool, V pool] regions of num_pages pages each
   const CudaCacheOptions options_;
   int device_ = 0;
+  bool host_pointers_on_device_ = false;
   BackendObserver* const observer_;
   std::function<void()> release_pool_;
 

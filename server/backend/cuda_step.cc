@@ -123,8 +123,10 @@ void CudaStep::Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done) {
       status = EnqueueLocked(*slot, io, io.host_registered ? nullptr : (*output)->memory.data());
     }
     // Recorded even after a failed launch: the slot is reused only once the work that was
-    // enqueued before the failure has passed this point.
-    const cudaError_t recorded = cudaEventRecord(slot->finished.get(), lane_.d2h.get());
+    // enqueued before the failure has passed this point. A registered layer ran wholly on the
+    // compute stream (EnqueueLocked), others end with the output copy on d2h.
+    const cudaError_t recorded = cudaEventRecord(
+        slot->finished.get(), io.host_registered ? lane_.compute.get() : lane_.d2h.get());
     if (status.ok() && recorded != cudaSuccess) {
       status = cuda::CudaErrorToStatus(recorded, "cudaEventRecord(finished)", __FILE__, __LINE__);
     }
@@ -134,21 +136,6 @@ void CudaStep::Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done) {
     lane_.completions->Post([this, slot] { Complete(slot); });
   }
 }
-
-namespace {
-
-// The device address of registered host memory (a HOST_SHM ring), or null.
-void* MappedAddress(const void* host) {
-  if (host == nullptr) return nullptr;
-  void* device = nullptr;
-  if (cudaHostGetDevicePointer(&device, const_cast<void*>(host), 0) != cudaSuccess) {
-    cudaGetLastError();
-    return nullptr;
-  }
-  return device;
-}
-
-}  // namespace
 
 absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, const LayerIo& io, uint8_t* host_out) {
   const int32_t layer = io.layer;
@@ -161,29 +148,25 @@ absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, const LayerIo& io, uint8_t
   // stream (copies from the ring, kernels, copies back, then the done word written by the
   // device): no stream hop and no host on the path. (Kernels writing o straight into the
   // mapped ring were tried: the decode kernel's stores over PCIe took 141 us against 31.)
-  const bool direct = io.host_registered;
   if (io.host_registered) {
     // Straight from the registered ring, one copy per tensor (MLA: q_nope | ckv | kpe | q_pe).
-    const cudaStream_t in_stream = direct ? compute : h2d;
     uint8_t* device_in = slot.device_in.data();
     const bool mla = cache_->geometry().mla;
     const void* second = mla ? io.ckv : io.k;
     const void* third = mla ? io.kpe : io.v;
     CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(device_in, io.q, sizes_.q_bytes, cudaMemcpyHostToDevice, in_stream));
+        cudaMemcpyAsync(device_in, io.q, sizes_.q_bytes, cudaMemcpyHostToDevice, compute));
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_in + sizes_.k_offset, second, sizes_.k_bytes,
-                                         cudaMemcpyHostToDevice, in_stream));
+                                         cudaMemcpyHostToDevice, compute));
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_in + sizes_.v_offset, third, sizes_.v_bytes,
-                                         cudaMemcpyHostToDevice, in_stream));
+                                         cudaMemcpyHostToDevice, compute));
     if (mla) {
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_in + sizes_.q_pe_offset, io.q_pe,
-                                           sizes_.q_pe_bytes, cudaMemcpyHostToDevice, in_stream));
+                                           sizes_.q_pe_bytes, cudaMemcpyHostToDevice, compute));
     }
   } else {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.device_in.data(), slot.host_in.data(),
                                          sizes_.in_bytes, cudaMemcpyHostToDevice, h2d));
-  }
-  if (!direct) {
     CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.inputs_copied.get(), h2d));
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, slot.inputs_copied.get(), 0));
   }
@@ -201,35 +184,21 @@ absl::Status CudaStep::EnqueueLocked(LayerSlot& slot, const LayerIo& io, uint8_t
                     : nullptr;
   const CudaEvent* attended = nullptr;
   RETURN_IF_ERROR(EnqueueKernels(slot, /*timed=*/true, buffers, layer, &attended));
-  if (direct) {
+  if (io.host_registered) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(io.o, device_out, sizes_.o_bytes,
                                          cudaMemcpyDeviceToHost, compute));
     if (io.lse != nullptr && sizes_.lse_bytes > 0) {
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(io.lse, device_out + sizes_.lse_offset,
                                            sizes_.lse_bytes, cudaMemcpyDeviceToHost, compute));
     }
-    if (io.done_word != nullptr) {
+    if (io.done_word != nullptr && cache_->host_pointers_on_device()) {
       // Best effort: without it the layer still completes through the host.
-      if (void* word = MappedAddress(io.done_word); word != nullptr) {
-        cuda::StreamWriteFlag(compute, word, io.done_value).IgnoreError();
-      }
+      cuda::StreamWriteFlag(compute, io.done_word, io.done_value).IgnoreError();
     }
-    // `finished` (recorded on d2h by the caller) covers the copies.
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.inputs_copied.get(), compute));
-    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, slot.inputs_copied.get(), 0));
     return absl::OkStatus();
   }
   // The output copy runs on the D2H stream, so the next layer's kernels need not wait for it.
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, attended->get(), 0));
-  if (host_out == nullptr) {
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(io.o, slot.device_out.data(), sizes_.o_bytes,
-                                         cudaMemcpyDeviceToHost, d2h));
-    if (io.lse != nullptr && sizes_.lse_bytes > 0) {
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(io.lse, slot.device_out.data() + sizes_.lse_offset,
-                                           sizes_.lse_bytes, cudaMemcpyDeviceToHost, d2h));
-    }
-    return absl::OkStatus();
-  }
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_out, slot.device_out.data(), sizes_.out_bytes,
                                        cudaMemcpyDeviceToHost, d2h));
   return absl::OkStatus();
