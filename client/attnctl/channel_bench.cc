@@ -49,26 +49,33 @@ namespace {
 using Entries = std::vector<std::pair<uint64_t, int32_t>>;
 using Clock = std::chrono::steady_clock;
 
+// Each kernel's (name/phase) seconds and timed launches between two GetStats answers.
+struct KernelDelta {
+  double seconds = 0;
+  int64_t launches = 0;
+};
+std::map<std::string, KernelDelta> KernelDeltas(const attnd::v1::GetStatsResponse& before,
+                                                const attnd::v1::GetStatsResponse& after) {
+  std::map<std::string, KernelDelta> delta;
+  for (const auto& [stats, sign] : {std::pair{&after, 1}, std::pair{&before, -1}}) {
+    for (const auto& kernel : stats->kernels()) {
+      KernelDelta& d = delta[absl::StrCat(kernel.kernel(), "/", kernel.phase())];
+      d.seconds += sign * kernel.total_seconds();
+      d.launches += sign * kernel.count();
+    }
+  }
+  return delta;
+}
+
 // The kernel seconds of one layer between two GetStats answers: each kernel's mean over the
 // launches timed in between, summed (every layer runs each of its kernels once). attnd times
 // one CUDA_IPC channel layer in --channel_kernel_timing, so the launch count is not the
 // layer count.
 double KernelSecondsPerLayer(const attnd::v1::GetStatsResponse& before,
                              const attnd::v1::GetStatsResponse& after) {
-  std::map<std::string, std::pair<double, int64_t>> delta;  // seconds, launches
-  for (const auto& kernel : after.kernels()) {
-    auto& [seconds, count] = delta[absl::StrCat(kernel.kernel(), "/", kernel.phase())];
-    seconds += kernel.total_seconds();
-    count += kernel.count();
-  }
-  for (const auto& kernel : before.kernels()) {
-    auto& [seconds, count] = delta[absl::StrCat(kernel.kernel(), "/", kernel.phase())];
-    seconds -= kernel.total_seconds();
-    count -= kernel.count();
-  }
   double per_layer = 0;
-  for (const auto& [name, totals] : delta) {
-    if (totals.second > 0) per_layer += totals.first / static_cast<double>(totals.second);
+  for (const auto& [name, d] : KernelDeltas(before, after)) {
+    if (d.launches > 0) per_layer += d.seconds / static_cast<double>(d.launches);
   }
   return per_layer;
 }
@@ -76,23 +83,12 @@ double KernelSecondsPerLayer(const attnd::v1::GetStatsResponse& before,
 // Each kernel's mean per launch in a GetStats delta: "append/decode 6.1 us (100 timed), ...".
 std::string KernelBreakdown(const attnd::v1::GetStatsResponse& before,
                             const attnd::v1::GetStatsResponse& after) {
-  std::map<std::string, std::pair<double, int64_t>> delta;
-  for (const auto& kernel : after.kernels()) {
-    auto& [seconds, count] = delta[absl::StrCat(kernel.kernel(), "/", kernel.phase())];
-    seconds += kernel.total_seconds();
-    count += kernel.count();
-  }
-  for (const auto& kernel : before.kernels()) {
-    auto& [seconds, count] = delta[absl::StrCat(kernel.kernel(), "/", kernel.phase())];
-    seconds -= kernel.total_seconds();
-    count -= kernel.count();
-  }
   std::string out;
-  for (const auto& [name, totals] : delta) {
-    if (totals.second <= 0) continue;
+  for (const auto& [name, d] : KernelDeltas(before, after)) {
+    if (d.launches <= 0) continue;
     absl::StrAppend(&out, out.empty() ? "" : ", ", name, " ",
-                    absl::StrFormat("%.1f", totals.first * 1e6 / static_cast<double>(totals.second)),
-                    " us (", totals.second, " timed)");
+                    absl::StrFormat("%.1f", d.seconds * 1e6 / static_cast<double>(d.launches)),
+                    " us (", d.launches, " timed)");
   }
   return out;
 }

@@ -57,11 +57,7 @@ ATTND_HOST_DEVICE inline uint16_t EmulatedElement(uint64_t seed, uint64_t index,
   return EmulatedValue(static_cast<uint32_t>(z >> (8 * (index & 3))), bf16);
 }
 
-// Fills `count` elements at `device` (device memory) on `stream` (a cudaStream_t).
-// UNIMPLEMENTED in a build without CUDA.
-absl::Status FillOnStream(void* device, int64_t count, uint64_t seed, bool bf16, void* stream);
-
-// One region of FillRegionsOnStream: `count` elements at `device` from `seed`.
+// One region of FillRegionsOnStream: `count` elements at `device` (device memory) from `seed`.
 struct FillRegion {
   void* device = nullptr;
   int64_t count = 0;
@@ -69,8 +65,8 @@ struct FillRegion {
 };
 inline constexpr int kMaxFillRegions = 3;
 
-// Fills up to kMaxFillRegions regions in one launch (as an engine's fused QKV projection writes
-// q, k and v with one kernel); each region as FillOnStream would fill it.
+// Fills up to kMaxFillRegions regions on `stream` (a cudaStream_t) in one launch, as an engine's
+// fused QKV projection writes q, k and v with one kernel. UNIMPLEMENTED in a build without CUDA.
 absl::Status FillRegionsOnStream(const FillRegion* regions, int num_regions, bool bf16,
                                  void* stream);
 

@@ -27,10 +27,6 @@ __device__ void FillRegionOf(uint16_t* out, int64_t count, uint64_t seed, bool b
   }
 }
 
-__global__ void FillKernel(uint16_t* out, int64_t count, uint64_t seed, bool bf16) {
-  FillRegionOf(out, count, seed, bf16);
-}
-
 struct FillRegions {
   FillRegion regions[kMaxFillRegions];
 };
@@ -53,22 +49,6 @@ __global__ void SleepKernel(uint64_t ns) {
 }
 
 }  // namespace
-
-absl::Status FillOnStream(void* device, int64_t count, uint64_t seed, bool bf16, void* stream) {
-  if (count == 0) return absl::OkStatus();
-  if (reinterpret_cast<uintptr_t>(device) % 8 != 0) {
-    return absl::InvalidArgumentError("emulator fill: the region must be 8-byte aligned");
-  }
-  const int64_t blocks = (count / 4 + 255) / 256;
-  FillKernel<<<static_cast<unsigned>(blocks < 1 ? 1 : blocks < 2048 ? blocks : 2048), 256, 0,
-               static_cast<cudaStream_t>(stream)>>>(static_cast<uint16_t*>(device), count, seed,
-                                                    bf16);
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    return absl::InternalError(std::string("emulator fill kernel: ") + cudaGetErrorString(error));
-  }
-  return absl::OkStatus();
-}
 
 absl::Status FillRegionsOnStream(const FillRegion* regions, int num_regions, bool bf16,
                                  void* stream) {

@@ -2,10 +2,6 @@
 
 namespace attnd::attnctl {
 
-absl::Status FillOnStream(void*, int64_t, uint64_t, bool, void*) {
-  return absl::UnimplementedError("attnctl was built without CUDA: --transport=cuda_ipc needs it");
-}
-
 absl::Status FillRegionsOnStream(const FillRegion*, int, bool, void*) {
   return absl::UnimplementedError("attnctl was built without CUDA: --transport=cuda_ipc needs it");
 }
