@@ -102,6 +102,35 @@ struct HopperWork {
 // Decodes this CTA's unit (plan::MlaWorkUnit) for tiles of kTileKeys keys, with the causal and
 // window limits applied to the key range; false for a placeholder unit (nothing to do). Shared
 // by the Hopper kernels (mla_decode_hopper_wide.cuh too), so they cut units the same way.
+// Both Hopper MLA kernels: thread 0 sets up each stage's full barrier (the 128 producer
+// threads arrive) and empty barrier (the 8 consumer warps arrive), then the CTA syncs.
+template <int kStages>
+__device__ __forceinline__ void InitStageBarriers(uint32_t barriers) {
+  if (threadIdx.x == 0) {
+    for (int stage = 0; stage < kStages; ++stage) {
+      MbarrierInit(barriers + 8 * stage, 128);            // full: producer threads
+      MbarrierInit(barriers + 8 * (kStages + stage), 8);  // empty: consumer warps
+    }
+    FenceMbarrierInit();
+  }
+  __syncthreads();
+}
+
+// Both Hopper MLA kernels' launchers: sets the kernel's dynamic shared memory, then reports its
+// occupancy (ctas_per_sm non-null) or launches it.
+template <typename Kernel>
+cudaError_t LaunchOrMeasure(Kernel* kernel, int threads, int smem_bytes, const MlaParams& params,
+                            int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (error != cudaSuccess) return error;
+  if (ctas_per_sm != nullptr) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, threads, smem_bytes);
+  }
+  kernel<<<num_ctas, threads, smem_bytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
 template <int kTileKeys>
 __device__ __forceinline__ bool LoadHopperWork(const MlaParams& params, HopperWork* work) {
   const int4* const unit_words = reinterpret_cast<const int4*>(params.units + blockIdx.x);
@@ -509,15 +538,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) MlaDecodeHopperKernel(const
   const uint32_t raw = SharedAddress(shared_bytes);
   const uint32_t smem = (raw + 1023) & ~1023u;
   uint8_t* smem_generic = shared_bytes + (smem - raw);
-  if (threadIdx.x == 0) {
-    const uint32_t barriers = smem + Shape::kBarrierOffset;
-    for (int stage = 0; stage < kHopperStages; ++stage) {
-      MbarrierInit(barriers + 8 * stage, 128);                  // full: producer threads
-      MbarrierInit(barriers + 8 * (kHopperStages + stage), 8);  // empty: consumer warps
-    }
-    FenceMbarrierInit();
-  }
-  __syncthreads();
+  InitStageBarriers<kHopperStages>(smem + Shape::kBarrierOffset);
   // The role is uniform per warpgroup; the shuffle lets the compiler see that.
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
@@ -532,15 +553,8 @@ __global__ void __launch_bounds__(kHopperThreads, 1) MlaDecodeHopperKernel(const
 
 template <int kRank, typename T>
 cudaError_t LaunchMlaHopper(const MlaParams& params, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
-  using Shape = HopperShape<kRank>;
-  auto* kernel = &MlaDecodeHopperKernel<kRank, T>;
-  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
-  if (error != cudaSuccess) return error;
-  if (ctas_per_sm != nullptr) {
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, kHopperThreads, Shape::kSmemBytes);
-  }
-  kernel<<<num_ctas, kHopperThreads, Shape::kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
+  return LaunchOrMeasure(&MlaDecodeHopperKernel<kRank, T>, kHopperThreads,
+                         HopperShape<kRank>::kSmemBytes, params, num_ctas, stream, ctas_per_sm);
 }
 
 }  // namespace attnd::cuda::mla::hopper

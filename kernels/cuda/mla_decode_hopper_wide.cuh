@@ -530,15 +530,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) MlaDecodeHopperWideKernel(con
   const uint32_t raw = SharedAddress(shared_bytes);
   const uint32_t smem = (raw + 1023) & ~1023u;
   uint8_t* smem_generic = shared_bytes + (smem - raw);
-  if (threadIdx.x == 0) {
-    const uint32_t barriers = smem + Shape::kBarrierOffset;
-    for (int stage = 0; stage < Shape::kStages; ++stage) {
-      MbarrierInit(barriers + 8 * stage, 128);                   // full: producer threads
-      MbarrierInit(barriers + 8 * (Shape::kStages + stage), 8);  // empty: consumer warps
-    }
-    FenceMbarrierInit();
-  }
-  __syncthreads();
+  hopper::InitStageBarriers<Shape::kStages>(smem + Shape::kBarrierOffset);
   // The role is uniform per warpgroup; the shuffle lets the compiler see that.
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
@@ -553,15 +545,9 @@ __global__ void __launch_bounds__(kWideThreads, 1) MlaDecodeHopperWideKernel(con
 
 template <int kRank, typename T>
 cudaError_t LaunchMlaHopperWide(const MlaParams& params, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
-  using Shape = WideShape<kRank>;
-  auto* kernel = &MlaDecodeHopperWideKernel<kRank, T>;
-  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
-  if (error != cudaSuccess) return error;
-  if (ctas_per_sm != nullptr) {
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, kWideThreads, Shape::kSmemBytes);
-  }
-  kernel<<<num_ctas, kWideThreads, Shape::kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
+  return hopper::LaunchOrMeasure(&MlaDecodeHopperWideKernel<kRank, T>, kWideThreads,
+                                 WideShape<kRank>::kSmemBytes, params, num_ctas, stream,
+                                 ctas_per_sm);
 }
 
 }  // namespace attnd::cuda::mla::hopper_wide
