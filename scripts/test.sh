@@ -12,7 +12,10 @@ echo "test.sh: build took $(( $(date +%s) - start )) s" >&2
 build_dir=${ATTND_BUILD_DIR:-build}
 # ctest runs every suite, the Python client's too (label python: tests/python, pytest against
 # the built attnd; `ctest -L python` runs them alone).
-ctest --test-dir "$build_dir" --output-on-failure -j "${ATTND_TEST_JOBS:-$(nproc)}" --timeout 600
+# Each test is bounded by ctest's --timeout; the whole stage also by `timeout -k` (SIGTERM, then
+# SIGKILL 60 s later), so a wedged ctest cannot hold CI's machine past its budget.
+timeout -k 60 2400 ctest --test-dir "$build_dir" --output-on-failure \
+  -j "${ATTND_TEST_JOBS:-$(nproc)}" --timeout 600
 echo "test.sh: build and tests took $(( $(date +%s) - start )) s" >&2
 
 # ---- Sanitizers and fuzzing (tests/fuzz, tests/sanitizers) ------------------------------------
@@ -24,7 +27,8 @@ if [[ "${ATTND_SANITIZERS:-1}" != 0 ]]; then
   step_start=$(date +%s)
   cmake --preset asan >/dev/null
   cmake --build --preset asan -j "${ATTND_JOBS:-$(nproc)}" --target attnd_cpu_tests
-  ctest --preset asan -L 'unit|integration' -j "${ATTND_TEST_JOBS:-$(nproc)}" --timeout 900
+  timeout -k 60 2400 ctest --preset asan -L 'unit|integration' \
+    -j "${ATTND_TEST_JOBS:-$(nproc)}" --timeout 900
   echo "test.sh: ASan/UBSan build and unit+integration tests took $(( $(date +%s) - step_start )) s" >&2
 fi
 if [[ "${ATTND_FUZZ_SECONDS:-90}" != 0 ]]; then
