@@ -130,6 +130,19 @@ case ${1:-} in
             say "handoff_probe (MPS) rc=$?"
             grep -v '^$' "$logs/handoff_probe.log" | tail -9 >> "$OUT/summary.txt"
             mps off ;;
+          stamps|stamps_kernels)  # one GPU time line of both processes (scripts/channel_stamps.py)
+            mps on
+            flags=memops
+            [[ $case == stamps_kernels ]] && flags=kernels
+            ATTND_CHANNEL_STAMPS=1 DAEMON_ARGS=--channel_kernel_timing=0 \
+              e2e "$case" --transport=cuda_ipc --fill_stamps --stream_flags=$flags
+            timeout -k 5 60 python3 scripts/channel_stamps.py "$logs/attnd_$case.log" \
+              "$logs/e2e_$case.log" 2>&1 | tee -a "$OUT/summary.txt"
+            mps off ;;
+          cuda_ipc_mps_kernels)  # the client signals and waits with kernels (flag_gate.h)
+            mps on
+            e2e "$case" --transport=cuda_ipc --stream_flags=kernels
+            mps off ;;
           cuda_ipc_mps_timed)  # every channel layer's kernels timed (--channel_kernel_timing=1)
             mps on
             DAEMON_ARGS=--channel_kernel_timing=1 e2e "$case" --transport=cuda_ipc

@@ -40,6 +40,14 @@
 ABSL_FLAG(int32_t, check_sequences, 2,
           "bench (channels): sequences whose outputs are checked against the CPU reference in "
           "the prompt step and the first decode step (0: no check)");
+ABSL_FLAG(bool, fill_stamps, false,
+          "bench (cuda_ipc): the chained phase's fills record the GPU's global timer when they "
+          "start and end, printed as `client-stamp` lines (to merge with attnd's "
+          "ATTND_CHANNEL_STAMPS lines: scripts/channel_stamps.py)");
+ABSL_FLAG(std::string, stream_flags, "memops",
+          "bench (cuda_ipc): how the emulator's stream sets ready and waits for done: memops "
+          "(stream memory operations) or kernels (one-thread kernels, the fill launched as a "
+          "programmatic dependent of the done wait; ChannelOptions::stream_flags)");
 ABSL_FLAG(int32_t, host_spin_us, 200,
           "bench (shm): how long the client spins on a done word before it sleeps on it");
 
@@ -124,6 +132,10 @@ class ChannelBench {
     options.kind = kind_;
     options.max_tokens = max_tokens;
     options.host_spin = absl::Microseconds(absl::GetFlag(FLAGS_host_spin_us));
+    using Flags = client::ChannelOptions::StreamFlags;
+    const std::string stream_flags = absl::GetFlag(FLAGS_stream_flags);
+    options.stream_flags =
+        stream_flags == "kernels" ? Flags::kKernels : Flags::kMemoryOperations;
     auto channel = client::Channel::Open(client_, cache_.name(), options);
     if (!channel.ok()) return Fail("open channel", channel.status());
     channel_ = *std::move(channel);
@@ -347,9 +359,12 @@ class ChannelBench {
   // Enqueues every layer of a planned step on `stream`: fill, ready, wait for done (no host
   // wait).
   absl::Status EnqueueStep(client::Channel& channel, void* stream,
-                           const attnd::v1::PlanResponse& planned, int64_t step) const {
+                           const attnd::v1::PlanResponse& planned, int64_t step,
+                           FillStamps* stamps = nullptr) const {
     for (int32_t layer = 0; layer < shape_.num_layers(); ++layer) {
-      RETURN_IF_ERROR(FillLayer(channel, stream, step, layer, planned.num_tokens()));
+      RETURN_IF_ERROR(FillLayer(channel, stream, step, layer, planned.num_tokens(),
+                                stamps == nullptr ? nullptr : stamps + layer,
+                                channel.stream_flag_kernels()));
       RETURN_IF_ERROR(channel.SetReadyOnStream(layer, planned.channel_sequence(), stream));
       RETURN_IF_ERROR(channel.WaitDoneOnStream(layer, planned.channel_sequence(), stream));
     }
@@ -387,10 +402,21 @@ class ChannelBench {
   absl::StatusOr<Chained> RunChained(const Entries& entries, int32_t steps) {
     const attnd::v1::PlanRequest request = PlanThrough(*channel_, entries);
     const int event = shape_.num_layers() + 3;  // two events after those of RunStep
+    const int32_t layers = shape_.num_layers();
+    std::unique_ptr<StampBuffer> stamps;
+    std::vector<uint32_t> sequences;  // each chained step's channel sequence (stamps)
+    if (absl::GetFlag(FLAGS_fill_stamps)) {
+      ASSIGN_OR_RETURN(stamps, StampBuffer::Create(int64_t{steps} * layers));
+    }
+    auto stamps_of = [&](int32_t i) {
+      return stamps ? stamps->at(int64_t{i} * layers) : nullptr;
+    };
     ASSIGN_OR_RETURN(const attnd::v1::GetStatsResponse before, client_.GetStats());
     const absl::Time start = absl::Now();
     ASSIGN_OR_RETURN(attnd::v1::PlanResponse previous, client_.Plan(request));
-    RETURN_IF_ERROR(EnqueueStep(*channel_, stream_->stream(), previous, step_count_++));
+    sequences.push_back(previous.channel_sequence());
+    RETURN_IF_ERROR(
+        EnqueueStep(*channel_, stream_->stream(), previous, step_count_++, stamps_of(0)));
     RETURN_IF_ERROR(stream_->Record(event));
     for (int32_t i = 1; i < steps; ++i) {
       ASSIGN_OR_RETURN(const attnd::v1::PlanResponse current, client_.Plan(request));
@@ -399,7 +425,9 @@ class ChannelBench {
             "a chained step starts at ", current.entries(0).start_position(),
             ", not after the open step's token at ", previous.entries(0).start_position()));
       }
-      RETURN_IF_ERROR(EnqueueStep(*channel_, stream_->stream(), current, step_count_++));
+      sequences.push_back(current.channel_sequence());
+      RETURN_IF_ERROR(
+          EnqueueStep(*channel_, stream_->stream(), current, step_count_++, stamps_of(i)));
       RETURN_IF_ERROR(stream_->Record(event + i % 2));
       RETURN_IF_ERROR(stream_->WaitEvent(event + (i - 1) % 2));
       RETURN_IF_ERROR(EndCommitted(previous.step_id()));
@@ -411,6 +439,16 @@ class ChannelBench {
     ASSIGN_OR_RETURN(const attnd::v1::GetStatsResponse after, client_.GetStats());
     const double kernels =
         KernelSecondsPerLayer(before, after) * static_cast<double>(steps) * shape_.num_layers();
+    if (stamps) {
+      ASSIGN_OR_RETURN(const std::vector<FillStamps> read, stamps->Read());
+      for (int32_t i = 0; i < steps; ++i) {
+        for (int32_t layer = 0; layer < layers; ++layer) {
+          const FillStamps& stamp = read[int64_t{i} * layers + layer];
+          absl::PrintF("client-stamp seq=%u layer=%d fill_start_ns=%u fill_end_ns=%u\n",
+                       sequences[i], layer, stamp.start_ns, stamp.end_ns);
+        }
+      }
+    }
     Chained result;
     result.steps = steps;
     result.steps_per_second = steps / absl::ToDoubleSeconds(wall);
@@ -438,15 +476,18 @@ class ChannelBench {
   // The event recorded after layer `layer`'s fill (RunStep).
   int FilledEvent(int32_t layer) const { return shape_.num_layers() + 8 + layer; }
 
+  // `after_poll`: the fill follows a polling done wait, so it is launched as that kernel's
+  // programmatic dependent (Channel::stream_flag_kernels).
   absl::Status FillLayer(client::Channel& channel, void* stream, int64_t step, int32_t layer,
-                         int64_t rows) const {
+                         int64_t rows, FillStamps* stamps = nullptr,
+                         bool after_poll = false) const {
     const client::ChannelSlot slot = channel.Slot(layer);
     const int variant = VariantOf(step, layer);
     // q, k and v in one launch, as a fused QKV projection writes them.
     const FillRegion regions[] = {{slot.q, rows * q_row_, SeedOf(variant, 0)},
                                   {slot.k, rows * kv_row_, SeedOf(variant, 1)},
                                   {slot.v, rows * kv_row_, SeedOf(variant, 2)}};
-    return FillRegionsOnStream(regions, 3, bf16_, stream);
+    return FillRegionsOnStream(regions, 3, bf16_, stream, stamps, after_poll);
   }
 
   // Waits for micro-batch `batch`'s open step on its stream and for its commit.
@@ -584,16 +625,22 @@ class ChannelBench {
     if (stream_) {
       (void)stream_->Record(num_layers);  // the step's start
     }
+    // A prompt step's done words are awaited with memory operations: a polling wait would hold
+    // an SM slot that attnd's prefill kernel wants (ChannelOptions::stream_flags).
+    const bool prompt_rows = rows > static_cast<int64_t>(entries.size());
+    const auto flags = prompt_rows ? client::ChannelOptions::StreamFlags::kMemoryOperations
+                                   : client::ChannelOptions::StreamFlags::kDefault;
+    const bool poll = !prompt_rows && channel_->stream_flag_kernels();
     for (int32_t layer = 0; layer < num_layers; ++layer) {
       const client::ChannelSlot slot = channel_->Slot(layer);
       absl::Status status;
       if (stream_) {
         void* stream = stream_->stream();
-        status.Update(FillLayer(*channel_, stream, step, layer, rows));
+        status.Update(FillLayer(*channel_, stream, step, layer, rows, nullptr, poll && layer > 0));
         // A timing event costs ~2 us of the stream: the fill's own only every other step.
         if (step % 2 == 1) status.Update(stream_->Record(FilledEvent(layer)));
         status.Update(channel_->SetReadyOnStream(layer, sequence, stream));
-        status.Update(channel_->WaitDoneOnStream(layer, sequence, stream));
+        status.Update(channel_->WaitDoneOnStream(layer, sequence, stream, flags));
         status.Update(stream_->Record(layer));
         if (check) status.Update(stream_->Synchronize());
       } else {

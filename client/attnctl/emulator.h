@@ -65,10 +65,38 @@ struct FillRegion {
 };
 inline constexpr int kMaxFillRegions = 3;
 
+// Where a traced fill leaves the GPU's global timer (%globaltimer, ns; one clock for every
+// process on the device): when its block 0 started and when its last block finished.
+// `finished_blocks` must be 0 before the launch (device memory, see StampBuffer).
+struct FillStamps {
+  uint64_t start_ns = 0;
+  uint64_t end_ns = 0;
+  uint64_t finished_blocks = 0;
+};
+
 // Fills up to kMaxFillRegions regions on `stream` (a cudaStream_t) in one launch, as an engine's
-// fused QKV projection writes q, k and v with one kernel. UNIMPLEMENTED in a build without CUDA.
+// fused QKV projection writes q, k and v with one kernel; with `stamps` (device memory) the
+// kernel also records when it ran. UNIMPLEMENTED in a build without CUDA.
+// With `after_preceding_grid` it is launched as a programmatic dependent of the kernel before it
+// (a channel's done wait with flag kernels), and lets the kernel after it (the ready write)
+// start early.
 absl::Status FillRegionsOnStream(const FillRegion* regions, int num_regions, bool bf16,
-                                 void* stream);
+                                 void* stream, FillStamps* stamps = nullptr,
+                                 bool after_preceding_grid = false);
+
+// Zeroed device memory for `count` FillStamps, read back once the fills have run.
+class StampBuffer {
+ public:
+  static absl::StatusOr<std::unique_ptr<StampBuffer>> Create(int64_t count);
+  ~StampBuffer();
+  FillStamps* at(int64_t i) const { return device_ + i; }
+  absl::StatusOr<std::vector<FillStamps>> Read() const;
+
+ private:
+  StampBuffer() = default;
+  FillStamps* device_ = nullptr;
+  int64_t count_ = 0;
+};
 
 }  // namespace attnd::attnctl
 

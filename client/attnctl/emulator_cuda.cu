@@ -1,4 +1,4 @@
-#include <cuda_runtime_api.h>
+#include <cuda_runtime.h>
 
 #include <string>
 
@@ -31,10 +31,36 @@ struct FillRegions {
   FillRegion regions[kMaxFillRegions];
 };
 
+__device__ uint64_t GlobalTimer() {
+  uint64_t now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
 // Region blockIdx.y.
-__global__ void FillRegionsKernel(FillRegions fill, bool bf16) {
+__global__ void FillRegionsKernel(FillRegions fill, bool bf16, FillStamps* stamps) {
+#if __CUDA_ARCH__ >= 900
+  // The ready write after it may be scheduled now; launched as a programmatic dependent of the
+  // done wait, this grid waits for it before writing the slot (plainly launched: no wait).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  if (stamps != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    stamps->start_ns = GlobalTimer();
+  }
   const FillRegion& region = fill.regions[blockIdx.y];
   FillRegionOf(static_cast<uint16_t*>(region.device), region.count, region.seed, bf16);
+  if (stamps != nullptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      const unsigned long long total = gridDim.x * gridDim.y;
+      if (atomicAdd(reinterpret_cast<unsigned long long*>(&stamps->finished_blocks), 1ull) ==
+          total - 1) {
+        stamps->end_ns = GlobalTimer();
+      }
+    }
+  }
 }
 
 // Holds the stream for `ns` nanoseconds (so that what is enqueued behind it is timed on the GPU
@@ -51,7 +77,7 @@ __global__ void SleepKernel(uint64_t ns) {
 }  // namespace
 
 absl::Status FillRegionsOnStream(const FillRegion* regions, int num_regions, bool bf16,
-                                 void* stream) {
+                                 void* stream, FillStamps* stamps, bool after_preceding_grid) {
   if (num_regions < 1 || num_regions > kMaxFillRegions) {
     return absl::InvalidArgumentError("emulator fill: 1 to 3 regions");
   }
@@ -68,7 +94,16 @@ absl::Status FillRegionsOnStream(const FillRegion* regions, int num_regions, boo
   const int64_t blocks = (largest / 4 + 255) / 256;
   const dim3 grid(static_cast<unsigned>(blocks < 1 ? 1 : blocks < 2048 ? blocks : 2048),
                   static_cast<unsigned>(num_regions));
-  FillRegionsKernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(fill, bf16);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(256);
+  config.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = after_preceding_grid ? 1 : 0;
+  cudaLaunchKernelEx(&config, FillRegionsKernel, fill, bf16, stamps);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) {
     return absl::InternalError(std::string("emulator fill kernel: ") + cudaGetErrorString(error));
@@ -137,6 +172,32 @@ absl::Status EmulatorStream::Synchronize() {
     return absl::InternalError(std::string("cudaStreamSynchronize: ") + cudaGetErrorString(error));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<StampBuffer>> StampBuffer::Create(int64_t count) {
+  std::unique_ptr<StampBuffer> buffer(new StampBuffer());
+  if (cudaMalloc(reinterpret_cast<void**>(&buffer->device_), sizeof(FillStamps) * count) !=
+          cudaSuccess ||
+      cudaMemset(buffer->device_, 0, sizeof(FillStamps) * count) != cudaSuccess) {
+    return absl::ResourceExhaustedError(std::string("stamp buffer: ") +
+                                        cudaGetErrorString(cudaGetLastError()));
+  }
+  buffer->count_ = count;
+  return buffer;
+}
+
+StampBuffer::~StampBuffer() {
+  if (device_ != nullptr) cudaFree(device_);
+}
+
+absl::StatusOr<std::vector<FillStamps>> StampBuffer::Read() const {
+  std::vector<FillStamps> out(count_);
+  if (cudaMemcpy(out.data(), device_, sizeof(FillStamps) * count_, cudaMemcpyDeviceToHost) !=
+      cudaSuccess) {
+    return absl::InternalError(std::string("reading stamps: ") +
+                               cudaGetErrorString(cudaGetLastError()));
+  }
+  return out;
 }
 
 double EmulatorStream::ElapsedMs(int from, int to) const {

@@ -52,7 +52,11 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(Client& client, std::stri
   }
   channel->info_ = first.channel();
   channel->host_spin_ = options.host_spin;
-  if (absl::Status mapped = channel->Map(); !mapped.ok()) {
+  absl::Status mapped = channel->Map();
+  if (mapped.ok() && options.kind == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+    channel->flag_kernels_ = options.stream_flags == ChannelOptions::StreamFlags::kKernels;
+  }
+  if (!mapped.ok()) {
     channel->call_->TryCancel();
     attnd::v1::OpenChannelResponse rest;
     while (channel->reader_->Read(&rest)) {
@@ -232,14 +236,28 @@ absl::Status Channel::SetReadyOnStream(int32_t layer, uint32_t sequence, void* s
   if (info_.kind() != attnd::v1::CHANNEL_KIND_CUDA_IPC) {
     return absl::FailedPreconditionError("SetReadyOnStream: only CUDA_IPC channels");
   }
-  return internal::StreamWriteFlag(stream, ring_ + info_.layout().ready_offsets(layer), sequence);
+  uint8_t* ready = ring_ + info_.layout().ready_offsets(layer);
+  if (flag_kernels_) return internal::StreamSignalFlag(stream, ready, sequence);
+  return internal::StreamWriteFlag(stream, ready, sequence);
 }
 
 absl::Status Channel::WaitDoneOnStream(int32_t layer, uint32_t sequence, void* stream) {
+  return WaitDoneOnStream(layer, sequence, stream, ChannelOptions::StreamFlags::kDefault);
+}
+
+absl::Status Channel::WaitDoneOnStream(int32_t layer, uint32_t sequence, void* stream,
+                                       ChannelOptions::StreamFlags flags) {
   if (info_.kind() != attnd::v1::CHANNEL_KIND_CUDA_IPC) {
     return absl::FailedPreconditionError("WaitDoneOnStream: only CUDA_IPC channels");
   }
-  return internal::StreamWaitFlag(stream, ring_ + info_.layout().done_offsets(layer), sequence);
+  uint8_t* done = ring_ + info_.layout().done_offsets(layer);
+  const bool poll = flags == ChannelOptions::StreamFlags::kDefault
+                        ? flag_kernels_
+                        : flags == ChannelOptions::StreamFlags::kKernels;
+  if (poll) {
+    return internal::StreamPollFlag(stream, done, sequence);
+  }
+  return internal::StreamWaitFlag(stream, done, sequence);
 }
 
 }  // namespace attnd::client

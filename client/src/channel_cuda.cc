@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "attnd/kernels/cuda/flag_gate.h"
 #include "attnd/kernels/cuda/stream_flags.h"
 
 namespace attnd::client::internal {
@@ -103,6 +104,14 @@ absl::Status StreamWriteFlag(void* stream, uint8_t* flag, uint32_t value) {
 
 absl::Status StreamWaitFlag(void* stream, uint8_t* flag, uint32_t value) {
   return cuda::StreamWaitFlag(static_cast<cudaStream_t>(stream), flag, value);
+}
+
+absl::Status StreamSignalFlag(void* stream, uint8_t* flag, uint32_t value) {
+  return cuda::LaunchFlagSignal(static_cast<cudaStream_t>(stream), flag, value);
+}
+
+absl::Status StreamPollFlag(void* stream, uint8_t* flag, uint32_t value) {
+  return cuda::LaunchFlagGate(static_cast<cudaStream_t>(stream), flag, value);
 }
 
 }  // namespace attnd::client::internal

@@ -23,5 +23,9 @@ void WriteDeviceFlag(uint8_t* flag, uint32_t value);
 absl::Status CopyDevice(void* destination, const void* source, int64_t bytes, bool to_device);
 absl::Status StreamWriteFlag(void* stream, uint8_t* flag, uint32_t value);
 absl::Status StreamWaitFlag(void* stream, uint8_t* flag, uint32_t value);
+// The same wait as a one-thread kernel polling the word (attnd/kernels/cuda/flag_gate.h).
+absl::Status StreamPollFlag(void* stream, uint8_t* flag, uint32_t value);
+// The write as a one-thread kernel launched as a programmatic dependent of the kernel before it.
+absl::Status StreamSignalFlag(void* stream, uint8_t* flag, uint32_t value);
 
 }  // namespace attnd::client::internal

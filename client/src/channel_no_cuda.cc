@@ -20,5 +20,11 @@ absl::Status StreamWriteFlag(void*, uint8_t*, uint32_t) {
 absl::Status StreamWaitFlag(void*, uint8_t*, uint32_t) {
   return absl::UnimplementedError("CUDA_IPC channels need a client built with CUDA");
 }
+absl::Status StreamSignalFlag(void*, uint8_t*, uint32_t) {
+  return absl::UnimplementedError("CUDA_IPC channels need a client built with CUDA");
+}
+absl::Status StreamPollFlag(void*, uint8_t*, uint32_t) {
+  return absl::UnimplementedError("CUDA_IPC channels need a client built with CUDA");
+}
 
 }  // namespace attnd::client::internal

@@ -2,17 +2,25 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/stream_flags.h"
+#include "attnd/kernels/cuda/timer_stamp.h"
 #include "attnd/status_macros.h"
 #include "backend/cuda_step.h"
 
 namespace attnd::cuda_backend {
 namespace {
 
+bool StampsRequested() {
+  const char* value = std::getenv("ATTND_CHANNEL_STAMPS");
+  return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
+}
 
 }  // namespace
 
@@ -57,6 +65,14 @@ absl::Status CudaIpcChannel::Init() {
     RETURN_IF_ERROR(events.Create(blocking));
     free_events_.push_back(&events);
   }
+  if (StampsRequested()) {
+    const size_t bytes = sizeof(uint64_t) * 2 * geometry_.num_layers;
+    CUDA_RETURN_IF_ERROR(
+        cudaHostAlloc(reinterpret_cast<void**>(&stamps_), bytes, cudaHostAllocMapped));
+    std::memset(stamps_, 0, bytes);
+    CUDA_RETURN_IF_ERROR(
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&stamps_device_), stamps_, 0));
+  }
   const int device = device_;
   lane_.completions = std::make_unique<CompletionQueue>([device] { cudaSetDevice(device); });
   enqueuer_ = std::thread([this] { EnqueueLoop(); });
@@ -76,6 +92,7 @@ CudaIpcChannel::~CudaIpcChannel() {
     if (stream->get() != nullptr) cudaStreamSynchronize(stream->get());
   }
   for (uint8_t* retired : lane_.retired) cudaFree(retired);
+  if (stamps_ != nullptr) cudaFreeHost(stamps_);
 }
 
 absl::Status CudaIpcChannel::WriteFlag(int64_t offset, uint32_t value) {
@@ -189,7 +206,15 @@ void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t 
                      draw % static_cast<uint64_t>(stride) == 0;
   std::lock_guard lock(lane_.submit_mu);
   absl::Status status = [&]() -> absl::Status {
+    // Not a polling kernel (flag_gate.h), though it hands over sooner: while it spun, any
+    // implicitly synchronizing call of attnd's (cudaFree of a grown buffer at Plan, a cache's
+    // or channel's teardown) would wait for it, that is for the client's ready, which may wait
+    // for that very call: a deadlock seen on the H100 (a chained Plan growing the step's
+    // buffers). A memory-operation wait is not running work and holds no such call.
     RETURN_IF_ERROR(cuda::StreamWaitFlag(compute, ring + layout_.ready[layer], active->sequence));
+    if (stamps_device_ != nullptr) {
+      RETURN_IF_ERROR(cuda::LaunchTimerStamp(stamps_device_ + 2 * layer, compute));
+    }
     // A step with no rows runs no kernel (and reports no kernel time, see Complete).
     if (step.num_tokens() > 0) {
       LayerBuffers buffers;
@@ -202,6 +227,9 @@ void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t 
       if (timed) CUDA_RETURN_IF_ERROR(cudaEventRecord(events->started.get(), compute));
       const CudaEvent* attended = nullptr;
       RETURN_IF_ERROR(step.EnqueueKernels(*events, timed, buffers, layer, &attended));
+    }
+    if (stamps_device_ != nullptr) {
+      RETURN_IF_ERROR(cuda::LaunchTimerStamp(stamps_device_ + 2 * layer + 1, compute));
     }
     return cuda::StreamWriteFlag(compute, ring + layout_.done[layer], active->sequence);
   }();
@@ -225,6 +253,14 @@ void CudaIpcChannel::Complete(const std::shared_ptr<ActiveStep>& active, int32_t
                                      __LINE__);
   }
   if (status.ok() && timed) active->step->ReportChannelLayer(*events);
+  if (status.ok() && stamps_ != nullptr) {
+    // The layer's stamps were written before `finished`, and layer l is not enqueued again
+    // before this completion returns its events.
+    std::fprintf(stderr,
+                 "attnd-stamp seq=%u layer=%d ready_passed_ns=%llu kernels_done_ns=%llu\n",
+                 active->sequence, layer, static_cast<unsigned long long>(stamps_[2 * layer]),
+                 static_cast<unsigned long long>(stamps_[2 * layer + 1]));
+  }
   {
     std::lock_guard lock(mu_);
     active->completed[layer] = 1;

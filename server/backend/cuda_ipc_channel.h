@@ -93,6 +93,13 @@ class CudaIpcChannel final : public BackendChannel {
   Lane lane_;
   CudaStream signal_;  // attnd's own flag writes (SignalReady, CancelStep, skipped layers)
   std::array<LayerEvents, kWindow> events_;
+  // A benchmark aid (ATTND_CHANNEL_STAMPS=1 in attnd's environment): per layer, the global timer
+  // when the ready wait passed and when the kernels were done, written by one-thread kernels
+  // into mapped host memory ([num_layers][2]) and printed to stderr as each layer completes, to
+  // put attnd's part on one time line with the client's (scripts/channel_stamps.py). Each stamp
+  // costs a kernel launch on the stream. Null when off.
+  uint64_t* stamps_ = nullptr;
+  uint64_t* stamps_device_ = nullptr;
 
   std::mutex mu_;
   std::condition_variable wake_;

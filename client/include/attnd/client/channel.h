@@ -48,6 +48,22 @@ struct ChannelOptions {
   // attnd wakes). A layer longer than the spin pays a wake-up (~tens of us); spinning costs a
   // core while it lasts.
   absl::Duration host_spin = absl::Microseconds(200);
+  // How SetReadyOnStream / WaitDoneOnStream signal and wait on a CUDA_IPC stream:
+  // kMemoryOperations (the default): cuStreamWriteValue32 / cuStreamWaitValue32.
+  // kKernels: one-thread kernels (attnd/kernels/cuda/flag_gate.h): the wait polls the done
+  // word and lets a kernel launched after it as a programmatic dependent start as soon as it
+  // sees it (cudaLaunchAttributeProgrammaticStreamSerialization; that kernel calls
+  // cudaGridDependencySynchronize() before it reads o); the ready write is launched as a
+  // programmatic dependent of the kernel before it. Measured on an H100 under MPS
+  // (docs/benchmarks.md): a decode layer's done handoff ~12 -> ~6 us, yet chained steps/s did
+  // not move (attnd's kernels ran longer beside the poller). The poller is running work: it
+  // holds a CTA slot of one SM while attnd's kernels run (attnd's prefill, which wants every
+  // SM, ran 1.3x longer: wait with memory operations for steps with prompt rows), and this
+  // process's implicitly synchronizing CUDA calls (cudaFree, ...) wait for it. Without MPS a
+  // spinning kernel holds the GPU against attnd's context until its time slice ends: use it
+  // under MPS only. kDefault (WaitDoneOnStream's `flags`): the channel's choice.
+  enum class StreamFlags { kDefault, kMemoryOperations, kKernels };
+  StreamFlags stream_flags = StreamFlags::kMemoryOperations;
 };
 
 // Pointers into one slot of the ring (host or device memory, see above). Null where the
@@ -76,6 +92,9 @@ class Channel {
   const attnd::v1::ChannelInfo& info() const { return info_; }
   attnd::v1::ChannelKind kind() const { return info_.kind(); }
   int32_t slots() const { return info_.slots(); }
+  // Whether SetReadyOnStream / WaitDoneOnStream use kernels (ChannelOptions::stream_flags):
+  // then a kernel launched right after WaitDoneOnStream may be a programmatic dependent.
+  bool stream_flag_kernels() const { return flag_kernels_; }
   ChannelSlot Slot(int32_t layer) const;
 
   // Host-side signalling (either kind).
@@ -91,6 +110,9 @@ class Channel {
   // queued before it; make the stream's later work wait for done. UNIMPLEMENTED without CUDA.
   absl::Status SetReadyOnStream(int32_t layer, uint32_t sequence, void* stream);
   absl::Status WaitDoneOnStream(int32_t layer, uint32_t sequence, void* stream);
+  // The same with the wait's kind chosen for this call (kDefault: the channel's).
+  absl::Status WaitDoneOnStream(int32_t layer, uint32_t sequence, void* stream,
+                                ChannelOptions::StreamFlags flags);
 
   // Copies between this process's host memory and a slot tensor (a ChannelSlot pointer), for
   // either kind: memcpy for HOST_SHM, a synchronous cudaMemcpy for CUDA_IPC.
@@ -110,6 +132,7 @@ class Channel {
 
   attnd::v1::ChannelInfo info_;
   absl::Duration host_spin_ = absl::Microseconds(200);
+  bool flag_kernels_ = false;  // stream_flags resolved: the stream signals with kernels
   uint8_t* ring_ = nullptr;  // host mapping (HOST_SHM) or device pointer (CUDA_IPC)
   int64_t ring_bytes_ = 0;
   int cuda_device_ = -1;     // CUDA_IPC: the device the ring was opened on
