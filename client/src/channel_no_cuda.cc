@@ -1,5 +1,7 @@
-// Client channels in a build without CUDA: CUDA_IPC is not available.
+// Client channels in a build without CUDA: CUDA_IPC and NCCL are not available (both run on
+// this process's GPU).
 #include "channel_cuda.h"
+#include "channel_nccl.h"
 
 namespace attnd::client::internal {
 
@@ -19,6 +21,16 @@ absl::Status StreamWriteFlag(void*, uint8_t*, uint32_t) {
 }
 absl::Status StreamWaitFlag(void*, uint8_t*, uint32_t) {
   return absl::UnimplementedError("CUDA_IPC channels need a client built with CUDA");
+}
+
+absl::Status NcclAvailable() {
+  return absl::UnimplementedError(
+      "CHANNEL_KIND_NCCL channels need a client built with CUDA (this one was not); use "
+      "HOST_SHM");
+}
+absl::StatusOr<std::unique_ptr<NcclPeer>> JoinNcclChannel(const std::string&, const std::string&,
+                                                          int64_t) {
+  return NcclAvailable();
 }
 
 }  // namespace attnd::client::internal

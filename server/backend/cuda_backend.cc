@@ -12,7 +12,7 @@
 #include "attnd/status_macros.h"
 #include "backend/cuda_cache.h"
 #include "backend/cuda_memory.h"
-#include "backend/nccl_loader.h"
+#include "attnd/nccl/nccl_loader.h"
 #include "plan/pod_choice.h"
 #include "plan/range_allocator.h"
 #include "util/log.h"
