@@ -32,6 +32,17 @@ bool Reached(uint32_t flag, uint32_t sequence) {
 
 absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(Client& client, std::string_view cache,
                                                        const ChannelOptions& options) {
+  if (options.cuda_device >= 0 && options.kind != attnd::v1::CHANNEL_KIND_HOST_SHM) {
+    // Everything of the open happens on that GPU (the bus id sent, the mapping, the NCCL join);
+    // the caller's current GPU is put back after.
+    const int previous = internal::CurrentDevice();
+    RETURN_IF_ERROR(internal::SetCurrentDevice(options.cuda_device));
+    ChannelOptions on_current = options;
+    on_current.cuda_device = -1;
+    absl::StatusOr<std::unique_ptr<Channel>> opened = Open(client, cache, on_current);
+    if (previous >= 0) internal::SetCurrentDevice(previous).IgnoreError();
+    return opened;
+  }
   // Refused before attnd makes a communicator that no one would join.
   if (options.kind == attnd::v1::CHANNEL_KIND_NCCL) RETURN_IF_ERROR(internal::NcclAvailable());
   std::unique_ptr<Channel> channel(new Channel());

@@ -6,6 +6,11 @@
 namespace attnd::client::internal {
 
 std::string CurrentPciBusId() { return {}; }
+int CurrentDevice() { return -1; }
+absl::Status SetCurrentDevice(int) {
+  return absl::UnimplementedError(
+      "ChannelOptions::cuda_device needs a client built with CUDA (this one was not)");
+}
 absl::StatusOr<uint8_t*> OpenIpcRing(const std::string&, const std::string&, int*) {
   return absl::UnimplementedError(
       "CUDA_IPC channels need a client built with CUDA (this one was not); use HOST_SHM");

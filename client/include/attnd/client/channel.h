@@ -53,6 +53,11 @@ struct ChannelOptions {
   int32_t max_tokens = 0;  // largest step (rows of q) the channel carries
   int32_t slots = 0;       // 0: the server's default (2)
   bool with_lse = false;
+  // CUDA_IPC, NCCL: the GPU (this process's CUDA ordinal) to open the channel from, instead of
+  // the calling thread's current one (-1): where the ring is mapped and the client's kernels
+  // write it (CUDA_IPC, named to attnd as client_pci_bus_id), or where the NCCL rank lives.
+  // The thread's current GPU is the same after Open.
+  int32_t cuda_device = -1;
   // WaitDone from the host spins this long on the done word before it sleeps on it (a futex
   // attnd wakes). A layer longer than the spin pays a wake-up (~tens of us); spinning costs a
   // core while it lasts.
