@@ -44,6 +44,9 @@ ABSL_FLAG(int32_t, channel_kernel_timing, 16,
           "CUDA backend: time the kernels of one CUDA_IPC channel layer in this many for the "
           "kernel metrics and GetStats (1: every layer, 0: none; each timed layer costs ~6 us "
           "of GPU time under MPS). The Forward path times every layer");
+ABSL_FLAG(absl::Duration, nccl_init_timeout, absl::Seconds(60),
+          "CUDA backend: how long an NCCL channel waits for its client to join the communicator "
+          "(rank 1, ChannelInfo.nccl_unique_id) before it closes");
 ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "Largest gRPC message received or sent");
 ABSL_FLAG(int32_t, max_plan_entries, 4096, "Most entries in one Plan");
 ABSL_FLAG(int64_t, max_step_tokens, 65536, "Most new tokens in one step");
@@ -193,6 +196,12 @@ int main(int argc, char** argv) {
   if (options.channel_kernel_timing < 0) {
     std::fprintf(stderr, "attnd: --channel_kernel_timing: expected >= 0, got %d\n",
                  options.channel_kernel_timing);
+    return 2;
+  }
+  options.nccl_init_timeout = absl::GetFlag(FLAGS_nccl_init_timeout);
+  if (options.nccl_init_timeout <= absl::ZeroDuration()) {
+    std::fprintf(stderr, "attnd: --nccl_init_timeout: expected > 0, got %s\n",
+                 absl::FormatDuration(options.nccl_init_timeout).c_str());
     return 2;
   }
   options.limits.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

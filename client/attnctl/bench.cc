@@ -54,8 +54,14 @@ ABSL_FLAG(int32_t, micro_batches, 1,
           "bench: split the sequences into this many steps run together, layers interleaved");
 ABSL_FLAG(int32_t, warmup_steps, 2, "bench: untimed decode steps before the timed ones");
 ABSL_FLAG(std::string, transport, "grpc",
-          "bench: grpc (Forward messages), shm (a HOST_SHM channel; attnd on this host) or "
-          "cuda_ipc (a CUDA_IPC channel; attnd on this host's GPU), see channel_bench.cc");
+          "bench: grpc (Forward messages), shm (a HOST_SHM channel; attnd on this host), "
+          "cuda_ipc (a CUDA_IPC channel; attnd on this host's GPU, or a peer of the client's) or "
+          "nccl (an NCCL channel; the client on another GPU than attnd's, or another host), see "
+          "channel_bench.cc");
+ABSL_FLAG(int32_t, client_device, -1,
+          "bench (cuda_ipc, nccl): the GPU (this process's CUDA ordinal) the client opens the "
+          "channel from and runs its stream and emulator kernel on; another GPU than attnd's "
+          "is the peer case. -1: the current one (0)");
 ABSL_FLAG(bool, raw, true,
           "bench: zero-copy forwards (q/k/v from the bench's memory, o into it); false: "
           "ForwardRequest messages");
@@ -462,7 +468,8 @@ int RunBench(const Args& args) {
     absl::FPrintF(stderr,
                   "usage: attnctl bench [--sequences=N --steps=S --warmup_steps=S0 "
                   "--prompt_tokens=P --prefill_tokens=T --stream --window=W --micro_batches=M "
-                  "--raw=true|false --cache=NAME] [cache shape flags]\n");
+                  "--raw=true|false --cache=NAME --transport=grpc|shm|cuda_ipc|nccl "
+                  "--client_device=N] [cache shape flags]\n");
     return kExitUsage;
   }
   // Before the first channel, so that gRPC's threads start with the signals blocked.
@@ -517,9 +524,10 @@ int RunBench(const Args& args) {
   } else {
     if (!CapacityFlagGiven()) {
       BenchSettings sized = settings;
-      // A CUDA_IPC bench runs a chained phase after the timed steps (another `steps` tokens
-      // per sequence) and, with micro-batches, a pipelined one (another steps + 3).
-      if (absl::GetFlag(FLAGS_transport) == "cuda_ipc") {
+      // A CUDA_IPC or NCCL bench runs a chained phase after the timed steps (another `steps`
+      // tokens per sequence) and, with micro-batches, a pipelined one (another steps + 3).
+      if (absl::GetFlag(FLAGS_transport) == "cuda_ipc" ||
+          absl::GetFlag(FLAGS_transport) == "nccl") {
         sized.steps = 2 * settings.steps + (settings.micro_batches > 1 ? settings.steps + 3 : 0);
       }
       config->set_num_pages(PagesNeeded(sized, config->page_size()) + settings.sequences);
@@ -540,9 +548,18 @@ int RunBench(const Args& args) {
   }
   const std::string transport = absl::GetFlag(FLAGS_transport);
   if (transport != "grpc") {
-    if (transport != "shm" && transport != "cuda_ipc") {
-      absl::FPrintF(stderr, "attnctl bench: --transport: expected grpc, shm or cuda_ipc, got %s\n",
+    if (transport != "shm" && transport != "cuda_ipc" && transport != "nccl") {
+      absl::FPrintF(stderr,
+                    "attnctl bench: --transport: expected grpc, shm, cuda_ipc or nccl, got %s\n",
                     transport);
+      if (existing.empty()) (void)(*client)->DeleteCache(cache.name(), true);
+      return kExitUsage;
+    }
+    // Each micro-batch would be its own communicator, and NCCL does not promise that kernels
+    // of several communicators enqueued in different orders on the two ranks make progress.
+    if (transport == "nccl" && settings.micro_batches > 1) {
+      absl::FPrintF(stderr, "attnctl bench: --transport=nccl runs one micro-batch "
+                            "(--micro_batches=1)\n");
       if (existing.empty()) (void)(*client)->DeleteCache(cache.name(), true);
       return kExitUsage;
     }
@@ -554,9 +571,11 @@ int RunBench(const Args& args) {
     channel_settings.max_step_tokens = info->limits().max_step_tokens();
     channel_settings.first_id = first_id;
     channel_settings.micro_batches = settings.micro_batches;
-    const int code = RunChannelBench(
-        **client, cache, channel_settings,
-        transport == "shm" ? attnd::v1::CHANNEL_KIND_HOST_SHM : attnd::v1::CHANNEL_KIND_CUDA_IPC);
+    channel_settings.client_device = absl::GetFlag(FLAGS_client_device);
+    const int code = RunChannelBench(**client, cache, channel_settings,
+                                     transport == "shm"        ? attnd::v1::CHANNEL_KIND_HOST_SHM
+                                     : transport == "cuda_ipc" ? attnd::v1::CHANNEL_KIND_CUDA_IPC
+                                                               : attnd::v1::CHANNEL_KIND_NCCL);
     if (existing.empty()) (void)(*client)->DeleteCache(cache.name(), /*force=*/true);
     return code;
   }

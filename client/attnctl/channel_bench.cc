@@ -1,17 +1,20 @@
-// attnctl bench --transport=shm|cuda_ipc: the e2e benchmark of PERFORMANCE.md over a channel
-// (DESIGN 3b) instead of Forward messages. An orchestrator emulator produces each layer's q/k/v
-// as an engine would (CUDA_IPC: a kernel on the bench's own stream writing into the slot, then
-// ready set and done awaited with stream memory operations; HOST_SHM: the layer's inputs copied
-// from host buffers into the slot, ready set and done awaited from the host), and the outputs
-// of the first prefill and decode steps are checked against the CPU reference for
-// --check_sequences sequences.
+// attnctl bench --transport=shm|cuda_ipc|nccl: the e2e benchmark of PERFORMANCE.md over a
+// channel (DESIGN 3b) instead of Forward messages. An orchestrator emulator produces each
+// layer's q/k/v as an engine would (CUDA_IPC: a kernel on the bench's own stream writing into
+// the slot, then ready set and done awaited with stream memory operations; NCCL: the same
+// kernel writing into the client's local slot, then the layer's ncclSend/ncclRecv groups on
+// that stream; HOST_SHM: the layer's inputs copied from host buffers into the slot, ready set
+// and done awaited from the host), and the outputs of the first prefill and decode steps are
+// checked against the CPU reference for --check_sequences sequences. --client_device puts the
+// client's stream (and the channel's mapping or NCCL rank) on another GPU than attnd's.
 //
 // Reported: the prompt step (every sequence's prompt in as few steps as max_tokens allows) with
 // its kernel time; per-layer time of the timed decode steps as the client sees it (CUDA_IPC:
-// between the events after consecutive done waits, minus the emulator's fill; HOST_SHM: ready
-// set to done seen), minus the mean kernel time of a layer (GetStats) = overhead; steps/s and
-// the kernels-only rate; over CUDA_IPC also chained steps (each planned on top of the previous
-// one while it runs) against the kernels-only rate and against kernels + the emulator's fill.
+// between the events after consecutive done waits (NCCL: receives), minus the emulator's
+// fill; HOST_SHM: ready set to done seen), minus the mean kernel time of a layer (GetStats) =
+// overhead; steps/s and the kernels-only rate; over CUDA_IPC and NCCL also chained steps (each
+// planned on top of the previous one while it runs) against the kernels-only rate and against
+// kernels + the emulator's fill.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -128,8 +131,10 @@ class ChannelBench {
         settings_.sequences,
         std::min<int64_t>(int64_t{settings_.sequences} * settings_.prompt_tokens,
                           settings_.max_step_tokens)));
+    const bool on_gpu = kind_ != attnd::v1::CHANNEL_KIND_HOST_SHM;
     client::ChannelOptions options;
     options.kind = kind_;
+    options.cuda_device = settings_.client_device;
     options.max_tokens = max_tokens;
     options.host_spin = absl::Microseconds(absl::GetFlag(FLAGS_host_spin_us));
     using Flags = client::ChannelOptions::StreamFlags;
@@ -139,9 +144,9 @@ class ChannelBench {
     auto channel = client::Channel::Open(client_, cache_.name(), options);
     if (!channel.ok()) return Fail("open channel", channel.status());
     channel_ = *std::move(channel);
-    if (kind_ == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+    if (on_gpu) {
       // Events: after each layer's done wait, 8 of the bench's own, after each layer's fill.
-      auto stream = EmulatorStream::Create(channel_->info().device(),
+      auto stream = EmulatorStream::Create(channel_->cuda_device(),
                                            2 * shape_.num_layers() + 8);
       if (!stream.ok()) return Fail("CUDA stream", stream.status());
       stream_ = *std::move(stream);
@@ -248,7 +253,9 @@ class ChannelBench {
       if (!ran.ok()) return Fail("pipelined micro-batches", ran.status());
       pipelined = *ran;
     }
-    const char* transport = kind_ == attnd::v1::CHANNEL_KIND_CUDA_IPC ? "cuda_ipc" : "shm";
+    const char* transport = kind_ == attnd::v1::CHANNEL_KIND_CUDA_IPC ? "cuda_ipc"
+                            : kind_ == attnd::v1::CHANNEL_KIND_NCCL   ? "nccl"
+                                                                      : "shm";
     absl::PrintF("transport %s: %d sequences x %d layers, %d timed decode steps\n", transport,
                  settings_.sequences, shape_.num_layers(), settings_.steps);
     absl::PrintF("  layer (client view%s): p50 %.1f us, p99 %.1f us; kernels %.1f us/layer\n",
@@ -356,8 +363,21 @@ class ChannelBench {
     return request;
   }
 
-  // Enqueues every layer of a planned step on `stream`: fill, ready, wait for done (no host
-  // wait).
+  // Hands a filled layer to attnd and makes `stream` wait for its o: CUDA_IPC sets ready and
+  // waits for done (stream memory operations); NCCL sends the slot's q/k/v and receives o.
+  absl::Status SignalLayer(client::Channel& channel, void* stream, int32_t layer,
+                           uint32_t sequence, int64_t rows,
+                           client::ChannelOptions::StreamFlags flags =
+                               client::ChannelOptions::StreamFlags::kDefault) const {
+    if (channel.kind() == attnd::v1::CHANNEL_KIND_NCCL) {
+      return channel.ExchangeOnStream(layer, rows, /*return_lse=*/false, channel.Slot(layer),
+                                      stream);
+    }
+    RETURN_IF_ERROR(channel.SetReadyOnStream(layer, sequence, stream));
+    return channel.WaitDoneOnStream(layer, sequence, stream, flags);
+  }
+
+  // Enqueues every layer of a planned step on `stream`: fill, then SignalLayer (no host wait).
   absl::Status EnqueueStep(client::Channel& channel, void* stream,
                            const attnd::v1::PlanResponse& planned, int64_t step,
                            FillStamps* stamps = nullptr) const {
@@ -365,8 +385,8 @@ class ChannelBench {
       RETURN_IF_ERROR(FillLayer(channel, stream, step, layer, planned.num_tokens(),
                                 stamps == nullptr ? nullptr : stamps + layer,
                                 channel.stream_flag_kernels()));
-      RETURN_IF_ERROR(channel.SetReadyOnStream(layer, planned.channel_sequence(), stream));
-      RETURN_IF_ERROR(channel.WaitDoneOnStream(layer, planned.channel_sequence(), stream));
+      RETURN_IF_ERROR(SignalLayer(channel, stream, layer, planned.channel_sequence(),
+                                  planned.num_tokens()));
     }
     return absl::OkStatus();
   }
@@ -515,11 +535,12 @@ class ChannelBench {
       }
       client::ChannelOptions options;
       options.kind = kind_;
+      options.cuda_device = settings_.client_device;
       options.max_tokens = static_cast<int32_t>(std::max<size_t>(1, batches[k].entries.size()));
       ASSIGN_OR_RETURN(batches[k].channel,
                        client::Channel::Open(client_, cache_.name(), options));
       ASSIGN_OR_RETURN(batches[k].stream,
-                       EmulatorStream::Create(batches[k].channel->info().device(), 1));
+                       EmulatorStream::Create(batches[k].channel->cuda_device(), 1));
     }
     auto round = [&]() -> absl::Status {
       for (MicroBatch& batch : batches) {
@@ -639,8 +660,7 @@ class ChannelBench {
         status.Update(FillLayer(*channel_, stream, step, layer, rows, nullptr, poll && layer > 0));
         // A timing event costs ~2 us of the stream: the fill's own only every other step.
         if (step % 2 == 1) status.Update(stream_->Record(FilledEvent(layer)));
-        status.Update(channel_->SetReadyOnStream(layer, sequence, stream));
-        status.Update(channel_->WaitDoneOnStream(layer, sequence, stream, flags));
+        status.Update(SignalLayer(*channel_, stream, layer, sequence, rows, flags));
         status.Update(stream_->Record(layer));
         if (check) status.Update(stream_->Synchronize());
       } else {

@@ -1,4 +1,4 @@
-// attnctl bench over a channel (--transport=shm|cuda_ipc), see channel_bench.cc.
+// attnctl bench over a channel (--transport=shm|cuda_ipc|nccl), see channel_bench.cc.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +17,9 @@ struct ChannelBenchSettings {
   // CUDA_IPC: > 1 adds a pipelined phase: the sequences split into this many micro-batches,
   // each on its own channel and stream, one planned and enqueued while the others run.
   int32_t micro_batches = 1;
+  // CUDA_IPC, NCCL: the GPU (this process's CUDA ordinal) the channels are opened from and the
+  // emulator runs on; another GPU than attnd's is the peer case. -1: the current one (0).
+  int32_t client_device = -1;
 };
 
 int RunChannelBench(client::Client& client, const attnd::v1::CacheInfo& cache,

@@ -3,7 +3,7 @@
 namespace attnd::attnctl {
 
 absl::Status FillRegionsOnStream(const FillRegion*, int, bool, void*, FillStamps*, bool) {
-  return absl::UnimplementedError("attnctl was built without CUDA: --transport=cuda_ipc needs it");
+  return absl::UnimplementedError("attnctl was built without CUDA: --transport=cuda_ipc|nccl needs it");
 }
 
 }  // namespace attnd::attnctl
@@ -11,7 +11,7 @@ absl::Status FillRegionsOnStream(const FillRegion*, int, bool, void*, FillStamps
 namespace attnd::attnctl {
 
 absl::StatusOr<std::unique_ptr<EmulatorStream>> EmulatorStream::Create(int, int) {
-  return absl::UnimplementedError("attnctl was built without CUDA: --transport=cuda_ipc needs it");
+  return absl::UnimplementedError("attnctl was built without CUDA: --transport=cuda_ipc|nccl needs it");
 }
 EmulatorStream::~EmulatorStream() = default;
 absl::Status EmulatorStream::Record(int) { return absl::UnimplementedError("no CUDA"); }

@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -17,6 +18,8 @@
 #include "attnd/client/status.h"
 #include "attnd/status_macros.h"
 #include "channel_cuda.h"
+#include "channel_nccl.h"
+#include "nccl_wire.h"
 
 namespace attnd::client {
 namespace {
@@ -29,6 +32,19 @@ bool Reached(uint32_t flag, uint32_t sequence) {
 
 absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(Client& client, std::string_view cache,
                                                        const ChannelOptions& options) {
+  if (options.cuda_device >= 0 && options.kind != attnd::v1::CHANNEL_KIND_HOST_SHM) {
+    // Everything of the open happens on that GPU (the bus id sent, the mapping, the NCCL join);
+    // the caller's current GPU is put back after.
+    const int previous = internal::CurrentDevice();
+    RETURN_IF_ERROR(internal::SetCurrentDevice(options.cuda_device));
+    ChannelOptions on_current = options;
+    on_current.cuda_device = -1;
+    absl::StatusOr<std::unique_ptr<Channel>> opened = Open(client, cache, on_current);
+    if (previous >= 0) internal::SetCurrentDevice(previous).IgnoreError();
+    return opened;
+  }
+  // Refused before attnd makes a communicator that no one would join.
+  if (options.kind == attnd::v1::CHANNEL_KIND_NCCL) RETURN_IF_ERROR(internal::NcclAvailable());
   std::unique_ptr<Channel> channel(new Channel());
   attnd::v1::OpenChannelRequest request;
   request.set_cache(std::string(cache));
@@ -80,9 +96,13 @@ void Channel::ReadUntilClosed() {
     reason = status.ok() ? "closed" : absl::StrCat("OpenChannel call ended: ",
                                                    status.error_message());
   }
-  std::lock_guard lock(mu_);
-  closed_reason_ = reason;
-  closed_ = true;
+  {
+    std::lock_guard lock(mu_);
+    closed_reason_ = reason;
+    closed_ = true;
+  }
+  // attnd aborted its rank: NCCL kernels of ours still waiting on a stream for it must exit.
+  if (nccl_ != nullptr) nccl_->Abort();
 }
 
 Channel::~Channel() {
@@ -99,11 +119,11 @@ std::string Channel::closed_reason() const {
 absl::Status Channel::Map() {
   ring_bytes_ = info_.layout().ring_bytes();
   if (info_.kind() == attnd::v1::CHANNEL_KIND_NCCL) {
-    // The peer side (join the communicator, grouped ncclSend/ncclRecv per layer) is the next
-    // step of issue 19 (docs/issue19-device-plan.md); the channel is closed again here.
-    return absl::UnimplementedError(
-        "CHANNEL_KIND_NCCL: this client library cannot drive NCCL channels yet; join the "
-        "communicator with ChannelInfo.nccl_unique_id yourself, or use HOST_SHM / CUDA_IPC");
+    ASSIGN_OR_RETURN(nccl_, internal::JoinNcclChannel(info_.nccl_unique_id(), info_.pci_bus_id(),
+                                                      ring_bytes_));
+    ring_ = nccl_->ring();
+    cuda_device_ = nccl_->device();
+    return absl::OkStatus();
   }
   if (info_.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
     ASSIGN_OR_RETURN(ring_, internal::OpenIpcRing(info_.cuda_ipc_handle(), info_.pci_bus_id(),
@@ -127,7 +147,17 @@ absl::Status Channel::Map() {
   return absl::OkStatus();
 }
 
+bool Channel::device_ring() const {
+  return info_.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC ||
+         info_.kind() == attnd::v1::CHANNEL_KIND_NCCL;
+}
+
 void Channel::Unmap() {
+  if (info_.kind() == attnd::v1::CHANNEL_KIND_NCCL) {
+    nccl_.reset();  // aborts the communicator, then frees the local ring
+    ring_ = nullptr;
+    return;
+  }
   if (ring_ == nullptr) return;
   if (info_.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
     internal::CloseIpcRing(ring_, cuda_device_);
@@ -174,15 +204,22 @@ void Channel::WriteFlag(int64_t offset, uint32_t value) {
 }
 
 void Channel::SetReady(int32_t layer, uint32_t sequence) {
+  if (info_.kind() == attnd::v1::CHANNEL_KIND_NCCL) return;  // the send group is the signal
   WriteFlag(info_.layout().ready_offsets(layer), sequence);
 }
 
 bool Channel::Aborted(uint32_t sequence) const {
+  // NCCL: an aborted step closes the channel (closed_reason says so).
+  if (info_.kind() == attnd::v1::CHANNEL_KIND_NCCL) return false;
   const uint32_t aborted = ReadFlag(info_.layout().aborted_offset());
   return aborted != 0 && Reached(aborted, sequence);
 }
 
 absl::Status Channel::WaitDone(int32_t layer, uint32_t sequence, absl::Duration timeout) {
+  if (info_.kind() == attnd::v1::CHANNEL_KIND_NCCL) {
+    return absl::FailedPreconditionError(
+        "WaitDone: NCCL channels have no done words; ExchangeOnStream receives o on a stream");
+  }
   const int64_t offset = info_.layout().done_offsets(layer);
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + absl::ToChronoNanoseconds(timeout);
@@ -217,7 +254,7 @@ absl::Status Channel::WaitDone(int32_t layer, uint32_t sequence, absl::Duration 
 }
 
 absl::Status Channel::CopyIn(void* slot_tensor, const void* host, int64_t bytes) {
-  if (info_.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+  if (device_ring()) {
     return internal::CopyDevice(slot_tensor, host, bytes, /*to_device=*/true);
   }
   std::memcpy(slot_tensor, host, bytes);
@@ -225,7 +262,7 @@ absl::Status Channel::CopyIn(void* slot_tensor, const void* host, int64_t bytes)
 }
 
 absl::Status Channel::CopyOut(void* host, const void* slot_tensor, int64_t bytes) const {
-  if (info_.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC) {
+  if (device_ring()) {
     return internal::CopyDevice(host, slot_tensor, bytes, /*to_device=*/false);
   }
   std::memcpy(host, slot_tensor, bytes);
@@ -258,6 +295,29 @@ absl::Status Channel::WaitDoneOnStream(int32_t layer, uint32_t sequence, void* s
     return internal::StreamPollFlag(stream, done, sequence);
   }
   return internal::StreamWaitFlag(stream, done, sequence);
+}
+
+absl::Status Channel::ExchangeOnStream(int32_t layer, int64_t rows, bool return_lse,
+                                       const ChannelSlot& tensors, void* stream) {
+  if (info_.kind() != attnd::v1::CHANNEL_KIND_NCCL || nccl_ == nullptr) {
+    return absl::FailedPreconditionError("ExchangeOnStream: only NCCL channels");
+  }
+  ASSIGN_OR_RETURN(const internal::NcclLayerBuffers buffers,
+                   internal::NcclLayerBuffersOf(info_, rows, return_lse, tensors));
+  std::lock_guard lock(exchange_mu_);
+  if (layer != next_exchange_layer_) {
+    // Enqueued out of order, the layer's bytes would pair with another layer's receives.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ExchangeOnStream: layer ", layer, " out of order; attnd takes layer ",
+        next_exchange_layer_, " next (layers 0..", info_.layout().ready_offsets_size() - 1,
+        " of each step, in order)"));
+  }
+  if (closed_) {
+    return absl::UnavailableError(absl::StrCat("channel closed: ", closed_reason()));
+  }
+  RETURN_IF_ERROR(nccl_->Exchange(buffers, stream));
+  next_exchange_layer_ = (layer + 1) % std::max(1, info_.layout().ready_offsets_size());
+  return absl::OkStatus();
 }
 
 }  // namespace attnd::client

@@ -33,6 +33,24 @@ std::string CurrentPciBusId() {
   return bus_id;
 }
 
+int CurrentDevice() {
+  int current = 0;
+  if (cudaGetDevice(&current) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return current;
+}
+
+absl::Status SetCurrentDevice(int device) {
+  if (const cudaError_t error = cudaSetDevice(device); error != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ChannelOptions::cuda_device ", device, ": ", cudaGetErrorString(error)));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uint8_t*> OpenIpcRing(const std::string& handle, const std::string& pci_bus_id,
                                      int* device) {
   if (handle.size() != sizeof(cudaIpcMemHandle_t)) {

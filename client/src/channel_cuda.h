@@ -12,6 +12,9 @@ namespace attnd::client::internal {
 // The PCI bus id of this thread's current CUDA device ("" without CUDA or on any error): what
 // OpenChannelRequest.client_pci_bus_id says for a CUDA_IPC channel.
 std::string CurrentPciBusId();
+// This thread's current CUDA device (-1 on error), and making `device` current.
+int CurrentDevice();
+absl::Status SetCurrentDevice(int device);
 // Opens the 64-byte cudaIpcMemHandle of a ring on the device with this PCI bus id. From the
 // current device: directly when it is that device, else with peer access enabled (the current
 // device must reach it). `device` is set to the device the mapping was opened on.

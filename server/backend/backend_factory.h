@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "backend/backend.h"
 #include "options.h"
 #include "plan/decode_choice.h"
@@ -27,6 +28,7 @@ struct BackendFactoryOptions {
   plan::DecodeKernelChoice decode_kernel = plan::DecodeKernelChoice::kAuto;
   std::string cuda_completion_wait;
   int32_t channel_timing_stride = 16;  // CudaBackendOptions::channel_timing_stride
+  absl::Duration nccl_init_timeout = absl::Seconds(60);  // CudaBackendOptions::nccl_init_timeout
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions& options);

@@ -12,7 +12,7 @@
 #include "attnd/status_macros.h"
 #include "backend/cuda_cache.h"
 #include "backend/cuda_memory.h"
-#include "backend/nccl_loader.h"
+#include "attnd/nccl/nccl_loader.h"
 #include "plan/pod_choice.h"
 #include "plan/range_allocator.h"
 #include "util/log.h"
@@ -342,6 +342,7 @@ absl::StatusOr<std::unique_ptr<BackendCache>> CudaBackend::CreateCache(
   cache_options.pod_mode = options_.pod_mode;
   cache_options.decode_kernel = options_.decode_kernel;
   cache_options.channel_timing_stride = options_.channel_timing_stride;
+  cache_options.nccl_init_timeout = options_.nccl_init_timeout;
   auto cache = CudaCache::Create(geometry, reservation->base() + offset, device->info.ordinal,
                                  cache_options, options_.observer, release);
   if (!cache.ok()) {  // the failed cache gave its range back

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "backend/backend.h"
 #include "plan/decode_choice.h"
 #include "plan/pod_choice.h"
@@ -38,6 +39,8 @@ struct CudaBackendOptions {
   // CUDA_IPC channels time the kernels of one layer in this many (1: all, 0: none; attnd's
   // --channel_kernel_timing). The Forward path times every layer.
   int32_t channel_timing_stride = 16;
+  // How long an NCCL channel waits for its client to join (attnd's --nccl_init_timeout).
+  absl::Duration nccl_init_timeout = absl::Seconds(60);
 };
 
 // Visible CUDA devices; 0 on any error (no driver, no device), so callers can fall back.

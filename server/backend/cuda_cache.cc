@@ -12,7 +12,7 @@
 #include "backend/cuda_ipc_channel.h"
 #include "backend/cuda_step.h"
 #include "backend/nccl_channel.h"
-#include "backend/nccl_loader.h"
+#include "attnd/nccl/nccl_loader.h"
 #include "backend/peer_access.h"
 #include "channel/host_shm_channel.h"
 #include "plan/decode_choice.h"

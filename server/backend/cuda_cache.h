@@ -64,7 +64,8 @@ struct CudaCacheOptions {
   // CUDA_IPC channels time the kernels of one layer in this many (1: every layer, 0: none;
   // attnd's --channel_kernel_timing): a timing event costs ~2 us of the stream under MPS.
   int32_t channel_timing_stride = 16;
-  // How long an NCCL channel waits for its peer to join before it closes (issue 19).
+  // How long an NCCL channel waits for its peer to join before it closes (issue 19; attnd's
+  // --nccl_init_timeout).
   absl::Duration nccl_init_timeout = absl::Seconds(60);
 };
 

@@ -101,7 +101,7 @@ void NcclChannel::WatchLoop() {
     std::memcpy(id.internal, unique_id_.data(), sizeof(id.internal));
     std::lock_guard lock(nccl_mu_);
     const ncclResult_t result =
-        api.CommInitRankConfig(&comm_, /*nranks=*/2, id, kAttndRank, &config);
+        api.CommInitRankConfig(&comm_, nccl::kChannelRanks, id, kAttndRank, &config);
     if (result != ncclSuccess && result != ncclInProgress) {
       failure = absl::UnavailableError(nccl_->Describe("ncclCommInitRankConfig", result));
     }

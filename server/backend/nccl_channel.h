@@ -37,7 +37,7 @@
 #include "backend/cuda_cache.h"
 #include "backend/cuda_memory.h"
 #include "backend/cuda_step_resources.h"
-#include "backend/nccl_loader.h"
+#include "attnd/nccl/nccl_loader.h"
 #include "channel/channel_layout.h"
 
 namespace attnd::cuda_backend {
@@ -47,8 +47,8 @@ class CudaStep;
 class NcclChannel final : public BackendChannel {
  public:
   static constexpr int kWindow = 8;
-  static constexpr int kAttndRank = 0;
-  static constexpr int kClientRank = 1;
+  static constexpr int kAttndRank = nccl::kAttndRank;
+  static constexpr int kClientRank = nccl::kClientRank;
 
   static absl::StatusOr<std::unique_ptr<NcclChannel>> Create(CudaCache* cache,
                                                              const ChannelSpec& spec, int device,

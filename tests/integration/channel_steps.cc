@@ -20,8 +20,13 @@ absl::StatusOr<attnd::v1::ForwardResponse> ForwardThroughChannel(
   RETURN_IF_ERROR(channel.CopyIn(slot.q, request.q().data().data(), request.q().data().size()));
   RETURN_IF_ERROR(channel.CopyIn(slot.k, request.k().data().data(), request.k().data().size()));
   RETURN_IF_ERROR(channel.CopyIn(slot.v, request.v().data().data(), request.v().data().size()));
-  channel.SetReady(layer, sequence);
-  RETURN_IF_ERROR(channel.WaitDone(layer, sequence, absl::Seconds(30)));
+  if (channel.kind() == attnd::v1::CHANNEL_KIND_NCCL) {
+    // On the legacy default stream (null), which CopyOut's cudaMemcpy below waits for.
+    RETURN_IF_ERROR(channel.ExchangeOnStream(layer, rows, with_lse, slot, /*stream=*/nullptr));
+  } else {
+    channel.SetReady(layer, sequence);
+    RETURN_IF_ERROR(channel.WaitDone(layer, sequence, absl::Seconds(30)));
+  }
   attnd::v1::ForwardResponse response;
   attnd::v1::Tensor* o = response.mutable_o();
   o->set_dtype(config.q_dtype());
@@ -61,7 +66,7 @@ std::string DiffOutputs(const attnd::v1::ForwardResponse& expected,
 absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& prefix,
                                     attnd::v1::ChannelKind kind,
                                     const attnd::v1::CacheConfig& config, int decode_steps,
-                                    uint64_t seed, bool chained) {
+                                    uint64_t seed, bool chained, int32_t client_device) {
   const std::string grpc_cache = prefix + "-grpc";
   const std::string channel_cache = prefix + "-channel";
   RETURN_IF_ERROR(client.CreateCache(grpc_cache, config).status());
@@ -70,6 +75,7 @@ absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& p
   options.kind = kind;
   options.max_tokens = 64;
   options.with_lse = true;
+  options.cuda_device = client_device;
   ASSIGN_OR_RETURN(std::unique_ptr<client::Channel> channel,
                    client::Channel::Open(client, channel_cache, options));
   std::mt19937_64 rng(seed);

@@ -1,6 +1,7 @@
-// Running a step's layers through a HOST_SHM channel from the test side: the layer's tensors
-// copied into its slot, ready set, done awaited, o and lse read back into a ForwardResponse of
-// the same shape the gRPC path answers with, so the two paths can be compared byte for byte.
+// Running a step's layers through a channel from the test side: the layer's tensors copied
+// into its slot, ready set, done awaited (NCCL: sent and o received on the default stream), o
+// and lse read back into a ForwardResponse of the same shape the gRPC path answers with, so the
+// two paths can be compared byte for byte.
 #pragma once
 
 #include <cstdint>
@@ -28,10 +29,12 @@ std::string DiffOutputs(const attnd::v1::ForwardResponse& expected,
 // the first cache through Forward, the second through a channel of `kind`. OK when every
 // layer's o and lse are bitwise equal; the error names the first difference. `chained`: each
 // channel step is planned before the previous one's layers run (on top of it, DESIGN 3b).
+// `client_device` >= 0: the channel is opened from that GPU (ChannelOptions::cuda_device).
 absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& prefix,
                                     attnd::v1::ChannelKind kind,
                                     const attnd::v1::CacheConfig& config, int decode_steps,
-                                    uint64_t seed, bool chained = false);
+                                    uint64_t seed, bool chained = false,
+                                    int32_t client_device = -1);
 
 // The attnd child process's gRPC port from its "serving ... on port N" log line; 0 if absent.
 int PortFromServingLine(const std::string& line);

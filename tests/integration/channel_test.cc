@@ -148,9 +148,10 @@ std::string ClientProgram() {
   return given != nullptr && *given != '\0' ? given : CHANNEL_TEST_CLIENT;
 }
 
-std::string RunClient(const std::string& mode, const std::string& address, int* status) {
+std::string RunClient(const std::string& mode, const std::string& address, int* status,
+                      const std::string& extra = "") {
   const std::string command = absl::StrCat("timeout -k 5 60 ", ClientProgram(), " ", mode,
-                                           " ", address, " other-process 2>&1");
+                                           " ", address, " other-process ", extra, " 2>&1");
   FILE* child = popen(command.c_str(), "r");
   if (child == nullptr) return "popen failed";
   std::string output;
@@ -166,6 +167,39 @@ TEST_F(ChannelTest, CudaIpcClientInAnotherProcessMatchesForwardBitwise) {
   if (TestBackendName() != "cuda") GTEST_SKIP() << "CUDA_IPC needs the cuda backend";
   int status = -1;
   const std::string output = RunClient("compare-cuda-ipc", address(), &status);
+  EXPECT_EQ(status, 0) << output;
+  EXPECT_THAT(output, HasSubstr("PASS"));
+}
+
+// Issue 19, on a machine with two GPUs that attnd serves both of (the test server takes every
+// visible GPU; the caches live on device 0): the client process on GPU 1.
+bool TwoGpusServed(client::Client& client) {
+  const absl::StatusOr<attnd::v1::GetServerInfoResponse> info = client.GetServerInfo();
+  return TestBackendName() == "cuda" && info.ok() && info->devices_size() >= 2;
+}
+
+// The ring in GPU 0's memory, mapped by a client on GPU 1 with peer access (its kernels write
+// over NVLink or PCIe): bitwise the gRPC path.
+TEST_F(ChannelTest, CudaIpcClientOnAPeerGpuMatchesForwardBitwise) {
+  if (!TwoGpusServed(client())) GTEST_SKIP() << "needs the cuda backend on two GPUs";
+  int status = -1;
+  const std::string output =
+      RunClient("compare-cuda-ipc", address(), &status, "--client_device=1");
+  EXPECT_EQ(status, 0) << output;
+  EXPECT_THAT(output, HasSubstr("PASS"));
+}
+
+// An NCCL channel: attnd rank 0 on GPU 0, the client process rank 1 on GPU 1; q/k/v sent and
+// o/lse received per layer: bitwise the gRPC path, plain and chained steps.
+TEST_F(ChannelTest, NcclClientOnAnotherGpuMatchesForwardBitwise) {
+  if (!TwoGpusServed(client())) GTEST_SKIP() << "needs the cuda backend on two GPUs";
+  ASSERT_OK_AND_ASSIGN(auto info, client().GetServerInfo());
+  if (std::find(info.extensions().begin(), info.extensions().end(), "channel_nccl") ==
+      info.extensions().end()) {
+    GTEST_SKIP() << "libnccl.so.2 does not load here (GetServerInfo lists no channel_nccl)";
+  }
+  int status = -1;
+  const std::string output = RunClient("compare-nccl", address(), &status, "--client_device=1");
   EXPECT_EQ(status, 0) << output;
   EXPECT_THAT(output, HasSubstr("PASS"));
 }
@@ -317,6 +351,32 @@ TEST_F(ChannelTest, NcclChannelsAreRefusedWhereTheyCannotRun) {
   }
   ASSERT_OK_AND_ASSIGN(auto cache, client().GetCache("c"));
   EXPECT_EQ(cache.channels_size(), 0) << "a refused open left a channel behind";
+}
+
+// The client library refuses an NCCL channel it cannot drive before asking attnd for one: a
+// build without CUDA, or no loadable libnccl.so.2. Where it can, the open reaches attnd, and
+// the cpu backend's refusal comes back as is.
+TEST_F(ChannelTest, TheClientRefusesNcclChannelsItCannotDrive) {
+  if (TestBackendName() != "cpu") {
+    GTEST_SKIP() << "on the cuda backend an in-process client would join from attnd's own GPU; "
+                    "NcclClientOnAnotherGpuMatchesForwardBitwise runs NCCL channels";
+  }
+  ASSERT_OK(client().CreateCache("c", SmallConfig(64)).status());
+  client::ChannelOptions options;
+  options.kind = attnd::v1::CHANNEL_KIND_NCCL;
+  options.max_tokens = 8;
+  const absl::Status status = client::Channel::Open(client(), "c", options).status();
+  const std::string message(status.message());
+  if (message.find("client built with CUDA") != std::string::npos) {
+    EXPECT_EQ(status.code(), Code::kUnimplemented) << status;
+  } else if (message.find("NCCL is not available") != std::string::npos) {
+    EXPECT_EQ(status.code(), Code::kFailedPrecondition) << status;
+    EXPECT_THAT(message, HasSubstr("libnccl.so.2 did not load"));
+  } else {
+    // libnccl.so.2 loads in this client: attnd (the cpu backend) answered.
+    EXPECT_EQ(status.code(), Code::kUnimplemented) << status;
+    EXPECT_THAT(message, HasSubstr("kind: NCCL"));
+  }
 }
 
 TEST_F(ChannelTest, TheClientsBusIdIsCheckedAndOnlyCudaIpcUsesIt) {

@@ -3,16 +3,22 @@
 //   channel_test_client compare HOST:PORT PREFIX   runs CompareChannelWithGrpc (HOST_SHM); PASS
 //   channel_test_client compare-cuda-ipc HOST:PORT PREFIX   the same over CUDA_IPC, then again
 //                                                  with chained steps (PREFIX-chained)
+//   channel_test_client compare-nccl HOST:PORT PREFIX   the same over NCCL (needs a GPU other
+//                                                  than attnd's: --client_device)
 //   channel_test_client hang HOST:PORT CACHE       opens a HOST_SHM channel, plans a 3-token step
 //                                                  of sequence 7, runs layer 0, prints
 //                                                  "hanging <channel id> <step id>" and waits to
 //                                                  be killed
+// --client_device=N (after the mode's arguments): CUDA_IPC and NCCL channels are opened from
+// this process's GPU N (ChannelOptions::cuda_device): the peer-GPU case when N is not attnd's.
 #include <unistd.h>
 
 #include <cstdio>
 #include <random>
 #include <string>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "attnd/client/channel.h"
 #include "attnd/client/client.h"
 #include "channel_steps.h"
@@ -29,8 +35,17 @@ int Fail(const std::string& what) {
 
 int main(int argc, char** argv) {
   using namespace attnd;
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: %s compare|hang HOST:PORT NAME\n", argv[0]);
+  int32_t client_device = -1;
+  constexpr absl::string_view kDeviceFlag = "--client_device=";
+  const bool usage_ok =
+      argc == 4 || (argc == 5 && absl::StartsWith(argv[4], kDeviceFlag) &&
+                    absl::SimpleAtoi(absl::string_view(argv[4]).substr(kDeviceFlag.size()),
+                                     &client_device));
+  if (!usage_ok) {
+    std::fprintf(stderr,
+                 "usage: %s compare|compare-cuda-ipc|compare-nccl|hang HOST:PORT NAME "
+                 "[--client_device=N]\n",
+                 argv[0]);
     return 2;
   }
   const std::string mode = argv[1];
@@ -40,16 +55,17 @@ int main(int argc, char** argv) {
   if (!connected.ok()) return Fail(connected.status().ToString());
   client::Client& client = **connected;
   const attnd::v1::CacheConfig config = integration::SmallConfig(256);
-  if (mode == "compare" || mode == "compare-cuda-ipc") {
+  if (mode == "compare" || mode == "compare-cuda-ipc" || mode == "compare-nccl") {
+    attnd::v1::ChannelKind kind = attnd::v1::CHANNEL_KIND_HOST_SHM;
+    if (mode == "compare-cuda-ipc") kind = attnd::v1::CHANNEL_KIND_CUDA_IPC;
+    if (mode == "compare-nccl") kind = attnd::v1::CHANNEL_KIND_NCCL;
     const absl::Status status = integration::CompareChannelWithGrpc(
-        client, argv[3],
-        mode == "compare" ? attnd::v1::CHANNEL_KIND_HOST_SHM : attnd::v1::CHANNEL_KIND_CUDA_IPC,
-        config, /*decode_steps=*/6, 11);
+        client, argv[3], kind, config, /*decode_steps=*/6, 11, /*chained=*/false, client_device);
     if (!status.ok()) return Fail(status.ToString());
-    if (mode == "compare-cuda-ipc") {
+    if (mode != "compare") {
       const absl::Status chained = integration::CompareChannelWithGrpc(
-          client, std::string(argv[3]) + "-chained", attnd::v1::CHANNEL_KIND_CUDA_IPC, config,
-          /*decode_steps=*/6, 12, /*chained=*/true);
+          client, std::string(argv[3]) + "-chained", kind, config, /*decode_steps=*/6, 12,
+          /*chained=*/true, client_device);
       if (!chained.ok()) return Fail("chained: " + chained.ToString());
     }
     std::printf("PASS\n");

@@ -218,3 +218,76 @@ def test_wrong_input_shape_is_refused_before_ready_is_set(shm_channel):
         channel.write(0, "q", np.zeros((3, HQ, DIM + 1), dtype=np.float32), 3)
     assert channel.flags.load(channel.layout.ready_offsets[0]) == 0
     channel.close()
+
+
+class _FakeOpenClient:
+    """A client whose OpenChannel records the request and answers one ChannelInfo; the channel
+    class is replaced, so nothing is mapped."""
+
+    metadata = ()
+    timeout = 5.0
+
+    def __init__(self):
+        self.requests = []
+        client = self
+
+        class Stub:
+            def OpenChannel(self, request, metadata=None):
+                client.requests.append(request)
+                return iter([pb.OpenChannelResponse(channel=make_info())])
+
+        self.stub = Stub()
+
+    def get_cache(self, name):
+        return pb.CacheInfo(name=name, config=make_config())
+
+
+@pytest.fixture
+def fake_cuda_ipc(monkeypatch):
+    """attnd.cuda_ipc.CudaIpcChannel replaced by a recorder of its keyword arguments (no torch,
+    no libcuda)."""
+    import attnd.cuda_ipc as cuda_ipc
+    opened = []
+
+    class FakeChannel:
+        def __init__(self, client, call, config, **kwargs):
+            opened.append(kwargs)
+
+    monkeypatch.setattr(cuda_ipc, "CudaIpcChannel", FakeChannel)
+    return opened
+
+
+def test_open_channel_sends_the_client_pci_bus_id_it_is_given(fake_cuda_ipc):
+    client = _FakeOpenClient()
+    channels.open_channel(client, "fake", "cuda_ipc", 8, 2, False, 5.0,
+                          client_pci_bus_id="0000:3b:00.0")
+    assert client.requests[0].client_pci_bus_id == "0000:3b:00.0"
+    assert client.requests[0].kind == pb.CHANNEL_KIND_CUDA_IPC
+
+
+def test_open_channel_names_the_device_the_ring_will_be_mapped_on(fake_cuda_ipc, monkeypatch):
+    import attnd.cuda_ipc as cuda_ipc
+    asked = []
+    monkeypatch.setattr(cuda_ipc, "device_pci_bus_id",
+                        lambda device: asked.append(device) or "0000:9c:00.0")
+    client = _FakeOpenClient()
+    channels.open_channel(client, "fake", "cuda_ipc", 8, 2, False, 5.0, device="cuda:1")
+    assert asked == ["cuda:1"]
+    assert client.requests[0].client_pci_bus_id == "0000:9c:00.0"
+    assert fake_cuda_ipc == [{"device": "cuda:1"}]  # the channel still maps on that device
+
+
+def test_open_channel_leaves_the_bus_id_empty_when_nothing_is_to_be_checked(fake_cuda_ipc):
+    # No device: the ring is mapped on attnd's own GPU. No torch CUDA: nothing to name.
+    client = _FakeOpenClient()
+    channels.open_channel(client, "fake", "cuda_ipc", 8, 2, False, 5.0)
+    assert client.requests[0].client_pci_bus_id == ""
+    from attnd.cuda_ipc import device_pci_bus_id
+    assert device_pci_bus_id(None) == ""
+    assert device_pci_bus_id("cpu") == ""
+
+
+def test_pci_bus_ids_are_written_as_cuda_writes_them():
+    from attnd.cuda_ipc import format_pci_bus_id
+    assert format_pci_bus_id(0, 0x3B, 0) == "0000:3b:00.0"
+    assert format_pci_bus_id(1, 0xC, 0x1F) == "0001:0c:1f.0"

@@ -406,11 +406,18 @@ class _DetachedClient:
         pass
 
 
-def open_channel(client, cache, kind, max_tokens, slots, with_lse, timeout_seconds, **kwargs):
+def open_channel(client, cache, kind, max_tokens, slots, with_lse, timeout_seconds,
+                 client_pci_bus_id=None, **kwargs):
     kind = cfg.enum_value("channel_kind", kind)
     config = client.get_cache(cache).config
+    if client_pci_bus_id is None and kind == pb.CHANNEL_KIND_CUDA_IPC:
+        # attnd checks that the GPU the ring will be mapped on reaches its own (peer access),
+        # and refuses the channel with a clear error when not.
+        from attnd.cuda_ipc import device_pci_bus_id
+        client_pci_bus_id = device_pci_bus_id(kwargs.get("device"))
     request = pb.OpenChannelRequest(cache=cache, kind=kind, max_tokens=max_tokens, slots=slots,
-                                    with_lse=with_lse)
+                                    with_lse=with_lse,
+                                    client_pci_bus_id=client_pci_bus_id or "")
     call = _OpenCall(client, request, timeout_seconds)
     try:
         if kind == pb.CHANNEL_KIND_HOST_SHM:

@@ -277,7 +277,11 @@ class Client:
                      timeout=None, **kwargs):
         """Opens a channel on `cache`: "host_shm" (numpy views of a shared-memory ring) or
         "cuda_ipc" (torch CUDA tensors aliasing a ring in attnd's GPU memory). The channel lives
-        while the returned object is open (close() or the with-block's end closes it)."""
+        while the returned object is open (close() or the with-block's end closes it).
+
+        cuda_ipc: `device=` (a torch device) maps the ring on another GPU than attnd's; its PCI
+        bus id goes to attnd as client_pci_bus_id, so an unreachable GPU is refused at once
+        (FAILED_PRECONDITION). `client_pci_bus_id=` sends a bus id of the caller's choosing."""
         from attnd import channel as channels
         return channels.open_channel(self, cache, kind, max_tokens, slots, with_lse,
                                      self.timeout if timeout is None else timeout, **kwargs)

@@ -60,6 +60,13 @@ class CudaDriver:
                     f"cuDeviceGetByPCIBusId({pci_bus_id})")
         return device.value
 
+    def pci_bus_id(self, ordinal):
+        device = ctypes.c_int()
+        self._check(self.lib.cuDeviceGet(ctypes.byref(device), ordinal), f"cuDeviceGet({ordinal})")
+        name = ctypes.create_string_buffer(64)
+        self._check(self.lib.cuDeviceGetPCIBusId(name, 64, device), "cuDeviceGetPCIBusId")
+        return name.value.decode()
+
     def primary_context(self, device):
         context = ctypes.c_void_p()
         self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
@@ -104,6 +111,32 @@ class CudaDriver:
                              ctypes.c_uint32(value & 0xFFFFFFFF),
                              ctypes.c_uint(_CU_STREAM_WAIT_VALUE_GEQ)),
                     "cuStreamWaitValue32")
+
+
+def format_pci_bus_id(domain, bus, device):
+    """"0000:3b:00.0", as cudaDeviceGetPCIBusId writes it (attnd accepts any case)."""
+    return f"{domain:04x}:{bus:02x}:{device:02x}.0"
+
+
+def device_pci_bus_id(device):
+    """The PCI bus id of the torch CUDA device a CUDA_IPC channel will be mapped on, for
+    OpenChannelRequest.client_pci_bus_id. "" when there is nothing to check: no device given
+    (the channel maps the ring on attnd's own GPU), not a CUDA device, or no torch with CUDA."""
+    if device is None:
+        return ""
+    try:
+        import torch
+    except ImportError:
+        return ""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return ""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    properties = torch.cuda.get_device_properties(index)
+    if all(hasattr(properties, name) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        return format_pci_bus_id(properties.pci_domain_id, properties.pci_bus_id,
+                                 properties.pci_device_id)
+    return CudaDriver().pci_bus_id(index)
 
 
 class _CudaArray:

@@ -13,7 +13,14 @@
 // operations: no host on the path), or from the host with SetReady/WaitDone. Open it with the
 // GPU that will write the ring current: Open names that GPU to attnd (client_pci_bus_id), which
 // refuses a GPU that cannot reach its own, and maps the ring there (peer access enabled when it
-// is not attnd's GPU). NCCL channels are not driven by this class yet (issue 19).
+// is not attnd's GPU).
+// NCCL (builds with CUDA, libnccl.so.2 loadable): nothing is shared; per layer the inputs go to
+// attnd and o comes back with ncclSend/ncclRecv on the caller's stream (ExchangeOnStream), and
+// there are no flag words. Open joins attnd's communicator as rank 1 from the GPU current on
+// the calling thread (it blocks until joined; NCCL cannot put two ranks on one GPU, so that is
+// another GPU than attnd's, or another host's), and keeps a ring of the same layout in that
+// GPU's memory so that Slot, CopyIn and CopyOut work as for CUDA_IPC. An aborted step, or attnd
+// closing the channel, ends the communicator: later exchanges answer UNAVAILABLE.
 //
 // The channel lives as long as this object (its OpenChannel call): destroying it closes the
 // channel, and attnd aborts the channel's open steps. Thread-safe for distinct layers.
@@ -32,18 +39,25 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "absl/time/time.h"
 #include "attnd/v1/attnd.grpc.pb.h"
 
 namespace attnd::client {
 
 class Client;
+namespace internal {
+class NcclPeer;
+}
 
 struct ChannelOptions {
   attnd::v1::ChannelKind kind = attnd::v1::CHANNEL_KIND_HOST_SHM;
   int32_t max_tokens = 0;  // largest step (rows of q) the channel carries
   int32_t slots = 0;       // 0: the server's default (2)
   bool with_lse = false;
+  // CUDA_IPC, NCCL: the GPU (this process's CUDA ordinal) to open the channel from, instead of
+  // the calling thread's current one (-1): where the ring is mapped and the client's kernels
+  // write it (CUDA_IPC, named to attnd as client_pci_bus_id), or where the NCCL rank lives.
+  // The thread's current GPU is the same after Open.
+  int32_t cuda_device = -1;
   // WaitDone from the host spins this long on the done word before it sleeps on it (a futex
   // attnd wakes). A layer longer than the spin pays a wake-up (~tens of us); spinning costs a
   // core while it lasts.
@@ -97,7 +111,12 @@ class Channel {
   bool stream_flag_kernels() const { return flag_kernels_; }
   ChannelSlot Slot(int32_t layer) const;
 
-  // Host-side signalling (either kind).
+  // The CUDA device (this process's ordinal) the ring was opened on: CUDA_IPC and NCCL; -1 for
+  // HOST_SHM.
+  int cuda_device() const { return cuda_device_; }
+
+  // Host-side signalling (HOST_SHM and CUDA_IPC; NCCL channels have no flag words: SetReady does
+  // nothing and WaitDone answers FAILED_PRECONDITION).
   void SetReady(int32_t layer, uint32_t sequence);
   // OK once done[layer] reached `sequence`; DEADLINE_EXCEEDED after `timeout`; ABORTED when
   // attnd aborted that step (its o means nothing); UNAVAILABLE once the channel closed.
@@ -114,8 +133,20 @@ class Channel {
   absl::Status WaitDoneOnStream(int32_t layer, uint32_t sequence, void* stream,
                                 ChannelOptions::StreamFlags flags);
 
+  // NCCL: enqueues layer `layer` of a step of `rows` rows (PlanResponse.num_tokens) on `stream`
+  // (a cudaStream_t of cuda_device()): one NCCL group sending the inputs in `tensors` (q, k, v;
+  // MLA q, q_pe, ckv, kpe; `rows` rows of each, after the work enqueued before on `stream`),
+  // then one receiving o, and lse when the step was planned with return_lse. `tensors` are
+  // device memory of cuda_device(): Slot(layer)'s or the caller's own. attnd runs a channel's
+  // layers in order, and the two ranks pair sends with receives in order, so the calls must
+  // come in that order too: layers 0..num_layers-1 of each step, steps in Plan order
+  // (FAILED_PRECONDITION, nothing enqueued, otherwise). No host wait: work enqueued after it
+  // on `stream` sees o. A step of 0 rows moves nothing. UNAVAILABLE once the channel closed.
+  absl::Status ExchangeOnStream(int32_t layer, int64_t rows, bool return_lse,
+                                const ChannelSlot& tensors, void* stream);
+
   // Copies between this process's host memory and a slot tensor (a ChannelSlot pointer), for
-  // either kind: memcpy for HOST_SHM, a synchronous cudaMemcpy for CUDA_IPC.
+  // any kind: memcpy for HOST_SHM, a synchronous cudaMemcpy for CUDA_IPC and NCCL.
   absl::Status CopyIn(void* slot_tensor, const void* host, int64_t bytes);
   absl::Status CopyOut(void* host, const void* slot_tensor, int64_t bytes) const;
 
@@ -130,12 +161,17 @@ class Channel {
   void WriteFlag(int64_t offset, uint32_t value);
   void ReadUntilClosed();
 
+  // The ring lives in device memory (CUDA_IPC: attnd's, mapped; NCCL: this process's own).
+  bool device_ring() const;
+
   attnd::v1::ChannelInfo info_;
   absl::Duration host_spin_ = absl::Microseconds(200);
   bool flag_kernels_ = false;  // stream_flags resolved: the stream signals with kernels
-  uint8_t* ring_ = nullptr;  // host mapping (HOST_SHM) or device pointer (CUDA_IPC)
+  uint8_t* ring_ = nullptr;  // host mapping (HOST_SHM) or device pointer (CUDA_IPC, NCCL)
   int64_t ring_bytes_ = 0;
-  int cuda_device_ = -1;     // CUDA_IPC: the device the ring was opened on
+  int cuda_device_ = -1;     // CUDA_IPC, NCCL: the device the ring was opened on
+  std::unique_ptr<internal::NcclPeer> nccl_;  // NCCL: rank 1 and the local ring
+  int32_t next_exchange_layer_ = 0;           // NCCL: the layer ExchangeOnStream takes next
 
   std::unique_ptr<grpc::ClientContext> call_;
   std::unique_ptr<grpc::ClientReader<attnd::v1::OpenChannelResponse>> reader_;
@@ -143,6 +179,7 @@ class Channel {
   mutable std::mutex mu_;
   std::string closed_reason_;
   std::atomic<bool> closed_{false};
+  std::mutex exchange_mu_;  // orders ExchangeOnStream calls (next_exchange_layer_)
 };
 
 }  // namespace attnd::client

@@ -1,5 +1,6 @@
 // NcclLibrary: libnccl.so.2 loaded at run time (issue 19). NCCL is not a Debian package, so
-// neither the build nor CI may need it: the few types and functions the NCCL channel uses are
+// neither the build nor CI may need it: the few types and functions NCCL channels use (attnd's
+// side in server/backend/nccl_channel.cc, the client's in client/src/channel_nccl.cc) are
 // declared here (their ABI is stable since NCCL 2.14; ncclConfig_t is versioned by its own
 // size/magic/version header, so the 2.14 layout below is valid for every later library), and
 // Load() resolves them with dlopen/dlsym. No CUDA header either: a stream is a cudaStream_t
@@ -48,6 +49,12 @@ struct ncclConfig_t {
   int maxCTAs = INT_MIN;
   const char* netName = nullptr;
 };
+
+// The ranks of a CHANNEL_KIND_NCCL channel's communicator (attnd.proto): attnd creates it as
+// rank 0 and hands out its id; the client joins as rank 1.
+inline constexpr int kChannelRanks = 2;
+inline constexpr int kAttndRank = 0;
+inline constexpr int kClientRank = 1;
 
 struct NcclApi {
   ncclResult_t (*GetVersion)(int* version);

@@ -1,6 +1,6 @@
-// The NCCL loader's refusals (backend/nccl_loader.h): what GetServerInfo and OpenChannel say on
-// a host without a usable libnccl.so.2.
-#include "backend/nccl_loader.h"
+// The NCCL loader's refusals (attnd/nccl/nccl_loader.h): what GetServerInfo, OpenChannel and
+// the client's Channel::Open say on a host without a usable libnccl.so.2.
+#include "attnd/nccl/nccl_loader.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

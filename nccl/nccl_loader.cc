@@ -1,4 +1,4 @@
-#include "backend/nccl_loader.h"
+#include "attnd/nccl/nccl_loader.h"
 
 #include <dlfcn.h>
 
