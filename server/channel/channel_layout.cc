@@ -43,6 +43,8 @@ ChannelLayout MakeChannelLayout(const CacheGeometry& g, int32_t max_tokens, int3
     layout.transfer.push_back(offset);
     offset += kChannelFlagLine;
   }
+  layout.transfer_end = offset;
+  offset += kChannelFlagLine;
   offset = AlignUp(offset, kChannelRegionAlignment);
   // Each region: placed when its row size is not 0; otherwise its offset is the next free byte
   // (a zero-sized region).

@@ -3,7 +3,8 @@
 // answer and never send any back.
 //
 // Ring: [header lines][slot 0][slot 1]...
-//   header: one 64-byte line per flag word: ready[0..L), done[0..L), aborted, transfer[0..S).
+//   header: one 64-byte line per flag word: ready[0..L), done[0..L), aborted, transfer[0..S),
+//           transfer_end.
 //   slot:   q | k | v | q_pe | ckv | kpe | o | lse, each region max_tokens rows, 256-aligned;
 //           MHA uses q, k, v, o (lse); MLA uses q (q_nope), q_pe, ckv, kpe, o (lse).
 #pragma once
@@ -29,6 +30,7 @@ struct ChannelLayout {
   // Sequence transfers (ExportSequence/ImportSequence through the channel) use slot s's whole
   // byte span as region s, [slots[s].q, slots[s].q + slot_bytes), and transfer[s] as its flag.
   std::vector<int64_t> transfer;  // [num_slots] byte offsets of the 32-bit transfer words
+  int64_t transfer_end = 0;       // a count of the transfers that ended (ChannelTransfer)
   int64_t slot_bytes = 0;
   std::vector<ChannelSlotLayout> slots;
   // Bytes of one row of each tensor (0 when the cache kind does not use it).

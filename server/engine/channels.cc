@@ -313,6 +313,13 @@ absl::StatusOr<std::unique_ptr<ChannelTransfer>> Engine::LendChannel(uint64_t ch
 
 ChannelTransfer::~ChannelTransfer() {
   if (state_ == nullptr) return;
+  // Tells a client waiting for a region that nothing more will be read (only attnd writes the
+  // word, and one transfer at a time, so a load and a store make the increment).
+  BackendChannel& ring = *channel_->backend;
+  const int64_t end = channel_->layout->transfer_end;
+  if (absl::StatusOr<uint32_t> ended = ring.LoadTransferFlag(end); ended.ok()) {
+    ring.StoreTransferFlag(end, *ended + 1).IgnoreError();
+  }
   std::vector<std::shared_ptr<ChannelEntry>> idle;
   {
     absl::MutexLock lock(&state_->mu);

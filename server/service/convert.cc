@@ -509,6 +509,7 @@ void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info) {
     out->add_transfer_region_offsets(layout.TransferRegion(slot));
   }
   out->set_transfer_region_bytes(layout.slot_bytes);
+  out->set_transfer_end_offset(layout.transfer_end);
   for (const ChannelSlotLayout& slot : layout.slots) {
     v1::ChannelSlotLayout* s = out->add_slots();
     s->set_q_offset(slot.q);
