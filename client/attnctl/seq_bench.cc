@@ -26,7 +26,7 @@
 
 ABSL_DECLARE_FLAG(int64_t, tokens);
 ABSL_DECLARE_FLAG(std::string, channel);
-ABSL_FLAG(int32_t, seq_bench_repeat, 3, "seq bench: timed runs of each case (the best is shown)");
+ABSL_FLAG(int32_t, seq_bench_repeat, 3, "seq bench: timed runs of each case");
 
 namespace attnd::attnctl {
 namespace {
@@ -100,8 +100,11 @@ struct Timings {
   std::vector<double> export_seconds, import_seconds, copy_seconds;
 };
 
-double Best(const std::vector<double>& seconds) {
-  return seconds.empty() ? 0 : *std::min_element(seconds.begin(), seconds.end());
+// "best / median" MB/s of runs that each moved `bytes`.
+std::string Rates(int64_t bytes, std::vector<double> seconds) {
+  std::sort(seconds.begin(), seconds.end());
+  return absl::StrFormat("%.0f / %.0f", bytes / seconds.front() / 1e6,
+                         bytes / seconds[seconds.size() / 2] / 1e6);
 }
 
 // One transport: `kind` empty for gRPC bytes. Channels are opened per side (a channel carries
@@ -204,10 +207,10 @@ absl::Status Run(client::Client& client) {
                         .status());
   }
   const int32_t repeat = std::max(1, absl::GetFlag(FLAGS_seq_bench_repeat));
-  absl::PrintF("sequence of %d tokens, %d layers, %d KV bytes (%.1f MiB); best of %d runs\n",
+  absl::PrintF("sequence of %d tokens, %d layers, %d KV bytes (%.1f MiB); %d runs each\n",
                tokens, config.num_layers(), bytes, bytes / 1048576.0, repeat);
-  absl::PrintF("%-10s %12s %12s %12s   (MB/s = 1e6 bytes/s)\n", "transport", "export MB/s",
-               "import MB/s", "copy MB/s");
+  absl::PrintF("MB/s (1e6 bytes/s), best / median; copy = export piped into import\n");
+  absl::PrintF("%-10s %16s %16s %16s\n", "transport", "export", "import", "copy");
   absl::Status failed;
   for (const auto& kind : kinds) {
     const std::string name = !kind.has_value()                             ? "grpc"
@@ -219,9 +222,8 @@ absl::Status Run(client::Client& client) {
       failed = timings.status();
       continue;
     }
-    absl::PrintF("%-10s %12.1f %12.1f %12.1f\n", name, bytes / Best(timings->export_seconds) / 1e6,
-                 bytes / Best(timings->import_seconds) / 1e6,
-                 bytes / Best(timings->copy_seconds) / 1e6);
+    absl::PrintF("%-10s %16s %16s %16s\n", name, Rates(bytes, timings->export_seconds),
+                 Rates(bytes, timings->import_seconds), Rates(bytes, timings->copy_seconds));
   }
   for (const char* cache : {kSource, kTarget}) client.DeleteCache(cache, true).IgnoreError();
   return failed;
