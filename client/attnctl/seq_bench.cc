@@ -26,6 +26,7 @@
 
 ABSL_DECLARE_FLAG(int64_t, tokens);
 ABSL_DECLARE_FLAG(std::string, channel);
+ABSL_DECLARE_FLAG(bool, keep_cache);
 ABSL_FLAG(int32_t, seq_bench_repeat, 3, "seq bench: timed runs of each case");
 
 namespace attnd::attnctl {
@@ -225,7 +226,9 @@ absl::Status Run(client::Client& client) {
     absl::PrintF("%-10s %16s %16s %16s\n", name, Rates(bytes, timings->export_seconds),
                  Rates(bytes, timings->import_seconds), Rates(bytes, timings->copy_seconds));
   }
-  for (const char* cache : {kSource, kTarget}) client.DeleteCache(cache, true).IgnoreError();
+  if (!absl::GetFlag(FLAGS_keep_cache)) {
+    for (const char* cache : {kSource, kTarget}) client.DeleteCache(cache, true).IgnoreError();
+  }
   return failed;
 }
 
