@@ -1,6 +1,7 @@
 // Where a channel's tensors and flags sit in its ring. attnd computes the layout from the
 // cache's geometry and the channel's size and owns it: clients read offsets from OpenChannel's
-// answer and never send any back.
+// answer, and the only ones they send back (an import's chunk descriptors) must name one of
+// the transfer regions below exactly.
 //
 // Ring: [header lines][slot 0][slot 1]...
 //   header: one 64-byte line per flag word: ready[0..L), done[0..L), aborted, transfer[0..S),
