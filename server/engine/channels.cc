@@ -37,6 +37,7 @@ ChannelStatus Engine::State::ChannelStatusLocked(const ChannelEntry& channel) co
   status.last_sequence = channel.last_sequence;
   status.bytes_in = channel.bytes_in;
   status.bytes_out = channel.bytes_out;
+  status.transferring = channel.transferring;
   return status;
 }
 

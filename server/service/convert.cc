@@ -497,6 +497,7 @@ void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info) {
   info->set_bytes_out(status.bytes_out);
   info->set_peer_access(status.peer_access);
   info->set_nccl_unique_id(status.nccl_unique_id);
+  info->set_transferring(status.transferring);
   if (status.layout == nullptr) return;
   const ChannelLayout& layout = *status.layout;
   v1::ChannelLayout* out = info->mutable_layout();

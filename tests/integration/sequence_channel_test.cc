@@ -393,6 +393,9 @@ TEST_F(SequenceChannelTest, ChannelCarriesStepsOrATransferNotBoth) {
   auto reader = client().stub().ExportSequence(context.get(), request);
   attnd::v1::ExportSequenceResponse message;
   ASSERT_TRUE(reader->Read(&message));  // the header: the channel is lent from here
+  ASSERT_OK_AND_ASSIGN(attnd::v1::CacheInfo lent, client().GetCache("a"));
+  ASSERT_EQ(lent.channels_size(), 1);
+  EXPECT_TRUE(lent.channels(0).transferring());
   absl::StatusOr<attnd::v1::PlanResponse> refused = client().Plan(plan);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("transfer"));
@@ -411,6 +414,31 @@ TEST_F(SequenceChannelTest, ChannelCarriesStepsOrATransferNotBoth) {
   }
   ASSERT_OK(again.status());
   ASSERT_OK(client().EndStep(again->step_id(), /*abort=*/true).status());
+}
+
+TEST_F(SequenceChannelTest, ChannelClosedMidExportEndsItAndUnpinsThePages) {
+  std::unique_ptr<client::Channel> channel = OpenChannel("b");  // a channel of another cache
+  ASSERT_NE(channel, nullptr);
+  auto context = client().NewContext(/*with_deadline=*/false);
+  attnd::v1::ExportSequenceRequest request;
+  request.set_cache("a");
+  request.set_sequence_id(1);
+  request.set_max_chunk_bytes(1024);
+  request.set_channel_id(channel->id());
+  auto reader = client().stub().ExportSequence(context.get(), request);
+  attnd::v1::ExportSequenceResponse message;
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&message));  // header, regions 0 and 1
+  ASSERT_OK_AND_ASSIGN(attnd::v1::CacheInfo pinned, client().GetCache("a"));
+  EXPECT_EQ(pinned.shared_pages(), 4);
+  channel.reset();  // ends its OpenChannel call: the channel closes under the export
+  while (reader->Read(&message)) {
+  }
+  const grpc::Status status = reader->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("closed during the transfer"));
+  ExpectSourceUnpinned();
+  ASSERT_OK_AND_ASSIGN(attnd::v1::CacheInfo b, client().GetCache("b"));
+  EXPECT_EQ(b.channels_size(), 0);
 }
 
 TEST_F(SequenceChannelTest, UnknownChannelIsNotFound) {
