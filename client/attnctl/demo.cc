@@ -23,7 +23,8 @@
 #include "printing.h"
 #include "random_tensors.h"
 
-ABSL_FLAG(bool, keep_cache, false, "demo: leave the demo cache on the server afterwards");
+ABSL_FLAG(bool, keep_cache, false,
+          "demo, seq bench: leave the demo (bench) caches on the server afterwards");
 
 namespace attnd::attnctl {
 namespace {

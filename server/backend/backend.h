@@ -175,6 +175,30 @@ class BackendChannel {
   // Whether ready[layer] has reached `sequence` (the client signalled that layer). May read
   // device memory: never call it under a daemon-wide lock.
   virtual bool ReadyReached(int32_t layer, uint32_t sequence) = 0;
+
+  // Sequence transfers (ExportSequence/ImportSequence through the channel, engine
+  // ChannelTransfer): attnd's own access to the ring's bytes and transfer flag words, from the
+  // host, synchronous. Offsets and sizes come from the layout (the caller checked them).
+  // host_ring: the ring's host mapping (HOST_SHM; null where the ring is device memory), so
+  // that pages are copied straight between it and the pool.
+  virtual uint8_t* host_ring() { return nullptr; }
+  virtual absl::Status ReadRing(int64_t offset, std::span<uint8_t> bytes) {
+    (void)offset, (void)bytes;
+    return absl::FailedPreconditionError("channel_id: this kind of channel has no ring");
+  }
+  virtual absl::Status WriteRing(int64_t offset, std::span<const uint8_t> bytes) {
+    (void)offset, (void)bytes;
+    return absl::FailedPreconditionError("channel_id: this kind of channel has no ring");
+  }
+  // A flag word's value (acquire), and a store (release; wakes futex waiters on HOST_SHM).
+  virtual absl::StatusOr<uint32_t> LoadTransferFlag(int64_t offset) {
+    (void)offset;
+    return absl::FailedPreconditionError("channel_id: this kind of channel has no ring");
+  }
+  virtual absl::Status StoreTransferFlag(int64_t offset, uint32_t value) {
+    (void)offset, (void)value;
+    return absl::FailedPreconditionError("channel_id: this kind of channel has no ring");
+  }
 };
 
 // A cache's pools. Destroyed only when no step of it has a layer in flight.

@@ -141,6 +141,38 @@ bool CudaIpcChannel::ReadyReached(int32_t layer, uint32_t sequence) {
   return static_cast<int32_t>(value - sequence) >= 0;
 }
 
+absl::Status CudaIpcChannel::ReadRing(int64_t offset, std::span<uint8_t> bytes) {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(bytes.data(), ring_.data() + offset, bytes.size(),
+                                       cudaMemcpyDeviceToHost, signal_.get()));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(signal_.get()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaIpcChannel::WriteRing(int64_t offset, std::span<const uint8_t> bytes) {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ring_.data() + offset, bytes.data(), bytes.size(),
+                                       cudaMemcpyHostToDevice, signal_.get()));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(signal_.get()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint32_t> CudaIpcChannel::LoadTransferFlag(int64_t offset) {
+  uint32_t value = 0;
+  RETURN_IF_ERROR(ReadRing(offset, std::span<uint8_t>(reinterpret_cast<uint8_t*>(&value),
+                                                      sizeof(value))));
+  return value;
+}
+
+absl::Status CudaIpcChannel::StoreTransferFlag(int64_t offset, uint32_t value) {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  RETURN_IF_ERROR(WriteFlag(offset, value));
+  // Ordered after the region's copies on the same stream; synchronised so that the caller's
+  // next region write cannot pass it.
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(signal_.get()));
+  return absl::OkStatus();
+}
+
 void CudaIpcChannel::SignalReady(int32_t layer, uint32_t sequence) {
   WriteFlag(layout_.ready[layer], sequence).IgnoreError();
 }

@@ -55,6 +55,12 @@ class CudaIpcChannel final : public BackendChannel {
   void CancelStep(uint32_t sequence, bool mark_aborted) override;
   void SignalReady(int32_t layer, uint32_t sequence) override;
   bool ReadyReached(int32_t layer, uint32_t sequence) override;
+  // Transfers: synchronous copies on the signal stream (which carries only attnd's own short
+  // flag writes, never a wait on the client).
+  absl::Status ReadRing(int64_t offset, std::span<uint8_t> bytes) override;
+  absl::Status WriteRing(int64_t offset, std::span<const uint8_t> bytes) override;
+  absl::StatusOr<uint32_t> LoadTransferFlag(int64_t offset) override;
+  absl::Status StoreTransferFlag(int64_t offset, uint32_t value) override;
 
   Lane& lane() { return lane_; }
 

@@ -39,6 +39,12 @@ ChannelLayout MakeChannelLayout(const CacheGeometry& g, int32_t max_tokens, int3
   }
   layout.aborted = offset;
   offset += kChannelFlagLine;
+  for (int32_t s = 0; s < num_slots; ++s) {
+    layout.transfer.push_back(offset);
+    offset += kChannelFlagLine;
+  }
+  layout.transfer_end = offset;
+  offset += kChannelFlagLine;
   offset = AlignUp(offset, kChannelRegionAlignment);
   // Each region: placed when its row size is not 0; otherwise its offset is the next free byte
   // (a zero-sized region).
@@ -47,6 +53,7 @@ ChannelLayout MakeChannelLayout(const CacheGeometry& g, int32_t max_tokens, int3
     offset = AlignUp(offset + row_bytes * max_tokens, kChannelRegionAlignment);
     return at;
   };
+  const int64_t first_slot = offset;
   for (int32_t s = 0; s < num_slots; ++s) {
     ChannelSlotLayout slot;
     slot.q = region(layout.q_row);
@@ -60,6 +67,8 @@ ChannelLayout MakeChannelLayout(const CacheGeometry& g, int32_t max_tokens, int3
     layout.slots.push_back(slot);
   }
   layout.ring_bytes = offset;
+  // Every slot has the same regions, so the same span.
+  layout.slot_bytes = (offset - first_slot) / num_slots;
   return layout;
 }
 

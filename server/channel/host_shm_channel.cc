@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <utility>
 #include <vector>
 #include <utility>
@@ -109,6 +110,25 @@ bool HostShmChannel::ReadyReached(int32_t layer, uint32_t sequence) {
 
 void HostShmChannel::SignalReady(int32_t layer, uint32_t sequence) {
   StoreFlagAndWake(ring(), layout_.ready[layer], sequence);
+}
+
+absl::Status HostShmChannel::ReadRing(int64_t offset, std::span<uint8_t> bytes) {
+  std::memcpy(bytes.data(), ring() + offset, bytes.size());
+  return absl::OkStatus();
+}
+
+absl::Status HostShmChannel::WriteRing(int64_t offset, std::span<const uint8_t> bytes) {
+  std::memcpy(ring() + offset, bytes.data(), bytes.size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint32_t> HostShmChannel::LoadTransferFlag(int64_t offset) {
+  return LoadFlag(ring(), offset);
+}
+
+absl::Status HostShmChannel::StoreTransferFlag(int64_t offset, uint32_t value) {
+  StoreFlagAndWake(ring(), offset, value);
+  return absl::OkStatus();
 }
 
 void HostShmChannel::RunLayer(const ActiveStep& active, int32_t layer) {

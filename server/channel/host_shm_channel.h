@@ -46,6 +46,11 @@ class HostShmChannel final : public BackendChannel {
   void CancelStep(uint32_t sequence, bool mark_aborted) override;
   void SignalReady(int32_t layer, uint32_t sequence) override;
   bool ReadyReached(int32_t layer, uint32_t sequence) override;
+  uint8_t* host_ring() override { return ring(); }
+  absl::Status ReadRing(int64_t offset, std::span<uint8_t> bytes) override;
+  absl::Status WriteRing(int64_t offset, std::span<const uint8_t> bytes) override;
+  absl::StatusOr<uint32_t> LoadTransferFlag(int64_t offset) override;
+  absl::Status StoreTransferFlag(int64_t offset, uint32_t value) override;
 
   uint8_t* ring() const { return ring_->data(); }
 

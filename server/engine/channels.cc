@@ -37,6 +37,7 @@ ChannelStatus Engine::State::ChannelStatusLocked(const ChannelEntry& channel) co
   status.last_sequence = channel.last_sequence;
   status.bytes_in = channel.bytes_in;
   status.bytes_out = channel.bytes_out;
+  status.transferring = channel.transferring;
   return status;
 }
 
@@ -175,7 +176,7 @@ std::vector<std::shared_ptr<ChannelEntry>> Engine::State::TakeIdleChannelsLocked
   std::vector<std::shared_ptr<ChannelEntry>> idle;
   auto busy = std::partition(closing_channels.begin(), closing_channels.end(),
                              [](const std::shared_ptr<ChannelEntry>& channel) {
-                               return channel->open_steps > 0;
+                               return channel->open_steps > 0 || channel->transferring;
                              });
   for (auto it = busy; it != closing_channels.end(); ++it) {
     channel_bytes -= (*it)->layout->ring_bytes;
@@ -272,6 +273,77 @@ void Engine::State::ChannelLayerDone(const std::shared_ptr<StepEntry>& step, int
     TryFinalizeLocked(step, deferred);
   }
   deferred.Run();
+}
+
+}  // namespace attnd
+
+namespace attnd {
+
+// ---------------------------------------------------------------------------------------------
+// Channels lent to sequence transfers
+// ---------------------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<ChannelTransfer>> Engine::LendChannel(uint64_t channel_id,
+                                                                     const std::string& tenant) {
+  absl::MutexLock lock(&state_->mu);
+  auto it = state_->channels.find(channel_id);
+  if (it == state_->channels.end() || it->second->tenant != tenant) {
+    return absl::NotFoundError(absl::StrCat("channel_id: no open channel ", channel_id));
+  }
+  const std::shared_ptr<ChannelEntry>& channel = it->second;
+  if (channel->spec.kind != ChannelKind::kHostShm && channel->spec.kind != ChannelKind::kCudaIpc) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "channel_id: channel ", channel_id, " is ", ChannelKindName(channel->spec.kind),
+        ", which has no ring; transfers go through HOST_SHM or CUDA_IPC channels"));
+  }
+  if (channel->transferring) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "channel_id: channel ", channel_id, " already carries another sequence transfer"));
+  }
+  if (channel->open_steps > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "channel_id: channel ", channel_id, " has ", channel->open_steps,
+        " open steps; a channel carries steps or a transfer, not both at once"));
+  }
+  channel->transferring = true;
+  std::unique_ptr<ChannelTransfer> lent(new ChannelTransfer());
+  lent->state_ = state_.get();
+  lent->channel_ = channel;
+  return lent;
+}
+
+ChannelTransfer::~ChannelTransfer() {
+  if (state_ == nullptr) return;
+  // Tells a client waiting for a region that nothing more will be read (only attnd writes the
+  // word, and one transfer at a time, so a load and a store make the increment).
+  BackendChannel& ring = *channel_->backend;
+  const int64_t end = channel_->layout->transfer_end;
+  if (absl::StatusOr<uint32_t> ended = ring.LoadTransferFlag(end); ended.ok()) {
+    ring.StoreTransferFlag(end, *ended + 1).IgnoreError();
+  }
+  std::vector<std::shared_ptr<ChannelEntry>> idle;
+  {
+    absl::MutexLock lock(&state_->mu);
+    channel_->transferring = false;
+    idle = state_->TakeIdleChannelsLocked();
+  }
+  // A channel closed during the transfer is freed here (joining its threads: this runs on an
+  // RPC's thread, never on one of the channel's).
+  for (auto& channel : idle) channel->backend.reset();
+}
+
+uint64_t ChannelTransfer::channel_id() const { return channel_->id; }
+ChannelKind ChannelTransfer::kind() const { return channel_->spec.kind; }
+const ChannelLayout& ChannelTransfer::layout() const { return *channel_->layout; }
+BackendChannel& ChannelTransfer::ring() const { return *channel_->backend; }
+
+absl::Status ChannelTransfer::CheckOpen() const {
+  absl::MutexLock lock(&state_->mu);
+  if (channel_->closed) {
+    return absl::UnavailableError(absl::StrCat("channel_id: channel ", channel_->id,
+                                               " closed during the transfer"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace attnd

@@ -25,6 +25,9 @@ namespace attnd {
 
 class Metrics;
 struct CacheEntry;
+struct ChannelEntry;
+struct ChannelLayout;
+class ChannelTransfer;
 class SequenceExport;
 class SequenceImport;
 
@@ -97,6 +100,11 @@ class Engine {
   // Closes every channel (shutdown), so that their calls end.
   void CloseAllChannels(const std::string& reason);
   int OpenChannels() const;
+  // Lends channel `channel_id` of `tenant` to one sequence transfer (sequence_transfer.h):
+  // NOT_FOUND for an unknown id or another tenant's channel, FAILED_PRECONDITION for a channel
+  // without a ring (NCCL), with open steps or already lent. The engine must outlive the loan.
+  absl::StatusOr<std::unique_ptr<ChannelTransfer>> LendChannel(uint64_t channel_id,
+                                                               const std::string& tenant);
 
   // Draining: Plan refuses new steps with UNAVAILABLE; open steps may finish.
   void SetDraining(bool draining);
@@ -124,6 +132,32 @@ class Engine {
   std::unique_ptr<State> state_;
   friend class SequenceExport;
   friend class SequenceImport;
+  friend class ChannelTransfer;
+};
+
+// A channel lent to one ExportSequence or ImportSequence (Engine::LendChannel). While it lives
+// the channel carries nothing else (Plan on it is FAILED_PRECONDITION), and its ring stays
+// mapped even when the channel closes meanwhile (CheckOpen then says so); destroying it gives
+// the channel back. Thread-compatible.
+class ChannelTransfer {
+ public:
+  ~ChannelTransfer();
+  ChannelTransfer(const ChannelTransfer&) = delete;
+  ChannelTransfer& operator=(const ChannelTransfer&) = delete;
+
+  uint64_t channel_id() const;
+  ChannelKind kind() const;
+  const ChannelLayout& layout() const;
+  // The ring's bytes and flag words (BackendChannel's transfer access).
+  BackendChannel& ring() const;
+  // UNAVAILABLE once the channel closed (CloseChannel, its OpenChannel call ended, shutdown).
+  absl::Status CheckOpen() const;
+
+ private:
+  friend class Engine;
+  ChannelTransfer() = default;
+  Engine::State* state_ = nullptr;
+  std::shared_ptr<ChannelEntry> channel_;
 };
 
 // An exported sequence's pages, pinned. Reads are synchronous device copies: call them off the

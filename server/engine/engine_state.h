@@ -104,6 +104,9 @@ struct ChannelEntry {
   std::unique_ptr<BackendChannel> backend;
   uint32_t last_sequence = 0;
   int32_t open_steps = 0;  // planned (or being planned) and not yet finalized
+  // Lent to a sequence transfer (ChannelTransfer): Plan refuses the channel meanwhile, and a
+  // closed channel keeps its ring until the transfer lets go.
+  bool transferring = false;
   bool closed = false;
   std::function<void(std::string)> on_closed;
   int64_t bytes_in = 0;

@@ -312,6 +312,12 @@ absl::Status Engine::State::ReservePlanLocked(const PlanSpec& spec, uint64_t own
           absl::StrCat("channel_id: no open channel ", spec.channel_id));
     }
     channel = channel_it->second;
+    if (channel->transferring) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "channel_id: channel ", spec.channel_id,
+          " is carrying a sequence transfer (ExportSequence/ImportSequence); plan on it once "
+          "that ends"));
+    }
     if (channel->cache != cache) {
       return absl::InvalidArgumentError(absl::StrCat(
           "channel_id: channel ", spec.channel_id, " belongs to another cache, not '",

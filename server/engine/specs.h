@@ -162,6 +162,7 @@ struct ChannelStatus {
   uint32_t last_sequence = 0;
   int64_t bytes_in = 0;
   int64_t bytes_out = 0;
+  bool transferring = false;  // lent to an ExportSequence or ImportSequence
 };
 
 struct ForkSpec {

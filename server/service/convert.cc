@@ -497,6 +497,7 @@ void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info) {
   info->set_bytes_out(status.bytes_out);
   info->set_peer_access(status.peer_access);
   info->set_nccl_unique_id(status.nccl_unique_id);
+  info->set_transferring(status.transferring);
   if (status.layout == nullptr) return;
   const ChannelLayout& layout = *status.layout;
   v1::ChannelLayout* out = info->mutable_layout();
@@ -504,6 +505,12 @@ void ChannelStatusToProto(const ChannelStatus& status, v1::ChannelInfo* info) {
   for (const int64_t offset : layout.ready) out->add_ready_offsets(offset);
   for (const int64_t offset : layout.done) out->add_done_offsets(offset);
   out->set_aborted_offset(layout.aborted);
+  for (int32_t slot = 0; slot < layout.num_slots; ++slot) {
+    out->add_transfer_flag_offsets(layout.transfer[slot]);
+    out->add_transfer_region_offsets(layout.TransferRegion(slot));
+  }
+  out->set_transfer_region_bytes(layout.slot_bytes);
+  out->set_transfer_end_offset(layout.transfer_end);
   for (const ChannelSlotLayout& slot : layout.slots) {
     v1::ChannelSlotLayout* s = out->add_slots();
     s->set_q_offset(slot.q);

@@ -7,7 +7,10 @@
 // order of cost as the chunk's own (de)serialisation, and never under the engine's lock.
 #include <zlib.h>
 
+#include <grpcpp/alarm.h>
+
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <chrono>
 #include <memory>
@@ -16,6 +19,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "attnd/status_macros.h"
+#include "channel/channel_layout.h"
+#include "channel/flag_word.h"
 #include "service/attention_service.h"
 #include "service/convert.h"
 #include "service/sequence_transfer.h"
@@ -59,6 +64,38 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceRe
       Done(absl::CancelledError("the ExportSequence stream broke"));
       return;
     }
+    poll_delay_ = kFirstPoll;
+    Advance();
+  }
+
+  // A call cancelled while the export waits for an acknowledgement ends at the next poll.
+  void OnCancel() override { cancelled_.store(true); }
+
+  void OnDone() override { delete this; }
+
+ private:
+  // Through a channel, a region the client has not acknowledged yet is polled again after a
+  // delay that grows from kFirstPoll to kLastPoll: an alarm, so no gRPC thread sleeps on a
+  // client (DESIGN 3b: a wait on a flag blocks nothing else).
+  static constexpr absl::Duration kFirstPoll = absl::Microseconds(20);
+  static constexpr absl::Duration kLastPoll = absl::Milliseconds(2);
+
+  void Advance() {
+    absl::StatusOr<bool> ready = exporter_->Ready();
+    if (!ready.ok()) {
+      Done(ready.status());
+      return;
+    }
+    if (!*ready) {
+      if (cancelled_.load()) {
+        Done(absl::CancelledError("the ExportSequence call was cancelled"));
+        return;
+      }
+      alarm_.Set(absl::ToChronoTime(absl::Now() + poll_delay_), [this](bool) { Advance(); });
+      poll_delay_ = std::min(poll_delay_ * 2, kLastPoll);
+      return;
+    }
+    poll_delay_ = kFirstPoll;
     absl::StatusOr<bool> more = exporter_->Next(message_);
     if (!more.ok() || !*more) {
       Done(more.status());
@@ -67,9 +104,6 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceRe
     StartWrite(&message_);
   }
 
-  void OnDone() override { delete this; }
-
- private:
   void Done(const absl::Status& status) {
     exporter_.reset();  // unpins the pages now, not when gRPC gets round to OnDone
     if (context_.metrics) {
@@ -82,6 +116,11 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceRe
   const Clock::time_point start_;
   std::unique_ptr<SequenceExporter> exporter_;
   v1::ExportSequenceResponse message_;
+  // Set only while no write is pending, and the call finishes only from its callback or a
+  // write's: it never outlives the reactor.
+  grpc::Alarm alarm_;
+  absl::Duration poll_delay_ = kFirstPoll;
+  std::atomic<bool> cancelled_{false};
 };
 
 class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceRequest> {
@@ -169,10 +208,32 @@ absl::StatusOr<std::unique_ptr<SequenceExporter>> SequenceExporter::Start(
   exporter->exported_ = *std::move(exported);
   const SequenceExport& sequence = *exporter->exported_;
   const CacheGeometry& g = sequence.spec().geometry;
-  const int64_t limit = std::max<int64_t>(
+  int64_t limit = std::max<int64_t>(
       1, std::min<int64_t>(request.max_chunk_bytes() > 0 ? request.max_chunk_bytes()
                                                          : kDefaultChunkBytes,
                            context.limits.max_message_bytes - kChunkOverheadBytes));
+  if (request.channel_id() != 0) {
+    ASSIGN_OR_RETURN(exporter->channel_,
+                     context.engine->LendChannel(request.channel_id(), tenant.name));
+    const ChannelLayout& layout = exporter->channel_->layout();
+    const int64_t page_bytes = std::max(g.KPageBytes(), g.VPageBytes());
+    if (layout.slot_bytes < page_bytes) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "channel_id: channel ", request.channel_id(), "'s transfer regions hold ",
+          layout.slot_bytes, " bytes, less than one page (", page_bytes,
+          " bytes); open a channel with a larger max_tokens"));
+    }
+    // The descriptor messages are small: only the region bounds a chunk.
+    limit = std::min<int64_t>(request.max_chunk_bytes() > 0 ? request.max_chunk_bytes()
+                                                            : kDefaultChunkBytes,
+                              layout.slot_bytes);
+    // Flags start at 0 for every transfer: the client acknowledges chunk i with i + 1, and a
+    // stale flag of an earlier transfer must not read as an acknowledgement.
+    for (const int64_t flag : layout.transfer) {
+      RETURN_IF_ERROR(exporter->channel_->ring().StoreTransferFlag(flag, 0));
+    }
+    exporter->ack_timeout_ = context.step_ttl;
+  }
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
     for (const bool v_pool : {false, true}) {
       const int64_t per_chunk = std::max<int64_t>(1, limit / PageBytes(g, v_pool));
@@ -195,15 +256,79 @@ absl::StatusOr<std::unique_ptr<SequenceExporter>> SequenceExporter::Start(
   return exporter;
 }
 
+absl::StatusOr<bool> SequenceExporter::Acknowledged(size_t index) const {
+  const ChannelLayout& layout = channel_->layout();
+  ASSIGN_OR_RETURN(const uint32_t flag, channel_->ring().LoadTransferFlag(
+                                            layout.transfer[index % layout.num_slots]));
+  return SequenceReached(flag, static_cast<uint32_t>(index + 1));
+}
+
+absl::StatusOr<bool> SequenceExporter::Ready() {
+  if (channel_ == nullptr) return true;
+  RETURN_IF_ERROR(channel_->CheckOpen());
+  const size_t regions = static_cast<size_t>(channel_->layout().num_slots);
+  size_t waiting_for = 0;  // the chunk whose acknowledgement is needed now
+  if (next_chunk_ < chunks_.size()) {
+    if (next_chunk_ < regions) return true;  // the region's first use in this transfer
+    waiting_for = next_chunk_ - regions;
+  } else {
+    // Every chunk sent: the export ends OK only once the client read them all.
+    drained_ = std::max(drained_, chunks_.size() - std::min(chunks_.size(), regions));
+    for (; drained_ < chunks_.size(); ++drained_) {
+      ASSIGN_OR_RETURN(const bool acknowledged, Acknowledged(drained_));
+      if (!acknowledged) break;
+    }
+    if (drained_ == chunks_.size()) return true;
+    waiting_for = drained_;
+  }
+  ASSIGN_OR_RETURN(const bool acknowledged, Acknowledged(waiting_for));
+  const absl::Time now = absl::Now();
+  if (acknowledged) {
+    waiting_since_.reset();
+    return true;
+  }
+  if (!waiting_since_.has_value()) waiting_since_ = now;
+  if (now - *waiting_since_ > ack_timeout_) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "channel_id: the client did not acknowledge chunk ", waiting_for + 1, " of ",
+        chunks_.size(), " (transfer flag of region ", waiting_for % regions, ") within ",
+        absl::FormatDuration(ack_timeout_), " (the step TTL); the export was abandoned"));
+  }
+  return false;
+}
+
 absl::StatusOr<bool> SequenceExporter::Next(v1::ExportSequenceResponse& message) {
   if (next_chunk_ == chunks_.size()) return false;
-  const Chunk& chunk = chunks_[next_chunk_++];
+  const size_t index = next_chunk_++;
+  const Chunk& chunk = chunks_[index];
   const int64_t bytes = chunk.num_pages * PageBytes(exported_->spec().geometry, chunk.v_pool);
   v1::SequenceChunk* out = message.mutable_chunk();
   out->set_layer(chunk.layer);
   out->set_pool(chunk.v_pool ? v1::KV_POOL_V : v1::KV_POOL_K);
   out->set_first_page(chunk.first_page);
   out->set_num_pages(static_cast<int32_t>(chunk.num_pages));
+  if (channel_ != nullptr) {
+    const ChannelLayout& layout = channel_->layout();
+    const int64_t offset = layout.TransferRegion(static_cast<int32_t>(index % layout.num_slots));
+    BackendChannel& ring = channel_->ring();
+    std::span<uint8_t> staged;
+    if (uint8_t* host = ring.host_ring(); host != nullptr) {
+      staged = std::span<uint8_t>(host + offset, bytes);  // pages straight into the ring
+    } else {
+      scratch_.resize(bytes);
+      staged = std::span<uint8_t>(scratch_.data(), bytes);
+    }
+    RETURN_IF_ERROR(exported_->Read(chunk.layer, chunk.v_pool, chunk.first_page,
+                                    chunk.num_pages, staged));
+    out->set_crc32(ChunkCrc32(staged.data(), staged.size()));
+    if (ring.host_ring() == nullptr) RETURN_IF_ERROR(ring.WriteRing(offset, staged));
+    out->clear_data();
+    out->set_ring_offset(offset);
+    out->set_ring_bytes(bytes);
+    out->set_channel_sequence(static_cast<uint32_t>(index + 1));
+    bytes_ += bytes;
+    return true;
+  }
   std::string* data = out->mutable_data();
   data->resize(bytes);
   RETURN_IF_ERROR(exported_->Read(
@@ -271,6 +396,9 @@ absl::Status SequenceImporter::Begin(const v1::ImportSequenceRequest& request) {
         header.num_pages()));
   }
   const uint64_t id = request.sequence_id() != 0 ? request.sequence_id() : header.sequence_id();
+  if (request.channel_id() != 0) {
+    ASSIGN_OR_RETURN(channel_, context_.engine->LendChannel(request.channel_id(), tenant_.name));
+  }
   ASSIGN_OR_RETURN(import_, context_.engine->ImportSequence(tenant_.CacheKey(request.cache()),
                                                             id, header.num_tokens(),
                                                             source->geometry));
@@ -298,12 +426,31 @@ absl::Status SequenceImporter::Chunk(const v1::SequenceChunk& chunk) {
         " are not within the sequence's ", pages));
   }
   const int64_t expected = chunk.num_pages() * PageBytes(g, v_pool);
-  if (static_cast<int64_t>(chunk.data().size()) != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ".data: expected ", expected,
-                                                   " bytes (", chunk.num_pages(),
-                                                   " pages), got ", chunk.data().size()));
+  std::span<const uint8_t> bytes;
+  int32_t region = -1;  // the transfer region the chunk came through, if any
+  if (chunk.ring_offset() != 0 || chunk.ring_bytes() != 0) {
+    ASSIGN_OR_RETURN(region, ChannelRegion(chunk, where, expected));
+    const int64_t offset = chunk.ring_offset();
+    BackendChannel& ring = channel_->ring();
+    if (const uint8_t* host = ring.host_ring(); host != nullptr) {
+      bytes = std::span<const uint8_t>(host + offset, expected);
+    } else {
+      scratch_.resize(expected);
+      RETURN_IF_ERROR(ring.ReadRing(offset, std::span<uint8_t>(scratch_.data(), expected)));
+      bytes = std::span<const uint8_t>(scratch_.data(), expected);
+    }
+  } else {
+    if (static_cast<int64_t>(chunk.data().size()) != expected) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".data: expected ", expected,
+                                                     " bytes (", chunk.num_pages(),
+                                                     " pages), got ", chunk.data().size()));
+    }
+    bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(chunk.data().data()),
+                                     chunk.data().size());
   }
-  const uint32_t crc = ChunkCrc32(chunk.data().data(), chunk.data().size());
+  // A HOST_SHM region is checksummed and copied in place: a client that rewrites it before
+  // attnd sets the region's flag races only its own import.
+  const uint32_t crc = ChunkCrc32(bytes.data(), bytes.size());
   if (crc != chunk.crc32()) {
     return absl::DataLossError(absl::StrCat(
         where, ".crc32: the data's CRC-32 is ", crc, ", the chunk says ", chunk.crc32(),
@@ -319,14 +466,57 @@ absl::Status SequenceImporter::Chunk(const v1::SequenceChunk& chunk) {
                                                      " came in an earlier chunk too"));
     }
   }
-  RETURN_IF_ERROR(import_->Write(
-      chunk.layer(), v_pool, chunk.first_page(), chunk.num_pages(),
-      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(chunk.data().data()),
-                               chunk.data().size())));
+  RETURN_IF_ERROR(
+      import_->Write(chunk.layer(), v_pool, chunk.first_page(), chunk.num_pages(), bytes));
   std::fill(written_.begin() + base + chunk.first_page(),
             written_.begin() + base + chunk.first_page() + chunk.num_pages(), true);
   bytes_ += expected;
+  if (region >= 0) {
+    // The bytes are in the pages: the client may reuse the region.
+    RETURN_IF_ERROR(channel_->ring().StoreTransferFlag(channel_->layout().transfer[region],
+                                                       chunk.channel_sequence()));
+  }
   return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t> SequenceImporter::ChannelRegion(const v1::SequenceChunk& chunk,
+                                                        const std::string& where,
+                                                        int64_t expected) const {
+  if (channel_ == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".ring_offset: a chunk through a channel, but the import's first message named "
+        "no channel_id"));
+  }
+  if (!chunk.data().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".data: a chunk with a ring descriptor carries no data (got ",
+        chunk.data().size(), " bytes)"));
+  }
+  // Only offsets attnd published: the start of one of the channel's transfer regions.
+  const ChannelLayout& layout = channel_->layout();
+  int32_t region = -1;
+  for (int32_t slot = 0; slot < layout.num_slots; ++slot) {
+    if (layout.TransferRegion(slot) == chunk.ring_offset()) region = slot;
+  }
+  if (region < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".ring_offset: ", chunk.ring_offset(), " is not one of channel ",
+        channel_->channel_id(), "'s transfer regions (ChannelLayout.transfer_region_offsets: ",
+        layout.num_slots, " regions of ", layout.slot_bytes, " bytes from ",
+        layout.TransferRegion(0), ")"));
+  }
+  if (chunk.ring_bytes() != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ".ring_bytes: expected ", expected,
+                                                   " bytes (", chunk.num_pages(),
+                                                   " pages), got ", chunk.ring_bytes()));
+  }
+  if (expected > layout.slot_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".ring_bytes: ", expected, " bytes exceed a transfer region (",
+        layout.slot_bytes, " bytes); send fewer pages per chunk"));
+  }
+  RETURN_IF_ERROR(channel_->CheckOpen());
+  return region;
 }
 
 absl::StatusOr<v1::ImportSequenceResponse> SequenceImporter::Finish() {

@@ -7,13 +7,20 @@
 //
 // Both copy pages synchronously (one chunk at a time) and are not thread-safe; the engine must
 // outlive them.
+//
+// Through a channel (ExportSequenceRequest / ImportSequenceRequest channel_id): the chunks'
+// bytes go through the channel's transfer regions and the messages carry descriptors
+// (SequenceChunk.ring_offset). The exporter never waits itself: Ready() says whether the next
+// region is free (the client acknowledged its previous chunk), and the caller polls it.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "attnd/v1/attnd.pb.h"
 #include "engine/engine.h"
 #include "service/attention_service.h"
@@ -29,11 +36,20 @@ class SequenceExporter {
       const v1::ExportSequenceRequest& request);
 
   const v1::ExportSequenceResponse& header() const { return header_; }
-  // Fills `message` with the next chunk; false when none is left.
+  // Whether Next may run now. Without a channel, always. With one: once the client
+  // acknowledged the previous chunk of the next chunk's region (after the last chunk: every
+  // chunk). false: poll again later. DEADLINE_EXCEEDED once a region stayed unacknowledged
+  // for `ack_timeout`, UNAVAILABLE once the channel closed.
+  absl::StatusOr<bool> Ready();
+  // Fills `message` with the next chunk; false when none is left (call it only when Ready).
   absl::StatusOr<bool> Next(v1::ExportSequenceResponse& message);
   int64_t bytes() const { return bytes_; }
+  bool through_channel() const { return channel_ != nullptr; }
 
  private:
+  // Whether the client acknowledged chunk `index` (its region's flag reached index + 1).
+  absl::StatusOr<bool> Acknowledged(size_t index) const;
+
   struct Chunk {
     int32_t layer;
     bool v_pool;
@@ -45,6 +61,13 @@ class SequenceExporter {
   std::vector<Chunk> chunks_;
   size_t next_chunk_ = 0;
   int64_t bytes_ = 0;
+  // Channel transfers: the loan, the chunks known acknowledged after the last was sent, and
+  // since when Ready has been answering false.
+  std::unique_ptr<ChannelTransfer> channel_;
+  std::vector<uint8_t> scratch_;  // CUDA_IPC: the chunk on the host (for its CRC)
+  size_t drained_ = 0;
+  absl::Duration ack_timeout_;
+  std::optional<absl::Time> waiting_since_;
 };
 
 class SequenceImporter {
@@ -59,9 +82,15 @@ class SequenceImporter {
  private:
   absl::Status Begin(const v1::ImportSequenceRequest& request);
   absl::Status Chunk(const v1::SequenceChunk& chunk);
+  // The channel region a chunk's descriptor names (INVALID_ARGUMENT naming the field for one
+  // attnd did not publish or a size that disagrees with the chunk's pages).
+  absl::StatusOr<int32_t> ChannelRegion(const v1::SequenceChunk& chunk, const std::string& where,
+                                        int64_t expected) const;
 
   const ServiceContext& context_;
   const Tenant tenant_;
+  std::unique_ptr<ChannelTransfer> channel_;  // declared first: outlives import_'s pages
+  std::vector<uint8_t> scratch_;              // CUDA_IPC: a chunk copied out of the ring
   std::unique_ptr<SequenceImport> import_;
   std::vector<bool> written_;  // [layer][pool][page]
   int64_t messages_ = 0;

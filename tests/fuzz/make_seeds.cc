@@ -150,6 +150,41 @@ void WriteLifecycleSeeds(SeedWriter& out) {
     m.Forward(2, 1, rng);
     out.Write("export_import", m.fuzz_case);
   }
+  {  // Export and import through a HOST_SHM channel (regions of ~1.8 KiB: chunks of one page),
+     // damaged, and with a step on the channel in between.
+    Managed m;
+    Action second;
+    *second.mutable_create_cache() = SmallCache(CacheVariant::kMhaManaged, "other");
+    *m.fuzz_case.add_actions() = second;
+    attnd::v1::OpenChannelRequest open;
+    open.set_cache("other");
+    open.set_kind(attnd::v1::CHANNEL_KIND_HOST_SHM);
+    open.set_max_tokens(1);
+    open.set_slots(2);
+    Action open_action;
+    *open_action.mutable_open_channel() = open;
+    *m.fuzz_case.add_actions() = open_action;
+    m.Plan({{1, 7}});
+    m.Forward(1, 0, rng);
+    m.Forward(1, 1, rng);
+    Action through = ExportImportAction(1, "other", 0, 0);
+    through.mutable_export_import()->mutable_export_()->set_channel_id(1);
+    through.mutable_export_import()->set_import_channel_id(1);
+    *m.fuzz_case.add_actions() = through;
+    Action corrupt = ExportImportAction(1, "other", 2, 0);
+    corrupt.mutable_export_import()->mutable_export_()->set_channel_id(1);
+    corrupt.mutable_export_import()->set_import_channel_id(1);
+    corrupt.mutable_export_import()->set_corrupt_message(4);
+    corrupt.mutable_export_import()->set_corrupt_byte(5);
+    *m.fuzz_case.add_actions() = corrupt;
+    Action grpc_in = ExportImportAction(1, "other", 3, 0);
+    grpc_in.mutable_export_import()->mutable_export_()->set_channel_id(1);
+    *m.fuzz_case.add_actions() = grpc_in;
+    Action unknown = ExportImportAction(1, "other", 4, 0);
+    unknown.mutable_export_import()->mutable_export_()->set_channel_id(7);
+    *m.fuzz_case.add_actions() = unknown;
+    out.Write("export_import_channel", m.fuzz_case);
+  }
   {  // A hand-written import stream: a header for 2 tokens and one chunk of K of layer 0 only.
     Managed m;
     Action action;

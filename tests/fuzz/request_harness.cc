@@ -3,8 +3,14 @@
 #include <prometheus/metric_family.h>
 #include <prometheus/registry.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <set>
@@ -19,6 +25,7 @@
 #include "absl/time/clock.h"
 #include "backend/cpu_backend.h"
 #include "backend/peer_access.h"
+#include "channel/channel_layout.h"
 #include "case_builder.h"
 #include "engine/engine.h"
 #include "metrics/metrics.h"
@@ -129,6 +136,14 @@ struct RequestHarness::State {
   std::set<uint64_t> owners;
   std::vector<StepRecord> steps;
   std::vector<uint64_t> channels;  // engine ids of the channels this case opened (0: refused)
+  // The HOST_SHM rings of this case's channels, mapped as a client maps them: the harness
+  // plays the client of exports and imports through a channel.
+  struct MappedRing {
+    uint8_t* data = nullptr;
+    int64_t bytes = 0;
+    std::shared_ptr<const ChannelLayout> layout;
+  };
+  std::map<uint64_t, MappedRing> rings;
   std::map<std::string, std::set<uint64_t>> sequences;  // MANAGED ids planned, per cache
   // A fork succeeded in this case: sequences may share pages (used pages count them once), and
   // a Forward may copy a shared page before writing it.
@@ -451,6 +466,7 @@ struct RequestHarness::State {
             spec.ok() ? engine->OpenChannel(*spec, [](std::string) {})
                       : absl::StatusOr<ChannelStatus>(spec.status());
         if (channels.size() < kCaseChannelIds) channels.push_back(opened.ok() ? opened->id : 0);
+        if (opened.ok() && opened->kind == ChannelKind::kHostShm) MapRing(*opened);
         // Issue 19's fields: a malformed client_pci_bus_id is refused by field whatever the
         // kind; the cpu backend opens HOST_SHM only (NCCL and CUDA_IPC: UNIMPLEMENTED), so
         // nothing it opens reports peer access or an NCCL id.
@@ -529,13 +545,79 @@ struct RequestHarness::State {
     return {status.ok(), false, std::nullopt, "ForkSequence"};
   }
 
+  void MapRing(const ChannelStatus& opened) {
+    const int fd = shm_open(opened.shm_name.c_str(), O_RDWR, 0);
+    HARNESS_CHECK(fd >= 0, "cannot open the ring of channel ", opened.id);
+    void* mapped = mmap(nullptr, opened.layout->ring_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                        fd, 0);
+    close(fd);
+    HARNESS_CHECK(mapped != MAP_FAILED, "cannot map the ring of channel ", opened.id);
+    rings[opened.id] = {static_cast<uint8_t*>(mapped), opened.layout->ring_bytes, opened.layout};
+  }
+
+  void UnmapRings() {
+    for (auto& [id, ring] : rings) munmap(ring.data, ring.bytes);
+    rings.clear();
+  }
+
+  static std::atomic_ref<uint32_t> Flag(const MappedRing& ring, int64_t offset) {
+    return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(ring.data + offset));
+  }
+
+  // An export's chunk through a channel, as the client takes it: the descriptor must name the
+  // region of its turn and hold the bytes of its CRC; the bytes become the chunk's data, and
+  // the region is acknowledged.
+  void TakeFromRing(const MappedRing& ring, size_t index, attnd::v1::SequenceChunk& chunk) {
+    const ChannelLayout& layout = *ring.layout;
+    const int32_t region = static_cast<int32_t>(index % layout.num_slots);
+    HARNESS_CHECK(chunk.data().empty() && chunk.ring_offset() == layout.TransferRegion(region) &&
+                      chunk.ring_bytes() > 0 && chunk.ring_bytes() <= layout.slot_bytes &&
+                      chunk.channel_sequence() == index + 1,
+                  "export chunk ", index, " names ring bytes [", chunk.ring_offset(), ", +",
+                  chunk.ring_bytes(), ") as sequence ", chunk.channel_sequence(),
+                  ", not region ", region, "'s");
+    chunk.set_data(std::string(reinterpret_cast<const char*>(ring.data + chunk.ring_offset()),
+                               chunk.ring_bytes()));
+    HARNESS_CHECK(chunk.crc32() == ChunkCrc32(chunk.data().data(), chunk.data().size()),
+                  "an exported chunk's crc32 does not match its ring bytes");
+    Flag(ring, layout.transfer[region]).store(chunk.channel_sequence(), std::memory_order_release);
+    chunk.clear_ring_offset();
+    chunk.clear_ring_bytes();
+    chunk.clear_channel_sequence();
+  }
+
   // Runs one import's messages through a SequenceImporter (as the ImportSequence reactor does).
+  // With `ring` (the channel messages[0] names), chunks with data that fit a region go through
+  // it: written into the next region, sent as descriptors, and attnd must have acknowledged
+  // each by the time Receive returns.
   absl::StatusOr<attnd::v1::ImportSequenceResponse> RunImport(
-      const std::vector<attnd::v1::ImportSequenceRequest>& messages, bool abandon) {
+      const std::vector<attnd::v1::ImportSequenceRequest>& messages, bool abandon,
+      const MappedRing* ring = nullptr) {
     SequenceImporter importer(context, tenant);
-    for (const attnd::v1::ImportSequenceRequest& message : messages) {
+    if (ring != nullptr) {
+      for (const int64_t flag : ring->layout->transfer) Flag(*ring, flag).store(0);
+    }
+    uint32_t sequence = 0;
+    for (const attnd::v1::ImportSequenceRequest& original : messages) {
+      attnd::v1::ImportSequenceRequest message = original;
+      int32_t region = -1;
+      if (ring != nullptr && message.has_chunk() && !message.chunk().data().empty() &&
+          static_cast<int64_t>(message.chunk().data().size()) <= ring->layout->slot_bytes) {
+        attnd::v1::SequenceChunk& chunk = *message.mutable_chunk();
+        region = static_cast<int32_t>(sequence % ring->layout->num_slots);
+        const int64_t offset = ring->layout->TransferRegion(region);
+        std::memcpy(ring->data + offset, chunk.data().data(), chunk.data().size());
+        chunk.set_ring_offset(offset);
+        chunk.set_ring_bytes(static_cast<int64_t>(chunk.data().size()));
+        chunk.set_channel_sequence(++sequence);
+        chunk.clear_data();
+      }
       const absl::Status received = importer.Receive(message);
       if (!received.ok()) return received;
+      if (region >= 0) {
+        HARNESS_CHECK(Flag(*ring, ring->layout->transfer[region]).load() == sequence,
+                      "an imported chunk's region was not acknowledged");
+      }
     }
     if (abandon) return absl::CancelledError("abandoned");
     return importer.Finish();
@@ -549,6 +631,8 @@ struct RequestHarness::State {
     if (export_request.max_chunk_bytes() > (int64_t{1} << 20)) {
       export_request.set_max_chunk_bytes(int64_t{1} << 20);
     }
+    export_request.set_channel_id(MapChannelId(export_request.channel_id()));
+    const auto export_ring = rings.find(export_request.channel_id());
     std::vector<attnd::v1::ImportSequenceRequest> messages;
     {
       auto exporter = SequenceExporter::Start(context, tenant, export_request);
@@ -559,10 +643,18 @@ struct RequestHarness::State {
                     header.num_tokens(), " tokens");
       messages.emplace_back().set_allocated_header(new attnd::v1::SequenceHeader(header));
       attnd::v1::ExportSequenceResponse chunk;
-      for (;;) {
+      const bool through = (*exporter)->through_channel();
+      HARNESS_CHECK(!through || export_ring != rings.end(),
+                    "an export went through a channel this case did not open");
+      for (size_t index = 0;; ++index) {
+        // The harness acknowledges every region at once, so the next one is always free.
+        absl::StatusOr<bool> ready = (*exporter)->Ready();
+        HARNESS_CHECK(ready.ok() && *ready, "an export's next region is not free: ",
+                      ready.status().message());
         absl::StatusOr<bool> more = (*exporter)->Next(chunk);
         HARNESS_CHECK(more.ok(), "an export failed mid-stream: ", more.status().message());
         if (!*more) break;
+        if (through) TakeFromRing(export_ring->second, index, *chunk.mutable_chunk());
         HARNESS_CHECK(chunk.chunk().crc32() ==
                           ChunkCrc32(chunk.chunk().data().data(), chunk.chunk().data().size()),
                       "an exported chunk's crc32 does not match its data");
@@ -598,9 +690,13 @@ struct RequestHarness::State {
     }
     messages[0].set_cache(action.target_cache());
     messages[0].set_sequence_id(action.new_id());
+    const uint64_t import_channel = MapChannelId(action.import_channel_id());
+    messages[0].set_channel_id(import_channel);
+    const auto import_ring = rings.find(import_channel);
     const bool abandon = action.abandon_after() > 0;
     if (abandon && action.abandon_after() < messages.size()) messages.resize(action.abandon_after());
-    absl::StatusOr<attnd::v1::ImportSequenceResponse> imported = RunImport(messages, abandon);
+    absl::StatusOr<attnd::v1::ImportSequenceResponse> imported = RunImport(
+        messages, abandon, import_ring == rings.end() ? nullptr : &import_ring->second);
     result.ok = imported.ok();
     HARNESS_CHECK(!damaged || !imported.ok(), "a damaged import succeeded");
     if (!imported.ok()) return result;
@@ -610,6 +706,7 @@ struct RequestHarness::State {
     attnd::v1::ExportSequenceRequest again = export_request;
     again.set_cache(action.target_cache());
     again.set_sequence_id(id);
+    again.clear_channel_id();  // compared as data; the channel path was checked above
     auto exporter = SequenceExporter::Start(context, tenant, again);
     HARNESS_CHECK(exporter.ok(), "the imported sequence does not export: ",
                   exporter.status().message());
@@ -618,6 +715,7 @@ struct RequestHarness::State {
                   "the imported sequence has another length");
     attnd::v1::ExportSequenceResponse chunk;
     for (size_t index = 1;; ++index) {
+      HARNESS_CHECK((*exporter)->Ready().value_or(false), "a gRPC-bytes export is not ready");
       absl::StatusOr<bool> more = (*exporter)->Next(chunk);
       HARNESS_CHECK(more.ok(), more.status().message());
       if (!*more) {
@@ -633,8 +731,11 @@ struct RequestHarness::State {
 
   ActionResult ImportStream(const ImportStream& action) {
     ActionResult result{false, false, std::nullopt, "ImportStream"};
-    const std::vector<attnd::v1::ImportSequenceRequest> messages(action.messages().begin(),
-                                                                 action.messages().end());
+    std::vector<attnd::v1::ImportSequenceRequest> messages(action.messages().begin(),
+                                                           action.messages().end());
+    // Raw descriptors (SequenceChunk.ring_offset) as the fuzzer made them, against a real
+    // channel when the first message names one of the case's.
+    if (!messages.empty()) messages[0].set_channel_id(MapChannelId(messages[0].channel_id()));
     if (!messages.empty()) result.imported_cache = messages[0].cache();
     absl::StatusOr<attnd::v1::ImportSequenceResponse> imported =
         RunImport(messages, action.abandon());
@@ -880,6 +981,7 @@ struct RequestHarness::State {
     owners.clear();
     steps.clear();
     channels.clear();
+    UnmapRings();
     sequences.clear();
     forked = false;
   }

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "attnd/client/channel.h"
 #include "attnd/client/sequence.h"
 #include "http_get.h"
 #include "status_matchers.h"
@@ -400,6 +401,64 @@ TEST_F(TenantsTest, SequenceLifecycleStaysWithinATenant) {
   ASSERT_OK_AND_ASSIGN(auto alpha_model, alpha->GetCache("model"));
   EXPECT_EQ(alpha_model.num_sequences(), 2);
   EXPECT_EQ(alpha_model.shared_pages(), 2);
+}
+
+TEST_F(TenantsTest, AnotherTenantsChannelCarriesNoTransferOfMine) {
+  auto alpha = ClientWithToken(kAlphaToken);
+  auto beta = ClientWithToken(kBetaToken);
+  ASSERT_OK(alpha->CreateCache("model", SmallConfig()));
+  ASSERT_OK(beta->CreateCache("model", SmallConfig()));
+  std::mt19937_64 rng(4);
+  ASSERT_OK_AND_ASSIGN(auto step, beta->BeginStep(MakePlan("model", {{3, 5}})));
+  for (int32_t layer = 0; layer < 2; ++layer) {
+    ASSERT_OK(step->Forward(RandomLayer(rng, SmallConfig(), 5, layer)));
+  }
+  client::ChannelOptions options;
+  options.kind = attnd::v1::CHANNEL_KIND_HOST_SHM;
+  options.max_tokens = 4;
+  ASSERT_OK_AND_ASSIGN(auto alphas, client::Channel::Open(*alpha, "model", options));
+  // Beta names alpha's channel: NOT_FOUND, as an id that does not exist.
+  auto context = beta->NewContext();
+  attnd::v1::ExportSequenceRequest request;
+  request.set_cache("model");
+  request.set_sequence_id(3);
+  request.set_channel_id(alphas->id());
+  auto reader = beta->stub().ExportSequence(context.get(), request);
+  attnd::v1::ExportSequenceResponse message;
+  while (reader->Read(&message)) {
+  }
+  const grpc::Status exported = reader->Finish();
+  EXPECT_EQ(exported.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(exported.error_message(), HasSubstr("channel_id"));
+  EXPECT_THAT(exported.error_message(), Not(HasSubstr("alpha")));
+  std::vector<attnd::v1::ExportSequenceResponse> messages;
+  ASSERT_OK(client::ExportSequence(*beta, "model", 3, [&](const auto& m) {
+    messages.push_back(m);
+    return absl::OkStatus();
+  }));
+  auto import_context = beta->NewContext();
+  attnd::v1::ImportSequenceResponse response;
+  auto writer = beta->stub().ImportSequence(import_context.get(), &response);
+  attnd::v1::ImportSequenceRequest first;
+  first.set_cache("model");
+  first.set_sequence_id(4);
+  first.set_channel_id(alphas->id());
+  *first.mutable_header() = messages[0].header();
+  writer->Write(first);
+  writer->WritesDone();
+  const grpc::Status imported = writer->Finish();
+  EXPECT_EQ(imported.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(imported.error_message(), HasSubstr("channel_id"));
+  ASSERT_OK_AND_ASSIGN(auto beta_model, beta->GetCache("model"));
+  EXPECT_EQ(beta_model.num_sequences(), 1);
+  EXPECT_EQ(beta_model.shared_pages(), 0);
+  // Alpha's own transfers go through it.
+  ASSERT_OK(client::ImportSequenceThroughChannel(*alpha, "model", 3, *alphas, [&, next = size_t{0}](
+      attnd::v1::ExportSequenceResponse& m) mutable -> absl::StatusOr<bool> {
+    if (next == messages.size()) return false;
+    m = messages[next++];
+    return true;
+  }).status());
 }
 
 }  // namespace

@@ -150,6 +150,24 @@ class Channel {
   absl::Status CopyIn(void* slot_tensor, const void* host, int64_t bytes);
   absl::Status CopyOut(void* host, const void* slot_tensor, int64_t bytes) const;
 
+  // Sequence transfers through the channel (sequence.h's channel variants): region r of the
+  // ring (host or device memory, as Slot's pointers; copy with CopyIn/CopyOut), its 32-bit
+  // transfer flag word, and the word attnd increments when a transfer ends
+  // (ChannelLayout.transfer_*). Flags are read and written from the host.
+  int32_t transfer_regions() const { return info_.layout().transfer_region_offsets_size(); }
+  int64_t transfer_region_bytes() const { return info_.layout().transfer_region_bytes(); }
+  int64_t TransferRegionOffset(int32_t region) const {
+    return info_.layout().transfer_region_offsets(region);
+  }
+  void* TransferRegion(int32_t region) const { return ring_ + TransferRegionOffset(region); }
+  uint32_t TransferFlag(int32_t region) const {
+    return ReadFlag(info_.layout().transfer_flag_offsets(region));
+  }
+  void SetTransferFlag(int32_t region, uint32_t value) {
+    WriteFlag(info_.layout().transfer_flag_offsets(region), value);
+  }
+  uint32_t TransfersEnded() const { return ReadFlag(info_.layout().transfer_end_offset()); }
+
   // Why the server closed the channel ("" while it is open).
   std::string closed_reason() const;
 
