@@ -364,6 +364,10 @@ void InsertAction(FuzzCase& fuzz_case, Rng& rng) {
       copy->mutable_export_()->set_cache(cache);
       copy->mutable_export_()->set_sequence_id(Pick<uint64_t>(rng, {1, 2, 3}));
       copy->mutable_export_()->set_max_chunk_bytes(Pick<int64_t>(rng, {0, 1, 300, 4096}));
+      // Through the case's first channels at times (ordinals, which the harness maps), either
+      // side or both.
+      if (Chance(rng, 30)) copy->mutable_export_()->set_channel_id(Pick<uint64_t>(rng, {1, 2}));
+      if (Chance(rng, 30)) copy->set_import_channel_id(Pick<uint64_t>(rng, {1, 2}));
       copy->set_target_cache(Chance(rng, 50) ? cache : "fuzz2");
       copy->set_new_id(Pick<uint64_t>(rng, {0, 5, 6, 1}));
       if (Chance(rng, 50)) {

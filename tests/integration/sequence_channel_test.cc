@@ -441,6 +441,34 @@ TEST_F(SequenceChannelTest, ChannelClosedMidExportEndsItAndUnpinsThePages) {
   EXPECT_EQ(b.channels_size(), 0);
 }
 
+// With the default step TTL (60 s), shutdown does not wait for it: an export waiting for a
+// client's acknowledgement ends with the server.
+class SequenceChannelShutdownTest : public SequenceChannelTest {
+ protected:
+  ServerOptions Options() const override { return TestServerOptions(); }
+};
+
+TEST_F(SequenceChannelShutdownTest, ShutdownEndsAnExportWaitingForAcknowledgements) {
+  std::unique_ptr<client::Channel> channel = OpenChannel("a");
+  ASSERT_NE(channel, nullptr);
+  auto context = client().NewContext(/*with_deadline=*/false);
+  attnd::v1::ExportSequenceRequest request;
+  request.set_cache("a");
+  request.set_sequence_id(1);
+  request.set_max_chunk_bytes(1024);
+  request.set_channel_id(channel->id());
+  auto reader = client().stub().ExportSequence(context.get(), request);
+  attnd::v1::ExportSequenceResponse message;
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&message));
+  const absl::Time start = absl::Now();
+  server().Shutdown();
+  server().Wait();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  while (reader->Read(&message)) {
+  }
+  EXPECT_FALSE(reader->Finish().ok());
+}
+
 TEST_F(SequenceChannelTest, UnknownChannelIsNotFound) {
   auto context = client().NewContext();
   attnd::v1::ExportSequenceRequest request;
