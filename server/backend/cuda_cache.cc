@@ -291,8 +291,15 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStepOn(
   absl::Status status = [&]() -> absl::Status {
     // The previous owner's upload read host_arrays; usually long done.
     CUDA_RETURN_IF_ERROR(cudaEventSynchronize(resources->arrays_uploaded.get()));
-    RETURN_IF_ERROR(resources->Reserve(channel_lane ? LayerSizes() : sizes,
-                                       prefill_work_offset + prefill_work_bytes));
+    if (channel_lane) {
+      // As the lane's own buffers above: a chained Plan runs while the channel's stream waits
+      // for its client, so nothing may be freed here.
+      std::lock_guard lock(lane.submit_mu);
+      RETURN_IF_ERROR(resources->Reserve(LayerSizes(), prefill_work_offset + prefill_work_bytes,
+                                         &lane.retired, &lane.retired_pinned));
+    } else {
+      RETURN_IF_ERROR(resources->Reserve(sizes, prefill_work_offset + prefill_work_bytes));
+    }
     plan->Fill(*batch, resources->host_arrays.data());
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(resources->device_arrays.data(),
                                          resources->host_arrays.data(), plan->offsets.total_bytes,

@@ -80,8 +80,10 @@ struct Lane {
   DeviceBuffer decode_workspace;  // split-KV partials (MHA decode or MLA)
   std::atomic<int32_t> open_steps{0};
   std::unique_ptr<CompletionQueue> completions;
-  // A channel lane's outgrown buffers, freed when the lane goes (under submit_mu).
+  // A channel lane's outgrown buffers (and those of the step resources its steps took), freed
+  // when the lane goes (under submit_mu): device memory, and pinned host memory.
   std::vector<uint8_t*> retired;
+  std::vector<uint8_t*> retired_pinned;
 
   absl::Status CreateStreams();
 };

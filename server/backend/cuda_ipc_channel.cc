@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -92,10 +93,16 @@ CudaIpcChannel::~CudaIpcChannel() {
     if (stream->get() != nullptr) cudaStreamSynchronize(stream->get());
   }
   for (uint8_t* retired : lane_.retired) cudaFree(retired);
+  for (uint8_t* retired : lane_.retired_pinned) cudaFreeHost(retired);
   if (stamps_ != nullptr) cudaFreeHost(stamps_);
 }
 
 absl::Status CudaIpcChannel::WriteFlag(int64_t offset, uint32_t value) {
+  // Called from any thread (CancelStep from the engine, SignalReady from a Forward): on a
+  // daemon serving several GPUs that thread's current device may be another one, and a stream
+  // memory operation on this device's stream from there fails (the ignored error once left a
+  // cancelled step's waits unreleased and its layers on the device forever).
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   return cuda::StreamWriteFlag(signal_.get(), ring_.data() + offset, value);
 }
 
@@ -108,14 +115,23 @@ void CudaIpcChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t /*n
   active->completed.assign(geometry_.num_layers, 0);
   {
     std::lock_guard lock(mu_);
+    live_.push_back(active);
     steps_.push_back(std::move(active));
   }
   wake_.notify_all();
 }
 
+void CudaIpcChannel::ForgetIfDoneLocked(const std::shared_ptr<ActiveStep>& active) {
+  if (active->next_layer < geometry_.num_layers ||
+      active->completed_count < active->enqueued) {
+    return;
+  }
+  live_.erase(std::remove(live_.begin(), live_.end(), active), live_.end());
+}
+
 void CudaIpcChannel::CancelStep(uint32_t sequence, bool mark_aborted) {
   std::lock_guard lock(mu_);
-  for (auto& active : steps_) {
+  for (auto& active : live_) {
     if (active->sequence != sequence) continue;
     active->cancelled = true;
     active->mark_aborted = mark_aborted;
@@ -132,7 +148,8 @@ void CudaIpcChannel::CancelStep(uint32_t sequence, bool mark_aborted) {
 bool CudaIpcChannel::ReadyReached(int32_t layer, uint32_t sequence) {
   // On the signal stream, which only ever carries attnd's own short flag writes.
   uint32_t value = 0;
-  if (cudaMemcpyAsync(&value, ring_.data() + layout_.ready[layer], sizeof(value),
+  if (cudaSetDevice(device_) != cudaSuccess ||
+      cudaMemcpyAsync(&value, ring_.data() + layout_.ready[layer], sizeof(value),
                       cudaMemcpyDeviceToHost, signal_.get()) != cudaSuccess ||
       cudaStreamSynchronize(signal_.get()) != cudaSuccess) {
     cudaGetLastError();
@@ -201,6 +218,7 @@ void CudaIpcChannel::EnqueueLoop() {
       const int32_t first = active->next_layer;
       active->next_layer = num_layers;
       steps_.pop_front();
+      ForgetIfDoneLocked(active);
       lock.unlock();
       for (int32_t layer = first; layer < num_layers; ++layer) Skip(*active, layer);
       lock.lock();
@@ -211,6 +229,7 @@ void CudaIpcChannel::EnqueueLoop() {
       continue;
     }
     const int32_t layer = active->next_layer++;
+    ++active->enqueued;
     LayerEvents* events = free_events_.back();
     free_events_.pop_back();
     lock.unlock();
@@ -296,7 +315,9 @@ void CudaIpcChannel::Complete(const std::shared_ptr<ActiveStep>& active, int32_t
   {
     std::lock_guard lock(mu_);
     active->completed[layer] = 1;
+    ++active->completed_count;
     free_events_.push_back(events);
+    ForgetIfDoneLocked(active);
   }
   wake_.notify_all();
   // May end the step (and destroy the CudaStep): nothing of it is touched after this.

@@ -71,11 +71,15 @@ class CudaIpcChannel final : public BackendChannel {
     ChannelLayerDone layer_done;
     int32_t next_layer = 0;          // the first layer not yet enqueued
     std::vector<uint8_t> completed;  // [num_layers]
+    int32_t enqueued = 0;            // layers put on the stream
+    int32_t completed_count = 0;     // of those, completed
     bool cancelled = false;
     bool mark_aborted = true;
   };
 
   CudaIpcChannel(CudaCache* cache, const ChannelSpec& spec, int device);
+  // Drops `active` from live_ once no layer of it is or will be on the stream. Under mu_.
+  void ForgetIfDoneLocked(const std::shared_ptr<ActiveStep>& active);
   absl::Status Init();
   void EnqueueLoop();
   // Enqueues one layer (wait, kernels, done write) and posts its completion.
@@ -111,7 +115,10 @@ class CudaIpcChannel final : public BackendChannel {
   std::condition_variable wake_;
   std::vector<LayerEvents*> free_events_;
   uint64_t timing_rng_ = 0x9E3779B97F4A7C15ull;  // the enqueuer thread's: which layers are timed
-  std::deque<std::shared_ptr<ActiveStep>> steps_;  // in start order
+  std::deque<std::shared_ptr<ActiveStep>> steps_;  // in start order, until fully enqueued
+  // Every started step until its last enqueued layer completed: CancelStep must reach the
+  // layers on the stream also once steps_ let go of their step (all layers enqueued).
+  std::vector<std::shared_ptr<ActiveStep>> live_;
   bool stopping_ = false;
   std::thread enqueuer_;
 };

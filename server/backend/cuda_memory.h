@@ -58,6 +58,13 @@ class PinnedBuffer {
 
   absl::Status Reserve(int64_t bytes);  // as DeviceBuffer::Reserve
   void Release();
+  // As DeviceBuffer::Detach (the caller frees it with cudaFreeHost later).
+  uint8_t* Detach() {
+    uint8_t* data = data_;
+    data_ = nullptr;
+    capacity_ = 0;
+    return data;
+  }
 
   uint8_t* data() const { return data_; }
   int64_t capacity() const { return capacity_; }

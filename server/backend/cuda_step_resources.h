@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "backend/backend.h"
@@ -89,7 +90,12 @@ struct StepResources {
   // Grows every buffer to hold a step with these layer sizes and `array_bytes` of arrays.
   // Only while no work of a previous owner is queued (the caller waited on arrays_uploaded,
   // and every layer of the previous step had completed before it ended).
-  absl::Status Reserve(const LayerSizes& sizes, int64_t array_bytes);
+  // `retired_device` / `retired_pinned` given: outgrown buffers are detached into them instead
+  // of freed (a cudaFree or cudaFreeHost waits for the whole device, and a channel's stream may
+  // be waiting on its client: an NCCL receive kernel would never let it return).
+  absl::Status Reserve(const LayerSizes& sizes, int64_t array_bytes,
+                       std::vector<uint8_t*>* retired_device = nullptr,
+                       std::vector<uint8_t*>* retired_pinned = nullptr);
 };
 
 }  // namespace attnd::cuda_backend

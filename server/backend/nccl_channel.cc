@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -86,6 +87,7 @@ NcclChannel::~NcclChannel() {
   if (lane_.completions) lane_.completions->Shutdown();
   if (lane_.compute.get() != nullptr) cudaStreamSynchronize(lane_.compute.get());
   for (uint8_t* retired : lane_.retired) cudaFree(retired);
+  for (uint8_t* retired : lane_.retired_pinned) cudaFreeHost(retired);
 }
 
 void NcclChannel::WatchLoop() {
@@ -213,14 +215,23 @@ void NcclChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t /*num_
   active->in_flight.assign(geometry_.num_layers, nullptr);
   {
     std::lock_guard lock(mu_);
+    live_.push_back(active);
     steps_.push_back(std::move(active));
   }
   wake_.notify_all();
 }
 
+void NcclChannel::ForgetIfDoneLocked(const std::shared_ptr<ActiveStep>& active) {
+  if (active->next_layer < geometry_.num_layers ||
+      active->completed_count < active->enqueued) {
+    return;
+  }
+  live_.erase(std::remove(live_.begin(), live_.end(), active), live_.end());
+}
+
 void NcclChannel::CancelStep(uint32_t sequence, bool /*mark_aborted*/) {
   std::lock_guard lock(mu_);
-  for (auto& active : steps_) {
+  for (auto& active : live_) {
     if (active->sequence != sequence) continue;
     active->cancelled = true;
     // Receives already on the stream wait for sends the peer may never make, and the peer
@@ -239,13 +250,13 @@ void NcclChannel::CancelStep(uint32_t sequence, bool /*mark_aborted*/) {
 
 bool NcclChannel::ReadyReached(int32_t layer, uint32_t sequence) {
   std::lock_guard lock(mu_);
-  for (const auto& active : steps_) {
+  for (const auto& active : live_) {
     if (active->sequence != sequence) continue;
     if (active->completed[layer]) return true;
     const WindowEvents* events = active->in_flight[layer];
     return events != nullptr && cudaEventQuery(events->received.get()) == cudaSuccess;
   }
-  // No longer queued: every layer of it was enqueued and has completed, or was skipped.
+  // No longer live: every layer of it that was enqueued has completed, the rest were skipped.
   return true;
 }
 
@@ -272,6 +283,7 @@ void NcclChannel::EnqueueLoop() {
       const int32_t first = active->next_layer;
       active->next_layer = num_layers;
       steps_.pop_front();
+      ForgetIfDoneLocked(active);
       const absl::Status why = broken_ ? break_reason_
                                        : absl::CancelledError("the step was aborted");
       lock.unlock();
@@ -284,6 +296,7 @@ void NcclChannel::EnqueueLoop() {
       continue;
     }
     const int32_t layer = active->next_layer++;
+    ++active->enqueued;
     WindowEvents* events = free_events_.back();
     free_events_.pop_back();
     active->in_flight[layer] = events;
@@ -307,7 +320,6 @@ void NcclChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t lay
   timing_rng_ ^= timing_rng_ >> 27;
   const uint64_t draw = (timing_rng_ * 0x2545F4914F6CDD1Dull) >> 32;
   const bool timed = stride > 0 && rows > 0 && draw % static_cast<uint64_t>(stride) == 0;
-  std::lock_guard lock(lane_.submit_mu);
   absl::Status status = [&]() -> absl::Status {
     // A step with no rows moves nothing and runs no kernel (the peer knows T from Plan too).
     if (rows == 0) return absl::OkStatus();
@@ -332,9 +344,16 @@ void NcclChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t lay
     buffers.q_pe = ring + slot.q_pe;
     buffers.o = ring + slot.o;
     buffers.lse = step.returns_lse() ? reinterpret_cast<float*>(ring + slot.lse) : nullptr;
-    if (timed) CUDA_RETURN_IF_ERROR(cudaEventRecord(events->layer.started.get(), compute));
-    const CudaEvent* attended = nullptr;
-    RETURN_IF_ERROR(step.EnqueueKernels(events->layer, timed, buffers, layer, &attended));
+    {
+      // Only the launches hold the lane (its buffers do not grow under them). Not the NCCL
+      // groups: settling one can wait for the peer (a first use of a connection), and the peer
+      // may be waiting for a chained Plan, which takes the lane to grow them: a deadlock seen
+      // on the 2-GPU machine.
+      std::lock_guard lock(lane_.submit_mu);
+      if (timed) CUDA_RETURN_IF_ERROR(cudaEventRecord(events->layer.started.get(), compute));
+      const CudaEvent* attended = nullptr;
+      RETURN_IF_ERROR(step.EnqueueKernels(events->layer, timed, buffers, layer, &attended));
+    }
     std::vector<std::pair<uint8_t*, int64_t>> outputs = {{ring + slot.o, rows * layout_.o_row}};
     if (step.returns_lse()) outputs.emplace_back(ring + slot.lse, rows * layout_.lse_row);
     return Group(/*send=*/true, outputs);
@@ -376,8 +395,10 @@ void NcclChannel::Complete(const std::shared_ptr<ActiveStep>& active, int32_t la
       status = absl::CancelledError(status.message());
     }
     active->completed[layer] = 1;
+    ++active->completed_count;
     active->in_flight[layer] = nullptr;
     free_events_.push_back(events);
+    ForgetIfDoneLocked(active);
   }
   wake_.notify_all();
   // May end the step (and destroy the CudaStep): nothing of it is touched after this.

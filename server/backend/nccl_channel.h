@@ -82,12 +82,16 @@ class NcclChannel final : public BackendChannel {
     int32_t next_layer = 0;                 // the first layer not yet enqueued
     std::vector<uint8_t> completed;         // [num_layers]
     std::vector<WindowEvents*> in_flight;   // [num_layers] while enqueued and not completed
+    int32_t enqueued = 0;                   // layers put on the stream
+    int32_t completed_count = 0;            // of those, completed
     bool cancelled = false;
   };
 
   NcclChannel(CudaCache* cache, const ChannelSpec& spec, int device,
               const nccl::NcclLibrary* nccl, absl::Duration init_timeout);
   absl::Status Init();
+  // Drops `active` from live_ once no layer of it is or will be on the stream. Under mu_.
+  void ForgetIfDoneLocked(const std::shared_ptr<ActiveStep>& active);
   void WatchLoop();
   void EnqueueLoop();
   void Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t layer, WindowEvents* events);
@@ -123,7 +127,9 @@ class NcclChannel final : public BackendChannel {
   std::mutex mu_;
   std::condition_variable wake_;
   std::vector<WindowEvents*> free_events_;
-  std::deque<std::shared_ptr<ActiveStep>> steps_;  // in start order
+  std::deque<std::shared_ptr<ActiveStep>> steps_;  // in start order, until fully enqueued
+  // Every started step until its last enqueued layer completed (what CancelStep looks at).
+  std::vector<std::shared_ptr<ActiveStep>> live_;
   bool connected_ = false;
   bool broken_ = false;        // the communicator was (or is being) aborted
   absl::Status break_reason_;  // set once; the watcher acts on it
