@@ -184,6 +184,114 @@ case ${1:-} in
       fi
       mps off
     fi
+    if [[ $what == peer ]]; then
+      # Issue 19 on a 2-GPU host (docs/issue19-device-plan.md): attnd on GPU 0, its clients on
+      # GPU 1 over peer CUDA_IPC and NCCL. NVLink multicast stays off everywhere.
+      # PEER_STEPS picks the parts (default: tests bench refusals seq socket; also pingpong,
+      # NCCL itself between the two GPUs, and nccl_tune, the NCCL bench under NCCL settings).
+      steps=" ${PEER_STEPS:-tests bench refusals seq socket} "
+      want() { [[ $steps == *" $1 "* ]]; }
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+      timeout -k 2 20 nvidia-smi topo -m > "$logs/topo.log" 2>&1
+      say "topology: $(grep -E '^GPU[01]' "$logs/topo.log" | tr -s ' \t' ' ' | tr '\n' ';')"
+      # NCCL is not in the bundle: the device's PyTorch wheels ship libnccl.so.2.
+      nccl_dir=$(timeout -k 2 30 python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+      [[ -e $nccl_dir/libnccl.so.2 ]] ||
+        nccl_dir=$(dirname "$(timeout -k 2 60 find / -xdev -name 'libnccl.so.2*' 2>/dev/null | head -1)")
+      export LD_LIBRARY_PATH=$nccl_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+      say "libnccl.so.2 from $nccl_dir: $(ls "$nccl_dir" 2>&1 | tr '\n' ' ')"
+      if want tests; then
+        # The test server serves every visible GPU; the peer tests put their caches on device 0
+        # and their client processes on 1.
+        gtest channel_tests 240 env ATTND_TEST_BACKEND="$backend" "$B/run" channel_tests
+        # Issue 17's several devices on real GPUs: placement, GetServerInfo, a sequence moved
+        # between the two GPUs by export and import.
+        gtest two_devices 120 env ATTND_TEST_BACKEND="$backend" ATTND_TEST_TWO_GPUS=1 \
+          "$B/run" integration_tests --gtest_filter='TwoDevices*'
+      fi
+      if want pingpong; then
+        dl_run nccl_pingpong 120 python3 bench/nccl_pingpong.py --rounds 2000
+        say "nccl_pingpong rc=$? $(grep -h '^RESULT\|FAIL' "$logs/nccl_pingpong.log" | tr '\n' ' ')"
+      fi
+      port=50861
+      DAEMON_ARGS="--devices=0 ${PEER_DAEMON_ARGS:-}"
+      peer_shape=(--sequences=128 --layers=32 --qo_heads=32 --kv_heads=8 --head_dim=128
+                  --page_size=16 --prompt_tokens=64 --warmup_steps=3 --client_device=1)
+      # peer NAME LIMIT ARGS...: one attnctl bench against the daemon on $port.
+      peer() {
+        local name=$1 limit=$2 rc; shift 2
+        dl_run "peer_$name" "$limit" "$B/run" attnctl --server=127.0.0.1:$port bench "$@"; rc=$?
+        say "peer $name rc=$rc $(grep -h '^RESULT' "$logs/peer_$name.log" || tail -3 "$logs/peer_$name.log" | tr '\n' ' ')"
+        grep -E '^  |^bench: ' "$logs/peer_$name.log" >> "$OUT/summary.txt"
+      }
+      if (want bench || want refusals || want seq || want byhand) && start_attnd peer $port; then
+        daemon=$DL_PID
+        say "info: $("$B/run" attnctl --server=127.0.0.1:$port info 2>&1 | grep -E 'channel_|extensions|device' | tr '\n' ' ')"
+        grep -i nccl "$logs/attnd_peer.log" | head -3 | tee -a "$OUT/summary.txt"
+        if want byhand; then
+          # The channel tests' bitwise comparisons against this attnd (a process of its own):
+          # plain and chained steps, clients on GPU 1.
+          for kind in nccl cuda-ipc; do
+            dl_run "byhand_$kind" 90 "$B/run" channel_test_client "compare-$kind" \
+              127.0.0.1:$port "byhand-$kind" --client_device=1
+            say "by hand compare-$kind rc=$? $(tail -2 "$logs/byhand_$kind.log" | tr '\n' ' ')"
+          done
+        fi
+        if want bench; then
+          peer cuda_ipc_check 90 "${peer_shape[@]}" --transport=cuda_ipc --check_sequences=8 --steps=20
+          peer cuda_ipc 120 "${peer_shape[@]}" --transport=cuda_ipc --steps=${ATTND_BENCH_STEPS:-200}
+          peer nccl_check 90 "${peer_shape[@]}" --transport=nccl --check_sequences=8 --steps=20
+          peer nccl 120 "${peer_shape[@]}" --transport=nccl --steps=${ATTND_BENCH_STEPS:-200}
+          peer grpc_stream 90 "${peer_shape[@]}" --stream --window=1 --steps=30
+        fi
+        if want refusals; then
+          # NCCL from attnd's own GPU; CUDA_IPC from a process that cannot see attnd's GPU.
+          peer nccl_same_gpu 60 --sequences=4 --layers=2 --steps=2 --transport=nccl --client_device=0
+          dl_run peer_hidden_gpu 60 env CUDA_VISIBLE_DEVICES=1 "$B/run" attnctl \
+            --server=127.0.0.1:$port bench --sequences=4 --layers=2 --steps=2 --transport=cuda_ipc
+          say "peer hidden_gpu rc=$? $(tail -2 "$logs/peer_hidden_gpu.log" | tr '\n' ' ')"
+        fi
+        if want seq; then
+          # Issue 17: one sequence's KV (8192 tokens x 32 layers, 1 GiB) exported, imported and
+          # copied as gRPC bytes and through HOST_SHM and CUDA_IPC channels (client on GPU 0).
+          dl_run peer_seq_bench 200 "$B/run" attnctl --server=127.0.0.1:$port seq bench \
+            --channel=all --seq_bench_repeat=3
+          say "seq bench rc=$?"
+          grep -vE '^\s*$' "$logs/peer_seq_bench.log" | tail -12 >> "$OUT/summary.txt"
+        fi
+        grep -E 'FAIL|ERROR|rror' "$logs/attnd_peer.log" | head -5 >> "$OUT/summary.txt"
+        stop_attnd peer "$daemon"
+      fi
+      # nccl_tune: the NCCL bench with NCCL settings given to both processes, one daemon each
+      # (PEER_NCCL_TUNES: ';'-separated sets of VAR=VALUE words).
+      if want nccl_tune; then
+        IFS=';' read -r -a tunes <<< "${PEER_NCCL_TUNES:-NCCL_MIN_P2P_NCHANNELS=8;NCCL_P2P_NVL_CHUNKSIZE=2097152;NCCL_P2P_USE_CUDA_MEMCPY=1;NCCL_PROTO=LL128}"
+        for tune in "${tunes[@]}"; do
+          port=$((port + 1))
+          tag=$(echo "$tune" | tr -c 'A-Za-z0-9_\n' '_' | cut -c1-40)
+          read -r -a tune_env <<< "$tune"
+          for word in "${tune_env[@]}"; do export "${word?}"; done
+          if start_attnd "tune_$tag" $port; then
+            daemon=$DL_PID
+            peer "nccl_$tag" 90 "${peer_shape[@]}" --transport=nccl --check_sequences=2 --steps=100
+            stop_attnd "tune_$tag" "$daemon"
+          fi
+          for word in "${tune_env[@]}"; do unset "${word%%=*}"; done
+        done
+      fi
+      # NCCL over sockets on loopback: the stand-in for a host-to-host path (both sides).
+      if want socket; then
+        port=50882
+        export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo
+        if start_attnd peer_socket $port; then
+          daemon=$DL_PID
+          peer nccl_socket_check 90 "${peer_shape[@]}" --transport=nccl --check_sequences=8 --steps=10
+          peer nccl_socket 120 "${peer_shape[@]}" --transport=nccl --steps=50
+          stop_attnd peer_socket "$daemon"
+        fi
+        unset NCCL_P2P_DISABLE NCCL_SHM_DISABLE NCCL_IB_DISABLE NCCL_SOCKET_IFNAME
+      fi
+    fi
     if [[ $what == all || $what == sanitize ]]; then
       cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
       if [[ -x $cs ]]; then
@@ -197,7 +305,7 @@ case ${1:-} in
     dl_pack
     ;;
   *)
-    echo "usage: $0 pack | run [tests|bench|sanitize|all|python]" >&2
+    echo "usage: $0 pack | run [tests|bench|sanitize|all|python|peer]" >&2
     exit 2
     ;;
 esac

@@ -10,8 +10,11 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "attnd/client/channel.h"
 #include "channel_steps.h"
 #include "status_matchers.h"
@@ -202,6 +205,76 @@ TEST_F(ChannelTest, NcclClientOnAnotherGpuMatchesForwardBitwise) {
   const std::string output = RunClient("compare-nccl", address(), &status, "--client_device=1");
   EXPECT_EQ(status, 0) << output;
   EXPECT_THAT(output, HasSubstr("PASS"));
+}
+
+// A CUDA_IPC client killed between two layers of a step (on attnd's GPU, and on GPU 1 where
+// attnd serves two), and an NCCL client on GPU 1 killed the same way (attnd's NCCL kernels are
+// then waiting for a peer that is gone): attnd closes the channel when the client's connection
+// drops, rolls the step back (the new sequence and its pages are gone, no step stays open) and
+// serves on: a committed sequence keeps its length and a HOST_SHM channel step still equals
+// the gRPC path bitwise.
+TEST_F(ChannelTest, CudaClientsKilledMidStepLeaveAttndServing) {
+  if (TestBackendName() != "cuda") GTEST_SKIP() << "CUDA_IPC and NCCL need the cuda backend";
+  ASSERT_OK_AND_ASSIGN(auto info, client().GetServerInfo());
+  // (mode, client device): -1 is the client's current GPU, attnd's device 0.
+  std::vector<std::pair<std::string, int32_t>> modes = {{"hang-cuda-ipc", -1}};
+  if (TwoGpusServed(client())) {
+    modes.emplace_back("hang-cuda-ipc", 1);
+    if (std::find(info.extensions().begin(), info.extensions().end(), "channel_nccl") !=
+        info.extensions().end()) {
+      modes.emplace_back("hang-nccl", 1);
+    }
+  }
+  const attnd::v1::CacheConfig config = SmallConfig(256);
+  std::mt19937_64 rng(21);
+  for (const auto& [mode, client_device] : modes) {
+    SCOPED_TRACE(absl::StrCat(mode, " from GPU ", client_device));
+    const std::string cache = absl::StrCat("killed-", mode, client_device < 0 ? "" : "-peer");
+    ASSERT_OK(CreateCacheOn(client(), cache, config, /*device=*/0));
+    // A committed sequence (id 3, 5 tokens) beside the step the client will leave behind.
+    ASSERT_OK_AND_ASSIGN(auto step, client().BeginStep(MakePlan(cache, {{3, 5}})));
+    for (int32_t layer = 0; layer < config.num_layers(); ++layer) {
+      ASSERT_OK(step->Forward(RandomLayer(rng, config, 5, layer)).status());
+    }
+    const std::string command =
+        absl::StrCat("exec timeout -k 5 120 ", ClientProgram(), " ", mode, " ", address(), " ",
+                     cache, client_device < 0 ? "" : absl::StrCat(" --client_device=", client_device));
+    FILE* child = popen(command.c_str(), "r");
+    ASSERT_NE(child, nullptr);
+    char line[512] = {};
+    const bool printed = std::fgets(line, sizeof(line), child) != nullptr;
+    if (!printed || !absl::StrContains(line, "hanging")) {
+      pclose(child);
+      FAIL() << "the client did not reach the middle of its step: " << line;
+    }
+    ASSERT_OK_AND_ASSIGN(auto mid, client().GetCache(cache));
+    EXPECT_EQ(mid.channels_size(), 1);
+    EXPECT_EQ(mid.open_steps(), 1);
+    // "[h]ang-...": the pattern does not match the shell that runs pkill.
+    std::system(absl::StrCat("pkill -KILL -f '[", mode.substr(0, 1), "]", mode.substr(1), " .* ",
+                             cache, "( |$)' >/dev/null 2>&1")
+                    .c_str());
+    pclose(child);
+    // attnd sees the connection go: the channel closes, the step rolls back.
+    attnd::v1::CacheInfo after;
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    do {
+      ASSERT_OK_AND_ASSIGN(after, client().GetCache(cache));
+      if (after.channels_size() == 0 && after.open_steps() == 0) break;
+      absl::SleepFor(absl::Milliseconds(20));
+    } while (absl::Now() < deadline);
+    EXPECT_EQ(after.channels_size(), 0);
+    EXPECT_EQ(after.open_steps(), 0);
+    EXPECT_EQ(after.num_sequences(), 1);
+    EXPECT_EQ(after.used_pages(), 2);  // sequence 3's 5 tokens in 4-token pages
+    EXPECT_EQ(ProbeLength(client(), cache, 3), 5);
+    EXPECT_EQ(ProbeLength(client(), cache, 7), 0);
+    ASSERT_OK(client().DeleteCache(cache));
+  }
+  // Still serving: health and info answer, and a channel step runs bitwise as before.
+  ASSERT_OK(client().GetServerInfo().status());
+  ASSERT_OK(CompareChannelWithGrpc(client(), "after-kills", attnd::v1::CHANNEL_KIND_HOST_SHM,
+                                   config, /*decode_steps=*/2, /*seed=*/22));
 }
 
 TEST_F(ChannelTest, ClientInAnotherProcessMatchesForwardBitwise) {

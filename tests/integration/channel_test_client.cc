@@ -9,6 +9,9 @@
 //                                                  of sequence 7, runs layer 0, prints
 //                                                  "hanging <channel id> <step id>" and waits to
 //                                                  be killed
+//   channel_test_client hang-cuda-ipc|hang-nccl HOST:PORT CACHE   the same through a CUDA_IPC
+//                                                  or NCCL channel (with --client_device: from
+//                                                  that GPU)
 // --client_device=N (after the mode's arguments): CUDA_IPC and NCCL channels are opened from
 // this process's GPU N (ChannelOptions::cuda_device): the peer-GPU case when N is not attnd's.
 #include <unistd.h>
@@ -43,7 +46,8 @@ int main(int argc, char** argv) {
                                      &client_device));
   if (!usage_ok) {
     std::fprintf(stderr,
-                 "usage: %s compare|compare-cuda-ipc|compare-nccl|hang HOST:PORT NAME "
+                 "usage: %s compare|compare-cuda-ipc|compare-nccl|hang|hang-cuda-ipc|hang-nccl "
+                 "HOST:PORT NAME "
                  "[--client_device=N]\n",
                  argv[0]);
     return 2;
@@ -59,22 +63,30 @@ int main(int argc, char** argv) {
     attnd::v1::ChannelKind kind = attnd::v1::CHANNEL_KIND_HOST_SHM;
     if (mode == "compare-cuda-ipc") kind = attnd::v1::CHANNEL_KIND_CUDA_IPC;
     if (mode == "compare-nccl") kind = attnd::v1::CHANNEL_KIND_NCCL;
+    // A client on a GPU of its own (--client_device) works on caches on attnd's device 0 (the
+    // tests' daemon serves every GPU; the peer case needs the cache on another GPU than the
+    // client's).
+    const int32_t cache_device = client_device > 0 ? 0 : -1;
     const absl::Status status = integration::CompareChannelWithGrpc(
-        client, argv[3], kind, config, /*decode_steps=*/6, 11, /*chained=*/false, client_device);
+        client, argv[3], kind, config, /*decode_steps=*/6, 11, /*chained=*/false, client_device,
+        cache_device);
     if (!status.ok()) return Fail(status.ToString());
     if (mode != "compare") {
       const absl::Status chained = integration::CompareChannelWithGrpc(
           client, std::string(argv[3]) + "-chained", kind, config, /*decode_steps=*/6, 12,
-          /*chained=*/true, client_device);
+          /*chained=*/true, client_device, cache_device);
       if (!chained.ok()) return Fail("chained: " + chained.ToString());
     }
     std::printf("PASS\n");
     return 0;
   }
-  if (mode == "hang") {
+  if (mode == "hang" || mode == "hang-cuda-ipc" || mode == "hang-nccl") {
     client::ChannelOptions channel_options;
     channel_options.max_tokens = 8;
     channel_options.with_lse = true;
+    if (mode == "hang-cuda-ipc") channel_options.kind = attnd::v1::CHANNEL_KIND_CUDA_IPC;
+    if (mode == "hang-nccl") channel_options.kind = attnd::v1::CHANNEL_KIND_NCCL;
+    channel_options.cuda_device = client_device;
     auto channel = client::Channel::Open(client, argv[3], channel_options);
     if (!channel.ok()) return Fail(channel.status().ToString());
     attnd::v1::PlanRequest request = integration::MakePlan(argv[3], {{7, 3}}, true);
