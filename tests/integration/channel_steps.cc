@@ -1,12 +1,16 @@
 #include "channel_steps.h"
 
 #include <cstring>
+#include <memory>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "attnd/client/tensor.h"
 #include "attnd/client/client.h"
+#include "attnd/client/sequence.h"
 #include "attnd/status_macros.h"
 #include "test_steps.h"
 
@@ -149,6 +153,93 @@ absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& p
     }
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// One deterministic step of `rows` new tokens for `sequence` through Forward; each layer's o.
+absl::StatusOr<std::vector<std::string>> DeterministicStep(client::Client& client,
+                                                           const std::string& cache,
+                                                           const attnd::v1::CacheConfig& config,
+                                                           uint64_t sequence, int32_t rows,
+                                                           uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  attnd::v1::PlanRequest plan = MakePlan(cache, {{sequence, rows}});
+  plan.mutable_options()->set_deterministic(true);
+  ASSIGN_OR_RETURN(const attnd::v1::PlanResponse planned, client.Plan(plan));
+  std::vector<std::string> o;
+  for (int32_t layer = 0; layer < config.num_layers(); ++layer) {
+    attnd::v1::ForwardRequest request = RandomLayer(rng, config, rows, layer);
+    request.set_step_id(planned.step_id());
+    ASSIGN_OR_RETURN(const attnd::v1::ForwardResponse response, client.Forward(request));
+    o.push_back(response.o().data());
+  }
+  return o;
+}
+
+}  // namespace
+
+absl::Status CompareTransferWithGrpc(client::Client& client, const std::string& prefix,
+                                     attnd::v1::ChannelKind kind) {
+  const attnd::v1::CacheConfig config = SmallConfig(64);
+  const std::string a = prefix + "-a";
+  const std::string b = prefix + "-b";
+  RETURN_IF_ERROR(client.CreateCache(a, config).status());
+  RETURN_IF_ERROR(client.CreateCache(b, config).status());
+  RETURN_IF_ERROR(DeterministicStep(client, a, config, 1, 13, 5).status());
+  constexpr int64_t kChunkBytes = 1024;
+  std::vector<attnd::v1::ExportSequenceResponse> grpc;
+  RETURN_IF_ERROR(client::ExportSequence(
+      client, a, 1,
+      [&](const attnd::v1::ExportSequenceResponse& message) {
+        grpc.push_back(message);
+        return absl::OkStatus();
+      },
+      kChunkBytes));
+  client::ChannelOptions options;
+  options.kind = kind;
+  options.max_tokens = 1;
+  options.slots = 2;
+  ASSIGN_OR_RETURN(std::unique_ptr<client::Channel> out, client::Channel::Open(client, a, options));
+  ASSIGN_OR_RETURN(std::unique_ptr<client::Channel> in, client::Channel::Open(client, b, options));
+  std::vector<attnd::v1::ExportSequenceResponse> through;
+  RETURN_IF_ERROR(client::ExportSequenceThroughChannel(
+      client, a, 1, *out,
+      [&](const attnd::v1::ExportSequenceResponse& message) {
+        through.push_back(message);
+        return absl::OkStatus();
+      },
+      kChunkBytes));
+  if (through.size() != grpc.size()) {
+    return absl::InternalError(absl::StrCat("the channel's export has ", through.size(),
+                                            " messages, gRPC's ", grpc.size()));
+  }
+  // Message 0 is the header (the same sequence described); the chunks carry the bytes.
+  for (size_t i = 1; i < grpc.size(); ++i) {
+    if (through[i].chunk().data() != grpc[i].chunk().data()) {
+      return absl::InternalError(absl::StrCat("exported chunk ", i, " differs from gRPC's"));
+    }
+  }
+  size_t next = 0;
+  RETURN_IF_ERROR(client::ImportSequenceThroughChannel(
+                      client, b, 9, *in,
+                      [&](attnd::v1::ExportSequenceResponse& message) -> absl::StatusOr<bool> {
+                        if (next == through.size()) return false;
+                        message = through[next++];
+                        return true;
+                      })
+                      .status());
+  ASSIGN_OR_RETURN(const std::vector<std::string> source,
+                   DeterministicStep(client, a, config, 1, 2, 3));
+  ASSIGN_OR_RETURN(const std::vector<std::string> imported,
+                   DeterministicStep(client, b, config, 9, 2, 3));
+  if (source != imported) {
+    return absl::InternalError("a step over the imported sequence differs from the source's");
+  }
+  out.reset();
+  in.reset();
+  RETURN_IF_ERROR(client.DeleteCache(a, /*force=*/true));
+  return client.DeleteCache(b, /*force=*/true);
 }
 
 int PortFromServingLine(const std::string& line) {

@@ -38,6 +38,16 @@ absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& p
                                     uint64_t seed, bool chained = false,
                                     int32_t client_device = -1, int32_t cache_device = -1);
 
+// Sequence transfers through a channel of `kind` against gRPC bytes: creates caches
+// "<prefix>-a" and "<prefix>-b" (SmallConfig(64)), prefills sequence 1 of a with 13 tokens,
+// exports it as gRPC messages and through a channel on a (1 KiB chunks), imports the channel's
+// messages into b as sequence 9 through a channel on b, then runs the same 2-token step on both.
+// OK when every chunk's bytes and every layer's o of that step are bitwise equal. The caches are
+// deleted at the end. A CUDA_IPC client must be another process than attnd (CUDA maps no IPC
+// handle into the process that made it).
+absl::Status CompareTransferWithGrpc(client::Client& client, const std::string& prefix,
+                                     attnd::v1::ChannelKind kind);
+
 // Creates cache `name` of `config` on attnd's device `device` (>= 0), or where attnd places it.
 absl::Status CreateCacheOn(client::Client& client, const std::string& name,
                            const attnd::v1::CacheConfig& config, int32_t device);

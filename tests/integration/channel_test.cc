@@ -277,6 +277,21 @@ TEST_F(ChannelTest, CudaClientsKilledMidStepLeaveAttndServing) {
                                    config, /*decode_steps=*/2, /*seed=*/22));
 }
 
+// Issue 17 through a channel, from another process (a CUDA_IPC ring cannot be mapped by the
+// process that made it, so sequence_channel_test's in-process cases are HOST_SHM): a sequence
+// exported and imported through CUDA_IPC (cuda backend) and HOST_SHM rings, bitwise the gRPC
+// path.
+TEST_F(ChannelTest, SequenceTransfersInAnotherProcessMatchTheGrpcPathBitwise) {
+  std::vector<std::string> modes = {"transfer-host-shm"};
+  if (TestBackendName() == "cuda") modes.push_back("transfer-cuda-ipc");
+  for (const std::string& mode : modes) {
+    int status = -1;
+    const std::string output = RunClient(mode, address(), &status);
+    EXPECT_EQ(status, 0) << mode << ": " << output;
+    EXPECT_THAT(output, HasSubstr("PASS")) << mode;
+  }
+}
+
 TEST_F(ChannelTest, ClientInAnotherProcessMatchesForwardBitwise) {
   int status = -1;
   const std::string output = RunClient("compare", address(), &status);

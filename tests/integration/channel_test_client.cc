@@ -12,6 +12,10 @@
 //   channel_test_client hang-cuda-ipc|hang-nccl HOST:PORT CACHE   the same through a CUDA_IPC
 //                                                  or NCCL channel (with --client_device: from
 //                                                  that GPU)
+//   channel_test_client transfer-host-shm|transfer-cuda-ipc HOST:PORT PREFIX
+//                                                  a sequence exported and imported through a
+//                                                  channel, bitwise the gRPC path
+//                                                  (CompareTransferWithGrpc); PASS
 // --client_device=N (after the mode's arguments): CUDA_IPC and NCCL channels are opened from
 // this process's GPU N (ChannelOptions::cuda_device): the peer-GPU case when N is not attnd's.
 #include <unistd.h>
@@ -46,7 +50,8 @@ int main(int argc, char** argv) {
                                      &client_device));
   if (!usage_ok) {
     std::fprintf(stderr,
-                 "usage: %s compare|compare-cuda-ipc|compare-nccl|hang|hang-cuda-ipc|hang-nccl "
+                 "usage: %s compare|compare-cuda-ipc|compare-nccl|hang|hang-cuda-ipc|hang-nccl|"
+                 "transfer-host-shm|transfer-cuda-ipc "
                  "HOST:PORT NAME "
                  "[--client_device=N]\n",
                  argv[0]);
@@ -77,6 +82,15 @@ int main(int argc, char** argv) {
           /*chained=*/true, client_device, cache_device);
       if (!chained.ok()) return Fail("chained: " + chained.ToString());
     }
+    std::printf("PASS\n");
+    return 0;
+  }
+  if (mode == "transfer-host-shm" || mode == "transfer-cuda-ipc") {
+    const absl::Status status = integration::CompareTransferWithGrpc(
+        client, argv[3],
+        mode == "transfer-cuda-ipc" ? attnd::v1::CHANNEL_KIND_CUDA_IPC
+                                    : attnd::v1::CHANNEL_KIND_HOST_SHM);
+    if (!status.ok()) return Fail(status.ToString());
     std::printf("PASS\n");
     return 0;
   }
