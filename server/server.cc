@@ -90,11 +90,12 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
 class ObserverRelay final : public BackendObserver {
  public:
   void Set(BackendObserver* target) { target_ = target; }
-  void OnKernel(std::string_view kernel, std::string_view phase, double seconds) override {
-    if (BackendObserver* target = target_.load()) target->OnKernel(kernel, phase, seconds);
+  void OnKernel(std::string_view kernel, std::string_view phase, double seconds,
+                int32_t device) override {
+    if (BackendObserver* target = target_.load()) target->OnKernel(kernel, phase, seconds, device);
   }
-  void OnTransfer(std::string_view direction, int64_t bytes) override {
-    if (BackendObserver* target = target_.load()) target->OnTransfer(direction, bytes);
+  void OnTransfer(std::string_view direction, int64_t bytes, int32_t device) override {
+    if (BackendObserver* target = target_.load()) target->OnTransfer(direction, bytes, device);
   }
 
  private:

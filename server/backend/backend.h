@@ -94,10 +94,12 @@ using DoneCallback = std::function<void(absl::Status)>;
 class BackendObserver {
  public:
   virtual ~BackendObserver() = default;
-  // kernel: append, decode, prefill, pod, mla_decode, mla_prefill, merge.
-  virtual void OnKernel(std::string_view kernel, std::string_view phase, double seconds) = 0;
-  // direction: h2d or d2h.
-  virtual void OnTransfer(std::string_view direction, int64_t bytes) = 0;
+  // kernel: append, decode, prefill, pod, mla_decode, mla_prefill, merge. device: the ordinal
+  // (as GetServerInfoResponse.devices lists it) of the cache's device the kernel ran on.
+  virtual void OnKernel(std::string_view kernel, std::string_view phase, double seconds,
+                        int32_t device) = 0;
+  // direction: h2d or d2h; device as above.
+  virtual void OnTransfer(std::string_view direction, int64_t bytes, int32_t device) = 0;
 };
 
 // Per-step device state (the uploaded plan). Layers of one step may be run concurrently from

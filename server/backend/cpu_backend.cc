@@ -315,7 +315,7 @@ void CpuStep::Run(const CpuCache& cache, const StepBatch& batch, const LayerIo& 
     append.kpe_scale = g.v_scale;
     reference::AppendMla(append);
   }
-  if (cache.observer()) cache.observer()->OnKernel("append", "append", SecondsSince(start));
+  if (cache.observer()) cache.observer()->OnKernel("append", "append", SecondsSince(start), cache.device());
 
   start = std::chrono::steady_clock::now();
   if (!g.mla) {
@@ -342,7 +342,7 @@ void CpuStep::Run(const CpuCache& cache, const StepBatch& batch, const LayerIo& 
     attention.lse = io.lse;
     reference::MlaAttention(attention);
   }
-  if (cache.observer()) cache.observer()->OnKernel(kernel, phase, SecondsSince(start));
+  if (cache.observer()) cache.observer()->OnKernel(kernel, phase, SecondsSince(start), cache.device());
 }
 
 absl::StatusOr<std::unique_ptr<BackendStep>> CpuCache::PrepareStep(

@@ -324,7 +324,7 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStepOn(
     return status;
   }
   if (observer_ != nullptr) {
-    observer_->OnTransfer("h2d", plan->offsets.total_bytes + prefill_work_bytes);
+    observer_->OnTransfer("h2d", plan->offsets.total_bytes + prefill_work_bytes, device_);
   }
   return std::make_unique<CudaStep>(this, lane, std::move(batch), std::move(plan),
                                     std::move(resources), prefill_work_offset);
@@ -418,7 +418,7 @@ absl::Status CudaCache::ReadPageList(int32_t layer, bool v_pool, std::span<const
     return absl::OkStatus();
   }));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  if (observer_ != nullptr) observer_->OnTransfer("d2h", static_cast<int64_t>(bytes.size()));
+  if (observer_ != nullptr) observer_->OnTransfer("d2h", static_cast<int64_t>(bytes.size()), device_);
   return absl::OkStatus();
 }
 
@@ -447,7 +447,7 @@ absl::Status CudaCache::WritePageList(int32_t layer, bool v_pool, std::span<cons
   // Later steps run on the lanes' streams: the bytes must have landed before the import
   // commits (a synchronised stream orders before any later launch).
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  if (observer_ != nullptr) observer_->OnTransfer("h2d", static_cast<int64_t>(bytes.size()));
+  if (observer_ != nullptr) observer_->OnTransfer("h2d", static_cast<int64_t>(bytes.size()), device_);
   return absl::OkStatus();
 }
 

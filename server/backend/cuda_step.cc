@@ -400,26 +400,30 @@ void CudaStep::ReportTimes(const LayerEvents& slot, bool copied) const {
   BackendObserver* observer = cache_->observer();
   if (observer == nullptr) return;
   const std::string_view phase = StepPhaseName(batch_->phase);
-  observer->OnKernel("append", "append", ElapsedSeconds(slot.started, slot.appended));
+  const int32_t device = cache_->device();
+  observer->OnKernel("append", "append", ElapsedSeconds(slot.started, slot.appended), device);
   if (plan_->run_mla) {
     // "mla_decode" or "mla_prefill", the merge of split requests included.
     observer->OnKernel(plan_->KernelName(), phase,
-                       ElapsedSeconds(slot.appended, slot.attended_first));
+                       ElapsedSeconds(slot.appended, slot.attended_first), device);
   }
   if (plan_->run_decode) {
-    observer->OnKernel("decode", phase, ElapsedSeconds(slot.appended, slot.attended_first));
+    observer->OnKernel("decode", phase, ElapsedSeconds(slot.appended, slot.attended_first),
+                       device);
   }
   if (plan_->run_pod) {
-    observer->OnKernel("pod", phase, ElapsedSeconds(slot.appended, slot.attended_first));
+    observer->OnKernel("pod", phase, ElapsedSeconds(slot.appended, slot.attended_first), device);
   }
   if (plan_->run_prefill) {
     observer->OnKernel("prefill", phase,
                        plan_->run_decode ? ElapsedSeconds(slot.attended_first, slot.attended_second)
-                                        : ElapsedSeconds(slot.appended, slot.attended_first));
+                                        : ElapsedSeconds(slot.appended, slot.attended_first),
+                       device);
   }
   if (!copied) return;  // a CUDA_IPC channel layer: nothing crossed the bus
-  observer->OnTransfer("h2d", sizes_.q_bytes + sizes_.k_bytes + sizes_.v_bytes + sizes_.q_pe_bytes);
-  observer->OnTransfer("d2h", sizes_.o_bytes + sizes_.lse_bytes);
+  observer->OnTransfer("h2d", sizes_.q_bytes + sizes_.k_bytes + sizes_.v_bytes + sizes_.q_pe_bytes,
+                       device);
+  observer->OnTransfer("d2h", sizes_.o_bytes + sizes_.lse_bytes, device);
 }
 
 }  // namespace attnd::cuda_backend

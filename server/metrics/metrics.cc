@@ -52,7 +52,8 @@ Metrics::Metrics(const BuildInfo& build_info, bool cache_labels)
     : cache_labels_(cache_labels), registry_(std::make_shared<prometheus::Registry>()) {
   kernel_duration_ = &prometheus::BuildHistogram()
                           .Name("attnd_kernel_duration_seconds")
-                          .Help("Device time of each kernel launch, from CUDA events (CPU: wall time)")
+                          .Help("Device time of each kernel launch, from CUDA events (CPU: wall "
+                                "time), by kernel and device")
                           .Register(*registry_);
   rpc_duration_ = &prometheus::BuildHistogram()
                        .Name("attnd_rpc_duration_seconds")
@@ -85,7 +86,8 @@ Metrics::Metrics(const BuildInfo& build_info, bool cache_labels)
                    .Register(*registry_);
   transfer_bytes_ = &prometheus::BuildCounter()
                          .Name("attnd_transfer_bytes_total")
-                         .Help("Bytes copied between host and device, by direction (h2d, d2h)")
+                         .Help("Bytes copied between host and device, by direction (h2d, d2h) "
+                               "and device")
                          .Register(*registry_);
   device_kv_bytes_ = &prometheus::BuildGauge()
                          .Name("attnd_device_kv_bytes")
@@ -114,26 +116,26 @@ Metrics::Metrics(const BuildInfo& build_info, bool cache_labels)
             {"backend", build_info.backend},
             {"device", build_info.device}})
       .Set(1);
-  // Pre-create the common series so dashboards show zeros rather than gaps.
-  for (const char* kernel : {"append", "decode", "prefill", "pod", "mla_decode", "merge"}) {
-    KernelHistogram(kernel);
-  }
+  // Pre-create the common series so dashboards show zeros rather than gaps (the per-device ones
+  // as each device is published, SetDeviceKvBytes).
   for (const char* phase : {"decode", "prefill"}) {
     tokens_total_->Add({{"phase", phase}});
     batch_tokens_->Add({{"phase", phase}}, TokenBuckets());
   }
-  for (const char* direction : {"h2d", "d2h"}) transfer_bytes_->Add({{"direction", direction}});
 }
 
 Metrics::~Metrics() = default;
 
-prometheus::Histogram& Metrics::KernelHistogram(std::string_view kernel) {
+prometheus::Histogram& Metrics::KernelHistogram(std::string_view kernel,
+                                                const std::string& device) {
   // Family::Add returns the existing series for known labels.
-  return kernel_duration_->Add({{"kernel", std::string(kernel)}}, DurationBuckets());
+  return kernel_duration_->Add({{"kernel", std::string(kernel)}, {"device", device}},
+                               DurationBuckets());
 }
 
-void Metrics::OnKernel(std::string_view kernel, std::string_view phase, double seconds) {
-  KernelHistogram(kernel).Observe(seconds);
+void Metrics::OnKernel(std::string_view kernel, std::string_view phase, double seconds,
+                       int32_t device) {
+  KernelHistogram(kernel, std::to_string(device)).Observe(seconds);
   absl::MutexLock lock(&mu_);
   auto& totals = kernel_totals_[{std::string(kernel), std::string(phase)}];
   ++totals.first;
@@ -142,6 +144,12 @@ void Metrics::OnKernel(std::string_view kernel, std::string_view phase, double s
 
 void Metrics::SetDeviceKvBytes(int32_t device, int64_t used_bytes, int64_t free_bytes) {
   const std::string label = std::to_string(device);
+  for (const char* kernel : {"append", "decode", "prefill", "pod", "mla_decode", "merge"}) {
+    KernelHistogram(kernel, label);
+  }
+  for (const char* direction : {"h2d", "d2h"}) {
+    transfer_bytes_->Add({{"direction", direction}, {"device", label}});
+  }
   device_kv_bytes_->Add({{"device", label}, {"state", "used"}}).Set(static_cast<double>(used_bytes));
   device_kv_bytes_->Add({{"device", label}, {"state", "free"}}).Set(static_cast<double>(free_bytes));
 }
@@ -155,8 +163,9 @@ void Metrics::ChannelBytes(std::string_view kind, int64_t bytes_in, int64_t byte
       .Increment(static_cast<double>(bytes_out));
 }
 
-void Metrics::OnTransfer(std::string_view direction, int64_t bytes) {
-  transfer_bytes_->Add({{"direction", std::string(direction)}}).Increment(static_cast<double>(bytes));
+void Metrics::OnTransfer(std::string_view direction, int64_t bytes, int32_t device) {
+  transfer_bytes_->Add({{"direction", std::string(direction)}, {"device", std::to_string(device)}})
+      .Increment(static_cast<double>(bytes));
 }
 
 void Metrics::ObserveRpc(std::string_view method, absl::StatusCode code, double seconds) {

@@ -55,8 +55,11 @@ class Metrics : public BackendObserver {
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
   // BackendObserver.
-  void OnKernel(std::string_view kernel, std::string_view phase, double seconds) override;
-  void OnTransfer(std::string_view direction, int64_t bytes) override;
+  // attnd_kernel_duration_seconds{kernel, device}, attnd_transfer_bytes_total{direction,
+  // device}.
+  void OnKernel(std::string_view kernel, std::string_view phase, double seconds,
+                int32_t device) override;
+  void OnTransfer(std::string_view direction, int64_t bytes, int32_t device) override;
 
   // method is the RPC's short name ("Plan"); code its final status.
   void ObserveRpc(std::string_view method, absl::StatusCode code, double seconds);
@@ -65,7 +68,8 @@ class Metrics : public BackendObserver {
   void SetCachePages(const std::string& cache, int64_t used_pages, int64_t free_pages);
   void RemoveCache(const std::string& cache);
   // Channels (DESIGN 3b): how many are open, and the layer bytes they carried.
-  // attnd_device_kv_bytes{device, state}: one device's KV budget, held by caches or free.
+  // attnd_device_kv_bytes{device, state}: one device's KV budget, held by caches or free. The
+  // first call for a device also creates its kernel and transfer series (zeros, not gaps).
   void SetDeviceKvBytes(int32_t device, int64_t used_bytes, int64_t free_bytes);
   void SetOpenChannels(size_t open);
   void ChannelBytes(std::string_view kind, int64_t bytes_in, int64_t bytes_out);
@@ -73,7 +77,7 @@ class Metrics : public BackendObserver {
   StatsSnapshot Snapshot() const;
 
  private:
-  prometheus::Histogram& KernelHistogram(std::string_view kernel);
+  prometheus::Histogram& KernelHistogram(std::string_view kernel, const std::string& device);
   void PublishCachePages(const std::string& label, int64_t used_pages, int64_t free_pages);
   void PublishAggregateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "attnd/client/sequence.h"
+#include "http_get.h"
 #include "status_matchers.h"
 #include "test_server.h"
 #include "test_steps.h"
@@ -25,6 +26,7 @@ class TwoDevicesTest : public IntegrationTest {
   ServerOptions Options() const override {
     ServerOptions options = TestServerOptions();
     options.devices = two() ? std::vector<int32_t>{0, 1} : std::vector<int32_t>{0};
+    options.metrics_address = "127.0.0.1:0";
     return options;
   }
   static bool two() {
@@ -64,6 +66,33 @@ TEST_F(TwoDevicesTest, ServerInfoListsEveryDeviceWithItsBudget) {
   }
   EXPECT_EQ(info.kv_budget_bytes(), budget);
   EXPECT_EQ(info.kv_free_bytes(), budget);
+}
+
+// attnd_kernel_duration_seconds and attnd_transfer_bytes_total carry the device of the cache
+// the work ran for: a step on a cache of device 1 counts there and leaves device 0's series
+// (published at start, zero) as they were.
+TEST_F(TwoDevicesTest, KernelMetricsNameTheCachesDevice) {
+  if (!two()) GTEST_SKIP() << "one GPU served: needs two (ATTND_TEST_TWO_GPUS=1)";
+  ASSERT_GT(server().metrics_port(), 0);
+  ASSERT_OK_AND_ASSIGN(const std::string before, HttpGet(server().metrics_port(), "/metrics"));
+  EXPECT_EQ(MetricSample(before, "attnd_kernel_duration_seconds_count", {"device=\"0\""}), 0);
+  EXPECT_EQ(MetricSample(before, "attnd_kernel_duration_seconds_count", {"device=\"1\""}), 0);
+  ASSERT_OK(Create(Request("on-one", 1)).status());
+  std::mt19937_64 rng(3);
+  const attnd::v1::CacheConfig config = SmallConfig(64);
+  ASSERT_OK_AND_ASSIGN(auto step, client().BeginStep(MakePlan("on-one", {{1, 5}})));
+  for (int32_t layer = 0; layer < config.num_layers(); ++layer) {
+    ASSERT_OK(step->Forward(RandomLayer(rng, config, 5, layer)).status());
+  }
+  ASSERT_OK_AND_ASSIGN(const std::string after, HttpGet(server().metrics_port(), "/metrics"));
+  EXPECT_GE(MetricSample(after, "attnd_kernel_duration_seconds_count",
+                         {"kernel=\"append\"", "device=\"1\""}),
+            config.num_layers());
+  EXPECT_EQ(MetricSample(after, "attnd_kernel_duration_seconds_count", {"device=\"0\""}), 0);
+  EXPECT_EQ(MetricSample(after, "attnd_transfer_bytes_total", {"device=\"0\""}), 0);
+  if (TestBackendName() == "cuda") {  // the cpu backend copies nothing between host and device
+    EXPECT_GT(MetricSample(after, "attnd_transfer_bytes_total", {"device=\"1\""}), 0);
+  }
 }
 
 TEST_F(TwoDevicesTest, CachesGoWhereAskedOrToTheLeastUsedDevice) {

@@ -7,7 +7,10 @@
 
 #include <cerrno>
 #include <cstring>
+#include <sstream>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace attnd::integration {
@@ -50,6 +53,31 @@ absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
     return absl::UnavailableError(absl::StrCat("HTTP status: ", status_line));
   }
   return response.substr(header_end + 4);
+}
+
+double MetricSample(const std::string& exposition, const std::string& name,
+                    const std::vector<std::string>& labels) {
+  double total = -1;
+  std::istringstream lines(exposition);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t name_end = line.find_first_of("{ ");
+    if (name_end == std::string::npos || line.compare(0, name_end, name) != 0 ||
+        name_end != name.size()) {
+      continue;
+    }
+    const std::string lower_line = absl::AsciiStrToLower(line);
+    bool matches = true;
+    for (const std::string& label : labels) {
+      matches = matches && lower_line.find(absl::AsciiStrToLower(label)) != std::string::npos;
+    }
+    if (!matches) continue;
+    double value = 0;
+    if (!absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &value)) continue;
+    total = (total < 0 ? 0 : total) + value;
+  }
+  return total;
 }
 
 }  // namespace attnd::integration

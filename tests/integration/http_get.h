@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -9,5 +10,11 @@ namespace attnd::integration {
 
 // GETs http://127.0.0.1:<port><path>; returns the body of a 200 response.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+
+// Sum of the samples of `name` in a Prometheus text exposition whose label set contains every
+// one of `labels` (e.g. {"phase=\"prefill\""}); -1 when there is no such sample. Label values
+// compare case-insensitively (a status code may be exported as "OK" or "ok").
+double MetricSample(const std::string& exposition, const std::string& name,
+                    const std::vector<std::string>& labels = {});
 
 }  // namespace attnd::integration

@@ -26,38 +26,10 @@ class MetricsTest : public IntegrationTest {
   }
 };
 
-// Sum of the samples of `name` whose label set contains every one of `labels`
-// (e.g. {"phase=\"prefill\""}); -1 when there is no such sample. Label values compare
-// case-insensitively (a status code may be exported as "OK" or "ok").
-double Sample(const std::string& exposition, const std::string& name,
-              const std::vector<std::string>& labels = {}) {
-  double total = -1;
-  std::istringstream lines(exposition);
-  std::string line;
-  while (std::getline(lines, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    const size_t name_end = line.find_first_of("{ ");
-    if (name_end == std::string::npos || line.compare(0, name_end, name) != 0 ||
-        name_end != name.size()) {
-      continue;
-    }
-    const std::string lower_line = absl::AsciiStrToLower(line);
-    bool matches = true;
-    for (const std::string& label : labels) {
-      matches = matches && lower_line.find(absl::AsciiStrToLower(label)) != std::string::npos;
-    }
-    if (!matches) continue;
-    double value = 0;
-    if (!absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &value)) continue;
-    total = (total < 0 ? 0 : total) + value;
-  }
-  return total;
-}
-
 TEST_F(MetricsTest, AttndFamiliesAreExposedAndMove) {
   ASSERT_GT(server().metrics_port(), 0);
   ASSERT_OK_AND_ASSIGN(const std::string before, HttpGet(server().metrics_port(), "/metrics"));
-  EXPECT_EQ(Sample(before, "attnd_build_info", {"backend=\"" + TestBackendName() + "\""}), 1.0);
+  EXPECT_EQ(MetricSample(before, "attnd_build_info", {"backend=\"" + TestBackendName() + "\""}), 1.0);
 
   ASSERT_OK_AND_ASSIGN(auto cache, client().CreateCache("m", SmallConfig()));
   ASSERT_OK_AND_ASSIGN(auto reference, client::ReferenceCache::Create(cache.config()));
@@ -74,17 +46,23 @@ TEST_F(MetricsTest, AttndFamiliesAreExposedAndMove) {
         "attnd_errors_total", "attnd_build_info"}) {
     EXPECT_THAT(after, HasSubstr(std::string("# TYPE ") + family)) << family;
   }
-  EXPECT_GE(Sample(after, "attnd_tokens_total", {"phase=\"prefill\""}), 6);
-  EXPECT_GE(Sample(after, "attnd_tokens_total", {"phase=\"decode\""}), 3);
-  EXPECT_GE(Sample(after, "attnd_rpc_requests_total", {"method=\"Forward\"", "code=\"OK\""}), 4);
-  EXPECT_GE(Sample(after, "attnd_rpc_requests_total", {"code=\"NOT_FOUND\""}), 1);
-  EXPECT_GT(Sample(after, "attnd_kernel_duration_seconds_count"),
-            std::max(0.0, Sample(before, "attnd_kernel_duration_seconds_count")));
-  EXPECT_GT(Sample(after, "attnd_plan_duration_seconds_count"),
-            std::max(0.0, Sample(before, "attnd_plan_duration_seconds_count")));
+  EXPECT_GE(MetricSample(after, "attnd_tokens_total", {"phase=\"prefill\""}), 6);
+  EXPECT_GE(MetricSample(after, "attnd_tokens_total", {"phase=\"decode\""}), 3);
+  EXPECT_GE(MetricSample(after, "attnd_rpc_requests_total", {"method=\"Forward\"", "code=\"OK\""}), 4);
+  EXPECT_GE(MetricSample(after, "attnd_rpc_requests_total", {"code=\"NOT_FOUND\""}), 1);
+  EXPECT_GT(MetricSample(after, "attnd_kernel_duration_seconds_count"),
+            std::max(0.0, MetricSample(before, "attnd_kernel_duration_seconds_count")));
+  // Kernel and transfer series carry the device of the cache they ran for (device 0 here).
+  EXPECT_EQ(MetricSample(after, "attnd_kernel_duration_seconds_count", {"device=\"0\""}),
+            MetricSample(after, "attnd_kernel_duration_seconds_count"));
+  EXPECT_GE(MetricSample(after, "attnd_transfer_bytes_total", {"direction=\"h2d\"",
+                                                              "device=\"0\""}),
+            0);
+  EXPECT_GT(MetricSample(after, "attnd_plan_duration_seconds_count"),
+            std::max(0.0, MetricSample(before, "attnd_plan_duration_seconds_count")));
   // Duration buckets are 1-2-5 steps from 5 us to 10 s, printed as written.
   for (const char* bound : {"le=\"5e-06\"", "le=\"1e-05\"", "le=\"0.002\"", "le=\"10\""}) {
-    EXPECT_GE(Sample(after, "attnd_kernel_duration_seconds_bucket", {bound}), 0) << bound;
+    EXPECT_GE(MetricSample(after, "attnd_kernel_duration_seconds_bucket", {bound}), 0) << bound;
   }
   std::istringstream lines(after);
   for (std::string line; std::getline(lines, line);) {
@@ -95,8 +73,8 @@ TEST_F(MetricsTest, AttndFamiliesAreExposedAndMove) {
     EXPECT_EQ(bound.find("0000"), std::string::npos) << "inexact bucket bound: " << line;
   }
   // Sequence 1 holds 2 pages and sequence 2 one page of 4 tokens.
-  EXPECT_EQ(Sample(after, "attnd_kv_pages", {"cache=\"m\"", "state=\"used\""}), 3);
-  EXPECT_EQ(Sample(after, "attnd_kv_pages", {"cache=\"m\"", "state=\"free\""}), 61);
+  EXPECT_EQ(MetricSample(after, "attnd_kv_pages", {"cache=\"m\"", "state=\"used\""}), 3);
+  EXPECT_EQ(MetricSample(after, "attnd_kv_pages", {"cache=\"m\"", "state=\"free\""}), 61);
 }
 
 }  // namespace

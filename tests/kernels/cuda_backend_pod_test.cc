@@ -31,12 +31,13 @@ using testing::SequenceBook;
 
 class KernelCounter final : public BackendObserver {
  public:
-  void OnKernel(std::string_view kernel, std::string_view phase, double seconds) override {
+  void OnKernel(std::string_view kernel, std::string_view phase, double seconds,
+                int32_t /*device*/) override {
     std::lock_guard lock(mu_);
     ++counts_[std::string(kernel) + "/" + std::string(phase)];
     if (!(seconds > 0.0)) ++non_positive_;
   }
-  void OnTransfer(std::string_view, int64_t) override {}
+  void OnTransfer(std::string_view, int64_t, int32_t) override {}
   int Count(const std::string& kernel_phase) {
     std::lock_guard lock(mu_);
     return counts_[kernel_phase];

@@ -96,14 +96,17 @@ CacheGeometry GeometryOf(const CacheConfig& config) {
 
 class RecordingObserver final : public BackendObserver {
  public:
-  void OnKernel(std::string_view kernel, std::string_view phase, double seconds) override {
+  void OnKernel(std::string_view kernel, std::string_view phase, double seconds,
+                int32_t device) override {
     std::lock_guard lock(mu_);
     ++kernels_[std::string(kernel) + "/" + std::string(phase)];
     if (!(seconds > 0.0)) ++non_positive_;
+    devices_.insert(device);
   }
-  void OnTransfer(std::string_view direction, int64_t bytes) override {
+  void OnTransfer(std::string_view direction, int64_t bytes, int32_t device) override {
     std::lock_guard lock(mu_);
     bytes_[std::string(direction)] += bytes;
+    devices_.insert(device);
   }
   int Count(const std::string& kernel_phase) {
     std::lock_guard lock(mu_);
@@ -117,12 +120,18 @@ class RecordingObserver final : public BackendObserver {
     std::lock_guard lock(mu_);
     return non_positive_;
   }
+  // Every device a kernel or transfer was reported on.
+  std::set<int32_t> devices() {
+    std::lock_guard lock(mu_);
+    return devices_;
+  }
 
  private:
   std::mutex mu_;
   std::map<std::string, int> kernels_;
   std::map<std::string, int64_t> bytes_;
   int non_positive_ = 0;
+  std::set<int32_t> devices_;
 };
 
 // MHA: q, k, v. MLA: q (q_nope), q_pe, ckv, kpe.
@@ -350,6 +359,8 @@ TEST_P(CudaBackendVsCpuTest, MatchesTheReferenceStepByStep) {
   EXPECT_GT(observer.Count("decode/mixed"), 0);  // the mixed step's decode rows
   EXPECT_GT(observer.Count("prefill/mixed"), 0);
   EXPECT_EQ(observer.non_positive(), 0) << "kernel times must be positive";
+  // Each report names the device of the cache it ran for (the GPU's or the CPU's pretend one).
+  EXPECT_EQ(observer.devices(), (std::set<int32_t>{gpu.device(), cpu.device()}));
   EXPECT_GT(observer.Bytes("h2d"), 0);
   EXPECT_GT(observer.Bytes("d2h"), 0);
 }
@@ -574,6 +585,8 @@ TEST_P(CudaBackendMlaVsCpuTest, MatchesTheReferenceStepByStep) {
   EXPECT_GT(observer.Count("mla_prefill/mixed"), 0);
   EXPECT_GT(observer.Count("mla_decode/decode"), 0);
   EXPECT_EQ(observer.non_positive(), 0) << "kernel times must be positive";
+  // Each report names the device of the cache it ran for (the GPU's or the CPU's pretend one).
+  EXPECT_EQ(observer.devices(), (std::set<int32_t>{gpu.device(), cpu.device()}));
   EXPECT_GT(observer.Bytes("h2d"), 0);
   EXPECT_GT(observer.Bytes("d2h"), 0);
 }
