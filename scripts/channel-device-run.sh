@@ -187,9 +187,10 @@ case ${1:-} in
     if [[ $what == peer ]]; then
       # Issue 19 on a 2-GPU host (docs/issue19-device-plan.md): attnd on GPU 0, its clients on
       # GPU 1 over peer CUDA_IPC and NCCL. NVLink multicast stays off everywhere.
-      # PEER_STEPS picks the parts (default: tests bench refusals seq socket; also pingpong,
-      # NCCL itself between the two GPUs, and nccl_tune, the NCCL bench under NCCL settings).
-      steps=" ${PEER_STEPS:-tests bench refusals seq socket} "
+      # PEER_STEPS picks the parts (default: tests pytest bench refusals seq socket; also
+      # pingpong, NCCL itself between the two GPUs, nccl_tune, the NCCL bench under NCCL
+      # settings, and byhand, the channel tests' comparisons against a separate attnd).
+      steps=" ${PEER_STEPS:-tests pytest bench refusals seq socket} "
       want() { [[ $steps == *" $1 "* ]]; }
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
       timeout -k 2 20 nvidia-smi topo -m > "$logs/topo.log" 2>&1
@@ -278,6 +279,13 @@ case ${1:-} in
           fi
           for word in "${tune_env[@]}"; do unset "${word%%=*}"; done
         done
+      fi
+      # The Python client's GPU tests (CUDA_IPC, and NCCL from GPU 1) against a CUDA attnd.
+      if want pytest; then
+        dl_run peer_pytest 180 env LD_LIBRARY_PATH="$B/lib:$LD_LIBRARY_PATH" \
+          PYTHONPATH="$PWD/client/python" python3 -m pytest -q -p no:cacheprovider \
+          tests/python/test_cuda_ipc.py --attnd "$B/bin/attnd" --backend cuda
+        say "pytest test_cuda_ipc.py (two GPUs) rc=$? $(tail -1 "$logs/peer_pytest.log")"
       fi
       # NCCL over sockets on loopback: the stand-in for a host-to-host path (both sides).
       if want socket; then

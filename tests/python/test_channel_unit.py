@@ -291,3 +291,119 @@ def test_pci_bus_ids_are_written_as_cuda_writes_them():
     from attnd.cuda_ipc import format_pci_bus_id
     assert format_pci_bus_id(0, 0x3B, 0) == "0000:3b:00.0"
     assert format_pci_bus_id(1, 0xC, 0x1F) == "0001:0c:1f.0"
+
+
+# --- NCCL channels (attnd.nccl), against a fake libnccl that plays attnd's rank --------------
+
+class FakeNccl:
+    """Records each group (sends: the bytes sent; receives: where to) and answers a layer's
+    receive group as attnd would: o = 2 * q (float16), lse = the layer."""
+
+    def __init__(self):
+        self.joined = []
+        self.groups = []
+        self.aborted = []
+        self._layer = 0
+        self._q = None
+
+    def join(self, unique_id):
+        self.joined.append(bytes(unique_id))
+        return "comm"
+
+    def group(self, send, buffers, comm, stream):
+        import ctypes
+        assert comm == "comm" and stream == 0
+        if send:
+            sent = [ctypes.string_at(pointer, count) for pointer, count in buffers]
+            self.groups.append(("send", [(pointer, count) for pointer, count in buffers]))
+            self._q = np.frombuffer(sent[0], dtype=np.float16)
+            return
+        self.groups.append(("recv", list(buffers)))
+        (o_pointer, o_bytes), *rest = buffers
+        o = (self._q * 2).astype(np.float16).tobytes()
+        assert len(o) == o_bytes
+        ctypes.memmove(o_pointer, o, o_bytes)
+        for pointer, count in rest:  # lse
+            ctypes.memmove(pointer, np.full(count // 4, self._layer, np.float32).tobytes(), count)
+        self._layer = (self._layer + 1) % NUM_LAYERS
+
+    def abort(self, comm):
+        self.aborted.append(comm)
+
+
+@pytest.fixture
+def nccl_channel():
+    pytest.importorskip("torch")
+    from attnd.nccl import NcclChannel
+
+    def make(library):
+        info = make_info()
+        info.kind = pb.CHANNEL_KIND_NCCL
+        info.nccl_unique_id = bytes(range(128))
+        return NcclChannel(channels._DetachedClient(), channels._DetachedCall(info),
+                           make_config(), device="cpu", library=library)
+    return make
+
+
+def test_nccl_step_sends_each_layer_in_wire_order_and_reads_o(nccl_channel):
+    library = FakeNccl()
+    channel = nccl_channel(library)
+    assert library.joined == [bytes(range(128))]
+    num_tokens = 5
+    transport = FakeTransport()
+    rng = np.random.default_rng(1)
+    qs = [rng.standard_normal((num_tokens, HQ, DIM)).astype(np.float32) for _ in range(NUM_LAYERS)]
+    kv = np.zeros((num_tokens, HKV, DIM), dtype=np.float32)
+    with start_step(channel, transport, 3, num_tokens) as step:
+        results = [step.forward(layer, qs[layer], kv, kv) for layer in range(NUM_LAYERS)]
+    base = channel._ring.data_ptr()
+    for layer in range(NUM_LAYERS):
+        slot = channel.layout.slots[layer % SLOTS]
+        sends, receives = library.groups[2 * layer], library.groups[2 * layer + 1]
+        # q, k, v of this layer's slot, T rows each; then o and lse back into the slot.
+        assert sends == ("send", [(base + slot[name].offset, num_tokens * slot[name].row_bytes)
+                                  for name in ("q", "k", "v")])
+        assert receives == ("recv", [(base + slot[name].offset, num_tokens * slot[name].row_bytes)
+                                     for name in ("o", "lse")])
+        np.testing.assert_array_equal(results[layer].o.numpy(),
+                                      qs[layer].astype(np.float16) * 2)
+        np.testing.assert_array_equal(results[layer].lse.numpy(),
+                                      np.full((num_tokens, HQ), layer, np.float32))
+    assert transport.ended == [(41, False)]
+    channel.close()
+    assert library.aborted == ["comm"]  # aborted, never destroyed: attnd may be gone
+
+
+def test_nccl_layers_out_of_order_are_refused_before_anything_is_sent(nccl_channel):
+    library = FakeNccl()
+    channel = nccl_channel(library)
+    step = start_step(channel, FakeTransport(), 3, 2)
+    kv = np.zeros((2, HKV, DIM), dtype=np.float32)
+    with pytest.raises(ValueError, match="out of order"):
+        step.forward_async(1, np.zeros((2, HQ, DIM), np.float32), kv, kv)
+    assert library.groups == []
+    with pytest.raises(NotImplementedError):
+        channel.set_ready(0, 3)  # no ready words on an NCCL channel
+    channel.close()
+
+
+def test_open_channel_routes_nccl_to_the_nccl_client(monkeypatch):
+    import attnd.nccl as nccl
+    opened = []
+
+    class FakeChannel:
+        def __init__(self, client, call, config, **kwargs):
+            opened.append((call.info.channel_id, kwargs))
+
+    monkeypatch.setattr(nccl, "NcclChannel", FakeChannel)
+    client = _FakeOpenClient()
+    channels.open_channel(client, "fake", "nccl", 8, 2, True, 5.0, device="cuda:1")
+    assert client.requests[0].kind == pb.CHANNEL_KIND_NCCL
+    assert client.requests[0].client_pci_bus_id == ""  # only CUDA_IPC names a bus id
+    assert opened == [(9, {"device": "cuda:1"})]
+
+
+def test_a_missing_nccl_library_is_a_clear_error():
+    from attnd.nccl import NcclLibrary
+    with pytest.raises(RuntimeError, match="NCCL is not available"):
+        NcclLibrary("libnccl-not-here.so.2")

@@ -74,3 +74,31 @@ def test_cuda_ipc_zero_copy_write_and_stream_flags(client, caches):
         expected = [step.forward(layer, *inputs[layer]).o for layer in range(LAYERS)]
     for layer in range(LAYERS):
         torch.testing.assert_close(outputs[layer], expected[layer], atol=1e-2, rtol=1e-2)
+
+
+def test_nccl_steps_from_another_gpu_match_grpc_steps(client, caches):
+    """attnd.nccl: the client on a second GPU joins attnd's NCCL communicator; plain steps give
+    the gRPC path's o (attnd on GPU 0 with --devices=0, two GPUs visible to torch)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("an NCCL channel needs a GPU other than attnd's")
+    if "channel_nccl" not in client.server_info().extensions:
+        pytest.skip("this attnd has no NCCL channels (libnccl.so.2 did not load)")
+    on_channel, over_grpc = caches
+    generator = torch.Generator(device="cuda:1").manual_seed(2)
+    with client.open_channel(on_channel, "nccl", max_tokens=64, with_lse=True,
+                             device="cuda:1") as channel:
+        for batch in ([(11, 40), (12, 9)], [(11, 1), (12, 1)]):
+            tokens = sum(n for _, n in batch)
+            def randn(*shape):
+                return torch.randn(*shape, generator=generator, device="cuda:1").to(torch.bfloat16)
+            inputs = [(randn(tokens, HQ, DIM), randn(tokens, HKV, DIM), randn(tokens, HKV, DIM))
+                      for _ in range(LAYERS)]
+            with client.step(on_channel, batch, channel=channel, return_lse=True) as step:
+                served = [step.forward(layer, *inputs[layer]) for layer in range(LAYERS)]
+            with client.step(over_grpc, batch, return_lse=True) as step:
+                expected = [step.forward(layer, *[t.cpu() for t in inputs[layer]])
+                            for layer in range(LAYERS)]
+            for layer in range(LAYERS):
+                assert served[layer].o.device == torch.device("cuda:1")
+                assert torch.equal(served[layer].o.cpu(), expected[layer].o.cpu())
+                assert torch.equal(served[layer].lse.cpu(), expected[layer].lse.cpu())

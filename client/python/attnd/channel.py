@@ -425,6 +425,9 @@ def open_channel(client, cache, kind, max_tokens, slots, with_lse, timeout_secon
         if kind == pb.CHANNEL_KIND_CUDA_IPC:
             from attnd.cuda_ipc import CudaIpcChannel
             return CudaIpcChannel(client, call, config, **kwargs)
+        if kind == pb.CHANNEL_KIND_NCCL:
+            from attnd.nccl import NcclChannel
+            return NcclChannel(client, call, config, **kwargs)
         raise ValueError(f"channel kind {kind} is not supported by this client")
     except BaseException:
         call.cancel()

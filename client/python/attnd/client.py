@@ -281,7 +281,12 @@ class Client:
 
         cuda_ipc: `device=` (a torch device) maps the ring on another GPU than attnd's; its PCI
         bus id goes to attnd as client_pci_bus_id, so an unreachable GPU is refused at once
-        (FAILED_PRECONDITION). `client_pci_bus_id=` sends a bus id of the caller's choosing."""
+        (FAILED_PRECONDITION). `client_pci_bus_id=` sends a bus id of the caller's choosing.
+
+        nccl (attnd.nccl): for a caller on another host or on a GPU that cannot map attnd's:
+        joins attnd's 2-rank NCCL communicator from `device=` (a torch CUDA device other than
+        attnd's GPU; libnccl.so.2 >= 2.14), and each layer is sent and received on the device's
+        current torch stream."""
         from attnd import channel as channels
         return channels.open_channel(self, cache, kind, max_tokens, slots, with_lse,
                                      self.timeout if timeout is None else timeout, **kwargs)
