@@ -354,8 +354,11 @@ def test_nccl_step_sends_each_layer_in_wire_order_and_reads_o(nccl_channel):
     rng = np.random.default_rng(1)
     qs = [rng.standard_normal((num_tokens, HQ, DIM)).astype(np.float32) for _ in range(NUM_LAYERS)]
     kv = np.zeros((num_tokens, HKV, DIM), dtype=np.float32)
+    commits = []
+    channel.before_commit = lambda: commits.append(len(transport.ended))
     with start_step(channel, transport, 3, num_tokens) as step:
         results = [step.forward(layer, qs[layer], kv, kv) for layer in range(NUM_LAYERS)]
+    assert commits == [0]  # the channel finished its side before EndStep was sent
     base = channel._ring.data_ptr()
     for layer in range(NUM_LAYERS):
         slot = channel.layout.slots[layer % SLOTS]

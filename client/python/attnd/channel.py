@@ -259,6 +259,11 @@ class Channel:
             self._slot_users[slot] = None
         return ForwardResult(o, lse, committed)
 
+    def before_commit(self):
+        """Called before a step on this channel is ended with a commit: whatever this side
+        enqueued for its layers must have reached attnd (nothing to do for HOST_SHM, whose flags
+        are set from the host)."""
+
     def wait_done(self, layer, sequence, timeout=None):
         """Waits (host side) until done[layer] reached `sequence`; StepAborted when the step
         was aborted instead (its done flags are still set so that no waiter hangs)."""

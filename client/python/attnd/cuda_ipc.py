@@ -235,6 +235,11 @@ class CudaIpcChannel(Channel):
             self._slot_users[slot] = None
         return ForwardResult(o, lse, committed)
 
+    def before_commit(self):
+        # The ready writes are stream operations: without this, EndStep could reach attnd before
+        # the GPU wrote the last layer's ready word (FAILED_PRECONDITION, nothing committed).
+        self._torch.cuda.synchronize(self.device)
+
     def submit(self, step, layer, q=None, k=None, v=None, *, q_pe=None, ckv=None, kpe=None):
         pending = super().submit(step, layer, q, k, v, q_pe=q_pe, ckv=ckv, kpe=kpe)
         if pending.rpc_future is None:

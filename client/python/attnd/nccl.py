@@ -238,11 +238,13 @@ class NcclChannel(Channel):
             lse = self.read(slot, "lse", step.num_tokens)
         if self._slot_users[slot] is pending:
             self._slot_users[slot] = None
-        if layer == self.config.num_layers - 1 and self.device.type == "cuda":
-            # The step's last layer: its sends have left before the caller can end the step
-            # (attnd refuses to commit a step whose layers it has not received).
-            self._torch.cuda.current_stream(self.device).synchronize()
         return ForwardResult(o, lse, False)
+
+    def before_commit(self):
+        # The sends are stream-ordered: they must have left before EndStep (attnd refuses to
+        # commit a step whose layers it has not received).
+        if self.device.type == "cuda":
+            self._torch.cuda.synchronize(self.device)
 
     def _unmap(self):
         # Abort, not destroy: attnd may be gone, and NCCL kernels still waiting on the stream

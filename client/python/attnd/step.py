@@ -133,6 +133,10 @@ class Step:
         return self._end(abort=True)
 
     def _end(self, abort):
+        if not abort and self.channel is not None:
+            # Stream-ordered channels (CUDA_IPC, NCCL) finish their enqueued signals first:
+            # attnd refuses to commit a step whose layers it has not been handed.
+            self.channel.before_commit()
         self.outcome = self._transport.end_step(self.id, abort)
         self._finished.set()
         return self.outcome
