@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -551,6 +552,53 @@ TEST_F(ChannelTest, CommitBeforeTheLayersAreSignalledIsRefusedAndChangesNothing)
   EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_COMMITTED);
   EXPECT_EQ(ended.layers_run(), config.num_layers());
   EXPECT_EQ(ProbeLength(client(), "c", 1), 3);
+}
+
+class NcclJoinTimeoutTest : public IntegrationTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = TestServerOptions();
+    options.nccl_init_timeout = absl::Seconds(2);
+    return options;
+  }
+};
+
+// An NCCL channel whose client never joins the communicator: attnd gives up after
+// --nccl_init_timeout, closes the channel with the reason in the OpenChannel call's last
+// message, and serves on. attnd's rank alone needs no second GPU, so this runs wherever NCCL
+// loads on the cuda backend.
+TEST_F(NcclJoinTimeoutTest, APeerThatNeverJoinsClosesTheChannelAtTheTimeout) {
+  ASSERT_OK_AND_ASSIGN(auto info, client().GetServerInfo());
+  if (std::find(info.extensions().begin(), info.extensions().end(), "channel_nccl") ==
+      info.extensions().end()) {
+    GTEST_SKIP() << "no NCCL channels here (cpu backend, or libnccl.so.2 did not load)";
+  }
+  ASSERT_OK(client().CreateCache("c", SmallConfig(64)).status());
+  attnd::v1::OpenChannelRequest request;
+  request.set_cache("c");
+  request.set_kind(attnd::v1::CHANNEL_KIND_NCCL);
+  request.set_max_tokens(8);
+  std::unique_ptr<grpc::ClientContext> context = client().NewContext(/*with_deadline=*/false);
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto reader = client().stub().OpenChannel(context.get(), request);
+  attnd::v1::OpenChannelResponse message;
+  ASSERT_TRUE(reader->Read(&message));
+  EXPECT_EQ(message.channel().nccl_unique_id().size(), 128u);
+  const absl::Time opened = absl::Now();
+  std::string closed;
+  while (reader->Read(&message)) {
+    if (!message.closed().empty()) closed = message.closed();
+  }
+  const absl::Duration waited = absl::Now() - opened;
+  reader->Finish();
+  EXPECT_THAT(closed, HasSubstr("did not join"));
+  EXPECT_GE(waited, absl::Milliseconds(1500));
+  EXPECT_LT(waited, absl::Seconds(20));
+  ASSERT_OK_AND_ASSIGN(auto cache, client().GetCache("c"));
+  EXPECT_EQ(cache.channels_size(), 0);
+  // Still serving: a HOST_SHM channel step bitwise the gRPC path.
+  ASSERT_OK(CompareChannelWithGrpc(client(), "after-timeout", attnd::v1::CHANNEL_KIND_HOST_SHM,
+                                   SmallConfig(256), /*decode_steps=*/1, /*seed=*/23));
 }
 
 class ChannelBudgetTest : public IntegrationTest {
