@@ -286,6 +286,16 @@ case ${1:-} in
           PYTHONPATH="$PWD/client/python" python3 -m pytest -q -p no:cacheprovider \
           tests/python/test_cuda_ipc.py --attnd "$B/bin/attnd" --backend cuda
         say "pytest test_cuda_ipc.py (two GPUs) rc=$? $(tail -1 "$logs/peer_pytest.log")"
+        # The transformers Llama example over NCCL, the model on GPU 1, attnd on GPU 0.
+        port=50871
+        DAEMON_ARGS="--devices=0" start_attnd py_nccl $port && {
+          daemon=$DL_PID
+          dl_run py_llama_nccl 150 env PYTHONPATH="$PWD/client/python" PYTHONUNBUFFERED=1 \
+            python3 client/python/examples/llama_transformers.py --target 127.0.0.1:$port \
+            --transport nccl --device cuda:1
+          say "python llama nccl rc=$? $(grep -E 'PASS|FAIL|tokens/s' "$logs/py_llama_nccl.log" | tail -2 | tr '\n' ' ')"
+          stop_attnd py_nccl "$daemon"
+        }
       fi
       # NCCL over sockets on loopback: the stand-in for a host-to-host path (both sides).
       if want socket; then

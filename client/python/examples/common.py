@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import attnd  # noqa: E402
 import workload  # noqa: E402
 
-TRANSPORTS = ("grpc", "stream", "cuda_ipc", "host_shm")
+TRANSPORTS = ("grpc", "stream", "cuda_ipc", "host_shm", "nccl")
 
 
 def parse_args(description, default_tolerances):
@@ -19,7 +19,8 @@ def parse_args(description, default_tolerances):
     parser.add_argument("--target", default="localhost:50051", help="attnd's gRPC address")
     parser.add_argument("--transport", choices=TRANSPORTS, default="grpc",
                         help="grpc: unary Plan/Forward; stream: one ForwardStream; cuda_ipc / "
-                             "host_shm: a channel (the tensors never cross the socket)")
+                             "host_shm / nccl: a channel (the tensors never cross the socket; "
+                             "nccl: the model on another GPU than attnd's, --device cuda:1)")
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="bfloat16",
                         help="q/k/v/o and KV dtype in attnd (the model itself runs in float32)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if any)")
@@ -63,15 +64,17 @@ def step_factory(client, cache, transport, max_tokens, options=None, channel_kwa
         with client.stream() as stream:
             yield lambda entries: stream.step(cache, entries, **options)
     else:
-        kind = "cuda_ipc" if transport == "cuda_ipc" else "host_shm"
+        kind = transport if transport in ("cuda_ipc", "nccl") else "host_shm"
         with client.open_channel(cache, kind, max_tokens=max_tokens,
                                  **(channel_kwargs or {})) as channel:
             yield lambda entries: client.step(cache, entries, channel=channel, **options)
 
 
 def run_and_report(name, args, client, cache, forward, reference, sequences, options=None):
+    # An NCCL channel's slots live on the model's GPU (which must not be attnd's).
+    channel_kwargs = {"device": str(torch_device(args))} if args.transport == "nccl" else None
     with step_factory(client, cache, args.transport, args.prefill_chunk * len(sequences),
-                      options) as begin_step:
+                      options, channel_kwargs) as begin_step:
         stats = workload.serve(begin_step, forward, sequences, prefill_chunk=args.prefill_chunk,
                                free=lambda ids: client.free_sequences(cache, ids))
     result = workload.compare(sequences, reference)
