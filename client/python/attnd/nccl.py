@@ -59,13 +59,13 @@ class NcclLibrary:
         if self.lib is None:
             raise RuntimeError("NCCL is not available: " + "; ".join(errors) +
                                " (install NCCL >= 2.14, or open a HOST_SHM or CUDA_IPC channel)")
+        self.lib.ncclGetErrorString.restype = ctypes.c_char_p
         version = ctypes.c_int()
         self._check(self.lib.ncclGetVersion(ctypes.byref(version)), "ncclGetVersion")
         if version.value < 21400:
             raise RuntimeError(f"NCCL is not available: version {version.value} "
                                "(NCCL channels need 2.14 or later)")
         self.version = version.value
-        self.lib.ncclGetErrorString.restype = ctypes.c_char_p
 
     def _check(self, result, what):
         if result != 0:
