@@ -119,11 +119,6 @@ std::vector<char*> NormaliseFlagNames(int argc, char** argv, std::vector<std::st
 }  // namespace
 
 int main(int argc, char** argv) {
-  // CUDA maps a context's streams onto this many hardware queues (default 8): a channel's stream
-  // waiting on a client's ready word blocks whatever shares its queue, so give streams a queue
-  // each as far as the GPU allows. Set before CUDA initialises; a value from the environment
-  // wins.
-  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   absl::SetProgramUsageMessage(
       "attnd: a gRPC attention-offload daemon holding paged KV caches.\n"
       "Usage: attnd [--listen_address=0.0.0.0:50051] [--backend=auto|cuda|cpu] ...");

@@ -16,9 +16,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions
   if (options.kind != BackendKind::kCpu) {
     // CUDA maps a context's streams onto this many hardware queues (default 8): a channel's
     // stream waiting on a client's ready word blocks whatever shares its queue, so streams get
-    // a queue each as far as the GPU allows. Takes effect only before CUDA initialises in this
-    // process (attnd's main sets it first thing too; an in-process server of the tests gets it
-    // here); a value from the environment wins.
+    // a queue each as far as the GPU allows. Takes effect only before CUDA initialises in the
+    // process, which nothing does before the backend is made (attnd's own process and the
+    // tests' in-process servers alike); a value from the environment wins.
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
     const bool have_gpu = CudaDeviceCount() > 0;
     if (have_gpu) {

@@ -273,14 +273,8 @@ absl::StatusOr<std::unique_ptr<BackendStep>> CudaCache::PrepareStepOn(
     // A channel's stream may sit on a ready word for as long as the client takes: never wait
     // for it. Outgrown buffers are kept (their queued users may still run) until the lane goes.
     std::lock_guard lock(lane.submit_mu);
-    if (sizes.q_bytes > lane.q_rotated.capacity()) {
-      lane.retired.push_back(lane.q_rotated.Detach());
-      RETURN_IF_ERROR(lane.q_rotated.Reserve(sizes.q_bytes));
-    }
-    if (workspace_bytes > lane.decode_workspace.capacity()) {
-      lane.retired.push_back(lane.decode_workspace.Detach());
-      RETURN_IF_ERROR(lane.decode_workspace.Reserve(workspace_bytes));
-    }
+    RETURN_IF_ERROR(lane.q_rotated.Reserve(sizes.q_bytes, &lane.retired));
+    RETURN_IF_ERROR(lane.decode_workspace.Reserve(workspace_bytes, &lane.retired));
   } else {
     RETURN_IF_ERROR(ReserveLane(lane, sizes.q_bytes, workspace_bytes));
   }

@@ -45,7 +45,7 @@ CudaIpcChannel::CudaIpcChannel(CudaCache* cache, const ChannelSpec& spec, int de
 absl::Status CudaIpcChannel::Init() {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   // Only the compute stream: a CUDA_IPC layer copies nothing, and every stream takes one of
-  // the GPU's hardware queues (see CUDA_DEVICE_MAX_CONNECTIONS in main.cc).
+  // the GPU's hardware queues (see CUDA_DEVICE_MAX_CONNECTIONS in backend_factory.cc).
   RETURN_IF_ERROR(lane_.compute.Create());
   RETURN_IF_ERROR(signal_.Create());
   RETURN_IF_ERROR(ring_.Reserve(layout_.ring_bytes));
@@ -122,10 +122,7 @@ void CudaIpcChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t /*n
 }
 
 void CudaIpcChannel::ForgetIfDoneLocked(const std::shared_ptr<ActiveStep>& active) {
-  if (active->next_layer < geometry_.num_layers ||
-      active->completed_count < active->enqueued) {
-    return;
-  }
+  if (active->next_layer < geometry_.num_layers || active->on_stream > 0) return;
   live_.erase(std::remove(live_.begin(), live_.end(), active), live_.end());
 }
 
@@ -229,7 +226,7 @@ void CudaIpcChannel::EnqueueLoop() {
       continue;
     }
     const int32_t layer = active->next_layer++;
-    ++active->enqueued;
+    ++active->on_stream;
     LayerEvents* events = free_events_.back();
     free_events_.pop_back();
     lock.unlock();
@@ -315,7 +312,7 @@ void CudaIpcChannel::Complete(const std::shared_ptr<ActiveStep>& active, int32_t
   {
     std::lock_guard lock(mu_);
     active->completed[layer] = 1;
-    ++active->completed_count;
+    --active->on_stream;
     free_events_.push_back(events);
     ForgetIfDoneLocked(active);
   }

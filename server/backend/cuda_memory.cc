@@ -17,9 +17,14 @@ int64_t GrownCapacity(int64_t current, int64_t needed) {
 
 }  // namespace
 
-absl::Status DeviceBuffer::Reserve(int64_t bytes) {
+absl::Status DeviceBuffer::Reserve(int64_t bytes, std::vector<uint8_t*>* retired) {
   if (bytes <= capacity_) return absl::OkStatus();
   const int64_t capacity = GrownCapacity(capacity_, bytes);
+  if (retired != nullptr && data_ != nullptr) {
+    retired->push_back(data_);
+    data_ = nullptr;
+    capacity_ = 0;
+  }
   Release();
   void* data = nullptr;
   const cudaError_t error = cudaMalloc(&data, static_cast<size_t>(capacity));
@@ -39,9 +44,14 @@ void DeviceBuffer::Release() {
   capacity_ = 0;
 }
 
-absl::Status PinnedBuffer::Reserve(int64_t bytes) {
+absl::Status PinnedBuffer::Reserve(int64_t bytes, std::vector<uint8_t*>* retired) {
   if (bytes <= capacity_) return absl::OkStatus();
   const int64_t capacity = GrownCapacity(capacity_, bytes);
+  if (retired != nullptr && data_ != nullptr) {
+    retired->push_back(data_);
+    data_ = nullptr;
+    capacity_ = 0;
+  }
   Release();
   void* data = nullptr;
   const cudaError_t error =

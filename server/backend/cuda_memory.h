@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "plan/buffer_alignment.h"
@@ -27,18 +28,12 @@ class DeviceBuffer {
   ~DeviceBuffer() { Release(); }
 
   // Ensures at least `bytes` of capacity; contents are not kept. Grows geometrically (1.5x)
-  // so a slowly growing batch does not reallocate at every step.
-  absl::Status Reserve(int64_t bytes);
+  // so a slowly growing batch does not reallocate at every step. With `retired`, outgrown
+  // memory is appended there instead of freed (the caller cudaFree's it later): for buffers
+  // that grow while queued work may still use the old memory, or where a cudaFree, which
+  // waits for the whole device, must not run.
+  absl::Status Reserve(int64_t bytes, std::vector<uint8_t*>* retired = nullptr);
   void Release();
-  // Gives up the memory without freeing it (the caller frees it with cudaFree later): for
-  // buffers that must grow while queued work may still use the old memory and a cudaFree,
-  // which waits for the whole device, must not run.
-  uint8_t* Detach() {
-    uint8_t* data = data_;
-    data_ = nullptr;
-    capacity_ = 0;
-    return data;
-  }
 
   uint8_t* data() const { return data_; }
   int64_t capacity() const { return capacity_; }
@@ -56,15 +51,9 @@ class PinnedBuffer {
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
   ~PinnedBuffer() { Release(); }
 
-  absl::Status Reserve(int64_t bytes);  // as DeviceBuffer::Reserve
+  // As DeviceBuffer::Reserve (retired memory is the caller's to cudaFreeHost).
+  absl::Status Reserve(int64_t bytes, std::vector<uint8_t*>* retired = nullptr);
   void Release();
-  // As DeviceBuffer::Detach (the caller frees it with cudaFreeHost later).
-  uint8_t* Detach() {
-    uint8_t* data = data_;
-    data_ = nullptr;
-    capacity_ = 0;
-    return data;
-  }
 
   uint8_t* data() const { return data_; }
   int64_t capacity() const { return capacity_; }

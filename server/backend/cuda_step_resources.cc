@@ -47,16 +47,8 @@ absl::Status LayerEvents::Create(bool blocking_sync) {
 absl::Status StepResources::Reserve(const LayerSizes& sizes, int64_t array_bytes,
                                     std::vector<uint8_t*>* retired_device,
                                     std::vector<uint8_t*>* retired_pinned) {
-  if (retired_pinned != nullptr && array_bytes > host_arrays.capacity() &&
-      host_arrays.data() != nullptr) {
-    retired_pinned->push_back(host_arrays.Detach());
-  }
-  if (retired_device != nullptr && array_bytes > device_arrays.capacity() &&
-      device_arrays.data() != nullptr) {
-    retired_device->push_back(device_arrays.Detach());
-  }
-  RETURN_IF_ERROR(host_arrays.Reserve(array_bytes));
-  RETURN_IF_ERROR(device_arrays.Reserve(array_bytes));
+  RETURN_IF_ERROR(host_arrays.Reserve(array_bytes, retired_pinned));
+  RETURN_IF_ERROR(device_arrays.Reserve(array_bytes, retired_device));
   for (LayerSlot& slot : slots) {
     RETURN_IF_ERROR(slot.host_in.Reserve(sizes.in_bytes));
     RETURN_IF_ERROR(slot.device_in.Reserve(sizes.in_bytes));

@@ -222,10 +222,7 @@ void NcclChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t /*num_
 }
 
 void NcclChannel::ForgetIfDoneLocked(const std::shared_ptr<ActiveStep>& active) {
-  if (active->next_layer < geometry_.num_layers ||
-      active->completed_count < active->enqueued) {
-    return;
-  }
+  if (active->next_layer < geometry_.num_layers || active->on_stream > 0) return;
   live_.erase(std::remove(live_.begin(), live_.end(), active), live_.end());
 }
 
@@ -296,7 +293,7 @@ void NcclChannel::EnqueueLoop() {
       continue;
     }
     const int32_t layer = active->next_layer++;
-    ++active->enqueued;
+    ++active->on_stream;
     WindowEvents* events = free_events_.back();
     free_events_.pop_back();
     active->in_flight[layer] = events;
@@ -395,7 +392,7 @@ void NcclChannel::Complete(const std::shared_ptr<ActiveStep>& active, int32_t la
       status = absl::CancelledError(status.message());
     }
     active->completed[layer] = 1;
-    ++active->completed_count;
+    --active->on_stream;
     active->in_flight[layer] = nullptr;
     free_events_.push_back(events);
     ForgetIfDoneLocked(active);

@@ -82,8 +82,7 @@ class NcclChannel final : public BackendChannel {
     int32_t next_layer = 0;                 // the first layer not yet enqueued
     std::vector<uint8_t> completed;         // [num_layers]
     std::vector<WindowEvents*> in_flight;   // [num_layers] while enqueued and not completed
-    int32_t enqueued = 0;                   // layers put on the stream
-    int32_t completed_count = 0;            // of those, completed
+    int32_t on_stream = 0;                  // layers enqueued and not yet completed
     bool cancelled = false;
   };
 
