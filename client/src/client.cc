@@ -103,11 +103,13 @@ absl::StatusOr<attnd::v1::GetServerInfoResponse> Client::GetServerInfo() {
 }
 
 absl::StatusOr<attnd::v1::CacheInfo> Client::CreateCache(std::string_view name,
-                                                         const attnd::v1::CacheConfig& config) {
+                                                         const attnd::v1::CacheConfig& config,
+                                                         std::optional<int32_t> device) {
   auto context = NewContext();
   attnd::v1::CreateCacheRequest request;
   request.set_name(std::string(name));
   *request.mutable_config() = config;
+  if (device.has_value()) request.set_device(*device);
   attnd::v1::CreateCacheResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(stub_->CreateCache(context.get(), request, &response)));
   return std::move(*response.mutable_cache());

@@ -67,28 +67,15 @@ std::string DiffOutputs(const attnd::v1::ForwardResponse& expected,
   return "";
 }
 
-absl::Status CreateCacheOn(client::Client& client, const std::string& name,
-                           const attnd::v1::CacheConfig& config, int32_t device) {
-  if (device < 0) return client.CreateCache(name, config).status();
-  attnd::v1::CreateCacheRequest request;
-  request.set_name(name);
-  *request.mutable_config() = config;
-  request.set_device(device);
-  attnd::v1::CreateCacheResponse response;
-  auto context = client.NewContext();
-  const grpc::Status status = client.stub().CreateCache(context.get(), request, &response);
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
-
 absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& prefix,
                                     attnd::v1::ChannelKind kind,
                                     const attnd::v1::CacheConfig& config, int decode_steps,
                                     uint64_t seed, bool chained, int32_t client_device,
-                                    int32_t cache_device) {
+                                    std::optional<int32_t> cache_device) {
   const std::string grpc_cache = prefix + "-grpc";
   const std::string channel_cache = prefix + "-channel";
-  RETURN_IF_ERROR(CreateCacheOn(client, grpc_cache, config, cache_device));
-  RETURN_IF_ERROR(CreateCacheOn(client, channel_cache, config, cache_device));
+  RETURN_IF_ERROR(client.CreateCache(grpc_cache, config, cache_device).status());
+  RETURN_IF_ERROR(client.CreateCache(channel_cache, config, cache_device).status());
   client::ChannelOptions options;
   options.kind = kind;
   options.max_tokens = 64;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,13 +31,14 @@ std::string DiffOutputs(const attnd::v1::ForwardResponse& expected,
 // layer's o and lse are bitwise equal; the error names the first difference. `chained`: each
 // channel step is planned before the previous one's layers run (on top of it, DESIGN 3b).
 // `client_device` >= 0: the channel is opened from that GPU (ChannelOptions::cuda_device).
-// `cache_device` >= 0: both caches are placed on that device of attnd's (CreateCache{device});
-// else where attnd puts them (the least used device).
+// `cache_device`: both caches are placed on that device of attnd's; unset, where attnd puts
+// them (the least used device).
 absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& prefix,
                                     attnd::v1::ChannelKind kind,
                                     const attnd::v1::CacheConfig& config, int decode_steps,
                                     uint64_t seed, bool chained = false,
-                                    int32_t client_device = -1, int32_t cache_device = -1);
+                                    int32_t client_device = -1,
+                                    std::optional<int32_t> cache_device = std::nullopt);
 
 // Sequence transfers through a channel of `kind` against gRPC bytes: creates caches
 // "<prefix>-a" and "<prefix>-b" (SmallConfig(64)), prefills sequence 1 of a with 13 tokens,
@@ -47,10 +49,6 @@ absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& p
 // handle into the process that made it).
 absl::Status CompareTransferWithGrpc(client::Client& client, const std::string& prefix,
                                      attnd::v1::ChannelKind kind);
-
-// Creates cache `name` of `config` on attnd's device `device` (>= 0), or where attnd places it.
-absl::Status CreateCacheOn(client::Client& client, const std::string& name,
-                           const attnd::v1::CacheConfig& config, int32_t device);
 
 // The attnd child process's gRPC port from its "serving ... on port N" log line; 0 if absent.
 int PortFromServingLine(const std::string& line);

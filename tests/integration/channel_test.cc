@@ -231,7 +231,7 @@ TEST_F(ChannelTest, CudaClientsKilledMidStepLeaveAttndServing) {
   for (const auto& [mode, client_device] : modes) {
     SCOPED_TRACE(absl::StrCat(mode, " from GPU ", client_device));
     const std::string cache = absl::StrCat("killed-", mode, client_device < 0 ? "" : "-peer");
-    ASSERT_OK(CreateCacheOn(client(), cache, config, /*device=*/0));
+    ASSERT_OK(client().CreateCache(cache, config, /*device=*/0).status());
     // A committed sequence (id 3, 5 tokens) beside the step the client will leave behind.
     ASSERT_OK_AND_ASSIGN(auto step, client().BeginStep(MakePlan(cache, {{3, 5}})));
     for (int32_t layer = 0; layer < config.num_layers(); ++layer) {

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <optional>
 #include <random>
 #include <string>
 
@@ -71,7 +72,8 @@ int main(int argc, char** argv) {
     // A client on a GPU of its own (--client_device) works on caches on attnd's device 0 (the
     // tests' daemon serves every GPU; the peer case needs the cache on another GPU than the
     // client's).
-    const int32_t cache_device = client_device > 0 ? 0 : -1;
+    const std::optional<int32_t> cache_device =
+        client_device > 0 ? std::optional<int32_t>(0) : std::nullopt;
     const absl::Status status = integration::CompareChannelWithGrpc(
         client, argv[3], kind, config, /*decode_steps=*/6, 11, /*chained=*/false, client_device,
         cache_device);

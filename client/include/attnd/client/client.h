@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -40,8 +41,11 @@ class Client {
 
   absl::StatusOr<attnd::v1::GetServerInfoResponse> GetServerInfo();
 
+  // `device`: the ordinal (GetServerInfoResponse.devices) to place the cache's pools on;
+  // unset, the device with the most free KV budget.
   absl::StatusOr<attnd::v1::CacheInfo> CreateCache(std::string_view name,
-                                                   const attnd::v1::CacheConfig& config);
+                                                   const attnd::v1::CacheConfig& config,
+                                                   std::optional<int32_t> device = std::nullopt);
   absl::StatusOr<attnd::v1::CacheInfo> GetCache(std::string_view name);
   // Sorted by name.
   absl::StatusOr<std::vector<attnd::v1::CacheInfo>> ListCaches();
