@@ -232,15 +232,18 @@ class Channel:
             if value is not None:
                 self.write(slot, name, value, num_tokens)
         reference = q if q is not None else ckv
-        rpc_future = None
-        if self.completion == "rpc":
-            rpc_future = step.forward_request_async(pb.ForwardRequest(layer=layer,
-                                                                      use_channel=True))
-        else:
-            self.set_ready(layer, step.channel_sequence)
+        rpc_future = self.start_layer(step, layer)
         pending = _Pending(self, step, layer, reference, rpc_future)
         self._slot_users[slot] = pending
         return pending
+
+    def start_layer(self, step, layer):
+        """Hands a layer whose inputs are in its slot to attnd: sets its ready flag, or under
+        completion="rpc" sends Forward{use_channel} and returns that call's future."""
+        if self.completion == "rpc":
+            return step.forward_request_async(pb.ForwardRequest(layer=layer, use_channel=True))
+        self.set_ready(layer, step.channel_sequence)
+        return None
 
     def collect(self, pending, timeout=None):
         """Waits for a submitted layer and reads its outputs out of the slot."""

@@ -148,7 +148,62 @@ class _CudaArray:
                                          "strides": None}
 
 
-class CudaIpcChannel(Channel):
+class StreamOrderedChannel(Channel):
+    """What CUDA_IPC and NCCL channels share: slots as torch tensors on `self.device` (the
+    subclass's view()), each layer handed over and its o awaited on a torch stream, so o can be
+    read as soon as the layer is submitted (stream order), and a commit first waits for the
+    device (attnd refuses to commit layers it has not been handed)."""
+
+    def _stream(self, stream):
+        """The raw handle of `stream`, by default torch's current stream on the device (0, no
+        stream, for a CPU device: the tests drive the NCCL channel there)."""
+        if self.device.type != "cuda":
+            return 0
+        if stream is None:
+            stream = self._torch.cuda.current_stream(self.device)
+        return stream.cuda_stream
+
+    def slot(self, index, num_tokens=None):
+        return {name: self.view(index, name, num_tokens) for name in self.layout.slots[index]}
+
+    def write(self, slot, name, value, num_tokens):
+        torch = self._torch
+        if name not in self.layout.slots[slot]:
+            raise ValueError(f"this channel carries no {name}")
+        target = self.view(slot, name, num_tokens)
+        if not torch.is_tensor(value):
+            value = torch.as_tensor(value)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{name}: expected shape {tuple(target.shape)}, "
+                             f"got {tuple(value.shape)}")
+        target.copy_(value, non_blocking=True)
+
+    def read(self, slot, name, num_tokens, reference=None):
+        return self.view(slot, name, num_tokens).clone()
+
+    def collect(self, pending, timeout=None):
+        # Stream-ordered: the layer's wait was enqueued at submit time, so o can be read now.
+        step, layer = pending.step, pending.layer
+        committed = False
+        if pending.rpc_future is not None:
+            committed = pending.rpc_future.result(timeout).step_committed
+        slot = self.slot_of(layer)
+        o = self.read(slot, "o", step.num_tokens)
+        lse = None
+        if step.return_lse and "lse" in self.layout.slots[slot]:
+            lse = self.read(slot, "lse", step.num_tokens)
+        if self._slot_users[slot] is pending:
+            self._slot_users[slot] = None
+        return ForwardResult(o, lse, committed)
+
+    def before_commit(self):
+        # The hand-overs are stream operations: without this, EndStep could reach attnd before
+        # the device performed the last layer's (FAILED_PRECONDITION, nothing committed).
+        if self.device.type == "cuda":
+            self._torch.cuda.synchronize(self.device)
+
+
+class CudaIpcChannel(StreamOrderedChannel):
     """A CUDA_IPC channel: torch tensors aliasing the ring; flags on CUDA streams.
 
     device: the torch device to map the ring on (default: the GPU whose PCI bus id the server
@@ -174,12 +229,6 @@ class CudaIpcChannel(Channel):
             finally:
                 self.driver.pop()
 
-    def _stream(self, stream):
-        torch = self._torch
-        if stream is None:
-            stream = torch.cuda.current_stream(self.device)
-        return stream.cuda_stream
-
     def view(self, slot, name, num_tokens=None):
         """A torch tensor (no copy) of a slot's tensor: [num_tokens or max_tokens, *row_shape]
         in its dtype, on this channel's device. Valid until close()."""
@@ -193,9 +242,6 @@ class CudaIpcChannel(Channel):
                                  device=self.device)
         return tensor.view(torch.bfloat16) if spec.dtype == pb.DTYPE_BFLOAT16 else tensor
 
-    def slot(self, index, num_tokens=None):
-        return {name: self.view(index, name, num_tokens) for name in self.layout.slots[index]}
-
     def set_ready(self, layer, sequence, stream=None):
         """Enqueues ready[layer] = sequence on `stream` (after the work that wrote the inputs)."""
         self.driver.stream_write_value32(self._stream(stream),
@@ -207,44 +253,11 @@ class CudaIpcChannel(Channel):
         self.driver.stream_wait_value32(self._stream(stream),
                                         self.base + self.layout.done_offsets[layer], sequence)
 
-    def write(self, slot, name, value, num_tokens):
-        torch = self._torch
-        target = self.view(slot, name, num_tokens)
-        if not torch.is_tensor(value):
-            value = torch.as_tensor(value)
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"{name}: expected shape {tuple(target.shape)}, "
-                             f"got {tuple(value.shape)}")
-        target.copy_(value, non_blocking=True)
-
-    def read(self, slot, name, num_tokens, reference=None):
-        return self.view(slot, name, num_tokens).clone()
-
-    def collect(self, pending, timeout=None):
-        # Stream-ordered: the wait was enqueued at submit time, so o can be read at once.
-        step, layer = pending.step, pending.layer
-        committed = False
-        if pending.rpc_future is not None:
-            committed = pending.rpc_future.result(timeout).step_committed
-        slot = self.slot_of(layer)
-        o = self.read(slot, "o", step.num_tokens)
-        lse = None
-        if step.return_lse and "lse" in self.layout.slots[slot]:
-            lse = self.read(slot, "lse", step.num_tokens)
-        if self._slot_users[slot] is pending:
-            self._slot_users[slot] = None
-        return ForwardResult(o, lse, committed)
-
-    def before_commit(self):
-        # The ready writes are stream operations: without this, EndStep could reach attnd before
-        # the GPU wrote the last layer's ready word (FAILED_PRECONDITION, nothing committed).
-        self._torch.cuda.synchronize(self.device)
-
-    def submit(self, step, layer, q=None, k=None, v=None, *, q_pe=None, ckv=None, kpe=None):
-        pending = super().submit(step, layer, q, k, v, q_pe=q_pe, ckv=ckv, kpe=kpe)
-        if pending.rpc_future is None:
+    def start_layer(self, step, layer):
+        rpc_future = super().start_layer(step, layer)
+        if rpc_future is None:
             self.wait_done(layer, step.channel_sequence)
-        return pending
+        return rpc_future
 
     def _unmap(self):
         if getattr(self, "base", None):

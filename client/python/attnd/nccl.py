@@ -18,11 +18,11 @@ measured on two H200s, NCCL adds ~80-110 us per decode layer of the e2e shape, C
 Layers go in order (0, 1, ..., then the next step's 0): attnd's receives are queued in that
 order, and NCCL pairs sends with receives by order alone.
 """
+import contextlib
 import ctypes
 import os
 
-from attnd.channel import Channel, _Pending
-from attnd.step import ForwardResult
+from attnd.cuda_ipc import StreamOrderedChannel, device_pci_bus_id
 from attnd.v1 import attnd_pb2 as pb
 
 NCCL_UINT8 = 1  # ncclDataType_t ncclUint8
@@ -112,7 +112,7 @@ MHA_INPUTS = ("q", "k", "v")
 MLA_INPUTS = ("q", "q_pe", "ckv", "kpe")
 
 
-class NcclChannel(Channel):
+class NcclChannel(StreamOrderedChannel):
     """An NCCL channel: a local ring of the channel's layout on `device` (a torch device; not
     attnd's GPU: NCCL puts one rank on a GPU), the layer exchanged with attnd on a stream.
 
@@ -124,7 +124,6 @@ class NcclChannel(Channel):
         self._torch = torch
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda":
-            from attnd.cuda_ipc import device_pci_bus_id
             own = device_pci_bus_id(self.device)
             if own and own.lower() == self.info.pci_bus_id.lower():
                 raise ValueError(f"channel: {self.device} is attnd's GPU ({own}), and NCCL cannot "
@@ -134,19 +133,11 @@ class NcclChannel(Channel):
         self._ring = torch.zeros(self.layout.ring_bytes, dtype=torch.uint8, device=self.device)
         self._inputs = MLA_INPUTS if config.kind == pb.ATTENTION_KIND_MLA else MHA_INPUTS
         self._next_layer = 0
-        self.comm = None
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                self.comm = self.library.join(bytes(self.info.nccl_unique_id))
-        else:
+        # NCCL joins from the current CUDA device.
+        on_device = (torch.cuda.device(self.device) if self.device.type == "cuda"
+                     else contextlib.nullcontext())
+        with on_device:
             self.comm = self.library.join(bytes(self.info.nccl_unique_id))
-
-    def _stream(self, stream):
-        if self.device.type != "cuda":
-            return 0
-        if stream is None:
-            stream = self._torch.cuda.current_stream(self.device)
-        return stream.cuda_stream
 
     def view(self, slot, name, num_tokens=None):
         """A torch tensor (no copy) of a slot's tensor in the local ring: [num_tokens or
@@ -158,24 +149,6 @@ class NcclChannel(Channel):
                  pb.DTYPE_FLOAT32: torch.float32}[spec.dtype]
         data = self._ring[spec.offset:spec.offset + rows * spec.row_bytes]
         return data.view(dtype).view((rows, *spec.row_shape))
-
-    def slot(self, index, num_tokens=None):
-        return {name: self.view(index, name, num_tokens) for name in self.layout.slots[index]}
-
-    def write(self, slot, name, value, num_tokens):
-        torch = self._torch
-        if name not in self.layout.slots[slot]:
-            raise ValueError(f"this channel carries no {name}")
-        target = self.view(slot, name, num_tokens)
-        if not torch.is_tensor(value):
-            value = torch.as_tensor(value)
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"{name}: expected shape {tuple(target.shape)}, "
-                             f"got {tuple(value.shape)}")
-        target.copy_(value, non_blocking=True)
-
-    def read(self, slot, name, num_tokens, reference=None):
-        return self.view(slot, name, num_tokens).clone()
 
     def exchange(self, layer, num_tokens, return_lse, stream=None):
         """Sends layer `layer`'s inputs from its slot and receives its o (and lse) into it, on
@@ -206,45 +179,11 @@ class NcclChannel(Channel):
     def wait_done(self, layer, sequence, timeout=None, stream=None):
         """Nothing to wait for on the host: the receive is ordered on the stream."""
 
-    def submit(self, step, layer, q=None, k=None, v=None, *, q_pe=None, ckv=None, kpe=None):
+    def start_layer(self, step, layer):
         if self.completion == "rpc":
             raise ValueError("an NCCL channel has no RPC-completed mode (Forward{use_channel})")
-        if step.channel is not self:
-            raise ValueError("the step was planned on another channel")
-        if step.num_tokens > self.max_tokens:
-            raise ValueError(f"step has {step.num_tokens} tokens, the channel carries "
-                             f"{self.max_tokens}")
-        # A slot is reused two layers later; its o was read out (cloned on the stream) then.
-        slot = self.slot_of(layer)
-        previous = self._slot_users[slot]
-        if previous is not None:
-            previous.result()
-        inputs = {"q": q, "k": k, "v": v, "q_pe": q_pe, "ckv": ckv, "kpe": kpe}
-        for name, value in inputs.items():
-            if value is not None:
-                self.write(slot, name, value, step.num_tokens)
         self.exchange(layer, step.num_tokens, step.return_lse)
-        pending = _Pending(self, step, layer, q if q is not None else ckv)
-        self._slot_users[slot] = pending
-        return pending
-
-    def collect(self, pending, timeout=None):
-        # Stream-ordered: the receive was enqueued at submit time, so o can be read at once.
-        step, layer = pending.step, pending.layer
-        slot = self.slot_of(layer)
-        o = self.read(slot, "o", step.num_tokens)
-        lse = None
-        if step.return_lse and "lse" in self.layout.slots[slot]:
-            lse = self.read(slot, "lse", step.num_tokens)
-        if self._slot_users[slot] is pending:
-            self._slot_users[slot] = None
-        return ForwardResult(o, lse, False)
-
-    def before_commit(self):
-        # The sends are stream-ordered: they must have left before EndStep (attnd refuses to
-        # commit a step whose layers it has not received).
-        if self.device.type == "cuda":
-            self._torch.cuda.synchronize(self.device)
+        return None
 
     def _unmap(self):
         # Abort, not destroy: attnd may be gone, and NCCL kernels still waiting on the stream
