@@ -214,6 +214,16 @@ case ${1:-} in
         dl_run nccl_pingpong 120 python3 bench/nccl_pingpong.py --rounds 2000
         say "nccl_pingpong rc=$? $(grep -h '^RESULT\|FAIL' "$logs/nccl_pingpong.log" | tr '\n' ' ')"
       fi
+      if want rawpingpong; then
+        # NCCL called as attnd calls it (ctypes, one stream), in several shapes, eager and
+        # captured in a CUDA graph: the floor under the NCCL channel's overhead.
+        dl_run nccl_raw_pingpong 200 python3 bench/nccl_raw_pingpong.py --rounds 1000 --graph \
+          --modes "${PEER_RAW_MODES:-three,one,split2,split4}"
+        say "nccl_raw_pingpong rc=$? $(grep -h '^RESULT\|FAIL\|Error' "$logs/nccl_raw_pingpong.log" | tr '\n' ' ')"
+        dl_run nccl_raw_pingpong_small 120 python3 bench/nccl_raw_pingpong.py --rounds 1000 \
+          --graph --rows 4 --modes three,one
+        say "nccl_raw_pingpong rows=4 rc=$? $(grep -h '^RESULT\|FAIL\|Error' "$logs/nccl_raw_pingpong_small.log" | tr '\n' ' ')"
+      fi
       port=50861
       DAEMON_ARGS="--devices=0 ${PEER_DAEMON_ARGS:-}"
       peer_shape=(--sequences=128 --layers=32 --qo_heads=32 --kv_heads=8 --head_dim=128
