@@ -12,7 +12,8 @@ Each mode runs eagerly (the host enqueues every round; host_us is what the host 
 round, so gpu_us == host_us means the host set the pace) and, with --graph, as rounds captured
 in a CUDA graph and replayed (no host in the way). Bytes are checked on the last round.
 
-  python3 bench/nccl_raw_pingpong.py [--rows 128] [--rounds 1000] [--modes three,one,split2,split4] [--graph]
+  python3 bench/nccl_raw_pingpong.py [--rows 128] [--rounds 1000] [--modes three,one,split2,split4]
+      [--graph] [--fill_us 8.5 --kernels_us 51]   # round_trip_us - fill - kernels: the overhead
 """
 import argparse
 import ctypes
@@ -114,12 +115,32 @@ def worker(rank, args, ids_queue, results):
                 join.record(side[i])
                 main.wait_event(join)
 
+    # Stand-ins for the work between the exchanges (--work): the client's fill before it sends,
+    # attnd's kernels between its receive and its send (torch.cuda._sleep spins one thread).
+    cycles_per_us = 0.0
+    if args.fill_us > 0 or args.kernels_us > 0:
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(2_000_000)
+        b.record()
+        b.synchronize()
+        cycles_per_us = 2_000_000 / (a.elapsed_time(b) * 1000.0)
+    work_us = args.fill_us if rank == 1 else args.kernels_us
+
+    def work():
+        if work_us > 0:
+            torch.cuda._sleep(int(work_us * cycles_per_us))
+
     def round_trip(mode):
         if rank == 1:
+            work()
             direction(True, inputs, mode)
             direction(False, outputs, mode)
         else:
             direction(False, inputs, mode)
+            work()
             direction(True, outputs, mode)
 
     for mode in modes:
@@ -176,6 +197,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=1000)
     parser.add_argument("--modes", default="three,one,split2,split4")
     parser.add_argument("--graph", action="store_true")
+    parser.add_argument("--fill_us", type=float, default=0.0,
+                        help="GPU work on the client's side before each send")
+    parser.add_argument("--kernels_us", type=float, default=0.0,
+                        help="GPU work on attnd's side between its receive and its send")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     ids_queue, results = ctx.Queue(), ctx.Queue()
@@ -198,7 +223,8 @@ def main():
         gpu, host, ok1 = ranks.get(1, (0, 0, False))
         ok0 = ranks.get(0, (0, 0, False))[2]
         print(f"RESULT nccl_raw_pingpong rows={args.rows} mode={mode} runner={runner} "
-              f"in_bytes={in_bytes} out_bytes={out_bytes} round_trip_us={gpu:.1f} "
+              f"in_bytes={in_bytes} out_bytes={out_bytes} fill_us={args.fill_us:g} "
+              f"kernels_us={args.kernels_us:g} round_trip_us={gpu:.1f} "
               f"host_us={host:.1f} checked={'PASS' if ok0 and ok1 else 'FAIL'}", flush=True)
     return 0 if all(p.exitcode == 0 for p in procs) else 1
 

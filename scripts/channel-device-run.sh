@@ -217,8 +217,10 @@ case ${1:-} in
       if want rawpingpong; then
         # NCCL called as attnd calls it (ctypes, one stream), in several shapes, eager and
         # captured in a CUDA graph: the floor under the NCCL channel's overhead.
+        # PEER_RAW_ARGS: more arguments (--fill_us/--kernels_us: work between the exchanges).
+        # shellcheck disable=SC2086
         dl_run nccl_raw_pingpong 200 python3 bench/nccl_raw_pingpong.py --rounds 1000 --graph \
-          --modes "${PEER_RAW_MODES:-three,one,split2,split4}"
+          --modes "${PEER_RAW_MODES:-three,one,split2,split4}" ${PEER_RAW_ARGS:-}
         say "nccl_raw_pingpong rc=$? $(grep -h '^RESULT\|FAIL\|Error' "$logs/nccl_raw_pingpong.log" | tr '\n' ' ')"
         dl_run nccl_raw_pingpong_small 120 python3 bench/nccl_raw_pingpong.py --rounds 1000 \
           --graph --rows 4 --modes three,one
@@ -235,7 +237,8 @@ case ${1:-} in
         say "peer $name rc=$rc $(grep -h '^RESULT' "$logs/peer_$name.log" || tail -3 "$logs/peer_$name.log" | tr '\n' ' ')"
         grep -E '^  |^bench: ' "$logs/peer_$name.log" >> "$OUT/summary.txt"
       }
-      if (want bench || want refusals || want seq || want byhand) && start_attnd peer $port; then
+      if (want bench || want ncclbench || want refusals || want seq || want byhand) &&
+          start_attnd peer $port; then
         daemon=$DL_PID
         say "info: $("$B/run" attnctl --server=127.0.0.1:$port info 2>&1 | grep -E 'channel_|extensions|device' | tr '\n' ' ')"
         grep -i nccl "$logs/attnd_peer.log" | head -3 | tee -a "$OUT/summary.txt"
@@ -254,6 +257,10 @@ case ${1:-} in
           peer nccl_check 90 "${peer_shape[@]}" --transport=nccl --check_sequences=8 --steps=20
           peer nccl 120 "${peer_shape[@]}" --transport=nccl --steps=${ATTND_BENCH_STEPS:-200}
           peer grpc_stream 90 "${peer_shape[@]}" --stream --window=1 --steps=30
+        fi
+        if want ncclbench; then  # the NCCL rows of bench alone
+          peer nccl_check 90 "${peer_shape[@]}" --transport=nccl --check_sequences=8 --steps=20
+          peer nccl 120 "${peer_shape[@]}" --transport=nccl --steps=${ATTND_BENCH_STEPS:-200}
         fi
         if want refusals; then
           # NCCL from attnd's own GPU; CUDA_IPC from a process that cannot see attnd's GPU.

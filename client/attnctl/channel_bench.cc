@@ -280,6 +280,11 @@ class ChannelBench {
     if (stream_) {
       absl::PrintF("  emulator fill (GPU time): %.1f us/layer decode, %.1f us/layer prompt\n",
                    fill_us, prompt_fill_us_);
+      absl::PrintF("  client host per layer: fill launch p50 %.1f us, hand-off call p50 %.1f us "
+                   "(p99 %.1f us)\n",
+                   absl::ToDoubleMicroseconds(fill_host_.Percentile(50)),
+                   absl::ToDoubleMicroseconds(signal_host_.Percentile(50)),
+                   absl::ToDoubleMicroseconds(signal_host_.Percentile(99)));
     }
     if (chained.steps > 0) {
       absl::PrintF("  chained (step N+1 planned while step N runs): %.1f steps/s, %.0f%% of "
@@ -657,10 +662,16 @@ class ChannelBench {
       absl::Status status;
       if (stream_) {
         void* stream = stream_->stream();
+        const auto host_start = Clock::now();
         status.Update(FillLayer(*channel_, stream, step, layer, rows, nullptr, poll && layer > 0));
         // A timing event costs ~2 us of the stream: the fill's own only every other step.
         if (step % 2 == 1) status.Update(stream_->Record(FilledEvent(layer)));
+        const auto host_filled = Clock::now();
         status.Update(SignalLayer(*channel_, stream, layer, sequence, rows, flags));
+        if (latency != nullptr) {
+          fill_host_.Record(absl::FromChrono(host_filled - host_start));
+          signal_host_.Record(absl::FromChrono(Clock::now() - host_filled));
+        }
         status.Update(stream_->Record(layer));
         if (check) status.Update(stream_->Synchronize());
       } else {
@@ -785,6 +796,10 @@ class ChannelBench {
   absl::Duration prompt_plan_;
   LatencyRecorder latency_;
   LatencyRecorder attnd_latency_;  // CUDA_IPC: fill done to done wait passed, per layer
+  // The host's time per timed layer: the fill's launch, and the hand-off call (ready + done
+  // wait, or NCCL's send and receive groups) after it.
+  LatencyRecorder fill_host_;
+  LatencyRecorder signal_host_;
   double fill_us_ = 0;         // GPU time of the emulator's fill of a decode layer
   double prompt_fill_us_ = 0;  // and of a prompt step's layer
 };

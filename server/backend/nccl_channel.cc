@@ -7,14 +7,15 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/status_macros.h"
 #include "backend/cuda_step.h"
+#include "util/log.h"
 
 namespace attnd::cuda_backend {
 namespace {
 
-using nccl::ncclInProgress;
 using nccl::ncclResult_t;
 using nccl::ncclSuccess;
 
@@ -22,6 +23,26 @@ using nccl::ncclSuccess;
 constexpr absl::Duration kWatchPeriod = absl::Milliseconds(10);
 
 }  // namespace
+
+void NcclChannel::Profile::Add(std::vector<double>& samples, double value) {
+  if (samples.size() >= kSamples) samples.erase(samples.begin(), samples.begin() + kSamples / 2);
+  samples.push_back(value);
+}
+
+std::string NcclChannel::Profile::Summary() const {
+  auto p50 = [](std::vector<double> samples) {
+    if (samples.empty()) return -1.0;
+    std::nth_element(samples.begin(), samples.begin() + samples.size() / 2, samples.end());
+    return samples[samples.size() / 2];
+  };
+  return absl::StrFormat(
+      "(p50 of the last %d): host: receive group %.1f us, kernels' launches %.1f us, send group "
+      "%.1f us, %.0f layers on the stream at enqueue; GPU (%d timed layers): receive %.1f us "
+      "(the wait for the client's send included), send %.1f us",
+      static_cast<int>(recv_host_us.size()), p50(recv_host_us), p50(kernels_host_us),
+      p50(send_host_us), p50(ahead), static_cast<int>(recv_gpu_us.size()), p50(recv_gpu_us),
+      p50(send_gpu_us));
+}
 
 absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Create(CudaCache* cache,
                                                                  const ChannelSpec& spec,
@@ -66,6 +87,8 @@ absl::Status NcclChannel::Init() {
   for (WindowEvents& events : events_) {
     RETURN_IF_ERROR(events.layer.Create(blocking));
     RETURN_IF_ERROR(events.received.Create(/*timing=*/false));
+    RETURN_IF_ERROR(events.posted.Create(/*timing=*/true));
+    RETURN_IF_ERROR(events.sent.Create(/*timing=*/true));
     free_events_.push_back(&events);
   }
   const int device = device_;
@@ -85,6 +108,12 @@ NcclChannel::~NcclChannel() {
   if (enqueuer_.joinable()) enqueuer_.join();
   if (watcher_.joinable()) watcher_.join();  // aborts the communicator on its way out
   if (lane_.completions) lane_.completions->Shutdown();
+  if (!enqueue_profile_.recv_host_us.empty()) {
+    Profile profile = enqueue_profile_;
+    profile.recv_gpu_us = wire_profile_.recv_gpu_us;
+    profile.send_gpu_us = wire_profile_.send_gpu_us;
+    LogInfo(absl::StrCat("NCCL channel on GPU ", device_, " closed; per layer ", profile.Summary()));
+  }
   if (lane_.compute.get() != nullptr) cudaStreamSynchronize(lane_.compute.get());
   for (uint8_t* retired : lane_.retired) cudaFree(retired);
   for (uint8_t* retired : lane_.retired_pinned) cudaFreeHost(retired);
@@ -93,67 +122,124 @@ NcclChannel::~NcclChannel() {
 void NcclChannel::WatchLoop() {
   cudaSetDevice(device_);
   const nccl::NcclApi& api = nccl_->api();
-  absl::Status failure;
-  {
-    // Non-blocking: a peer that never joins must not hold this thread (nor the channel's
-    // close) forever; ncclCommAbort below ends the attempt.
-    nccl::ncclConfig_t config;
-    config.blocking = 0;
-    nccl::ncclUniqueId id;
-    std::memcpy(id.internal, unique_id_.data(), sizeof(id.internal));
-    std::lock_guard lock(nccl_mu_);
-    const ncclResult_t result =
-        api.CommInitRankConfig(&comm_, nccl::kChannelRanks, id, kAttndRank, &config);
-    if (result != ncclSuccess && result != ncclInProgress) {
-      failure = absl::UnavailableError(nccl_->Describe("ncclCommInitRankConfig", result));
-    }
-  }
-  const absl::Time deadline = absl::Now() + init_timeout_;
-  bool connected = false;
+  absl::Status failure = Join();
+  bool connected = failure.ok();
   std::unique_lock lock(mu_);
+  if (connected && !stopping_ && !broken_) {
+    connected_ = true;
+    wake_.notify_all();
+  }
   while (failure.ok() && !stopping_ && !broken_) {
+    wake_.wait_for(lock, absl::ToChronoNanoseconds(kWatchPeriod),
+                   [&] { return stopping_ || broken_; });
+    if (stopping_ || broken_) break;
     lock.unlock();
-    ncclResult_t state = ncclInProgress;
+    ncclResult_t state = ncclSuccess;
     {
-      std::lock_guard comm_lock(nccl_mu_);
-      if (comm_ != nullptr) api.CommGetAsyncError(comm_, &state);
+      // Skipped while the enqueuer is inside a call (it may wait there for the peer).
+      std::unique_lock comm_lock(nccl_mu_, std::try_to_lock);
+      if (comm_lock.owns_lock() && comm_ != nullptr) api.CommGetAsyncError(comm_, &state);
     }
-    if (state != ncclSuccess && state != ncclInProgress) {
-      failure = absl::UnavailableError(nccl_->Describe(
-          connected ? "the NCCL communicator failed (the peer is gone?)"
-                    : "the NCCL peer's join failed",
-          state));
-    } else if (!connected && state == ncclSuccess) {
-      connected = true;
-    } else if (!connected && absl::Now() > deadline) {
-      failure = absl::DeadlineExceededError(absl::StrCat(
-          "the NCCL peer did not join within ", absl::FormatDuration(init_timeout_),
-          " (ncclCommInitRank with ChannelInfo.nccl_unique_id as rank 1)"));
+    if (state != ncclSuccess && state != nccl::ncclInProgress) {
+      failure = absl::UnavailableError(
+          nccl_->Describe("the NCCL communicator failed (the peer is gone?)", state));
     }
     lock.lock();
-    if (connected && !connected_) {
-      connected_ = true;
-      wake_.notify_all();
-    }
-    if (!failure.ok()) break;
-    wake_.wait_for(lock, absl::ToChronoNanoseconds(connected ? kWatchPeriod
-                                                             : absl::Milliseconds(1)),
-                   [&] { return stopping_ || broken_; });
   }
   if (!failure.ok()) BreakLocked(failure);
   const bool report = broken_ && !stopping_;
   const absl::Status why = break_reason_;
   lock.unlock();
-  {
-    // Local and immediate, whatever the peer does: NCCL's kernels still waiting on the stream
-    // exit, so the completion thread's waits end. Also how a channel closes normally (a
-    // ncclCommDestroy could wait for a peer that is gone).
-    std::lock_guard comm_lock(nccl_mu_);
-    if (comm_ != nullptr) api.CommAbort(comm_);
-    comm_ = nullptr;
-  }
+  Abort();
   wake_.notify_all();
   if (report && on_broken_) on_broken_(why);
+}
+
+absl::Status NcclChannel::Join() {
+  // A blocking communicator: with a non-blocking one NCCL runs every group on a thread it
+  // creates for it, ~70-90 us of the host per group (measured on the 2-GPU machine: the
+  // enqueuer fell behind the GPU). A blocking ncclCommInitRankConfig cannot be given up,
+  // so it runs on a thread of its own; if the peer does not come in time (or the channel
+  // closes first), this thread joins as the missing rank 1 from attnd's own GPU, which NCCL
+  // refuses for two ranks of one communicator: both joins end with that error.
+  struct Attempt {
+    std::atomic<bool> done{false};
+    ncclResult_t result = ncclSuccess;
+    nccl::ncclComm_t comm = nullptr;
+  };
+  const nccl::NcclApi* api = &nccl_->api();
+  nccl::ncclUniqueId id;
+  std::memcpy(id.internal, unique_id_.data(), sizeof(id.internal));
+  const int device = device_;
+  Attempt attempt;
+  std::thread joiner([api, id, device, &attempt] {
+    cudaSetDevice(device);
+    nccl::ncclConfig_t config;
+    config.blocking = 1;
+    attempt.result =
+        api->CommInitRankConfig(&attempt.comm, nccl::kChannelRanks, id, kAttndRank, &config);
+    attempt.done.store(true, std::memory_order_release);
+  });
+  const absl::Time deadline = absl::Now() + init_timeout_;
+  bool gave_up = false;
+  {
+    std::unique_lock lock(mu_);
+    while (!attempt.done.load(std::memory_order_acquire) && !stopping_ && !broken_ &&
+           absl::Now() < deadline) {
+      wake_.wait_for(lock, std::chrono::milliseconds(1));
+    }
+    gave_up = !attempt.done.load(std::memory_order_acquire);
+  }
+  if (gave_up) {
+    std::thread unblocker([api, id, device] {
+      cudaSetDevice(device);
+      nccl::ncclComm_t stand_in = nullptr;
+      api->CommInitRank(&stand_in, nccl::kChannelRanks, id, kClientRank);
+      if (stand_in != nullptr) api->CommAbort(stand_in);
+    });
+    unblocker.join();
+  }
+  joiner.join();
+  if (attempt.result != ncclSuccess || gave_up) {
+    if (attempt.comm != nullptr) api->CommAbort(attempt.comm);
+    if (gave_up) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the NCCL peer did not join within ", absl::FormatDuration(init_timeout_),
+          " (ncclCommInitRank with ChannelInfo.nccl_unique_id as rank 1)"));
+    }
+    return absl::UnavailableError(
+        nccl_->Describe("the NCCL peer's join failed (ncclCommInitRankConfig)", attempt.result));
+  }
+  std::lock_guard comm_lock(nccl_mu_);
+  comm_ = attempt.comm;
+  comm_seen_.store(attempt.comm);
+  return absl::OkStatus();
+}
+
+void NcclChannel::Abort() {
+  // Local and immediate, whatever the peer does: NCCL's kernels still waiting on the stream
+  // exit, so the completion thread's waits end. Also how a channel closes normally (a
+  // ncclCommDestroy could wait for a peer that is gone). The enqueuer may be inside a group
+  // call that waits for the peer (a connection's first use) and holds nccl_mu_ there: then
+  // the abort goes ahead without the lock (what ncclCommAbort from another thread is for),
+  // and `aborted_` keeps the enqueuer from another call once that one returns.
+  const nccl::NcclApi& api = nccl_->api();
+  const absl::Time patience = absl::Now() + absl::Milliseconds(200);
+  std::unique_lock comm_lock(nccl_mu_, std::try_to_lock);
+  while (!comm_lock.owns_lock() && absl::Now() < patience) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    comm_lock.try_lock();
+  }
+  aborted_.store(true);
+  if (comm_lock.owns_lock()) {
+    if (comm_ != nullptr) api.CommAbort(comm_);
+    comm_ = nullptr;
+    return;
+  }
+  nccl::ncclComm_t comm = comm_seen_.load();
+  if (comm != nullptr) api.CommAbort(comm);
+  comm_lock.lock();  // the enqueuer's call has returned
+  comm_ = nullptr;
 }
 
 void NcclChannel::BreakLocked(absl::Status why) {
@@ -163,24 +249,6 @@ void NcclChannel::BreakLocked(absl::Status why) {
   wake_.notify_all();
 }
 
-absl::Status NcclChannel::Settle(ncclResult_t result, const char* call) {
-  const nccl::NcclApi& api = nccl_->api();
-  while (result == ncclInProgress) {
-    {
-      std::lock_guard lock(mu_);
-      if (broken_ || stopping_) {
-        return absl::UnavailableError(absl::StrCat(call, ": the NCCL channel closed"));
-      }
-    }
-    std::this_thread::yield();
-    std::lock_guard comm_lock(nccl_mu_);
-    if (comm_ == nullptr) return absl::UnavailableError("the NCCL communicator was aborted");
-    if (api.CommGetAsyncError(comm_, &result) != ncclSuccess) break;
-  }
-  if (result != ncclSuccess) return absl::UnavailableError(nccl_->Describe(call, result));
-  return absl::OkStatus();
-}
-
 absl::Status NcclChannel::Group(bool send,
                                 const std::vector<std::pair<uint8_t*, int64_t>>& buffers) {
   const nccl::NcclApi& api = nccl_->api();
@@ -188,7 +256,9 @@ absl::Status NcclChannel::Group(bool send,
   ncclResult_t result = ncclSuccess;
   {
     std::lock_guard comm_lock(nccl_mu_);
-    if (comm_ == nullptr) return absl::UnavailableError("the NCCL communicator was aborted");
+    if (comm_ == nullptr || aborted_.load()) {
+      return absl::UnavailableError("the NCCL communicator was aborted");
+    }
     result = api.GroupStart();
     for (const auto& [buffer, bytes] : buffers) {
       if (result != ncclSuccess || bytes <= 0) continue;
@@ -201,8 +271,10 @@ absl::Status NcclChannel::Group(bool send,
     // Ended even after a failed call: a group left open would swallow the next one.
     const ncclResult_t ended = api.GroupEnd();
     if (result == ncclSuccess) result = ended;
+    if (aborted_.load()) return absl::UnavailableError("the NCCL communicator was aborted");
   }
-  return Settle(result, call);
+  if (result != ncclSuccess) return absl::UnavailableError(nccl_->Describe(call, result));
+  return absl::OkStatus();
 }
 
 void NcclChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t /*num_tokens*/,
@@ -297,14 +369,15 @@ void NcclChannel::EnqueueLoop() {
     WindowEvents* events = free_events_.back();
     free_events_.pop_back();
     active->in_flight[layer] = events;
+    const int ahead = kWindow - static_cast<int>(free_events_.size());
     lock.unlock();
-    Enqueue(active, layer, events);
+    Enqueue(active, layer, events, ahead);
     lock.lock();
   }
 }
 
 void NcclChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t layer,
-                          WindowEvents* events) {
+                          WindowEvents* events, int ahead) {
   CudaStep& step = *active->step;
   const cudaStream_t compute = lane_.compute.get();
   const ChannelSlotLayout& slot = layout_.slots[layout_.SlotOf(layer)];
@@ -332,8 +405,11 @@ void NcclChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t lay
                 {ring + slot.k, rows * layout_.k_row},
                 {ring + slot.v, rows * layout_.v_row}};
     }
+    const absl::Time posted = absl::Now();
+    if (timed) CUDA_RETURN_IF_ERROR(cudaEventRecord(events->posted.get(), compute));
     RETURN_IF_ERROR(Group(/*send=*/false, inputs));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(events->received.get(), compute));
+    const absl::Time received = absl::Now();
     LayerBuffers buffers;
     buffers.q = ring + slot.q;
     buffers.k = ring + (geometry_.mla ? slot.ckv : slot.k);
@@ -350,10 +426,19 @@ void NcclChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t lay
       if (timed) CUDA_RETURN_IF_ERROR(cudaEventRecord(events->layer.started.get(), compute));
       const CudaEvent* attended = nullptr;
       RETURN_IF_ERROR(step.EnqueueKernels(events->layer, timed, buffers, layer, &attended));
+      events->attended = attended;
     }
+    const absl::Time launched = absl::Now();
     std::vector<std::pair<uint8_t*, int64_t>> outputs = {{ring + slot.o, rows * layout_.o_row}};
     if (step.returns_lse()) outputs.emplace_back(ring + slot.lse, rows * layout_.lse_row);
-    return Group(/*send=*/true, outputs);
+    RETURN_IF_ERROR(Group(/*send=*/true, outputs));
+    if (timed) CUDA_RETURN_IF_ERROR(cudaEventRecord(events->sent.get(), compute));
+    Profile::Add(enqueue_profile_.recv_host_us, absl::ToDoubleMicroseconds(received - posted));
+    Profile::Add(enqueue_profile_.kernels_host_us,
+                 absl::ToDoubleMicroseconds(launched - received));
+    Profile::Add(enqueue_profile_.send_host_us, absl::ToDoubleMicroseconds(absl::Now() - launched));
+    Profile::Add(enqueue_profile_.ahead, ahead);
+    return absl::OkStatus();
   }();
   // Recorded even after a failed enqueue: the events are reused only once the work that was
   // enqueued has passed this point.
@@ -380,8 +465,17 @@ void NcclChannel::Complete(const std::shared_ptr<ActiveStep>& active, int32_t la
                                      __LINE__);
   }
   if (status.ok() && timed) active->step->ReportChannelLayer(events->layer);
+  double recv_gpu_us = -1, send_gpu_us = -1;
+  if (status.ok() && timed && events->attended != nullptr) {
+    recv_gpu_us = 1e6 * ElapsedSeconds(events->posted, events->layer.started);
+    send_gpu_us = 1e6 * ElapsedSeconds(*events->attended, events->sent);
+  }
   {
     std::lock_guard lock(mu_);
+    if (recv_gpu_us >= 0) {
+      Profile::Add(wire_profile_.recv_gpu_us, recv_gpu_us);
+      Profile::Add(wire_profile_.send_gpu_us, send_gpu_us);
+    }
     // A layer that ended because the communicator was aborted under it did not run: its
     // receive may have been cut short.
     if (status.ok() && broken_) {

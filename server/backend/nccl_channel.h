@@ -11,10 +11,11 @@
 // so the receive is the ready word and the send the done word, ordered with the step's kernels
 // on one stream; no host on the per-layer path. A step of 0 rows moves nothing.
 //
-// Threads: the watcher creates the communicator without blocking OpenChannel (non-blocking
-// init, given up after `init_timeout` with ncclCommAbort), then polls it for asynchronous
-// errors (a peer that died); either failure aborts the communicator (NCCL's kernels waiting on
-// the stream then exit) and calls ChannelSpec::on_broken, and the engine closes the channel.
+// Threads: the watcher creates the communicator without blocking OpenChannel (a blocking
+// communicator, joined on a thread of its own and given up after `init_timeout`: see Join),
+// then polls it for asynchronous errors (a peer that died); either failure aborts the
+// communicator (NCCL's kernels waiting on the stream then exit) and calls
+// ChannelSpec::on_broken, and the engine closes the channel.
 // The enqueuer puts layers on the stream (at most kWindow ahead of their completions, as
 // CudaIpcChannel) once the communicator is up; the completion thread reports them. A step
 // cancelled with layers on the stream breaks the channel the same way: the peer's sends and
@@ -22,6 +23,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -74,6 +76,23 @@ class NcclChannel final : public BackendChannel {
   struct WindowEvents {
     LayerEvents layer;
     CudaEvent received;  // after the layer's receive group
+    // Timed layers only (timing events): before the receive group and after the send group;
+    // `attended` is the kernels' last event. What the wire took on the GPU, for Profile.
+    CudaEvent posted;
+    CudaEvent sent;
+    const CudaEvent* attended = nullptr;
+  };
+  // Where a layer's time goes, kept for the channel's closing log line (the last kSamples
+  // layers): the enqueuer's host time per part and how many layers were on the stream when it
+  // enqueued one (filled by the enqueuer thread); on timed layers the GPU time of the receive
+  // (the wait for the client's send included) and of the send (filled by the completion
+  // thread, under mu_).
+  struct Profile {
+    static constexpr size_t kSamples = 4096;
+    std::vector<double> recv_host_us, kernels_host_us, send_host_us, ahead;
+    std::vector<double> recv_gpu_us, send_gpu_us;
+    static void Add(std::vector<double>& samples, double value);
+    std::string Summary() const;
   };
   struct ActiveStep {
     CudaStep* step = nullptr;
@@ -92,19 +111,23 @@ class NcclChannel final : public BackendChannel {
   // Drops `active` from live_ once no layer of it is or will be on the stream. Under mu_.
   void ForgetIfDoneLocked(const std::shared_ptr<ActiveStep>& active);
   void WatchLoop();
+  // Creates the communicator as rank 0 (blocking, on a thread of its own, given up after
+  // init_timeout_ or when the channel breaks or closes first). Sets comm_ on success.
+  absl::Status Join();
+  // Aborts the communicator (once the watcher is done with it); see the .cc for the lock.
+  void Abort();
   void EnqueueLoop();
-  void Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t layer, WindowEvents* events);
+  // ahead: layers of the channel on the stream with this one (the profile's).
+  void Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t layer, WindowEvents* events,
+               int ahead);
   void Complete(const std::shared_ptr<ActiveStep>& active, int32_t layer, WindowEvents* events,
                 bool timed, absl::Status status);
   void Skip(const ActiveStep& active, int32_t layer, const absl::Status& why);
   // Asks the watcher to abort the communicator and report the channel broken (once).
   void BreakLocked(absl::Status why);
   // One group of sends or receives of `buffers` (pointer, bytes) with the client, under
-  // nccl_mu_; then settles it (a non-blocking communicator may answer ncclInProgress while it
-  // connects to the peer, lazily, at the first send).
+  // nccl_mu_ (a connection's first use waits there for the peer's matching group).
   absl::Status Group(bool send, const std::vector<std::pair<uint8_t*, int64_t>>& buffers);
-  // After a call answered ncclInProgress: polls the communicator until it settles (or breaks).
-  absl::Status Settle(nccl::ncclResult_t result, const char* call);
 
   CudaCache* const cache_;
   const CacheGeometry geometry_;
@@ -122,6 +145,10 @@ class NcclChannel final : public BackendChannel {
   // Serialises calls on the communicator (NCCL's rule for one communicator) and guards it.
   std::mutex nccl_mu_;
   nccl::ncclComm_t comm_ = nullptr;
+  // comm_ as Join set it, for an abort that cannot wait for nccl_mu_; aborted_ is set before
+  // any abort, and no call is made on the communicator after it.
+  std::atomic<nccl::ncclComm_t> comm_seen_{nullptr};
+  std::atomic<bool> aborted_{false};
 
   std::mutex mu_;
   std::condition_variable wake_;
@@ -134,6 +161,8 @@ class NcclChannel final : public BackendChannel {
   absl::Status break_reason_;  // set once; the watcher acts on it
   bool stopping_ = false;
   uint64_t timing_rng_ = 0x9E3779B97F4A7C15ull;  // the enqueuer's: which layers are timed
+  Profile enqueue_profile_;                        // the enqueuer's host-side samples
+  Profile wire_profile_;                           // GPU samples of timed layers, under mu_
   std::thread watcher_;
   std::thread enqueuer_;
 };

@@ -278,6 +278,55 @@ TEST_F(ChannelTest, CudaClientsKilledMidStepLeaveAttndServing) {
                                    config, /*decode_steps=*/2, /*seed=*/22));
 }
 
+// An NCCL client on another GPU that joined and planned a step but sends nothing, and stays
+// alive: attnd's receive of layer 0 waits for it (on the device, or on the host inside NCCL's
+// set-up of the connection's first use, holding the communicator). Aborting the step must
+// still break the channel at once (the communicator aborted from under that wait), roll the
+// step back, and leave attnd serving.
+TEST_F(ChannelTest, AbortingAStepOfASilentNcclClientClosesTheChannel) {
+  ASSERT_OK_AND_ASSIGN(auto info, client().GetServerInfo());
+  if (!TwoGpusServed(client()) ||
+      std::find(info.extensions().begin(), info.extensions().end(), "channel_nccl") ==
+          info.extensions().end()) {
+    GTEST_SKIP() << "needs NCCL channels and the cuda backend on two GPUs";
+  }
+  const attnd::v1::CacheConfig config = SmallConfig(256);
+  const std::string cache = "silent-nccl";
+  ASSERT_OK(client().CreateCache(cache, config, /*device=*/0).status());
+  const std::string command =
+      absl::StrCat("exec timeout -k 5 120 ", ClientProgram(), " idle-nccl ", address(), " ", cache,
+                   " --client_device=1");
+  FILE* child = popen(command.c_str(), "r");
+  ASSERT_NE(child, nullptr);
+  char line[512] = {};
+  const bool printed = std::fgets(line, sizeof(line), child) != nullptr;
+  unsigned long long channel_id = 0, step_id = 0;
+  if (!printed || std::sscanf(line, "idle %llu %llu", &channel_id, &step_id) != 2) {
+    pclose(child);
+    FAIL() << "the client did not plan its step: " << line;
+  }
+  absl::SleepFor(absl::Milliseconds(500));  // attnd's enqueuer reaches layer 0's receive
+  const absl::Time aborted = absl::Now();
+  ASSERT_OK_AND_ASSIGN(auto ended, client().EndStep(step_id, /*abort=*/true));
+  EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_ABORTED) << ended.ShortDebugString();
+  attnd::v1::CacheInfo after;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  do {
+    ASSERT_OK_AND_ASSIGN(after, client().GetCache(cache));
+    if (after.channels_size() == 0 && after.open_steps() == 0) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  } while (absl::Now() < deadline);
+  EXPECT_EQ(after.channels_size(), 0);
+  EXPECT_EQ(after.open_steps(), 0);
+  EXPECT_EQ(after.used_pages(), 0);
+  EXPECT_LT(absl::Now() - aborted, absl::Seconds(10));
+  std::system("pkill -KILL -f '[i]dle-nccl .* silent-nccl( |$)' >/dev/null 2>&1");
+  pclose(child);
+  ASSERT_OK(client().DeleteCache(cache));
+  ASSERT_OK(CompareChannelWithGrpc(client(), "after-silent", attnd::v1::CHANNEL_KIND_HOST_SHM,
+                                   config, /*decode_steps=*/1, /*seed=*/24));
+}
+
 // Issue 17 through a channel, from another process (a CUDA_IPC ring cannot be mapped by the
 // process that made it, so sequence_channel_test's in-process cases are HOST_SHM): a sequence
 // exported and imported through CUDA_IPC (cuda backend) and HOST_SHM rings, bitwise the gRPC

@@ -119,5 +119,23 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     for (;;) pause();
   }
+  if (mode == "idle-nccl") {
+    // Joins an NCCL channel and plans a step on it, then sends nothing and stays alive:
+    // attnd's receive of layer 0 waits for a peer that is there but silent.
+    client::ChannelOptions channel_options;
+    channel_options.max_tokens = 8;
+    channel_options.kind = attnd::v1::CHANNEL_KIND_NCCL;
+    channel_options.cuda_device = client_device;
+    auto channel = client::Channel::Open(client, argv[3], channel_options);
+    if (!channel.ok()) return Fail(channel.status().ToString());
+    attnd::v1::PlanRequest request = integration::MakePlan(argv[3], {{7, 3}}, false);
+    request.set_channel_id((*channel)->id());
+    auto plan = client.Plan(request);
+    if (!plan.ok()) return Fail(plan.status().ToString());
+    std::printf("idle %llu %llu\n", static_cast<unsigned long long>((*channel)->id()),
+                static_cast<unsigned long long>(plan->step_id()));
+    std::fflush(stdout);
+    for (;;) pause();
+  }
   return Fail("unknown mode " + mode);
 }
