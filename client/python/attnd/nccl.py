@@ -8,7 +8,7 @@ local ring of the channel's layout on that GPU, so slots, views and Step work as
 NCCL is loaded at run time through ctypes (libnccl.so.2, >= 2.14, as attnd does): PyTorch's CUDA
 wheels ship it (the nvidia-nccl package), and that copy is found by import when the loader does
 not find one of its own. On one host, prefer a CUDA_IPC channel from the orchestrator's GPU:
-measured on two H200s, NCCL adds ~80-110 us per decode layer of the e2e shape, CUDA_IPC ~13 us
+measured on two H200s, NCCL adds ~44 us per decode layer of the e2e shape, CUDA_IPC ~13 us
 (docs/benchmarks.md).
 
     with client.open_channel("llama", "nccl", max_tokens=256, device="cuda:1") as channel:
