@@ -188,8 +188,10 @@ case ${1:-} in
       # Issue 19 on a 2-GPU host (docs/issue19-device-plan.md): attnd on GPU 0, its clients on
       # GPU 1 over peer CUDA_IPC and NCCL. NVLink multicast stays off everywhere.
       # PEER_STEPS picks the parts (default: tests pytest bench refusals seq socket; also
-      # pingpong, NCCL itself between the two GPUs, nccl_tune, the NCCL bench under NCCL
-      # settings, and byhand, the channel tests' comparisons against a separate attnd).
+      # pingpong and rawpingpong, NCCL itself between the two GPUs, nccl_tune, the NCCL bench
+      # under NCCL settings, ncclbench, the NCCL rows of bench alone, socket_tests, the NCCL
+      # channel tests over sockets, and byhand, the channel tests' comparisons against a
+      # separate attnd).
       steps=" ${PEER_STEPS:-tests pytest bench refusals seq socket} "
       want() { [[ $steps == *" $1 "* ]]; }
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -209,6 +211,13 @@ case ${1:-} in
         # between the two GPUs by export and import.
         gtest two_devices 120 env ATTND_TEST_BACKEND="$backend" ATTND_TEST_TWO_GPUS=1 \
           "$B/run" integration_tests --gtest_filter='TwoDevices*'
+      fi
+      if want socket_tests; then
+        # The NCCL channel tests over NCCL's socket transport on loopback (the stand-in for a
+        # host-to-host path): bitwise the gRPC path, killed and silent clients.
+        gtest channel_tests_socket 240 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 \
+          NCCL_SOCKET_IFNAME=lo ATTND_TEST_BACKEND="$backend" "$B/run" channel_tests \
+          --gtest_filter='*Nccl*:*Killed*'
       fi
       if want pingpong; then
         dl_run nccl_pingpong 120 python3 bench/nccl_pingpong.py --rounds 2000
