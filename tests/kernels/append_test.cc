@@ -51,6 +51,7 @@ struct AppendCase {
   bool with_q = true;
   uint32_t seed = 1;
   bool long_positions = false;  // MakeLongStep instead of MakeStep
+  int32_t many_tokens = 0;      // > 0: MakeManyStep with about this many rows
 };
 
 std::string CaseName(const AppendCase& c) {
@@ -60,7 +61,8 @@ std::string CaseName(const AppendCase& c) {
          kernel_test::ShortName(c.cache_dtype) + "_d" + std::to_string(c.head_dim) + "_p" +
          std::to_string(c.page_size) + (c.layout == KvLayout::kNHD ? "_nhd" : "_hnd") +
          (c.separate_kv ? "_sep_" : "_") + rope + std::to_string(c.rotary_dim) +
-         (c.with_q ? "" : "_noq") + (c.long_positions ? "_long" : "");
+         (c.with_q ? "" : "_noq") + (c.long_positions ? "_long" : "") +
+         (c.many_tokens > 0 ? "_t" + std::to_string(c.many_tokens) : "");
 }
 
 // Distance in codes between two stored values of a 1- or 2-byte dtype (sign-magnitude).
@@ -124,10 +126,11 @@ struct AppendStep {
   std::vector<bool> k_written, v_written;
 };
 
-AppendStep MakeStep(int32_t page_size, bool separate_kv, std::mt19937& rng) {
+// Requests of `prior` tokens get `fresh` new ones each; padding rows (one in four, their
+// positions naming real slots) interleave, and one far-off padding row ends the step.
+AppendStep MakeStepOf(const std::vector<int64_t>& prior, const std::vector<int64_t>& fresh,
+                      int32_t page_size, bool separate_kv, std::mt19937& rng) {
   AppendStep step;
-  const std::vector<int64_t> prior = {0, 5, page_size - 1 > 0 ? page_size - 1 : 1, 3 * page_size, 40};
-  const std::vector<int64_t> fresh = {7, 1, 2, page_size + 2, 0};
   std::vector<int64_t> total;
   for (size_t b = 0; b < prior.size(); ++b) total.push_back(prior[b] + fresh[b]);
   step.table = kernel_test::MakePageTable(total, page_size, separate_kv, 2, rng);
@@ -157,6 +160,27 @@ AppendStep MakeStep(int32_t page_size, bool separate_kv, std::mt19937& rng) {
     step.v_written[int64_t{step.table.v_indices[slot]} * page_size + entry] = true;
   }
   return step;
+}
+
+AppendStep MakeStep(int32_t page_size, bool separate_kv, std::mt19937& rng) {
+  const std::vector<int64_t> prior = {0, 5, page_size - 1 > 0 ? page_size - 1 : 1, 3 * page_size, 40};
+  const std::vector<int64_t> fresh = {7, 1, 2, page_size + 2, 0};
+  return MakeStepOf(prior, fresh, page_size, separate_kv, rng);
+}
+
+// About `tokens` rows (a quarter more with the padding) over 37 requests of random prior
+// lengths: past the launcher's small-step grid (1024 tokens), where CTAs run every job of
+// their tokens and the grid may be smaller than the token groups.
+AppendStep MakeManyStep(int32_t page_size, bool separate_kv, int32_t tokens, std::mt19937& rng) {
+  constexpr int kRequests = 37;
+  std::uniform_int_distribution<int64_t> prior_length(0, 300);
+  std::vector<int64_t> prior, fresh;
+  const int64_t real = tokens * 4 / 5;
+  for (int b = 0; b < kRequests; ++b) {
+    prior.push_back(prior_length(rng));
+    fresh.push_back(real / kRequests + (b < real % kRequests ? 1 : 0));
+  }
+  return MakeStepOf(prior, fresh, page_size, separate_kv, rng);
 }
 
 // Requests deep into their sequences (new tokens at positions 131069 to 2^20 + 2): each page
@@ -247,8 +271,9 @@ TEST_P(AppendSweepTest, MatchesReference) {
   ATTND_SKIP_WITHOUT_GPU();
   const AppendCase& c = GetParam();
   std::mt19937 rng(c.seed);
-  AppendStep step =
-      c.long_positions ? MakeLongStep(c.page_size, c.separate_kv, rng) : MakeStep(c.page_size, c.separate_kv, rng);
+  AppendStep step = c.many_tokens > 0 ? MakeManyStep(c.page_size, c.separate_kv, c.many_tokens, rng)
+                    : c.long_positions ? MakeLongStep(c.page_size, c.separate_kv, rng)
+                                       : MakeStep(c.page_size, c.separate_kv, rng);
   const int64_t num_tokens = static_cast<int64_t>(step.batch_indices.size());
   const int32_t rotary_dim = c.rotary_dim > 0 ? c.rotary_dim : c.head_dim;
   RopeConfig rope_config;
@@ -414,6 +439,32 @@ INSTANTIATE_TEST_SUITE_P(
                                  RopeStyle::kInterleaved, 0, true, 23, true},
                       AppendCase{DType::kBFloat16, DType::kFloat8E4M3, 256, 4, 1, 1, KvLayout::kNHD, false,
                                  RopeStyle::kNeox, 64, true, 24, true}),
+    [](const ::testing::TestParamInfo<AppendCase>& info) { return CaseName(info.param); });
+
+// Steps of 1100 to 5000 rows (the launcher's large-step grid), every dtype pair's kind and both
+// rotary styles.
+AppendCase ManyTokens(DType in_dtype, DType cache_dtype, int32_t head_dim, int32_t page_size,
+                      KvLayout layout, bool separate_kv, RopeStyle rope, int32_t rotary_dim,
+                      bool with_q, uint32_t seed, int32_t tokens) {
+  AppendCase c{in_dtype, cache_dtype, head_dim, 8, 2, page_size, layout, separate_kv, rope,
+               rotary_dim, with_q, seed, false};
+  c.many_tokens = tokens;
+  return c;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    ManyTokens, AppendSweepTest,
+    ::testing::Values(
+        ManyTokens(DType::kBFloat16, DType::kBFloat16, 128, 16, KvLayout::kNHD, false,
+                   RopeStyle::kNeox, 0, true, 31, 1100),
+        ManyTokens(DType::kFloat16, DType::kFloat8E4M3, 128, 16, KvLayout::kNHD, true,
+                   RopeStyle::kNeox, 0, true, 32, 3001),
+        ManyTokens(DType::kBFloat16, DType::kBFloat16, 64, 1, KvLayout::kHND, true,
+                   RopeStyle::kInterleaved, 0, true, 33, 5003),
+        ManyTokens(DType::kBFloat16, DType::kFloat8E4M3, 256, 128, KvLayout::kNHD, false,
+                   RopeStyle::kNeox, 40, true, 34, 2500),
+        ManyTokens(DType::kFloat16, DType::kFloat16, 128, 16, KvLayout::kHND, false,
+                   RopeStyle::kNone, 0, false, 35, 4100)),
     [](const ::testing::TestParamInfo<AppendCase>& info) { return CaseName(info.param); });
 
 // A few for compute-sanitizer.
