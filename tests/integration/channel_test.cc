@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnd/client/channel.h"
+#include "attnd/status_macros.h"
 #include "channel_steps.h"
 #include "status_matchers.h"
 #include "test_server.h"
@@ -177,6 +178,20 @@ TEST_F(ChannelTest, CudaIpcClientInAnotherProcessMatchesForwardBitwise) {
 
 // Issue 19, on a machine with two GPUs that attnd serves both of (the test server takes every
 // visible GPU; the caches live on device 0): the client process on GPU 1.
+// The cache once it has no channel and no open step, or as it is at `timeout`.
+absl::StatusOr<attnd::v1::CacheInfo> WaitForNoChannelsOrSteps(client::Client& client,
+                                                              const std::string& cache,
+                                                              absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    ASSIGN_OR_RETURN(attnd::v1::CacheInfo info, client.GetCache(cache));
+    if ((info.channels_size() == 0 && info.open_steps() == 0) || absl::Now() >= deadline) {
+      return info;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
 bool TwoGpusServed(client::Client& client) {
   const absl::StatusOr<attnd::v1::GetServerInfoResponse> info = client.GetServerInfo();
   return TestBackendName() == "cuda" && info.ok() && info->devices_size() >= 2;
@@ -257,13 +272,8 @@ TEST_F(ChannelTest, CudaClientsKilledMidStepLeaveAttndServing) {
                     .c_str());
     pclose(child);
     // attnd sees the connection go: the channel closes, the step rolls back.
-    attnd::v1::CacheInfo after;
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    do {
-      ASSERT_OK_AND_ASSIGN(after, client().GetCache(cache));
-      if (after.channels_size() == 0 && after.open_steps() == 0) break;
-      absl::SleepFor(absl::Milliseconds(20));
-    } while (absl::Now() < deadline);
+    ASSERT_OK_AND_ASSIGN(const attnd::v1::CacheInfo after,
+                         WaitForNoChannelsOrSteps(client(), cache, absl::Seconds(30)));
     EXPECT_EQ(after.channels_size(), 0);
     EXPECT_EQ(after.open_steps(), 0);
     EXPECT_EQ(after.num_sequences(), 1);
@@ -309,13 +319,8 @@ TEST_F(ChannelTest, AbortingAStepOfASilentNcclClientClosesTheChannel) {
   const absl::Time aborted = absl::Now();
   ASSERT_OK_AND_ASSIGN(auto ended, client().EndStep(step_id, /*abort=*/true));
   EXPECT_EQ(ended.outcome(), attnd::v1::STEP_OUTCOME_ABORTED) << ended.ShortDebugString();
-  attnd::v1::CacheInfo after;
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  do {
-    ASSERT_OK_AND_ASSIGN(after, client().GetCache(cache));
-    if (after.channels_size() == 0 && after.open_steps() == 0) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  } while (absl::Now() < deadline);
+  ASSERT_OK_AND_ASSIGN(const attnd::v1::CacheInfo after,
+                       WaitForNoChannelsOrSteps(client(), cache, absl::Seconds(20)));
   EXPECT_EQ(after.channels_size(), 0);
   EXPECT_EQ(after.open_steps(), 0);
   EXPECT_EQ(after.used_pages(), 0);
