@@ -130,8 +130,10 @@ absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
     return absl::InvalidArgumentError(
         absl::StrCat("num_kv_heads: expected > 0, got ", options.num_kv_heads));
   }
-  if (options.max_chunk_tokens < 0 || options.min_chunk_tokens < 0) {
-    return absl::InvalidArgumentError("max_chunk_tokens and min_chunk_tokens must be >= 0");
+  if (options.max_chunk_tokens < 0 || options.min_chunk_tokens < 0 ||
+      options.tensor_core_max_chunk_tokens < 0) {
+    return absl::InvalidArgumentError(
+        "max_chunk_tokens, tensor_core_max_chunk_tokens and min_chunk_tokens must be >= 0");
   }
   if (options.fixed_split_tokens < 0) {
     return absl::InvalidArgumentError(
@@ -164,7 +166,13 @@ absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
                    ChooseKernel(static_cast<int64_t>(requests.size()), total_tokens, options));
   // The chunk search below sizes the grid by the chosen kernel's wave.
   DecodePlanOptions sized = options;
-  if (kernel == DecodeKernel::kTensorCore) sized.ctas_per_wave = options.tensor_core_ctas_per_wave;
+  if (kernel == DecodeKernel::kTensorCore) {
+    sized.ctas_per_wave = options.tensor_core_ctas_per_wave;
+    if (sized.ctas_per_wave > 0) {
+      sized.ctas_per_wave = std::max(1, sized.ctas_per_wave / std::max(1, options.tensor_core_wave_divisor));
+    }
+    sized.max_chunk_tokens = options.tensor_core_max_chunk_tokens;
+  }
   const bool chunk_pinned =
       options.disable_split_kv || options.fixed_split_tokens > 0 || options.deterministic;
   if (!chunk_pinned && sized.ctas_per_wave <= 0) {

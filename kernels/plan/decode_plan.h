@@ -36,6 +36,16 @@ struct DecodePlanOptions {
   bool cuda_core_supported = true;
   bool tensor_core_supported = false;
   int32_t tensor_core_ctas_per_wave = 0;
+  // The tensor-core kernel's chunk: the smallest whose CTAs fit in its wave divided by
+  // tensor_core_wave_divisor, capped at tensor_core_max_chunk_tokens (instead of
+  // max_chunk_tokens, the CUDA-core kernel's cap). Fewer, longer chunks than a full wave: each
+  // CTA's fixed costs (Q, the pipeline's fill, the partial's write, the merge) weigh on short
+  // chunks. Measured on an H100 (docs/benchmarks.md, 2026-11-27, Hq 32 / Hkv 8 / D 128 bf16):
+  // 1 x 4096 keys 11.57 us in 128 CTAs of 256 keys against 12.46 in 256 of 128; 1 x 8192 17.64
+  // (chunks of 512) against 18.00 (256); 16 x 4096 94.5 (2048) against 97.5 (1024); 64 x 4096
+  // 359.2 (2048) against 364.9 (1024).
+  int32_t tensor_core_wave_divisor = 2;
+  int32_t tensor_core_max_chunk_tokens = 2048;
   DecodeKernelChoice kernel_choice = DecodeKernelChoice::kAuto;
   // kAuto picks the tensor-core kernel (when both exist) for batches of at least this many
   // requests with at least this many keys in all. Measured on an H100 (docs/benchmarks.md,

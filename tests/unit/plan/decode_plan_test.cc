@@ -261,6 +261,31 @@ TEST(PlanBatchDecodeTest, ChunksBySizeOfTheChosenKernelsWave) {
   EXPECT_LT(cuda_core->kv_chunk_tokens, tensor->kv_chunk_tokens);
 }
 
+// The tensor-core kernel's chunks fill half its wave, at most 2048 keys (measured on an H100:
+// fewer, longer chunks win there, docs/benchmarks.md).
+TEST(PlanBatchDecodeTest, TensorCoreChunksFillHalfItsWaveUpTo2048Keys) {
+  const DecodePlanOptions options = BothKernels(8);
+  auto plan_of = [&](int32_t batch, int64_t keys) {
+    auto plan = PlanBatchDecode(DecodeRows(batch), std::vector<int64_t>(batch, keys), options);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->kernel, DecodeKernel::kTensorCore);
+    return *plan;
+  };
+  const DecodePlan one_4096 = plan_of(1, 4096);
+  EXPECT_EQ(one_4096.kv_chunk_tokens, 256);  // 16 chunks x 8 heads = 128 CTAs <= 264 / 2
+  EXPECT_EQ(Ctas(one_4096, 8), 128);
+  EXPECT_EQ(plan_of(1, 8192).kv_chunk_tokens, 512);
+  EXPECT_EQ(plan_of(16, 1024).kv_chunk_tokens, 1024);  // no split: 128 CTAs already
+  EXPECT_EQ(plan_of(16, 4096).kv_chunk_tokens, 2048);  // the cap (no split would fit)
+  EXPECT_EQ(plan_of(64, 4096).kv_chunk_tokens, 2048);
+  // The CUDA-core kernel keeps its own cap.
+  DecodePlanOptions cuda_core = options;
+  cuda_core.kernel_choice = DecodeKernelChoice::kCudaCore;
+  auto long_cc = PlanBatchDecode(DecodeRows(64), std::vector<int64_t>(64, 4096), cuda_core);
+  ASSERT_TRUE(long_cc.ok());
+  EXPECT_EQ(long_cc->kv_chunk_tokens, 1024);
+}
+
 TEST(PlanBatchDecodeTest, KernelChoiceFollowsWhatTheCacheHas) {
   DecodePlanOptions options = BothKernels(2);
   // Deterministic plans keep one kernel whatever the batch: the CUDA-core one.
