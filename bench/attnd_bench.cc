@@ -7,7 +7,7 @@
 // fraction of the device-to-device copy bandwidth measured at the start of the same run.
 //
 //   attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14] [--contiguous-pages]
-//               [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH]
+//               [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH] [--tc-max-chunk=N]
 // (no case flag: both). --quick runs a reduced sweep; --variants adds decode cases with pinned
 // chunk sizes next to the planner's choice; --issue14 runs only the decode shapes of issue 14's
 // table. --decode-kernel forces the decode kernel (default auto: the planner's choice); "all"
@@ -42,6 +42,8 @@ namespace {
 
 // --contiguous-pages: decode page tables in order instead of shuffled.
 bool g_contiguous_pages = false;
+// --tc-max-chunk=N: the planner's tensor-core chunk cap (0: none); -1 keeps its default.
+int32_t g_tc_max_chunk = -1;
 
 using bench::DeviceMemory;
 using bench::CopyToDevice;
@@ -218,6 +220,7 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   options.tensor_core_ctas_per_wave = waves.tensor_core;
   options.kernel_choice = spec.kernel;
   options.fixed_split_tokens = spec.fixed_split_tokens;
+  if (g_tc_max_chunk >= 0) options.tensor_core_max_chunk_tokens = g_tc_max_chunk;
   auto plan = plan::PlanBatchDecode(qo_indptr, spec.lengths, options);
   CHECK_OK(plan.status());
   const std::vector<int32_t> packed = plan->Pack();
@@ -267,10 +270,11 @@ std::vector<DecodeSpec> DecodeVariants(const std::vector<DecodeSpec>& specs) {
   std::vector<DecodeSpec> variants;
   for (const DecodeSpec& spec : specs) {
     const size_t batch = spec.lengths.size();
-    if (batch > 64) continue;
-    for (int32_t chunk : {64, 256, 512, 1024, 2048}) {
+    if (batch > 256) continue;
+    for (int32_t chunk : {64, 256, 512, 1024, 2048, 4096, 8192}) {
       if (batch == 1 && chunk > 512) continue;
       if (batch > 1 && chunk < 256) continue;
+      if (batch > 16 && chunk < 1024) continue;
       DecodeSpec variant = spec;
       variant.name += "_fix" + std::to_string(chunk);
       variant.fixed_split_tokens = chunk;
@@ -540,12 +544,14 @@ int Main(int argc, char** argv) {
     } else if (arg == "--decode-kernel=all") {
       kernels = {plan::DecodeKernelChoice::kAuto, plan::DecodeKernelChoice::kCudaCore,
                  plan::DecodeKernelChoice::kTensorCore};
+    } else if (arg.rfind("--tc-max-chunk=", 0) == 0) {
+      g_tc_max_chunk = std::atoi(arg.c_str() + 15);
     } else if (arg.rfind("--csv=", 0) == 0) {
       csv_path = arg.substr(6);
     } else {
       std::fprintf(stderr,
                    "usage: attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14]\n"
-                   "                   [--contiguous-pages]\n"
+                   "                   [--contiguous-pages] [--tc-max-chunk=N]\n"
                    "                   [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH]\n");
       return 2;
     }

@@ -131,9 +131,11 @@ absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
         absl::StrCat("num_kv_heads: expected > 0, got ", options.num_kv_heads));
   }
   if (options.max_chunk_tokens < 0 || options.min_chunk_tokens < 0 ||
-      options.tensor_core_max_chunk_tokens < 0) {
+      options.tensor_core_max_chunk_tokens < 0 ||
+      options.tensor_core_uniform_max_chunk_tokens < 0) {
     return absl::InvalidArgumentError(
-        "max_chunk_tokens, tensor_core_max_chunk_tokens and min_chunk_tokens must be >= 0");
+        "max_chunk_tokens, tensor_core_max_chunk_tokens, tensor_core_uniform_max_chunk_tokens "
+        "and min_chunk_tokens must be >= 0");
   }
   if (options.fixed_split_tokens < 0) {
     return absl::InvalidArgumentError(
@@ -172,6 +174,14 @@ absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
       sized.ctas_per_wave = std::max(1, sized.ctas_per_wave / std::max(1, options.tensor_core_wave_divisor));
     }
     sized.max_chunk_tokens = options.tensor_core_max_chunk_tokens;
+    if (!lengths.empty() && options.tensor_core_ctas_per_wave > 0) {
+      const auto [shortest, longest] = std::minmax_element(lengths.begin(), lengths.end());
+      const bool uniform = *longest * 4 <= *shortest * 5;
+      if (uniform && CountCtas(lengths, *longest, options.num_kv_heads) >
+                         options.tensor_core_ctas_per_wave) {
+        sized.max_chunk_tokens = options.tensor_core_uniform_max_chunk_tokens;
+      }
+    }
   }
   const bool chunk_pinned =
       options.disable_split_kv || options.fixed_split_tokens > 0 || options.deterministic;

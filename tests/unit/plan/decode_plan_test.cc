@@ -261,9 +261,9 @@ TEST(PlanBatchDecodeTest, ChunksBySizeOfTheChosenKernelsWave) {
   EXPECT_LT(cuda_core->kv_chunk_tokens, tensor->kv_chunk_tokens);
 }
 
-// The tensor-core kernel's chunks fill half its wave, at most 2048 keys (measured on an H100:
-// fewer, longer chunks win there, docs/benchmarks.md).
-TEST(PlanBatchDecodeTest, TensorCoreChunksFillHalfItsWaveUpTo2048Keys) {
+// The tensor-core kernel's chunks fill half its wave, at most 2048 keys, or 8192 for equal
+// lengths that fill the wave unsplit (measured on an H100, docs/benchmarks.md).
+TEST(PlanBatchDecodeTest, TensorCoreChunksFillHalfItsWaveUpToTheirCap) {
   const DecodePlanOptions options = BothKernels(8);
   auto plan_of = [&](int32_t batch, int64_t keys) {
     auto plan = PlanBatchDecode(DecodeRows(batch), std::vector<int64_t>(batch, keys), options);
@@ -277,7 +277,15 @@ TEST(PlanBatchDecodeTest, TensorCoreChunksFillHalfItsWaveUpTo2048Keys) {
   EXPECT_EQ(plan_of(1, 8192).kv_chunk_tokens, 512);
   EXPECT_EQ(plan_of(16, 1024).kv_chunk_tokens, 1024);  // no split: 128 CTAs already
   EXPECT_EQ(plan_of(16, 4096).kv_chunk_tokens, 2048);  // the cap (no split would fit)
-  EXPECT_EQ(plan_of(64, 4096).kv_chunk_tokens, 2048);
+  // Equal lengths filling the wave unsplit: the uniform cap, 8192.
+  EXPECT_EQ(plan_of(64, 4096).kv_chunk_tokens, 4096);
+  EXPECT_EQ(plan_of(256, 32768).kv_chunk_tokens, 8192);
+  // Mixed lengths keep 2048, for balance.
+  std::vector<int64_t> mixed;
+  for (int b = 0; b < 64; ++b) mixed.push_back(1 + (b * 127) % 8192);
+  auto mixed_plan = PlanBatchDecode(DecodeRows(64), mixed, options);
+  ASSERT_TRUE(mixed_plan.ok());
+  EXPECT_EQ(mixed_plan->kv_chunk_tokens, 2048);
   // The CUDA-core kernel keeps its own cap.
   DecodePlanOptions cuda_core = options;
   cuda_core.kernel_choice = DecodeKernelChoice::kCudaCore;
