@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Issue 14's table in one device call (its item 4): attnd's decode on the issue's shapes (pages
+# in order, as FlashInfer's figures were taken), attnd's prefill and POD, each beside the PyTorch
+# baseline of the same call. Two halves:
+#   scripts/issue14-device-run.sh pack   (here: builds attnd_bench, prefill_bench and pod_bench
+#                                         and bundles them into .gpu-pack/issue14.tar.xz; cuBLAS,
+#                                         which prefill_bench uses for the matmul peak, is left
+#                                         out: the device has it)
+#   scripts/issue14-device-run.sh run    (on the device, carrying .gpu-pack/issue14.tar.xz and
+#                                         .gpu-pack/issue14.commit; logs and CSVs under $OUT)
+# Every step runs under `timeout -k`; there is no daemon.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+build_dir=${ATTND_BUILD_DIR:-build}
+
+case ${1:-} in
+  pack)
+    cmake --build "$build_dir" -j "${ATTND_JOBS:-$(nproc)}" \
+      --target attnd_bench prefill_bench pod_bench >/dev/null || exit 1
+    rm -rf .gpu-pack/issue14 && mkdir -p .gpu-pack
+    /work/shared/tools/gpu-bundle .gpu-pack/issue14 "$build_dir/bench/attnd_bench" \
+      "$build_dir/bench/prefill_bench" "$build_dir/bench/pod_bench" || exit 1
+    rm -f .gpu-pack/issue14/lib/libcublas*
+    tar -C .gpu-pack -cf - issue14 | xz -T"$(nproc)" -6 > .gpu-pack/issue14.tar.xz &&
+      rm -rf .gpu-pack/issue14
+    echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
+      > .gpu-pack/issue14.commit
+    ls -la .gpu-pack/issue14.tar.xz
+    ;;
+  run)
+    OUT=${OUT:-/tmp/issue14-out}
+    mkdir -p "$OUT"
+    timeout -k 10 120 tar -C /tmp -xJf .gpu-pack/issue14.tar.xz || exit 1
+    B=/tmp/issue14
+    cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.1*' 2>/dev/null | head -1)
+    export LD_LIBRARY_PATH=${cublas:+$(dirname "$cublas")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    echo "commit $(cat .gpu-pack/issue14.commit 2>/dev/null) on" \
+      "$(timeout -k 2 20 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)" |
+      tee "$OUT/summary.txt"
+    echo "== decode: attnd (issue 14's shapes, pages in order), then torch" | tee -a "$OUT/summary.txt"
+    timeout -k 10 200 "$B/run" attnd_bench --decode --issue14 --contiguous-pages \
+      --csv="$OUT/decode.csv" > "$OUT/decode.log" 2>&1
+    echo "attnd_bench rc=$?" | tee -a "$OUT/summary.txt"
+    grep -E '^decode |copy bandwidth' "$OUT/decode.log" | tee -a "$OUT/summary.txt"
+    timeout -k 10 400 python3 tests/bench/torch_baseline.py --ours "$OUT/decode.csv" \
+      > "$OUT/torch_decode.log" 2>&1
+    echo "torch_baseline rc=$?" | tee -a "$OUT/summary.txt"
+    grep -E 'torch |copy|b1_kv4096|b1_kv8192|b16_kv1024|b16_kv4096|b64_kv4096|b128_kv4096|b256_kv32768' \
+      "$OUT/torch_decode.log" | tee -a "$OUT/summary.txt"
+    echo "== prefill: attnd (the planner's kernel), then torch" | tee -a "$OUT/summary.txt"
+    timeout -k 10 200 "$B/run" prefill_bench --csv="$OUT/prefill.csv" > "$OUT/prefill.log" 2>&1
+    echo "prefill_bench rc=$?" | tee -a "$OUT/summary.txt"
+    (cd "$OUT" && timeout -k 10 300 python3 "$OLDPWD/tests/bench/torch_prefill_baseline.py" \
+      --ours prefill.csv) > "$OUT/torch_prefill.log" 2>&1
+    echo "torch_prefill_baseline rc=$?" | tee -a "$OUT/summary.txt"
+    tail -12 "$OUT/torch_prefill.log" | tee -a "$OUT/summary.txt"
+    echo "== POD (fused against back-to-back and merged kernels)" | tee -a "$OUT/summary.txt"
+    timeout -k 10 200 "$B/run" pod_bench > "$OUT/pod.log" 2>&1
+    echo "pod_bench rc=$?" | tee -a "$OUT/summary.txt"
+    tail -20 "$OUT/pod.log" | tee -a "$OUT/summary.txt"
+    ;;
+  *)
+    echo "usage: $0 pack | run" >&2
+    exit 2
+    ;;
+esac
