@@ -284,11 +284,13 @@ std::vector<DecodeSpec> DecodeVariants(const std::vector<DecodeSpec>& specs) {
   return variants;
 }
 
-// The decode rows of issue 14's table (FlashInfer's figures to beat).
+// The decode rows of issue 14's table (FlashInfer's figures to beat), and PERFORMANCE.md's two
+// further peer shapes (b128 x 8192, b256 x 4096).
 std::vector<DecodeSpec> Issue14DecodeSpecs() {
   std::vector<DecodeSpec> specs;
   for (const auto& [batch, length] : {std::pair{1, 4096}, std::pair{1, 8192}, std::pair{16, 1024},
                                       std::pair{16, 4096}, std::pair{64, 4096}, std::pair{128, 4096},
+                                      std::pair{128, 8192}, std::pair{256, 4096},
                                       std::pair{256, 32768}}) {
     specs.push_back({"b" + std::to_string(batch) + "_kv" + std::to_string(length),
                      std::vector<int64_t>(batch, length)});

@@ -45,7 +45,7 @@ case ${1:-} in
     timeout -k 10 400 python3 tests/bench/torch_baseline.py --ours "$OUT/decode.csv" \
       > "$OUT/torch_decode.log" 2>&1
     echo "torch_baseline rc=$?" | tee -a "$OUT/summary.txt"
-    grep -E 'torch |copy|b1_kv4096|b1_kv8192|b16_kv1024|b16_kv4096|b64_kv4096|b128_kv4096|b256_kv32768' \
+    grep -E 'torch |copy|b1_kv4096|b1_kv8192|b16_kv1024|b16_kv4096|b64_kv4096|b128_kv(4096|8192)|b256_kv(4096|32768)' \
       "$OUT/torch_decode.log" | tee -a "$OUT/summary.txt"
     echo "== prefill: attnd (the planner's kernel), then torch" | tee -a "$OUT/summary.txt"
     timeout -k 10 200 "$B/run" prefill_bench --csv="$OUT/prefill.csv" > "$OUT/prefill.log" 2>&1
