@@ -108,11 +108,9 @@ NcclChannel::~NcclChannel() {
   if (enqueuer_.joinable()) enqueuer_.join();
   if (watcher_.joinable()) watcher_.join();  // aborts the communicator on its way out
   if (lane_.completions) lane_.completions->Shutdown();
-  if (!enqueue_profile_.recv_host_us.empty()) {
-    Profile profile = enqueue_profile_;
-    profile.recv_gpu_us = wire_profile_.recv_gpu_us;
-    profile.send_gpu_us = wire_profile_.send_gpu_us;
-    LogInfo(absl::StrCat("NCCL channel on GPU ", device_, " closed; per layer ", profile.Summary()));
+  if (!profile_.recv_host_us.empty()) {
+    LogInfo(absl::StrCat("NCCL channel on GPU ", device_, " closed; per layer ",
+                         profile_.Summary()));
   }
   if (lane_.compute.get() != nullptr) cudaStreamSynchronize(lane_.compute.get());
   for (uint8_t* retired : lane_.retired) cudaFree(retired);
@@ -123,9 +121,8 @@ void NcclChannel::WatchLoop() {
   cudaSetDevice(device_);
   const nccl::NcclApi& api = nccl_->api();
   absl::Status failure = Join();
-  bool connected = failure.ok();
   std::unique_lock lock(mu_);
-  if (connected && !stopping_ && !broken_) {
+  if (failure.ok() && !stopping_ && !broken_) {
     connected_ = true;
     wake_.notify_all();
   }
@@ -433,11 +430,11 @@ void NcclChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t lay
     if (step.returns_lse()) outputs.emplace_back(ring + slot.lse, rows * layout_.lse_row);
     RETURN_IF_ERROR(Group(/*send=*/true, outputs));
     if (timed) CUDA_RETURN_IF_ERROR(cudaEventRecord(events->sent.get(), compute));
-    Profile::Add(enqueue_profile_.recv_host_us, absl::ToDoubleMicroseconds(received - posted));
-    Profile::Add(enqueue_profile_.kernels_host_us,
+    Profile::Add(profile_.recv_host_us, absl::ToDoubleMicroseconds(received - posted));
+    Profile::Add(profile_.kernels_host_us,
                  absl::ToDoubleMicroseconds(launched - received));
-    Profile::Add(enqueue_profile_.send_host_us, absl::ToDoubleMicroseconds(absl::Now() - launched));
-    Profile::Add(enqueue_profile_.ahead, ahead);
+    Profile::Add(profile_.send_host_us, absl::ToDoubleMicroseconds(absl::Now() - launched));
+    Profile::Add(profile_.ahead, ahead);
     return absl::OkStatus();
   }();
   // Recorded even after a failed enqueue: the events are reused only once the work that was
@@ -465,17 +462,13 @@ void NcclChannel::Complete(const std::shared_ptr<ActiveStep>& active, int32_t la
                                      __LINE__);
   }
   if (status.ok() && timed) active->step->ReportChannelLayer(events->layer);
-  double recv_gpu_us = -1, send_gpu_us = -1;
   if (status.ok() && timed && events->attended != nullptr) {
-    recv_gpu_us = 1e6 * ElapsedSeconds(events->posted, events->layer.started);
-    send_gpu_us = 1e6 * ElapsedSeconds(*events->attended, events->sent);
+    Profile::Add(profile_.recv_gpu_us,
+                 1e6 * ElapsedSeconds(events->posted, events->layer.started));
+    Profile::Add(profile_.send_gpu_us, 1e6 * ElapsedSeconds(*events->attended, events->sent));
   }
   {
     std::lock_guard lock(mu_);
-    if (recv_gpu_us >= 0) {
-      Profile::Add(wire_profile_.recv_gpu_us, recv_gpu_us);
-      Profile::Add(wire_profile_.send_gpu_us, send_gpu_us);
-    }
     // A layer that ended because the communicator was aborted under it did not run: its
     // receive may have been cut short.
     if (status.ok() && broken_) {

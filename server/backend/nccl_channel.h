@@ -84,9 +84,9 @@ class NcclChannel final : public BackendChannel {
   };
   // Where a layer's time goes, kept for the channel's closing log line (the last kSamples
   // layers): the enqueuer's host time per part and how many layers were on the stream when it
-  // enqueued one (filled by the enqueuer thread); on timed layers the GPU time of the receive
-  // (the wait for the client's send included) and of the send (filled by the completion
-  // thread, under mu_).
+  // enqueued one (written by the enqueuer thread alone); on timed layers the GPU time of the
+  // receive (the wait for the client's send included) and of the send (written by the
+  // completion thread alone). Read once both threads are gone.
   struct Profile {
     static constexpr size_t kSamples = 4096;
     std::vector<double> recv_host_us, kernels_host_us, send_host_us, ahead;
@@ -161,8 +161,7 @@ class NcclChannel final : public BackendChannel {
   absl::Status break_reason_;  // set once; the watcher acts on it
   bool stopping_ = false;
   uint64_t timing_rng_ = 0x9E3779B97F4A7C15ull;  // the enqueuer's: which layers are timed
-  Profile enqueue_profile_;                        // the enqueuer's host-side samples
-  Profile wire_profile_;                           // GPU samples of timed layers, under mu_
+  Profile profile_;
   std::thread watcher_;
   std::thread enqueuer_;
 };
