@@ -87,6 +87,30 @@ int64_t ChooseChunkTokens(std::span<const int64_t> active_lengths, const DecodeP
   return std::min(chunk, max_length);
 }
 
+// The chunk search's inputs for the tensor-core kernel (DecodePlanOptions::tensor_core_*): its
+// wave divided by tensor_core_wave_divisor, and its own cap, the uniform one when the active
+// requests' lengths are within 25% of each other and unsplit (one CTA per request and KV
+// head) they already fill its wave.
+DecodePlanOptions TensorCoreSizing(const DecodePlanOptions& options,
+                                   std::span<const int64_t> active_lengths) {
+  DecodePlanOptions sized = options;
+  const int32_t wave = options.tensor_core_ctas_per_wave;
+  sized.ctas_per_wave = wave > 0 ? std::max(1, wave / std::max(1, options.tensor_core_wave_divisor))
+                                 : wave;
+  sized.max_chunk_tokens = options.tensor_core_max_chunk_tokens;
+  if (!active_lengths.empty() && wave > 0) {
+    const auto [shortest, longest] =
+        std::minmax_element(active_lengths.begin(), active_lengths.end());
+    const bool uniform = *longest * 4 <= *shortest * 5;
+    const int64_t unsplit_ctas =
+        static_cast<int64_t>(active_lengths.size()) * options.num_kv_heads;
+    if (uniform && unsplit_ctas > wave) {
+      sized.max_chunk_tokens = options.tensor_core_uniform_max_chunk_tokens;
+    }
+  }
+  return sized;
+}
+
 // The kernel of a batch of `num_requests` active requests reading `total_tokens` keys.
 absl::StatusOr<DecodeKernel> ChooseKernel(int64_t num_requests, int64_t total_tokens,
                                           const DecodePlanOptions& options) {
@@ -167,22 +191,8 @@ absl::StatusOr<DecodePlan> PlanBatchDecode(std::span<const int32_t> qo_indptr,
   ASSIGN_OR_RETURN(const DecodeKernel kernel,
                    ChooseKernel(static_cast<int64_t>(requests.size()), total_tokens, options));
   // The chunk search below sizes the grid by the chosen kernel's wave.
-  DecodePlanOptions sized = options;
-  if (kernel == DecodeKernel::kTensorCore) {
-    sized.ctas_per_wave = options.tensor_core_ctas_per_wave;
-    if (sized.ctas_per_wave > 0) {
-      sized.ctas_per_wave = std::max(1, sized.ctas_per_wave / std::max(1, options.tensor_core_wave_divisor));
-    }
-    sized.max_chunk_tokens = options.tensor_core_max_chunk_tokens;
-    if (!lengths.empty() && options.tensor_core_ctas_per_wave > 0) {
-      const auto [shortest, longest] = std::minmax_element(lengths.begin(), lengths.end());
-      const bool uniform = *longest * 4 <= *shortest * 5;
-      if (uniform && CountCtas(lengths, *longest, options.num_kv_heads) >
-                         options.tensor_core_ctas_per_wave) {
-        sized.max_chunk_tokens = options.tensor_core_uniform_max_chunk_tokens;
-      }
-    }
-  }
+  const DecodePlanOptions sized =
+      kernel == DecodeKernel::kTensorCore ? TensorCoreSizing(options, lengths) : options;
   const bool chunk_pinned =
       options.disable_split_kv || options.fixed_split_tokens > 0 || options.deterministic;
   if (!chunk_pinned && sized.ctas_per_wave <= 0) {
