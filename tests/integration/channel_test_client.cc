@@ -96,12 +96,16 @@ int main(int argc, char** argv) {
     std::printf("PASS\n");
     return 0;
   }
-  if (mode == "hang" || mode == "hang-cuda-ipc" || mode == "hang-nccl") {
+  // hang*: runs layer 0 of a planned step, then stays alive in the middle of it. idle-nccl:
+  // joins an NCCL channel and plans a step, then sends nothing and stays alive (attnd's
+  // receive of layer 0 waits for a peer that is there but silent).
+  const bool idle = mode == "idle-nccl";
+  if (mode == "hang" || mode == "hang-cuda-ipc" || mode == "hang-nccl" || idle) {
     client::ChannelOptions channel_options;
     channel_options.max_tokens = 8;
     channel_options.with_lse = true;
     if (mode == "hang-cuda-ipc") channel_options.kind = attnd::v1::CHANNEL_KIND_CUDA_IPC;
-    if (mode == "hang-nccl") channel_options.kind = attnd::v1::CHANNEL_KIND_NCCL;
+    if (mode == "hang-nccl" || idle) channel_options.kind = attnd::v1::CHANNEL_KIND_NCCL;
     channel_options.cuda_device = client_device;
     auto channel = client::Channel::Open(client, argv[3], channel_options);
     if (!channel.ok()) return Fail(channel.status().ToString());
@@ -109,30 +113,15 @@ int main(int argc, char** argv) {
     request.set_channel_id((*channel)->id());
     auto plan = client.Plan(request);
     if (!plan.ok()) return Fail(plan.status().ToString());
-    std::mt19937_64 rng(5);
-    auto layer = integration::ForwardThroughChannel(
-        **channel, plan->channel_sequence(), integration::RandomLayer(rng, config, 3, 0), config,
-        3, true);
-    if (!layer.ok()) return Fail(layer.status().ToString());
-    std::printf("hanging %llu %llu\n", static_cast<unsigned long long>((*channel)->id()),
-                static_cast<unsigned long long>(plan->step_id()));
-    std::fflush(stdout);
-    for (;;) pause();
-  }
-  if (mode == "idle-nccl") {
-    // Joins an NCCL channel and plans a step on it, then sends nothing and stays alive:
-    // attnd's receive of layer 0 waits for a peer that is there but silent.
-    client::ChannelOptions channel_options;
-    channel_options.max_tokens = 8;
-    channel_options.kind = attnd::v1::CHANNEL_KIND_NCCL;
-    channel_options.cuda_device = client_device;
-    auto channel = client::Channel::Open(client, argv[3], channel_options);
-    if (!channel.ok()) return Fail(channel.status().ToString());
-    attnd::v1::PlanRequest request = integration::MakePlan(argv[3], {{7, 3}}, false);
-    request.set_channel_id((*channel)->id());
-    auto plan = client.Plan(request);
-    if (!plan.ok()) return Fail(plan.status().ToString());
-    std::printf("idle %llu %llu\n", static_cast<unsigned long long>((*channel)->id()),
+    if (!idle) {
+      std::mt19937_64 rng(5);
+      auto layer = integration::ForwardThroughChannel(
+          **channel, plan->channel_sequence(), integration::RandomLayer(rng, config, 3, 0),
+          config, 3, true);
+      if (!layer.ok()) return Fail(layer.status().ToString());
+    }
+    std::printf("%s %llu %llu\n", idle ? "idle" : "hanging",
+                static_cast<unsigned long long>((*channel)->id()),
                 static_cast<unsigned long long>(plan->step_id()));
     std::fflush(stdout);
     for (;;) pause();
