@@ -188,7 +188,7 @@ case ${1:-} in
       # Issue 19 on a 2-GPU host (docs/issue19-device-plan.md): attnd on GPU 0, its clients on
       # GPU 1 over peer CUDA_IPC and NCCL. NVLink multicast stays off everywhere.
       # PEER_STEPS picks the parts (default: tests pytest bench refusals seq socket; also
-      # pingpong and rawpingpong, NCCL itself between the two GPUs, nccl_tune, the NCCL bench
+      # rawpingpong, NCCL itself between the two GPUs, nccl_tune, the NCCL bench
       # under NCCL settings, ncclbench, the NCCL rows of bench alone, socket_tests, the NCCL
       # channel tests over sockets, and byhand, the channel tests' comparisons against a
       # separate attnd).
@@ -218,10 +218,6 @@ case ${1:-} in
         gtest channel_tests_socket 240 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 \
           NCCL_SOCKET_IFNAME=lo ATTND_TEST_BACKEND="$backend" "$B/run" channel_tests \
           --gtest_filter='*Nccl*:*Killed*'
-      fi
-      if want pingpong; then
-        dl_run nccl_pingpong 120 python3 bench/nccl_pingpong.py --rounds 2000
-        say "nccl_pingpong rc=$? $(grep -h '^RESULT\|FAIL' "$logs/nccl_pingpong.log" | tr '\n' ' ')"
       fi
       if want rawpingpong; then
         # NCCL called as attnd calls it (ctypes, one stream), in several shapes, eager and
