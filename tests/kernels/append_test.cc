@@ -445,9 +445,10 @@ INSTANTIATE_TEST_SUITE_P(
 // rotary styles.
 AppendCase ManyTokens(DType in_dtype, DType cache_dtype, int32_t head_dim, int32_t page_size,
                       KvLayout layout, bool separate_kv, RopeStyle rope, int32_t rotary_dim,
-                      bool with_q, uint32_t seed, int32_t tokens) {
-  AppendCase c{in_dtype, cache_dtype, head_dim, 8, 2, page_size, layout, separate_kv, rope,
-               rotary_dim, with_q, seed, false};
+                      bool with_q, uint32_t seed, int32_t tokens, int32_t num_qo_heads = 8,
+                      int32_t num_kv_heads = 2) {
+  AppendCase c{in_dtype, cache_dtype, head_dim, num_qo_heads, num_kv_heads, page_size, layout,
+               separate_kv, rope, rotary_dim, with_q, seed, false};
   c.many_tokens = tokens;
   return c;
 }
@@ -467,6 +468,27 @@ INSTANTIATE_TEST_SUITE_P(
                    RopeStyle::kNone, 0, false, 35, 4100)),
     [](const ::testing::TestParamInfo<AppendCase>& info) { return CaseName(info.param); });
 
+// Steps past 8192 rows take the staged kernel, which holds up to 4 tokens' input rows (48 KB) per
+// CTA: these run 4, 3, 2 and 1 tokens per CTA (3, 14, 20 and 32 KB a token), both rotary styles,
+// and token counts that leave a partial last CTA. (A token over 48 KB takes the register kernel.)
+INSTANTIATE_TEST_SUITE_P(
+    StagedSteps, AppendSweepTest,
+    ::testing::Values(
+        ManyTokens(DType::kBFloat16, DType::kBFloat16, 128, 16, KvLayout::kNHD, false,
+                   RopeStyle::kNeox, 0, true, 41, 10243, 8, 2),
+        ManyTokens(DType::kFloat16, DType::kFloat8E4M3, 128, 16, KvLayout::kNHD, true,
+                   RopeStyle::kNeox, 0, true, 42, 10301, 40, 8),
+        ManyTokens(DType::kBFloat16, DType::kBFloat16, 128, 8, KvLayout::kHND, false,
+                   RopeStyle::kInterleaved, 64, true, 43, 10402, 64, 8),
+        ManyTokens(DType::kBFloat16, DType::kFloat8E4M3, 256, 16, KvLayout::kNHD, false,
+                   RopeStyle::kNeox, 0, true, 44, 10251, 48, 8),
+        ManyTokens(DType::kFloat16, DType::kFloat16, 64, 1, KvLayout::kHND, true,
+                   RopeStyle::kNone, 0, false, 45, 10500, 8, 4)),
+    [](const ::testing::TestParamInfo<AppendCase>& info) {
+      return CaseName(info.param) + "_h" + std::to_string(info.param.num_qo_heads) + "_" +
+             std::to_string(info.param.num_kv_heads);
+    });
+
 // A few for compute-sanitizer.
 INSTANTIATE_TEST_SUITE_P(
     SanitizerAppend, AppendSweepTest,
@@ -476,17 +498,19 @@ INSTANTIATE_TEST_SUITE_P(
                                  false, RopeStyle::kInterleaved, 0, true, 12}),
     [](const ::testing::TestParamInfo<AppendCase>& info) { return CaseName(info.param); });
 
-// (cache dtype, page size, positions past 131072)
-class AppendMlaTest : public ::testing::TestWithParam<std::tuple<DType, int32_t, bool>> {};
+// (cache dtype, page size, positions past 131072, a large step: about 10000 rows, the staged
+// kernel's)
+class AppendMlaTest : public ::testing::TestWithParam<std::tuple<DType, int32_t, bool, bool>> {};
 
 TEST_P(AppendMlaTest, MatchesReference) {
   ATTND_SKIP_WITHOUT_GPU();
-  const auto [cache_dtype, page_size, long_positions] = GetParam();
+  const auto [cache_dtype, page_size, long_positions, many] = GetParam();
   const DType in_dtype = DType::kBFloat16;
   constexpr int32_t kLora = 512, kRope = 64, kHeads = 16;
   std::mt19937 rng(77 + page_size);
-  AppendStep step = long_positions ? MakeLongStep(page_size, /*separate_kv=*/true, rng)
-                                   : MakeStep(page_size, /*separate_kv=*/true, rng);
+  AppendStep step = many             ? MakeManyStep(page_size, /*separate_kv=*/true, 10301, rng)
+                    : long_positions ? MakeLongStep(page_size, /*separate_kv=*/true, rng)
+                                     : MakeStep(page_size, /*separate_kv=*/true, rng);
   const int64_t num_tokens = static_cast<int64_t>(step.batch_indices.size());
   RopeConfig rope_config;
   rope_config.style = RopeStyle::kNeox;
@@ -558,15 +582,18 @@ TEST_P(AppendMlaTest, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Mla, AppendMlaTest,
-                         ::testing::Values(std::tuple{DType::kBFloat16, 1, false},
-                                           std::tuple{DType::kBFloat16, 64, false},
-                                           std::tuple{DType::kFloat8E4M3, 16, false},
-                                           std::tuple{DType::kBFloat16, 64, true},
-                                           std::tuple{DType::kFloat8E4M3, 64, true}),
+                         ::testing::Values(std::tuple{DType::kBFloat16, 1, false, false},
+                                           std::tuple{DType::kBFloat16, 64, false, false},
+                                           std::tuple{DType::kFloat8E4M3, 16, false, false},
+                                           std::tuple{DType::kBFloat16, 64, true, false},
+                                           std::tuple{DType::kFloat8E4M3, 64, true, false},
+                                           std::tuple{DType::kBFloat16, 64, false, true},
+                                           std::tuple{DType::kFloat8E4M3, 16, false, true}),
                          [](const auto& info) {
                            return std::string(kernel_test::ShortName(std::get<0>(info.param))) + "_p" +
                                   std::to_string(std::get<1>(info.param)) +
-                                  (std::get<2>(info.param) ? "_long" : "");
+                                  (std::get<2>(info.param) ? "_long" : "") +
+                                  (std::get<3>(info.param) ? "_many" : "");
                          });
 
 TEST(AppendArgsTest, RejectsRotaryWiderThanHead) {
