@@ -24,6 +24,12 @@ __device__ __forceinline__ void CpAsync16(void* shared, const void* global, bool
   CpAsync16(SharedAddress(shared), global, valid);
 }
 
+// The same 16-byte copy cached in L1 as well (cp.async.ca): for data that is also read through
+// global memory right after it lands.
+__device__ __forceinline__ void CpAsync16CacheAll(void* shared, const void* global) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(SharedAddress(shared)), "l"(global) : "memory");
+}
+
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Waits until at most `kPending` of the most recent commit groups are still in flight.
