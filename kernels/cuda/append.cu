@@ -238,7 +238,7 @@ __device__ __forceinline__ void StoreUnit(const AppendParams& params, const Appe
                                           const uint4& partner_raw) {
   constexpr bool kFp8Cache = sizeof(CacheT) == 1;
   const AppendJob& job = params.jobs[kJob];
-  const bool paged = job.page_ids != nullptr;
+  const bool paged = kJob != 0 && job.page_ids != nullptr;  // job 0 is dense (LaunchAppend)
   uint2 fp8_bytes = make_uint2(0, 0);
   if (active) {
     float x[kUnit];
@@ -264,7 +264,7 @@ __device__ __forceinline__ void StoreUnit(const AppendParams& params, const Appe
       }
     }
   }
-  if constexpr (kFp8Cache) {
+  if constexpr (kFp8Cache && kJob != 0) {
     // Units 2k and 2k + 1 are the two halves of 16 dims of one row (rows have an even unit
     // count and start at even indices), so the even lane stores both: 16 bytes.
     const uint32_t odd_x = __shfl_xor_sync(0xffffffffu, fp8_bytes.x, 1);
@@ -368,10 +368,11 @@ __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendS
       const Unit unit = Locate(job, index < units ? index : 0);
       const int64_t slot_offset = shared.slot_offset[kJob][unit.token];
       const bool active = index < units && unit.token < tokens_here && slot_offset >= 0;
-      // Uniform across the CTA (a job's fields), so every lane takes part in the shuffles. FP8
-      // caches keep the L1 partner load: with the shuffled vector live as well, their kernels
-      // spilled at the 64 registers of 4 CTAs per SM.
-      const bool shuffled = !kFp8Cache && ShufflePartners(params, job);
+      // Uniform across the CTA (a job's fields), so every lane takes part in the shuffles. The
+      // paged jobs of FP8 caches keep the L1 partner load: with the shuffled vector live beside
+      // their byte pairing, their kernels spilled at the 64 registers of 4 CTAs per SM. Job 0 (q,
+      // dense, in the input dtype) pairs no bytes.
+      const bool shuffled = (!kFp8Cache || kJob == 0) && ShufflePartners(params, job);
       uint4 partner_raw = make_uint4(0, 0, 0, 0);
       if (shuffled) {
         // Lanes of units outside the rotary range (or of the rotary end) read themselves.
@@ -713,6 +714,7 @@ absl::Status LaunchAppend(AppendParams& params, const AppendIndexView& tokens,
   } else {
     for (AppendJob& job : params.jobs) job.rotate = false;
   }
+  if (params.jobs[0].page_ids != nullptr) return absl::InternalError("append: job 0 must be dense");
   for (const AppendJob& job : params.jobs) {
     if (job.page_ids != nullptr && !(job.scale > 0.0f)) {
       return absl::InvalidArgumentError(absl::StrCat("scale: expected > 0, got ", job.scale));
