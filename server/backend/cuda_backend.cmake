@@ -12,6 +12,7 @@ attnd_server_layer(attnd_backend_cuda
           ${CMAKE_CURRENT_LIST_DIR}/cuda_plan_cache.cc
           ${CMAKE_CURRENT_LIST_DIR}/cuda_step.cc
           ${CMAKE_CURRENT_LIST_DIR}/cuda_step_resources.cc
+          ${CMAKE_CURRENT_LIST_DIR}/stream_step_window.cc
   PUBLIC attnd_backend_api attnd_plan attnd_nccl_loader CUDA::cudart
   PRIVATE attnd_channel attnd_util attnd_cuda_kernels attnd_prefill_kernels attnd_pod_kernels
           attnd_mla_kernels absl::strings absl::synchronization)

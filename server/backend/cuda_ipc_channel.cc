@@ -2,7 +2,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -40,7 +39,8 @@ CudaIpcChannel::CudaIpcChannel(CudaCache* cache, const ChannelSpec& spec, int de
                                 spec.with_lse)),
       device_(device),
       with_lse_(spec.with_lse),
-      peer_access_(!spec.client_pci_bus_id.empty()) {}
+      peer_access_(!spec.client_pci_bus_id.empty()),
+      window_(cache->geometry().num_layers, mu_, wake_) {}
 
 absl::Status CudaIpcChannel::Init() {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -62,10 +62,7 @@ absl::Status CudaIpcChannel::Init() {
   CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device_));
   pci_bus_id_ = bus_id;
   const bool blocking = cache_->completion_wait() == CompletionWait::kBlockingSync;
-  for (LayerEvents& events : events_) {
-    RETURN_IF_ERROR(events.Create(blocking));
-    free_events_.push_back(&events);
-  }
+  for (LayerEvents& events : window_.events()) RETURN_IF_ERROR(events.Create(blocking));
   if (StampsRequested()) {
     const size_t bytes = sizeof(uint64_t) * 2 * geometry_.num_layers;
     CUDA_RETURN_IF_ERROR(
@@ -108,38 +105,19 @@ absl::Status CudaIpcChannel::WriteFlag(int64_t offset, uint32_t value) {
 
 void CudaIpcChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t /*num_tokens*/,
                                ChannelLayerDone layer_done) {
-  auto active = std::make_shared<ActiveStep>();
-  active->step = static_cast<CudaStep*>(step);
-  active->sequence = sequence;
-  active->layer_done = std::move(layer_done);
-  active->completed.assign(geometry_.num_layers, 0);
-  {
-    std::lock_guard lock(mu_);
-    live_.push_back(active);
-    steps_.push_back(std::move(active));
-  }
-  wake_.notify_all();
-}
-
-void CudaIpcChannel::ForgetIfDoneLocked(const std::shared_ptr<ActiveStep>& active) {
-  if (active->next_layer < geometry_.num_layers || active->on_stream > 0) return;
-  live_.erase(std::remove(live_.begin(), live_.end(), active), live_.end());
+  window_.Start(static_cast<CudaStep*>(step), sequence, std::move(layer_done));
 }
 
 void CudaIpcChannel::CancelStep(uint32_t sequence, bool mark_aborted) {
-  std::lock_guard lock(mu_);
-  for (auto& active : live_) {
-    if (active->sequence != sequence) continue;
-    active->cancelled = true;
-    active->mark_aborted = mark_aborted;
+  window_.Cancel(sequence, [&](ActiveStep& active) {
+    active.mark_aborted = mark_aborted;
     // Layers already on the device wait for ready words the client may never set: set them.
     // Their kernels then run on whatever the slot holds, into the step's own pages, which the
     // abort rolls back.
-    for (int32_t layer = 0; layer < active->next_layer; ++layer) {
-      if (!active->completed[layer]) WriteFlag(layout_.ready[layer], sequence).IgnoreError();
+    for (int32_t layer = 0; layer < active.next_layer; ++layer) {
+      if (!active.completed[layer]) WriteFlag(layout_.ready[layer], sequence).IgnoreError();
     }
-  }
-  wake_.notify_all();
+  });
 }
 
 bool CudaIpcChannel::ReadyReached(int32_t layer, uint32_t sequence) {
@@ -201,38 +179,19 @@ void CudaIpcChannel::Skip(const ActiveStep& active, int32_t layer) {
 
 void CudaIpcChannel::EnqueueLoop() {
   cudaSetDevice(device_);
-  const int32_t num_layers = geometry_.num_layers;
-  std::unique_lock lock(mu_);
-  for (;;) {
-    wake_.wait(lock, [&] {
-      if (stopping_ || steps_.empty()) return stopping_;
-      const ActiveStep& front = *steps_.front();
-      return front.cancelled || front.next_layer >= num_layers || !free_events_.empty();
-    });
-    if (steps_.empty()) return;  // stopping
-    std::shared_ptr<ActiveStep> active = steps_.front();
-    if (active->cancelled || stopping_) {
-      const int32_t first = active->next_layer;
-      active->next_layer = num_layers;
-      steps_.pop_front();
-      ForgetIfDoneLocked(active);
-      lock.unlock();
-      for (int32_t layer = first; layer < num_layers; ++layer) Skip(*active, layer);
-      lock.lock();
-      continue;
-    }
-    if (active->next_layer >= num_layers) {
-      steps_.pop_front();
-      continue;
-    }
-    const int32_t layer = active->next_layer++;
-    ++active->on_stream;
-    LayerEvents* events = free_events_.back();
-    free_events_.pop_back();
-    lock.unlock();
-    Enqueue(active, layer, events);
-    lock.lock();
-  }
+  window_.RunEnqueuer(
+      [this] {
+        StreamStepWindow<ActiveStep>::Gate gate;
+        gate.stopping = stopping_;
+        return gate;
+      },
+      // The reason is always "the step was aborted" here (a CUDA_IPC channel does not break),
+      // which is what Skip says.
+      [this](const ActiveStep& active, int32_t layer, const absl::Status& /*why*/) {
+        Skip(active, layer);
+      },
+      [this](const std::shared_ptr<ActiveStep>& active, int32_t layer, LayerEvents* events,
+             int /*ahead*/) { Enqueue(active, layer, events); });
 }
 
 void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t layer,
@@ -241,17 +200,8 @@ void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t 
   const cudaStream_t compute = lane_.compute.get();
   const ChannelSlotLayout& slot = layout_.slots[layout_.SlotOf(layer)];
   uint8_t* ring = ring_.data();
-  // One layer in `stride`, drawn at random, is timed (the kernel metrics): a timing event costs
-  // ~2 us of the stream under MPS, three per layer most of the handoff budget. At random, not
-  // every stride-th layer: that would time the same layers of every step (layer 0 follows the
-  // host's Plan and runs slower).
-  const int32_t stride = cache_->channel_timing_stride();
-  timing_rng_ ^= timing_rng_ >> 12;  // xorshift64*
-  timing_rng_ ^= timing_rng_ << 25;
-  timing_rng_ ^= timing_rng_ >> 27;
-  const uint64_t draw = (timing_rng_ * 0x2545F4914F6CDD1Dull) >> 32;
-  const bool timed = stride > 0 && step.num_tokens() > 0 &&
-                     draw % static_cast<uint64_t>(stride) == 0;
+  // Some layers are timed (the kernel metrics): see LayerTimingDraw.
+  const bool timed = timing_draw_.Next(cache_->channel_timing_stride(), step.num_tokens());
   std::lock_guard lock(lane_.submit_mu);
   absl::Status status = [&]() -> absl::Status {
     // Not a polling kernel (flag_gate.h), though it hands over sooner: while it spun, any
@@ -311,10 +261,7 @@ void CudaIpcChannel::Complete(const std::shared_ptr<ActiveStep>& active, int32_t
   }
   {
     std::lock_guard lock(mu_);
-    active->completed[layer] = 1;
-    --active->on_stream;
-    free_events_.push_back(events);
-    ForgetIfDoneLocked(active);
+    window_.CompleteLocked(active, layer, events);
   }
   wake_.notify_all();
   // May end the step (and destroy the CudaStep): nothing of it is touched after this.

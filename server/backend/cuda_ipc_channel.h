@@ -8,27 +8,24 @@
 //   cuStreamWaitValue32(ready[l] >= seq) -> append + attention reading and writing the slot
 //   -> cuStreamWriteValue32(done[l] = seq) (a write with a memory barrier: o is visible first)
 // so no host is on a layer's critical path. An enqueuer thread puts layers on the stream at
-// most kWindow ahead of their completions: a stream's push buffer is finite, and a thread that
-// enqueued thousands of waits only the client can release would block inside the enqueue.
+// most kWindow ahead of their completions (StreamStepWindow).
 // The completion thread waits for each layer's last event, reports its kernel times and calls
 // the engine's ChannelLayerDone.
 #pragma once
 
-#include <array>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <vector>
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
 #include "backend/cuda_cache.h"
 #include "backend/cuda_memory.h"
 #include "backend/cuda_step_resources.h"
+#include "backend/stream_step_window.h"
 #include "channel/channel_layout.h"
 
 namespace attnd::cuda_backend {
@@ -38,7 +35,7 @@ class CudaStep;
 class CudaIpcChannel final : public BackendChannel {
  public:
   // Layers of the channel enqueued on the device and not yet completed, at most.
-  static constexpr int kWindow = 8;
+  static constexpr int kWindow = kStreamStepWindow;
 
   static absl::StatusOr<std::unique_ptr<CudaIpcChannel>> Create(CudaCache* cache,
                                                                 const ChannelSpec& spec,
@@ -65,20 +62,11 @@ class CudaIpcChannel final : public BackendChannel {
   Lane& lane() { return lane_; }
 
  private:
-  struct ActiveStep {
-    CudaStep* step = nullptr;
-    uint32_t sequence = 0;
-    ChannelLayerDone layer_done;
-    int32_t next_layer = 0;          // the first layer not yet enqueued
-    std::vector<uint8_t> completed;  // [num_layers]
-    int32_t on_stream = 0;           // layers enqueued and not yet completed
-    bool cancelled = false;
+  struct ActiveStep : StreamStep<LayerEvents> {
     bool mark_aborted = true;
   };
 
   CudaIpcChannel(CudaCache* cache, const ChannelSpec& spec, int device);
-  // Drops `active` from live_ once no layer of it is or will be on the stream. Under mu_.
-  void ForgetIfDoneLocked(const std::shared_ptr<ActiveStep>& active);
   absl::Status Init();
   void EnqueueLoop();
   // Enqueues one layer (wait, kernels, done write) and posts its completion.
@@ -101,7 +89,6 @@ class CudaIpcChannel final : public BackendChannel {
   std::string pci_bus_id_;
   Lane lane_;
   CudaStream signal_;  // attnd's own flag writes (SignalReady, CancelStep, skipped layers)
-  std::array<LayerEvents, kWindow> events_;
   // A benchmark aid (ATTND_CHANNEL_STAMPS=1 in attnd's environment): per layer, the global timer
   // when the ready wait passed and when the kernels were done, written by one-thread kernels
   // into mapped host memory ([num_layers][2]) and printed to stderr as each layer completes, to
@@ -112,12 +99,8 @@ class CudaIpcChannel final : public BackendChannel {
 
   std::mutex mu_;
   std::condition_variable wake_;
-  std::vector<LayerEvents*> free_events_;
-  uint64_t timing_rng_ = 0x9E3779B97F4A7C15ull;  // the enqueuer thread's: which layers are timed
-  std::deque<std::shared_ptr<ActiveStep>> steps_;  // in start order, until fully enqueued
-  // Every started step until its last enqueued layer completed: CancelStep must reach the
-  // layers on the stream also once steps_ let go of their step (all layers enqueued).
-  std::vector<std::shared_ptr<ActiveStep>> live_;
+  StreamStepWindow<ActiveStep> window_;  // its steps and free events under mu_
+  LayerTimingDraw timing_draw_;          // the enqueuer thread's: which layers are timed
   bool stopping_ = false;
   std::thread enqueuer_;
 };

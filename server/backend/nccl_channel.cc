@@ -63,7 +63,8 @@ NcclChannel::NcclChannel(CudaCache* cache, const ChannelSpec& spec, int device,
       device_(device),
       nccl_(nccl),
       init_timeout_(init_timeout),
-      on_broken_(spec.on_broken) {}
+      on_broken_(spec.on_broken),
+      window_(cache->geometry().num_layers, mu_, wake_) {}
 
 absl::Status NcclChannel::Init() {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -84,12 +85,11 @@ absl::Status NcclChannel::Init() {
   }
   unique_id_.assign(id.internal, sizeof(id.internal));
   const bool blocking = cache_->completion_wait() == CompletionWait::kBlockingSync;
-  for (WindowEvents& events : events_) {
+  for (WindowEvents& events : window_.events()) {
     RETURN_IF_ERROR(events.layer.Create(blocking));
     RETURN_IF_ERROR(events.received.Create(/*timing=*/false));
     RETURN_IF_ERROR(events.posted.Create(/*timing=*/true));
     RETURN_IF_ERROR(events.sent.Create(/*timing=*/true));
-    free_events_.push_back(&events);
   }
   const int device = device_;
   lane_.completions = std::make_unique<CompletionQueue>([device] { cudaSetDevice(device); });
@@ -276,48 +276,27 @@ absl::Status NcclChannel::Group(bool send,
 
 void NcclChannel::StartStep(BackendStep* step, uint32_t sequence, int64_t /*num_tokens*/,
                             ChannelLayerDone layer_done) {
-  auto active = std::make_shared<ActiveStep>();
-  active->step = static_cast<CudaStep*>(step);
-  active->sequence = sequence;
-  active->layer_done = std::move(layer_done);
-  active->completed.assign(geometry_.num_layers, 0);
-  active->in_flight.assign(geometry_.num_layers, nullptr);
-  {
-    std::lock_guard lock(mu_);
-    live_.push_back(active);
-    steps_.push_back(std::move(active));
-  }
-  wake_.notify_all();
-}
-
-void NcclChannel::ForgetIfDoneLocked(const std::shared_ptr<ActiveStep>& active) {
-  if (active->next_layer < geometry_.num_layers || active->on_stream > 0) return;
-  live_.erase(std::remove(live_.begin(), live_.end(), active), live_.end());
+  window_.Start(static_cast<CudaStep*>(step), sequence, std::move(layer_done));
 }
 
 void NcclChannel::CancelStep(uint32_t sequence, bool /*mark_aborted*/) {
-  std::lock_guard lock(mu_);
-  for (auto& active : live_) {
-    if (active->sequence != sequence) continue;
-    active->cancelled = true;
+  window_.Cancel(sequence, [&](ActiveStep& active) {
     // Receives already on the stream wait for sends the peer may never make, and the peer
     // would pair its next sends with them: only an aborted communicator ends both.
-    for (int32_t layer = 0; layer < active->next_layer; ++layer) {
-      if (!active->completed[layer] && active->step->num_tokens() > 0) {
+    for (int32_t layer = 0; layer < active.next_layer; ++layer) {
+      if (!active.completed[layer] && active.step->num_tokens() > 0) {
         BreakLocked(absl::AbortedError(absl::StrCat(
             "channel step ", sequence, " was aborted with layer ", layer,
             " on the wire; an NCCL channel cannot skip it")));
         break;
       }
     }
-  }
-  wake_.notify_all();
+  });
 }
 
 bool NcclChannel::ReadyReached(int32_t layer, uint32_t sequence) {
   std::lock_guard lock(mu_);
-  for (const auto& active : live_) {
-    if (active->sequence != sequence) continue;
+  if (const ActiveStep* active = window_.FindLiveLocked(sequence)) {
     if (active->completed[layer]) return true;
     const WindowEvents* events = active->in_flight[layer];
     return events != nullptr && cudaEventQuery(events->received.get()) == cudaSuccess;
@@ -334,43 +313,19 @@ void NcclChannel::Skip(const ActiveStep& active, int32_t layer, const absl::Stat
 
 void NcclChannel::EnqueueLoop() {
   cudaSetDevice(device_);
-  const int32_t num_layers = geometry_.num_layers;
-  std::unique_lock lock(mu_);
-  for (;;) {
-    wake_.wait(lock, [&] {
-      if (stopping_ || steps_.empty()) return stopping_;
-      const ActiveStep& front = *steps_.front();
-      if (front.cancelled || broken_) return true;
-      return connected_ && (front.next_layer >= num_layers || !free_events_.empty());
-    });
-    if (steps_.empty()) return;  // stopping
-    std::shared_ptr<ActiveStep> active = steps_.front();
-    if (active->cancelled || broken_ || stopping_) {
-      const int32_t first = active->next_layer;
-      active->next_layer = num_layers;
-      steps_.pop_front();
-      ForgetIfDoneLocked(active);
-      const absl::Status why = broken_ ? break_reason_
-                                       : absl::CancelledError("the step was aborted");
-      lock.unlock();
-      for (int32_t layer = first; layer < num_layers; ++layer) Skip(*active, layer, why);
-      lock.lock();
-      continue;
-    }
-    if (active->next_layer >= num_layers) {
-      steps_.pop_front();
-      continue;
-    }
-    const int32_t layer = active->next_layer++;
-    ++active->on_stream;
-    WindowEvents* events = free_events_.back();
-    free_events_.pop_back();
-    active->in_flight[layer] = events;
-    const int ahead = kWindow - static_cast<int>(free_events_.size());
-    lock.unlock();
-    Enqueue(active, layer, events, ahead);
-    lock.lock();
-  }
+  window_.RunEnqueuer(
+      [this] {
+        StreamStepWindow<ActiveStep>::Gate gate;
+        gate.stopping = stopping_;
+        gate.connected = connected_;
+        gate.broken = broken_ ? &break_reason_ : nullptr;
+        return gate;
+      },
+      [this](const ActiveStep& active, int32_t layer, const absl::Status& why) {
+        Skip(active, layer, why);
+      },
+      [this](const std::shared_ptr<ActiveStep>& active, int32_t layer, WindowEvents* events,
+             int ahead) { Enqueue(active, layer, events, ahead); });
 }
 
 void NcclChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t layer,
@@ -380,13 +335,8 @@ void NcclChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t lay
   const ChannelSlotLayout& slot = layout_.slots[layout_.SlotOf(layer)];
   uint8_t* ring = ring_.data();
   const int64_t rows = step.num_tokens();
-  // As CudaIpcChannel: one layer in `stride`, drawn at random, records kernel timing events.
-  const int32_t stride = cache_->channel_timing_stride();
-  timing_rng_ ^= timing_rng_ >> 12;  // xorshift64*
-  timing_rng_ ^= timing_rng_ << 25;
-  timing_rng_ ^= timing_rng_ >> 27;
-  const uint64_t draw = (timing_rng_ * 0x2545F4914F6CDD1Dull) >> 32;
-  const bool timed = stride > 0 && rows > 0 && draw % static_cast<uint64_t>(stride) == 0;
+  // As CudaIpcChannel: some layers record kernel timing events (LayerTimingDraw).
+  const bool timed = timing_draw_.Next(cache_->channel_timing_stride(), rows);
   absl::Status status = [&]() -> absl::Status {
     // A step with no rows moves nothing and runs no kernel (the peer knows T from Plan too).
     if (rows == 0) return absl::OkStatus();
@@ -478,11 +428,7 @@ void NcclChannel::Complete(const std::shared_ptr<ActiveStep>& active, int32_t la
     } else if (!status.ok() && status.code() != absl::StatusCode::kInternal) {
       status = absl::CancelledError(status.message());
     }
-    active->completed[layer] = 1;
-    --active->on_stream;
-    active->in_flight[layer] = nullptr;
-    free_events_.push_back(events);
-    ForgetIfDoneLocked(active);
+    window_.CompleteLocked(active, layer, events);
   }
   wake_.notify_all();
   // May end the step (and destroy the CudaStep): nothing of it is touched after this.

@@ -17,16 +17,14 @@
 // communicator (NCCL's kernels waiting on the stream then exit) and calls
 // ChannelSpec::on_broken, and the engine closes the channel.
 // The enqueuer puts layers on the stream (at most kWindow ahead of their completions, as
-// CudaIpcChannel) once the communicator is up; the completion thread reports them. A step
+// CudaIpcChannel: StreamStepWindow) once the communicator is up; the completion thread reports them. A step
 // cancelled with layers on the stream breaks the channel the same way: the peer's sends and
 // attnd's receives no longer pair up.
 #pragma once
 
-#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -39,6 +37,7 @@
 #include "backend/cuda_cache.h"
 #include "backend/cuda_memory.h"
 #include "backend/cuda_step_resources.h"
+#include "backend/stream_step_window.h"
 #include "attnd/nccl/nccl_loader.h"
 #include "channel/channel_layout.h"
 
@@ -48,7 +47,7 @@ class CudaStep;
 
 class NcclChannel final : public BackendChannel {
  public:
-  static constexpr int kWindow = 8;
+  static constexpr int kWindow = kStreamStepWindow;
   static constexpr int kAttndRank = nccl::kAttndRank;
   static constexpr int kClientRank = nccl::kClientRank;
 
@@ -94,22 +93,11 @@ class NcclChannel final : public BackendChannel {
     static void Add(std::vector<double>& samples, double value);
     std::string Summary() const;
   };
-  struct ActiveStep {
-    CudaStep* step = nullptr;
-    uint32_t sequence = 0;
-    ChannelLayerDone layer_done;
-    int32_t next_layer = 0;                 // the first layer not yet enqueued
-    std::vector<uint8_t> completed;         // [num_layers]
-    std::vector<WindowEvents*> in_flight;   // [num_layers] while enqueued and not completed
-    int32_t on_stream = 0;                  // layers enqueued and not yet completed
-    bool cancelled = false;
-  };
+  using ActiveStep = StreamStep<WindowEvents>;
 
   NcclChannel(CudaCache* cache, const ChannelSpec& spec, int device,
               const nccl::NcclLibrary* nccl, absl::Duration init_timeout);
   absl::Status Init();
-  // Drops `active` from live_ once no layer of it is or will be on the stream. Under mu_.
-  void ForgetIfDoneLocked(const std::shared_ptr<ActiveStep>& active);
   void WatchLoop();
   // Creates the communicator as rank 0 (blocking, on a thread of its own, given up after
   // init_timeout_ or when the channel breaks or closes first). Sets comm_ on success.
@@ -140,7 +128,6 @@ class NcclChannel final : public BackendChannel {
   std::string unique_id_;
   std::string pci_bus_id_;
   Lane lane_;
-  std::array<WindowEvents, kWindow> events_;
 
   // Serialises calls on the communicator (NCCL's rule for one communicator) and guards it.
   std::mutex nccl_mu_;
@@ -152,15 +139,12 @@ class NcclChannel final : public BackendChannel {
 
   std::mutex mu_;
   std::condition_variable wake_;
-  std::vector<WindowEvents*> free_events_;
-  std::deque<std::shared_ptr<ActiveStep>> steps_;  // in start order, until fully enqueued
-  // Every started step until its last enqueued layer completed (what CancelStep looks at).
-  std::vector<std::shared_ptr<ActiveStep>> live_;
+  StreamStepWindow<ActiveStep> window_;  // its steps and free events under mu_
   bool connected_ = false;
   bool broken_ = false;        // the communicator was (or is being) aborted
   absl::Status break_reason_;  // set once; the watcher acts on it
   bool stopping_ = false;
-  uint64_t timing_rng_ = 0x9E3779B97F4A7C15ull;  // the enqueuer's: which layers are timed
+  LayerTimingDraw timing_draw_;  // the enqueuer's: which layers are timed
   Profile profile_;
   std::thread watcher_;
   std::thread enqueuer_;
