@@ -103,10 +103,10 @@ __device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], flo
   }
 }
 
-// `first`: as for ProduceKv. `total`: the KV tiles of all of this CTA's work.
+// `first`: as for ProduceKv.
 template <typename Shape, typename T>
 __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWork& work, uint32_t smem,
-                                        uint8_t* smem_generic, int first, int total) {
+                                        uint8_t* smem_generic, int first) {
   constexpr int kHeadDim = Shape::kHeadDim;
   constexpr int kStages = Shape::kStages;
   constexpr int kChunks = Shape::kChunks;
@@ -265,15 +265,16 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   auto stage_of = [&](int tile) { return (first + tile) % kStages; };
   // Turn-taking: each consumer waits on its own barrier before issuing and then opens the
   // other's, over the CTA's whole sequence of tiles (every work's, in order), not per work.
-  // Consumer 0 opens its own turn once, before the CTA's first tile; consumer 1 skips only its
-  // opening after the CTA's last tile, so every phase of both barriers completes and none is
-  // left half-arrived. (Per work, with consumer 0 reopening itself at each work, a work of one
-  // tile let consumer 0 run a whole work ahead: two of its arrivals on consumer 1's barrier then
-  // made a phase without consumer 1, whose next sync waited forever: an intermittent hang at
-  // 64-token requests, found by the e2e bench on an H100.)
+  // Consumer 0 opens its own turn once, before the CTA's first tile, and takes the turn consumer
+  // 1 opens after the CTA's last tile once its works are done (HopperPrefillKernel), so every
+  // phase of both barriers completes and none is left half-arrived. (Per work, with consumer 0
+  // reopening itself at each work, a work of one tile let consumer 0 run a whole work ahead: two
+  // of its arrivals on consumer 1's barrier then made a phase without consumer 1, whose next sync
+  // waited forever: an intermittent hang at 64-token requests, found by the e2e bench on an
+  // H100.) Consumer 1 used to skip that last opening instead, which needed the CTA's tile count
+  // up front: every work decoded once more before the first.
   const uint32_t my_turn = kTurnBarrier + consumer;
   const uint32_t other_turn = kTurnBarrier + (1 - consumer);
-  auto opens_other = [&](int tile) { return !(consumer == 1 && first + tile == total - 1); };
 
   const int n = work.num_kv_tiles;
   if (n > 0) {
@@ -282,7 +283,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     FenceProxyAsync();
     NamedBarrierSync(my_turn, 256);
     issue_qk(stage_of(0));
-    if (opens_other(0)) NamedBarrierArrive(other_turn, 256);
+    NamedBarrierArrive(other_turn, 256);
     WgmmaWait<0>();
     FenceRegisters(s);
     release(k_empty(0));
@@ -301,7 +302,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
       FenceProxyAsync();
       issue_pv(stage_of(tile - 1));
       mark_bad_v(tile - 1);
-      if (opens_other(tile)) NamedBarrierArrive(other_turn, 256);
+      NamedBarrierArrive(other_turn, 256);
       WgmmaWait<1>();  // Q K_j^T has completed; P_{j-1} V_{j-1} may still run
       FenceRegisters(s);
       release(k_empty(tile));
@@ -455,16 +456,15 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     CpAsyncWaitAll();
   } else {
     ClaimRegisters<kConsumerRegisters>();
-    int total = 0;  // the turn-taking needs to know the CTA's last tile
-    for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
-      total += DecodeWork(params, index).num_kv_tiles;
-    }
     int first = 0;
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
       const CtaWork work = DecodeWork(params, index);
-      Consume<Shape, T>(params, work, smem, smem_generic, first, total);
+      Consume<Shape, T>(params, work, smem, smem_generic, first);
       first += work.num_kv_tiles;
     }
+    // Consumer 1 opened consumer 0's turn after the CTA's last tile: consumer 0 takes it, so
+    // that phase completes (see Consume's turn-taking).
+    if (first > 0 && threadIdx.x / 128 == 1) NamedBarrierSync(kTurnBarrier, 256);
   }
 }
 
