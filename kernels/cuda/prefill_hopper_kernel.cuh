@@ -27,6 +27,7 @@
 //   mbarriers: K full, K empty, V full, V empty, one per stage each.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "hopper_ptx.cuh"
@@ -199,23 +200,36 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     const bool needs_mask = tile_end > work.kv_end || (params.causal && tile_end - 1 > work.first_position) ||
                             (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
     if (!needs_mask) return;
+    // Each row sees the keys [low, high) (masked above, per row), here as offsets from this
+    // thread's first key, so that each element is two compares with constants.
+    const int base = tile_start + 2 * (lane % 4);
+    int low[2], high[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      high[h] = (params.causal ? min(work.kv_end, row_position[h] + 1) : work.kv_end) - base;
+      low[h] = params.window_left >= 0 ? row_position[h] - params.window_left - base : INT_MIN / 2;
+    }
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = tile_start + 8 * j + 2 * (lane % 4) + (e % 2);
-        if (masked(key, row_position[e / 2])) s[4 * j + e] = -INFINITY;
+        const int offset = 8 * j + (e % 2);
+        if (offset >= high[e / 2] || offset < low[e / 2]) s[4 * j + e] = -INFINITY;
       }
     }
   };
   // After V of `tile` is full: in a tile that hides keys the producer zeroed V's non-finite
-  // values and flagged their rows (ProduceKv); a row that sees a flagged key gets a NaN sum.
+  // values and set their rows' bits (ProduceKv); a row that sees a flagged key gets a NaN sum.
+  // Almost always no bit is set: one 16-byte read.
   auto mark_bad_v = [&](int tile) {
     const int tile_start = work.kv_begin + tile * kTileKv;
     const bool hides_keys = (params.causal && min(tile_start + kTileKv, work.kv_end) - 1 > work.first_position) ||
                             (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
     if (!hides_keys) return;
-    const uint8_t* flags = smem_generic + Shape::kFlagOffset + ((first + tile) % kStages) * kTileKv;
+    const uint4 bad = *reinterpret_cast<const uint4*>(smem_generic + Shape::kFlagOffset +
+                                                      ((first + tile) % kStages) * Shape::kFlagBytes);
+    if ((bad.x | bad.y | bad.z | bad.w) == 0) return;
+    const uint32_t words[4] = {bad.x, bad.y, bad.z, bad.w};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       bool sees_bad_v = false;
@@ -223,8 +237,8 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
       for (int j = 0; j < 16; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int offset = 8 * j + 2 * (lane % 4) + e;
-          sees_bad_v |= flags[offset] != 0 && !masked(tile_start + offset, row_position[h]);
+          const int offset = 8 * j + 2 * (lane % 4) + e;  // bit offset % 32 of word j / 4
+          sees_bad_v |= ((words[j / 4] >> (offset % 32)) & 1u) != 0 && !masked(tile_start + offset, row_position[h]);
         }
       }
       if (sees_bad_v) row_sum[h] = NAN;

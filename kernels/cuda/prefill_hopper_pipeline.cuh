@@ -40,9 +40,10 @@ struct HopperShape {
   static constexpr int kKOffset = kQOffset + kConsumers * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * kKvBytes;
-  // [kStages][kTileKv] bytes: 1 where a V row of a tile that hides keys held a non-finite value.
+  // [kStages][kTileKv bits]: set where a V row of a tile that hides keys held a non-finite value.
   static constexpr int kFlagOffset = kBarrierOffset + 4 * kStages * 8;
-  static constexpr int kSmemBytes = kFlagOffset + kStages * kTileKv + 1024;  // + alignment slack
+  static constexpr int kFlagBytes = kTileKv / 8;
+  static constexpr int kSmemBytes = kFlagOffset + kStages * kFlagBytes + 1024;  // + alignment slack
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim");
 };
 
@@ -154,7 +155,8 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
     // P V adds p = 0 times V for keys a row does not see, and 0 * NaN would make a row NaN that
     // never saw the key. In a V tile where some row does not see some key (keys past kv_end are
     // zero-filled already), wait for this thread's copies, zero the non-finite values (exponent
-    // all ones) and flag the rows; the consumers make the rows that see a flagged key NaN.
+    // all ones) and flag the rows (a bit each, one word per warp); the consumers make the rows
+    // that see a flagged key NaN.
     const bool hides_keys =
         flags != 0 && ((params.causal && min(tile_start + kTileKv, work.kv_end) - 1 > work.first_position) ||
                        (params.window_left >= 0 && tile_start < work.last_position - params.window_left));
@@ -164,6 +166,7 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
     }
     CpAsyncWaitAll();
     constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
+    uint32_t warp_bits = 0;  // bit r: row 32 * warp + r held a non-finite value
 #pragma unroll
     for (int set = 0; set < kSets; ++set) {
       uint32_t found = 0;
@@ -178,10 +181,17 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
         if (any != 0) *chunk = make_uint4(bits.x & ~bad[0], bits.y & ~bad[1], bits.z & ~bad[2], bits.w & ~bad[3]);
         found |= any;
       }
-      found |= __shfl_xor_sync(0xffffffffu, found, 1);  // the row's other lane
-      const int row = 32 * warp + 16 * set + lane / 2;
-      if (odd == 0) *static_cast<uint8_t*>(__cvta_shared_to_generic(flags + row)) = found != 0 ? 1 : 0;
+      // Lane pair p (lanes 2p, 2p + 1) holds row 16 * set + p: its votes are bits 2p and 2p + 1,
+      // folded onto bit 2p, then the even bits gathered into the low 16.
+      const uint32_t votes = __ballot_sync(0xffffffffu, found != 0);
+      uint32_t pairs = (votes | (votes >> 1)) & 0x55555555u;
+      pairs = (pairs | (pairs >> 1)) & 0x33333333u;
+      pairs = (pairs | (pairs >> 2)) & 0x0f0f0f0fu;
+      pairs = (pairs | (pairs >> 4)) & 0x00ff00ffu;
+      pairs = (pairs | (pairs >> 8)) & 0x0000ffffu;
+      warp_bits |= pairs << (16 * set);
     }
+    if (lane == 0) *static_cast<uint32_t*>(__cvta_shared_to_generic(flags + 4 * warp)) = warp_bits;
     FenceProxyAsync();  // generic-proxy writes, read next by wgmma (the async proxy)
     MbarrierArrive(full);
   };
@@ -198,7 +208,7 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
     const int stage = (first + tile) % kStages;
     load(v_pool, v_ids, tile, smem + Shape::kVOffset + stage * Shape::kKvBytes,
          barriers + 8 * (3 * kStages + stage), barriers + 8 * (2 * kStages + stage),
-         (((first + tile) / kStages) & 1) ^ 1, smem + Shape::kFlagOffset + stage * kTileKv);
+         (((first + tile) / kStages) & 1) ^ 1, smem + Shape::kFlagOffset + stage * Shape::kFlagBytes);
   };
   // The consumers need K_j before V_{j-1}: that is the order of issue.
   if (n > 0) load_k(0);
