@@ -16,6 +16,7 @@
 // raw and are converted in shared memory by the threads that loaded them (KvTileLoader).
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -275,10 +276,6 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
   const int causal_base = first_position - kTileKv + 1;  // key of bad_v_causal[0]
   const int window_base = first_position - params.window_left;
   bool saw_bad_v = false;  // this thread zeroed a non-finite V value
-  auto masked = [&](int key, int position) {
-    return key >= kv_end || (params.causal && key > position) ||
-           (params.window_left >= 0 && key < position - params.window_left);
-  };
 
   for (int tile = 0; tile < num_kv_tiles; ++tile) {
     const int tile_start = kv_begin + tile * kTileKv;
@@ -347,14 +344,25 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
     const bool needs_mask = tile_end > kv_end || (params.causal && tile_end - 1 > first_position) ||
                             (params.window_left >= 0 && tile_start < last_position - params.window_left);
     if (needs_mask) {
+      // Each row sees the keys [low, high): below kv_end, up to its position when causal, from
+      // its position - window_left with a window; as offsets from this thread's first key of the
+      // tile, two compares with constants per element.
+      const int base = tile_start + warp_key_base + 2 * (lane % 4);
 #pragma unroll
       for (int mq = 0; mq < kMmaQ; ++mq) {
+        int low[2], high[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int position = row_position[mq][h];
+          high[h] = (params.causal ? min(kv_end, position + 1) : kv_end) - base;
+          low[h] = params.window_left >= 0 ? position - params.window_left - base : INT_MIN / 2;
+        }
 #pragma unroll
         for (int jb = 0; jb < kMmaKv; ++jb) {
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
-            const int key = tile_start + warp_key_base + jb * 16 + (e / 4) * 8 + 2 * (lane % 4) + (e % 2);
-            if (masked(key, row_position[mq][(e / 2) % 2])) s[mq][jb][e] = -INFINITY;
+            const int offset = jb * 16 + (e / 4) * 8 + (e % 2);
+            if (offset >= high[(e / 2) % 2] || offset < low[(e / 2) % 2]) s[mq][jb][e] = -INFINITY;
           }
         }
       }
