@@ -276,9 +276,11 @@ __device__ __forceinline__ void StoreUnit(const AppendParams& params, const Appe
   }
 }
 
-template <int kJob, typename InT>
-__device__ __forceinline__ void LoadUnits(const AppendParams& params, int base, int64_t first_token,
-                                          int tokens_here, uint4 (&value)[kUnitsInFlight]) {
+// Calls fetch(r, source) for each unit of this thread in job kJob's round `base` that holds input:
+// r, the unit's slot in the round; source, its 16 input bytes.
+template <int kJob, typename InT, typename Fetch>
+__device__ __forceinline__ void ForRoundUnits(const AppendParams& params, int base, int64_t first_token,
+                                              int tokens_here, Fetch fetch) {
   const AppendJob& job = params.jobs[kJob];
   const int units = kTokensPerCta * job.units_per_token;
 #pragma unroll
@@ -287,8 +289,16 @@ __device__ __forceinline__ void LoadUnits(const AppendParams& params, int base, 
     if (index >= units) continue;
     const Unit unit = Locate(job, index);
     if (unit.token >= tokens_here) continue;
-    value[r] = *reinterpret_cast<const uint4*>(InputRow<InT>(job, unit, first_token) + unit.first_dim);
+    fetch(r, InputRow<InT>(job, unit, first_token) + unit.first_dim);
   }
+}
+
+template <int kJob, typename InT>
+__device__ __forceinline__ void LoadUnits(const AppendParams& params, int base, int64_t first_token,
+                                          int tokens_here, uint4 (&value)[kUnitsInFlight]) {
+  ForRoundUnits<kJob, InT>(params, base, first_token, tokens_here, [&](int r, const InT* source) {
+    value[r] = *reinterpret_cast<const uint4*>(source);
+  });
 }
 
 // The register kernel's ring (kRing): per thread, two rounds of units in shared memory, so that
@@ -301,16 +311,9 @@ struct UnitRing {
 template <int kJob, typename InT>
 __device__ __forceinline__ void CopyUnits(const AppendParams& params, int base, int64_t first_token,
                                           int tokens_here, UnitRing& ring, int stage) {
-  const AppendJob& job = params.jobs[kJob];
-  const int units = kTokensPerCta * job.units_per_token;
-#pragma unroll
-  for (int r = 0; r < kUnitsInFlight; ++r) {
-    const int index = base + r * kAppendThreads + threadIdx.x;
-    if (index >= units) continue;
-    const Unit unit = Locate(job, index);
-    if (unit.token >= tokens_here) continue;
-    CpAsync16CacheAll(&ring.units[stage][r][threadIdx.x], InputRow<InT>(job, unit, first_token) + unit.first_dim);
-  }
+  ForRoundUnits<kJob, InT>(params, base, first_token, tokens_here, [&](int r, const InT* source) {
+    CpAsync16CacheAll(&ring.units[stage][r][threadIdx.x], source);
+  });
 }
 
 // Issues round (job, base)'s copies into `stage` as one commit group (empty for job kMaxJobs).
