@@ -16,8 +16,8 @@
 #include <cuda_runtime.h>
 
 #include <mutex>
-#include <type_traits>
 #include <set>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
