@@ -8,7 +8,7 @@
 //   cuStreamWaitValue32(ready[l] >= seq) -> append + attention reading and writing the slot
 //   -> cuStreamWriteValue32(done[l] = seq) (a write with a memory barrier: o is visible first)
 // so no host is on a layer's critical path. An enqueuer thread puts layers on the stream at
-// most kWindow ahead of their completions (StreamStepWindow).
+// most kStreamStepWindow ahead of their completions (StreamStepWindow).
 // The completion thread waits for each layer's last event, reports its kernel times and calls
 // the engine's ChannelLayerDone.
 #pragma once
@@ -35,7 +35,6 @@ class CudaStep;
 class CudaIpcChannel final : public BackendChannel {
  public:
   // Layers of the channel enqueued on the device and not yet completed, at most.
-  static constexpr int kWindow = kStreamStepWindow;
 
   static absl::StatusOr<std::unique_ptr<CudaIpcChannel>> Create(CudaCache* cache,
                                                                 const ChannelSpec& spec,

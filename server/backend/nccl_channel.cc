@@ -352,11 +352,13 @@ void NcclChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t lay
                 {ring + slot.k, rows * layout_.k_row},
                 {ring + slot.v, rows * layout_.v_row}};
     }
-    const absl::Time posted = absl::Now();
+    // The host's part of a layer, sampled on the timed layers only (Profile).
+    auto stamp = [timed] { return timed ? absl::Now() : absl::InfinitePast(); };
+    const absl::Time posted = stamp();
     if (timed) CUDA_RETURN_IF_ERROR(cudaEventRecord(events->posted.get(), compute));
     RETURN_IF_ERROR(Group(/*send=*/false, inputs));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(events->received.get(), compute));
-    const absl::Time received = absl::Now();
+    const absl::Time received = stamp();
     LayerBuffers buffers;
     buffers.q = ring + slot.q;
     buffers.k = ring + (geometry_.mla ? slot.ckv : slot.k);
@@ -375,16 +377,17 @@ void NcclChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t lay
       RETURN_IF_ERROR(step.EnqueueKernels(events->layer, timed, buffers, layer, &attended));
       events->attended = attended;
     }
-    const absl::Time launched = absl::Now();
+    const absl::Time launched = stamp();
     std::vector<std::pair<uint8_t*, int64_t>> outputs = {{ring + slot.o, rows * layout_.o_row}};
     if (step.returns_lse()) outputs.emplace_back(ring + slot.lse, rows * layout_.lse_row);
     RETURN_IF_ERROR(Group(/*send=*/true, outputs));
-    if (timed) CUDA_RETURN_IF_ERROR(cudaEventRecord(events->sent.get(), compute));
-    Profile::Add(profile_.recv_host_us, absl::ToDoubleMicroseconds(received - posted));
-    Profile::Add(profile_.kernels_host_us,
-                 absl::ToDoubleMicroseconds(launched - received));
-    Profile::Add(profile_.send_host_us, absl::ToDoubleMicroseconds(absl::Now() - launched));
-    Profile::Add(profile_.ahead, ahead);
+    if (timed) {
+      CUDA_RETURN_IF_ERROR(cudaEventRecord(events->sent.get(), compute));
+      Profile::Add(profile_.recv_host_us, absl::ToDoubleMicroseconds(received - posted));
+      Profile::Add(profile_.kernels_host_us, absl::ToDoubleMicroseconds(launched - received));
+      Profile::Add(profile_.send_host_us, absl::ToDoubleMicroseconds(absl::Now() - launched));
+      Profile::Add(profile_.ahead, ahead);
+    }
     return absl::OkStatus();
   }();
   // Recorded even after a failed enqueue: the events are reused only once the work that was

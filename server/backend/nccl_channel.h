@@ -16,10 +16,10 @@
 // then polls it for asynchronous errors (a peer that died); either failure aborts the
 // communicator (NCCL's kernels waiting on the stream then exit) and calls
 // ChannelSpec::on_broken, and the engine closes the channel.
-// The enqueuer puts layers on the stream (at most kWindow ahead of their completions, as
-// CudaIpcChannel: StreamStepWindow) once the communicator is up; the completion thread reports them. A step
-// cancelled with layers on the stream breaks the channel the same way: the peer's sends and
-// attnd's receives no longer pair up.
+// The enqueuer puts layers on the stream (at most kStreamStepWindow ahead of their completions,
+// as CudaIpcChannel: StreamStepWindow) once the communicator is up; the completion thread
+// reports them. A step cancelled with layers on the stream breaks the channel the same way: the
+// peer's sends and attnd's receives no longer pair up.
 #pragma once
 
 #include <atomic>
@@ -47,7 +47,6 @@ class CudaStep;
 
 class NcclChannel final : public BackendChannel {
  public:
-  static constexpr int kWindow = kStreamStepWindow;
   static constexpr int kAttndRank = nccl::kAttndRank;
   static constexpr int kClientRank = nccl::kClientRank;
 
@@ -81,9 +80,10 @@ class NcclChannel final : public BackendChannel {
     CudaEvent sent;
     const CudaEvent* attended = nullptr;
   };
-  // Where a layer's time goes, kept for the channel's closing log line (the last kSamples
-  // layers): the enqueuer's host time per part and how many layers were on the stream when it
-  // enqueued one (written by the enqueuer thread alone); on timed layers the GPU time of the
+  // Where a layer's time goes, kept for the channel's closing log line, over the last kSamples
+  // timed layers (LayerTimingDraw: one in the cache's channel timing stride, so the untimed
+  // ones pay nothing for it): the enqueuer's host time per part and how many layers were on
+  // the stream when it enqueued one (written by the enqueuer thread alone); the GPU time of the
   // receive (the wait for the client's send included) and of the send (written by the
   // completion thread alone). Read once both threads are gone.
   struct Profile {

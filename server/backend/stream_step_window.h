@@ -1,10 +1,11 @@
 // StreamStepWindow: the step bookkeeping that CudaIpcChannel and NcclChannel share (DESIGN 3b).
 // A channel's enqueuer thread puts the layers of its steps, in start order, on the channel's
-// stream, at most kWindow ahead of their completions: a stream's push buffer is finite, and a
-// thread that enqueued thousands of waits only the client can release would block inside the
-// enqueue. The window holds the kWindow sets of events the layers on the stream take turns
-// with, the steps not yet fully enqueued, and every live step (started, with a layer on the
-// stream or still to enqueue) with which of its layers are enqueued, on the stream and done.
+// stream, at most kStreamStepWindow ahead of their completions: a stream's push buffer is
+// finite, and a thread that enqueued thousands of waits only the client can release would block
+// inside the enqueue. The window holds the kStreamStepWindow sets of events the layers on the
+// stream take turns with, the steps not yet fully enqueued, and every live step (started, with
+// a layer on the stream or still to enqueue) with which of its layers are enqueued, on the
+// stream and done.
 //
 // Threads: the window's state is guarded by the owning channel's mutex, which also guards the
 // channel's own state (its enqueuer waits on the channel's condition variable for both). The
