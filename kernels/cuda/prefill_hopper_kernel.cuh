@@ -27,13 +27,13 @@
 //   mbarriers: K full, K empty, V full, V empty, one per stage each.
 #pragma once
 
-#include <climits>
 #include <cstdint>
 
 #include "hopper_ptx.cuh"
 #include "math.cuh"
 #include "mma.cuh"
 #include "prefill_hopper_pipeline.cuh"
+#include "prefill_keys.cuh"
 #include "prefill_params.h"
 #include "softmax.cuh"
 #include "vec.cuh"
@@ -189,10 +189,6 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     }
     WgmmaCommit();
   };
-  auto masked = [&](int key, int position) {
-    return key >= work.kv_end || (params.causal && key > position) ||
-           (params.window_left >= 0 && key < position - params.window_left);
-  };
   auto mask = [&](int tile) {
     const int tile_start = work.kv_begin + tile * kTileKv;
     const int tile_end = tile_start + kTileKv;
@@ -200,21 +196,17 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     const bool needs_mask = tile_end > work.kv_end || (params.causal && tile_end - 1 > work.first_position) ||
                             (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
     if (!needs_mask) return;
-    // Each row sees the keys [low, high) (masked above, per row), here as offsets from this
-    // thread's first key, so that each element is two compares with constants.
+    // Per row the keys it sees (VisibleKeys), as offsets from this thread's first key: two
+    // compares with constants per element.
     const int base = tile_start + 2 * (lane % 4);
-    int low[2], high[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      high[h] = (params.causal ? min(work.kv_end, row_position[h] + 1) : work.kv_end) - base;
-      low[h] = params.window_left >= 0 ? row_position[h] - params.window_left - base : INT_MIN / 2;
-    }
+    const KeyRange rows[2] = {VisibleKeys(params, work.kv_end, row_position[0], base),
+                              VisibleKeys(params, work.kv_end, row_position[1], base)};
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int offset = 8 * j + (e % 2);
-        if (offset >= high[e / 2] || offset < low[e / 2]) s[4 * j + e] = -INFINITY;
+        if (offset >= rows[e / 2].high || offset < rows[e / 2].low) s[4 * j + e] = -INFINITY;
       }
     }
   };
@@ -232,13 +224,14 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     const uint32_t words[4] = {bad.x, bad.y, bad.z, bad.w};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      const KeyRange row = VisibleKeys(params, work.kv_end, row_position[h], tile_start);
       bool sees_bad_v = false;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int offset = 8 * j + 2 * (lane % 4) + e;  // bit offset % 32 of word j / 4
-          sees_bad_v |= ((words[j / 4] >> (offset % 32)) & 1u) != 0 && !masked(tile_start + offset, row_position[h]);
+          sees_bad_v |= ((words[j / 4] >> (offset % 32)) & 1u) != 0 && offset >= row.low && offset < row.high;
         }
       }
       if (sees_bad_v) row_sum[h] = NAN;

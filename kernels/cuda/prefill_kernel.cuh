@@ -16,7 +16,6 @@
 // raw and are converted in shared memory by the threads that loaded them (KvTileLoader).
 #pragma once
 
-#include <climits>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -25,6 +24,7 @@
 #include "fp8.cuh"
 #include "math.cuh"
 #include "mma.cuh"
+#include "prefill_keys.cuh"
 #include "prefill_kv_loader.cuh"
 #include "prefill_params.h"
 #include "softmax.cuh"
@@ -344,25 +344,20 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
     const bool needs_mask = tile_end > kv_end || (params.causal && tile_end - 1 > first_position) ||
                             (params.window_left >= 0 && tile_start < last_position - params.window_left);
     if (needs_mask) {
-      // Each row sees the keys [low, high): below kv_end, up to its position when causal, from
-      // its position - window_left with a window; as offsets from this thread's first key of the
-      // tile, two compares with constants per element.
+      // Per row the keys it sees (VisibleKeys), as offsets from this thread's first key of the
+      // tile: two compares with constants per element.
       const int base = tile_start + warp_key_base + 2 * (lane % 4);
 #pragma unroll
       for (int mq = 0; mq < kMmaQ; ++mq) {
-        int low[2], high[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int position = row_position[mq][h];
-          high[h] = (params.causal ? min(kv_end, position + 1) : kv_end) - base;
-          low[h] = params.window_left >= 0 ? position - params.window_left - base : INT_MIN / 2;
-        }
+        const KeyRange rows[2] = {VisibleKeys(params, kv_end, row_position[mq][0], base),
+                                  VisibleKeys(params, kv_end, row_position[mq][1], base)};
 #pragma unroll
         for (int jb = 0; jb < kMmaKv; ++jb) {
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             const int offset = jb * 16 + (e / 4) * 8 + (e % 2);
-            if (offset >= high[(e / 2) % 2] || offset < low[(e / 2) % 2]) s[mq][jb][e] = -INFINITY;
+            const KeyRange& row = rows[(e / 2) % 2];
+            if (offset >= row.high || offset < row.low) s[mq][jb][e] = -INFINITY;
           }
         }
       }
@@ -485,9 +480,9 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
     for (int h = 0; h < 2; ++h) {
       if (!cta_saw_bad_v) continue;  // the common case
       // Rare: the keys this row sees, in this CTA's chunk, within each flag range.
-      const int position = row_position[mq][h];
-      const int first = params.window_left >= 0 ? max(kv_begin, position - params.window_left) : kv_begin;
-      const int last = params.causal ? min(kv_end - 1, position) : kv_end - 1;
+      const KeyRange row = VisibleKeys(params, kv_end, row_position[mq][h], 0);
+      const int first = max(kv_begin, row.low);
+      const int last = row.high - 1;
       bool sees_bad_v = false;
 #pragma unroll 1
       for (int key = max(first, causal_base); key <= min(last, causal_base + Shape::kFlagRange - 1); ++key) {
