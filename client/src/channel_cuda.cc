@@ -19,6 +19,17 @@ absl::Status CudaStatus(cudaError_t error, const char* call) {
   return absl::FailedPreconditionError(absl::StrCat(call, ": ", cudaGetErrorString(error)));
 }
 
+// A copy between this process's (pageable) host memory and the ring that has landed when it
+// returns. A plain cudaMemcpy from pageable memory to the device returns once the bytes are
+// staged, before the DMA has written them (CUDA's API synchronization rules): attnd, told right
+// after, could read the old bytes. (Likely what was seen once on two H200s: a sequence import
+// through a peer CUDA_IPC channel failed attnd's CRC check of a chunk the client had just copied
+// in.) So the copy goes on this thread's default stream and the call waits for that stream.
+cudaError_t CopyAndWait(void* destination, const void* source, size_t bytes, cudaMemcpyKind kind) {
+  cudaError_t error = cudaMemcpyAsync(destination, source, bytes, kind, cudaStreamPerThread);
+  if (error == cudaSuccess) error = cudaStreamSynchronize(cudaStreamPerThread);
+  return error;
+}
 
 }  // namespace
 
@@ -102,17 +113,17 @@ void CloseIpcRing(uint8_t* ring, int device) {
 
 uint32_t ReadDeviceFlag(const uint8_t* flag) {
   uint32_t value = 0;
-  cudaMemcpy(&value, flag, sizeof(value), cudaMemcpyDeviceToHost);
+  CopyAndWait(&value, flag, sizeof(value), cudaMemcpyDeviceToHost);
   return value;
 }
 
 void WriteDeviceFlag(uint8_t* flag, uint32_t value) {
-  cudaMemcpy(flag, &value, sizeof(value), cudaMemcpyHostToDevice);
+  CopyAndWait(flag, &value, sizeof(value), cudaMemcpyHostToDevice);
 }
 
 absl::Status CopyDevice(void* destination, const void* source, int64_t bytes, bool to_device) {
-  return CudaStatus(cudaMemcpy(destination, source, static_cast<size_t>(bytes),
-                               to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost),
+  return CudaStatus(CopyAndWait(destination, source, static_cast<size_t>(bytes),
+                                to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost),
                     "cudaMemcpy");
 }
 
