@@ -24,10 +24,14 @@ absl::Status CudaStatus(cudaError_t error, const char* call) {
 // staged, before the DMA has written them (CUDA's API synchronization rules): attnd, told right
 // after, could read the old bytes. (Likely what was seen once on two H200s: a sequence import
 // through a peer CUDA_IPC channel failed attnd's CRC check of a chunk the client had just copied
-// in.) So the copy goes on this thread's default stream and the call waits for that stream.
+// in.) So the copy is enqueued and then waited for. It goes on the legacy default stream, as
+// cudaMemcpy's does: that stream is ordered after the work of every blocking stream, which a
+// caller relies on to read o that its ExchangeOnStream (or other work) put on one. (On the
+// thread's per-thread stream instead, which has no such ordering, CopyOut read o before the NCCL
+// receive wrote it: NcclClientOnAnotherGpuMatchesForwardBitwise failed on 2 x H200.)
 cudaError_t CopyAndWait(void* destination, const void* source, size_t bytes, cudaMemcpyKind kind) {
-  cudaError_t error = cudaMemcpyAsync(destination, source, bytes, kind, cudaStreamPerThread);
-  if (error == cudaSuccess) error = cudaStreamSynchronize(cudaStreamPerThread);
+  cudaError_t error = cudaMemcpyAsync(destination, source, bytes, kind, cudaStreamLegacy);
+  if (error == cudaSuccess) error = cudaStreamSynchronize(cudaStreamLegacy);
   return error;
 }
 

@@ -146,8 +146,8 @@ class Channel {
                                 const ChannelSlot& tensors, void* stream);
 
   // Copies between this process's host memory and a slot tensor (a ChannelSlot pointer), for
-  // any kind: memcpy for HOST_SHM, for CUDA_IPC and NCCL a device copy that has landed when it
-  // returns.
+  // any kind: memcpy for HOST_SHM; for CUDA_IPC and NCCL a copy on the legacy default stream
+  // (after the work of every blocking stream, as cudaMemcpy's) that has landed when it returns.
   absl::Status CopyIn(void* slot_tensor, const void* host, int64_t bytes);
   absl::Status CopyOut(void* host, const void* slot_tensor, int64_t bytes) const;
 
