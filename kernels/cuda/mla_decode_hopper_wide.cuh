@@ -79,55 +79,58 @@ struct WideShape {
   static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8 + 1024;  // + alignment slack
   static_assert(kWideTile == kRows, "one 8 KB block holds 64 rows of Q, the keys of a tile, or P");
   static_assert(kDim % 64 == 0 && kRank % 256 == 0, "shape");
-  static_assert(kChunks % 4 == 0 && kRankChunks % 4 == 0, "producer: 4 threads per row");
+  static_assert(kRopeDim == 64 && kRank % 64 == 0, "producer: whole 128-byte column blocks, kpe one of them");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of an SM");
 };
 
-// Producer: thread t copies rows t / 4 and t / 4 + 32 of each tile, chunks t % 4 + 4k, so a warp
-// instruction moves 64 contiguous bytes of each of 8 rows. Chunk c of a row lands in block
-// c / 8 at position (c % 8) ^ (row % 8) (both rows of a thread share row % 8).
+// Producer: thread t copies rows t / 8 + 16p (p = 0..3) of each tile, the 16-byte chunk t % 8
+// of each of a row's 128-byte column blocks, so a warp instruction reads 4 whole 128-byte lines
+// (one L2 request each; with 64 bytes of 8 rows an instruction made 8 requests of 2 sectors).
+// Chunk c of block b of a row lands in block b at position c ^ (row % 8): the thread's rows
+// share row % 8, so every copy of a row differs by an immediate.
 template <typename Shape>
 __device__ __forceinline__ void ProduceWide(const MlaParams& params, const HopperWork& work, uint32_t smem) {
   constexpr int kStages = Shape::kStages;
   constexpr int kStoredBytes = 2;
+  constexpr int kRowsPerThread = kWideTile / 16;
+  constexpr int kRankBlocks = Shape::kRank / 64;
   const int thread = threadIdx.x;  // 0..127
-  const int quarter = thread % 4;
-  const uint32_t row_swizzle = static_cast<uint32_t>(quarter ^ ((thread / 4) % 8));
+  const int chunk = thread % 8;
+  const int row0 = thread / 8;
+  const uint32_t position = static_cast<uint32_t>(chunk ^ (row0 % 8)) << 4;
   const int page_mask = (1 << params.page_size_log2) - 1;
   const uint32_t barriers = smem + Shape::kBarrierOffset;
   for (int tile = 0; tile < work.num_tiles; ++tile) {
     const int stage = tile % kStages;
-    const uint8_t* ckv[2];
-    const uint8_t* kpe[2];
-    bool valid[2];
+    const uint8_t* ckv[kRowsPerThread];
+    const uint8_t* kpe[kRowsPerThread];
+    uint32_t valid = 0;  // bit p: row row0 + 16p holds a key
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int token = work.kv_begin + tile * kWideTile + thread / 4 + 32 * half;
-      valid[half] = token < work.kv_end;
-      ckv[half] = params.ckv_pool;
-      kpe[half] = params.kpe_pool;
-      if (valid[half]) {
+    for (int p = 0; p < kRowsPerThread; ++p) {
+      const int token = work.kv_begin + tile * kWideTile + row0 + 16 * p;
+      ckv[p] = params.ckv_pool;
+      kpe[p] = params.kpe_pool;
+      if (token < work.kv_end) {
+        valid |= 1u << p;
         // Looked up before the wait, so the page ids' latency hides behind it.
         const int slot = work.page_begin + (token >> params.page_size_log2);
         const int64_t entry = token & page_mask;
-        ckv[half] += __ldg(params.ckv_page_ids + slot) * params.ckv_page_bytes + entry * Shape::kRank * kStoredBytes;
-        kpe[half] += __ldg(params.kpe_page_ids + slot) * params.kpe_page_bytes + entry * kRopeDim * kStoredBytes;
+        ckv[p] += __ldg(params.ckv_page_ids + slot) * params.ckv_page_bytes + entry * Shape::kRank * kStoredBytes +
+                  16 * chunk;
+        kpe[p] += __ldg(params.kpe_page_ids + slot) * params.kpe_page_bytes + entry * kRopeDim * kStoredBytes + 16 * chunk;
       }
     }
     // Fill u of a stage waits for the consumers' release of fill u - 1.
     MbarrierWait(barriers + 8 * (kStages + stage), ((tile / kStages) & 1) ^ 1);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const uint32_t row_base = smem + Shape::kKvOffset + stage * Shape::kKvBytes + (thread / 4 + 32 * half) * 128;
+    for (int p = 0; p < kRowsPerThread; ++p) {
+      const uint32_t row_base = smem + Shape::kKvOffset + stage * Shape::kKvBytes + (row0 + 16 * p) * 128 + position;
+      const bool row_valid = (valid >> p) & 1u;
 #pragma unroll
-      for (int k = 0; k < Shape::kChunks / 4; ++k) {
-        const uint32_t destination =
-            row_base + (k / 2) * Shape::kBlockBytes + (((4u * (k % 2)) ^ row_swizzle) << 4);
-        const uint8_t* source = k < Shape::kRankChunks / 4
-                                    ? ckv[half] + 16 * (quarter + 4 * k)
-                                    : kpe[half] + 16 * (quarter + 4 * k - Shape::kRankChunks);
+      for (int b = 0; b < Shape::kBlocks; ++b) {
+        const uint8_t* source = b < kRankBlocks ? ckv[p] + 128 * b : kpe[p] + 128 * (b - kRankBlocks);
         // Rows past the chunk are zero-filled: a zero V row keeps 0 * stale bytes from making NaN.
-        CpAsync16(destination, valid[half] ? source : params.ckv_pool, valid[half]);
+        CpAsync16(row_base + b * Shape::kBlockBytes, row_valid ? source : params.ckv_pool, row_valid);
       }
     }
     CpAsyncArriveNoinc(barriers + 8 * stage);
