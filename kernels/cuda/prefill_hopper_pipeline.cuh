@@ -104,8 +104,9 @@ __device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params, int in
 // lines. (The version before had a lane pair per row, 32 bytes of each of 16 rows per
 // instruction: 16 one-sector L2 requests where 4 four-sector ones do, and ncu showed L2 at 93% of
 // its throughput with the tensor pipe at 51%, non-causal 1x8192 on an H100.) A lane looks up the
-// pages of its 8 rows itself; the swizzled chunk c ^ (row % 8) is c ^ i, one XOR per row, and
-// the column block is an immediate offset on both sides.
+// pages of its 8 rows itself (one lookup where they share a page); the swizzled chunk
+// c ^ (row % 8) is c ^ i, one XOR per row, and the column block is an immediate offset on both
+// sides.
 // `first` counts the tiles this CTA loaded for earlier work: tile t of this work is the CTA's
 // (first + t)-th, which fixes its stage and phase.
 template <typename Shape, typename T>
@@ -123,6 +124,11 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
   const int32_t* k_ids = params.k_page_ids + work.page_begin;
   const int32_t* v_ids = params.v_page_ids + work.page_begin;
   const uint32_t barriers = smem + Shape::kBarrierOffset;
+  const int64_t entry_stride = params.kv_entry_stride;
+  // A lane's 8 rows lie in one page when pages hold 8 keys or more and the work's first key sits
+  // on a multiple of 8 (tiles are 128 keys): one page lookup, then a stride per row. Otherwise
+  // (pages of 1-4 keys, a window's unaligned start) each row looks up its own page.
+  const bool one_page = params.page_size_log2 >= 3 && work.kv_begin % kRowsPerLane == 0;
 
   // `flags`: for V, this stage's row flags; null for K.
   auto load = [&](const T* pool, const int32_t* ids, int tile, uint32_t tile_smem, uint32_t empty, uint32_t full,
@@ -132,13 +138,20 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
     const T* source[kRowsPerLane];
     uint32_t valid = 0;  // bit i: row i of the lane's 8 holds a key
 #pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) {
-      const int token = token0 + i;
-      const bool row_valid = token < work.kv_end;
-      valid |= row_valid ? 1u << i : 0u;
-      // Looked up before the wait, so the page ids' latency hides behind it.
-      const int page = row_valid ? __ldg(ids + (token >> params.page_size_log2)) : 0;
-      source[i] = pool + static_cast<int64_t>(page) * params.kv_page_stride + (token & page_mask) * params.kv_entry_stride;
+    for (int i = 0; i < kRowsPerLane; ++i) valid |= token0 + i < work.kv_end ? 1u << i : 0u;
+    // Looked up before the wait, so the page ids' latency hides behind it.
+    if (one_page) {
+      const int page = valid != 0 ? __ldg(ids + (token0 >> params.page_size_log2)) : 0;
+      const T* row = pool + static_cast<int64_t>(page) * params.kv_page_stride + (token0 & page_mask) * entry_stride;
+#pragma unroll
+      for (int i = 0; i < kRowsPerLane; ++i) source[i] = row + i * entry_stride;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRowsPerLane; ++i) {
+        const int token = token0 + i;
+        const int page = (valid >> i) & 1u ? __ldg(ids + (token >> params.page_size_log2)) : 0;
+        source[i] = pool + static_cast<int64_t>(page) * params.kv_page_stride + (token & page_mask) * entry_stride;
+      }
     }
     // Chunk c of row row0 + i sits at 16 * (c ^ i) in the row's 128 bytes of each column block.
     const uint32_t lane_smem = tile_smem + row0 * 128 + (chunk << 4);
