@@ -164,12 +164,10 @@ TEST(BatchPrefillTest, MatchesReferenceAcrossDtypesAndHeadDims) {
   }
 }
 
-// Pages of 8 keys and more let the Hopper producer look up one page per lane and tile; 1 and 4
-// take its per-row lookups.
 TEST(BatchPrefillTest, MatchesReferenceAcrossPageSizesLayoutsAndTables) {
   ATTND_SKIP_WITHOUT_GPU();
   uint32_t seed = 40;
-  for (int32_t page_size : {1, 4, 8, 16, 128}) {
+  for (int32_t page_size : {1, 16, 128}) {
     for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
       for (TableForm table : {TableForm::kShared, TableForm::kSeparateKv}) {
         Config config;
@@ -341,7 +339,9 @@ TEST(BatchPrefillHopperTest, MatchesReferenceAcrossDtypesHeadDimsPagesAndLayouts
   uint32_t seed = 700;
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     for (int32_t head_dim : {64, 128}) {
-      for (int32_t page_size : {1, 16, 128}) {
+      // Pages of 8 keys and more: the producer looks up one page per lane and tile; 1 and 4: a
+      // page per row.
+      for (int32_t page_size : {1, 4, 8, 16, 128}) {
         for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
           Config config;
           config.kernel = plan::PrefillKernel::kHopper;
