@@ -105,19 +105,37 @@ __device__ __forceinline__ void ProduceWide(const MlaParams& params, const Hoppe
     const uint8_t* ckv[kRowsPerThread];
     const uint8_t* kpe[kRowsPerThread];
     uint32_t valid = 0;  // bit p: row row0 + 16p holds a key
+    const int tile_start = work.kv_begin + tile * kWideTile;
 #pragma unroll
-    for (int p = 0; p < kRowsPerThread; ++p) {
-      const int token = work.kv_begin + tile * kWideTile + row0 + 16 * p;
-      ckv[p] = params.ckv_pool;
-      kpe[p] = params.kpe_pool;
-      if (token < work.kv_end) {
-        valid |= 1u << p;
-        // Looked up before the wait, so the page ids' latency hides behind it.
-        const int slot = work.page_begin + (token >> params.page_size_log2);
-        const int64_t entry = token & page_mask;
-        ckv[p] += __ldg(params.ckv_page_ids + slot) * params.ckv_page_bytes + entry * Shape::kRank * kStoredBytes +
-                  16 * chunk;
-        kpe[p] += __ldg(params.kpe_page_ids + slot) * params.kpe_page_bytes + entry * kRopeDim * kStoredBytes + 16 * chunk;
+    for (int p = 0; p < kRowsPerThread; ++p) valid |= tile_start + row0 + 16 * p < work.kv_end ? 1u << p : 0u;
+    // Looked up before the wait, so the page ids' latency hides behind it. Where the tile's keys
+    // lie in one page (pages of 64+ keys, mostly), one lookup per pool serves all four rows.
+    if ((tile_start >> params.page_size_log2) == ((tile_start + kWideTile - 1) >> params.page_size_log2)) {
+      const int slot = work.page_begin + (tile_start >> params.page_size_log2);
+      const int64_t entry = (tile_start & page_mask) + row0;
+      const uint8_t* ckv_row = params.ckv_pool + __ldg(params.ckv_page_ids + slot) * params.ckv_page_bytes +
+                               entry * Shape::kRank * kStoredBytes + 16 * chunk;
+      const uint8_t* kpe_row = params.kpe_pool + __ldg(params.kpe_page_ids + slot) * params.kpe_page_bytes +
+                               entry * kRopeDim * kStoredBytes + 16 * chunk;
+#pragma unroll
+      for (int p = 0; p < kRowsPerThread; ++p) {
+        ckv[p] = ckv_row + 16 * p * Shape::kRank * kStoredBytes;
+        kpe[p] = kpe_row + 16 * p * kRopeDim * kStoredBytes;
+      }
+    } else {
+#pragma unroll
+      for (int p = 0; p < kRowsPerThread; ++p) {
+        const int token = tile_start + row0 + 16 * p;
+        ckv[p] = params.ckv_pool;
+        kpe[p] = params.kpe_pool;
+        if ((valid >> p) & 1u) {
+          const int slot = work.page_begin + (token >> params.page_size_log2);
+          const int64_t entry = token & page_mask;
+          ckv[p] += __ldg(params.ckv_page_ids + slot) * params.ckv_page_bytes + entry * Shape::kRank * kStoredBytes +
+                    16 * chunk;
+          kpe[p] += __ldg(params.kpe_page_ids + slot) * params.kpe_page_bytes + entry * kRopeDim * kStoredBytes +
+                    16 * chunk;
+        }
       }
     }
     // Fill u of a stage waits for the consumers' release of fill u - 1.
