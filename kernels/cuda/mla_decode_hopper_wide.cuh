@@ -146,9 +146,11 @@ __device__ __forceinline__ void ProduceWide(const MlaParams& params, const Hoppe
       const bool row_valid = (valid >> p) & 1u;
 #pragma unroll
       for (int b = 0; b < Shape::kBlocks; ++b) {
-        const uint8_t* source = b < kRankBlocks ? ckv[p] + 128 * b : kpe[p] + 128 * (b - kRankBlocks);
         // Rows past the chunk are zero-filled: a zero V row keeps 0 * stale bytes from making NaN.
-        CpAsync16(row_base + b * Shape::kBlockBytes, row_valid ? source : params.ckv_pool, row_valid);
+        // Their addresses stay inside the pools (the pool's start, or the tile's page), so the
+        // copy takes them as they are, with a zero source size: no select per copy.
+        CpAsync16(row_base + b * Shape::kBlockBytes, b < kRankBlocks ? ckv[p] + 128 * b : kpe[p] + 128 * (b - kRankBlocks),
+                  row_valid);
       }
     }
     CpAsyncArriveNoinc(barriers + 8 * stage);

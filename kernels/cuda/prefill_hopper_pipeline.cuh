@@ -135,13 +135,15 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
                   uint32_t empty_parity, uint32_t flags) {
     const int tile_start = work.kv_begin + tile * kTileKv;
     const int token0 = tile_start + row0;
+    // Rows i >= valid_rows are past the keys. Every row's address stays inside the pool (a row
+    // past the keys reads page 0, or the page of the lane's first row), so the copies take it
+    // as it is, with the column block as an immediate offset, and a zero source size where the
+    // row is past the keys: no select per copy.
+    const int valid_rows = min(max(work.kv_end - token0, 0), kRowsPerLane);
     const T* source[kRowsPerLane];
-    uint32_t valid = 0;  // bit i: row i of the lane's 8 holds a key
-#pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) valid |= token0 + i < work.kv_end ? 1u << i : 0u;
     // Looked up before the wait, so the page ids' latency hides behind it.
     if (one_page) {
-      const int page = valid != 0 ? __ldg(ids + (token0 >> params.page_size_log2)) : 0;
+      const int page = valid_rows > 0 ? __ldg(ids + (token0 >> params.page_size_log2)) : 0;
       const T* row = pool + static_cast<int64_t>(page) * params.kv_page_stride + (token0 & page_mask) * entry_stride;
 #pragma unroll
       for (int i = 0; i < kRowsPerLane; ++i) source[i] = row + i * entry_stride;
@@ -149,7 +151,7 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
 #pragma unroll
       for (int i = 0; i < kRowsPerLane; ++i) {
         const int token = token0 + i;
-        const int page = (valid >> i) & 1u ? __ldg(ids + (token >> params.page_size_log2)) : 0;
+        const int page = i < valid_rows ? __ldg(ids + (token >> params.page_size_log2)) : 0;
         source[i] = pool + static_cast<int64_t>(page) * params.kv_page_stride + (token & page_mask) * entry_stride;
       }
     }
@@ -159,12 +161,11 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
 #pragma unroll
     for (int i = 0; i < kRowsPerLane; ++i) {
       const uint32_t row_smem = (lane_smem ^ (i << 4)) + i * 128;
-      const bool row_valid = (valid >> i) & 1u;
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b) {
         // Rows past the keys are zero-filled: V must be, since P = 0 times stale memory could
         // be NaN.
-        CpAsync16(row_smem + b * Shape::kKvBlockBytes, row_valid ? source[i] + 64 * b : pool, row_valid);
+        CpAsync16(row_smem + b * Shape::kKvBlockBytes, source[i] + 64 * b, i < valid_rows);
       }
     }
     // P V adds p = 0 times V for keys a row does not see, and 0 * NaN would make a row NaN that
