@@ -13,6 +13,7 @@
 #include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/merge.h"
 #include "attnd/status_macros.h"
+#include "fast_divider.h"
 #include "prefill_launch.h"
 #include "prefill_params.h"
 
@@ -225,6 +226,8 @@ absl::StatusOr<KernelParams> ResolveKernelParams(const plan::PrefillPlan& plan, 
   params.num_qo_heads = plan.num_qo_heads;
   params.num_kv_heads = plan.num_kv_heads;
   params.group_size = plan.num_qo_heads / plan.num_kv_heads;
+  params.kv_heads_multiplier = FastDivider::MultiplierOf(params.num_kv_heads);
+  params.group_multiplier = FastDivider::MultiplierOf(params.group_size);
   int32_t log2 = 0;
   while ((1 << log2) < args.pages.page_size) ++log2;
   params.page_size_log2 = log2;

@@ -134,7 +134,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
       const bool valid = packed < work.row_end;
       const T* source = q;
       if (valid) {
-        const int token = packed / group;
+        const int token = DivideByGroup(params, packed);
         const int head = work.kv_head * group + (packed - token * group);
         source += (static_cast<int64_t>(work.qo_start + token) * params.num_qo_heads + head) * kHeadDim + chunk * 8;
       }
@@ -150,7 +150,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int packed = consumer_row_start + 16 * warp + 8 * h + lane / 4;
-    row_position[h] = work.position_offset + packed / group;
+    row_position[h] = work.position_offset + DivideByGroup(params, packed);
   }
 
   const SoftmaxParams sp = SoftmaxParams::Of(params.score_scale, params.soft_cap);
@@ -357,7 +357,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
 
   // A split item writes fp32 partials (normalised by its own sum) for MergeStates. Read late:
   // no register holds it through the loop.
-  const WorkItem* my_item = params.items + work.index / params.num_kv_heads;
+  const WorkItem* my_item = params.items + DivideByKvHeads(params, work.index);
   const int partial_first = __ldcg(&my_item->partial_first);
   const int partial_stride = __ldcg(&my_item->partial_stride);
   if (partial_first >= 0) {
@@ -365,7 +365,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     for (int h = 0; h < 2; ++h) {
       const int packed = consumer_row_start + thread_row0 + 8 * h;
       if (packed < work.row_end) {
-        const int token = packed / group;
+        const int token = DivideByGroup(params, packed);
         const int head = work.kv_head * group + (packed - token * group);
         const int64_t slot_row =
             (static_cast<int64_t>(partial_first) + static_cast<int64_t>(token) * partial_stride) * params.num_qo_heads +
@@ -396,7 +396,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     }
     const int packed_row = consumer_row_start + row;
     if (params.lse != nullptr && lane % 4 == 0 && packed_row < work.row_end) {
-      const int token = packed_row / group;
+      const int token = DivideByGroup(params, packed_row);
       const int head = work.kv_head * group + (packed_row - token * group);
       params.lse[static_cast<int64_t>(work.qo_start + token) * params.num_qo_heads + head] = lse[h];
     }
@@ -410,7 +410,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     const int chunk = index % kChunks;
     const int packed_row = consumer_row_start + row;
     if (packed_row < work.row_end) {
-      const int token = packed_row / group;
+      const int token = DivideByGroup(params, packed_row);
       const int head = work.kv_head * group + (packed_row - token * group);
       *reinterpret_cast<uint4*>(o_out + (static_cast<int64_t>(work.qo_start + token) * params.num_qo_heads + head) *
                                             kHeadDim + chunk * 8) =

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "cp_async.cuh"
+#include "fast_divider.h"
 #include "hopper_ptx.cuh"
 #include "math.cuh"
 #include "prefill_params.h"
@@ -69,11 +70,21 @@ struct CtaWork {
   int num_kv_tiles;
 };
 
+// Division by the launch's KV head count and GQA group, the multipliers read from the parameters
+// (constant memory) where they are used.
+__device__ __forceinline__ int DivideByKvHeads(const KernelParams& params, int n) {
+  return FastDivider(params.num_kv_heads, params.kv_heads_multiplier).Divide(n);
+}
+__device__ __forceinline__ int DivideByGroup(const KernelParams& params, int n) {
+  return FastDivider(params.group_size, params.group_multiplier).Divide(n);
+}
+
 __device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params, int index) {
   CtaWork work;
   work.index = index;
-  work.kv_head = index % params.num_kv_heads;
-  const WorkItem item = params.items[index / params.num_kv_heads];
+  const int item_index = DivideByKvHeads(params, index);
+  work.kv_head = index - item_index * params.num_kv_heads;
+  const WorkItem item = params.items[item_index];
   const int request = item.request;
   work.qo_start = params.qo_indptr[request];
   const int q_len = params.qo_indptr[request + 1] - work.qo_start;
@@ -84,8 +95,8 @@ __device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params, int in
   work.row_start = item.packed_row_start;
   work.row_end = min(work.row_start + kTileRows, q_len * group);
   work.position_offset = kv_len - q_len;
-  work.first_position = work.position_offset + work.row_start / group;
-  work.last_position = work.position_offset + (work.row_end - 1) / group;
+  work.first_position = work.position_offset + DivideByGroup(params, work.row_start);
+  work.last_position = work.position_offset + DivideByGroup(params, work.row_end - 1);
   // Keys the CTA visits: the chunk, cut by the causal limit of its last row and the window of
   // its first row; rows that see fewer keys are masked per element.
   work.kv_begin = item.kv_chunk_start;

@@ -45,6 +45,10 @@ struct KernelParams {
   int32_t num_qo_heads;
   int32_t num_kv_heads;
   int32_t group_size;       // num_qo_heads / num_kv_heads
+  // FastDivider::MultiplierOf(num_kv_heads) and of group_size (the Hopper kernel divides by
+  // them without holding a register for it).
+  uint32_t kv_heads_multiplier;
+  uint32_t group_multiplier;
   int32_t page_size_log2;   // page sizes are powers of two
   // score_log2 = log2(e) * f(sm_scale * k_scale * q.k) with f the soft cap (or identity).
   float score_scale;        // sm_scale * k_scale
