@@ -73,7 +73,6 @@ struct AppendParams {
   bool split_jobs;
   // The staged kernel (large steps): tokens per CTA.
   int32_t staged_tokens;
-
 };
 
 // Whether a rotated job's neox partners come by shuffle: the half rotary width a whole number of

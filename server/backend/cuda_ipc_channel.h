@@ -34,8 +34,6 @@ class CudaStep;
 
 class CudaIpcChannel final : public BackendChannel {
  public:
-  // Layers of the channel enqueued on the device and not yet completed, at most.
-
   static absl::StatusOr<std::unique_ptr<CudaIpcChannel>> Create(CudaCache* cache,
                                                                 const ChannelSpec& spec,
                                                                 int device);
