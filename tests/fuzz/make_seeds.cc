@@ -185,6 +185,31 @@ void WriteLifecycleSeeds(SeedWriter& out) {
     *m.fuzz_case.add_actions() = unknown;
     out.Write("export_import_channel", m.fuzz_case);
   }
+  {  // A sequence of 4 pages a (layer, pool) through regions that hold 3: the channel cuts the
+     // export's chunks at the region (3 + 1 pages), a gRPC export takes all 4 in one.
+    Managed m;
+    Action second;
+    *second.mutable_create_cache() = SmallCache(CacheVariant::kMhaManaged, "other");
+    *m.fuzz_case.add_actions() = second;
+    attnd::v1::OpenChannelRequest open;
+    open.set_cache("other");
+    open.set_kind(attnd::v1::CHANNEL_KIND_HOST_SHM);
+    open.set_max_tokens(1);
+    open.set_slots(2);
+    Action open_action;
+    *open_action.mutable_open_channel() = open;
+    *m.fuzz_case.add_actions() = open_action;
+    m.Plan({{1, 16}});
+    m.Forward(1, 0, rng);
+    m.Forward(1, 1, rng);
+    for (const uint64_t import_channel : {uint64_t{0}, uint64_t{1}}) {
+      Action through = ExportImportAction(1, "other", 1 + import_channel, 0);
+      through.mutable_export_import()->mutable_export_()->set_channel_id(1);
+      through.mutable_export_import()->set_import_channel_id(import_channel);
+      *m.fuzz_case.add_actions() = through;
+    }
+    out.Write("export_import_channel_chunks", m.fuzz_case);
+  }
   {  // A hand-written import stream: a header for 2 tokens and one chunk of K of layer 0 only.
     Managed m;
     Action action;
