@@ -204,7 +204,7 @@ void BenchKernelPlan(const std::string& kind, int32_t sequences, int32_t runs, b
     batch.token_batch_indices.push_back(b);
     batch.token_positions.push_back(static_cast<int32_t>(lengths[b] - 1));
   }
-  batch.v_page_indices = batch.k_page_indices;
+  // v_page_indices stays empty, as the engine leaves it for a cache of SHARED page tables.
   plan::StepPlanContext context;
   context.geometry = &spec.geometry;
   context.decode_supported = true;
