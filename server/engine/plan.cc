@@ -338,6 +338,7 @@ absl::Status Engine::State::ReservePlanLocked(const PlanSpec& spec, uint64_t own
   int64_t pages_needed = 0;
   int64_t table_pages = 0;  // page ids the step's table lists
   absl::flat_hash_map<uint64_t, size_t> first_entry_of;
+  first_entry_of.reserve(spec.entries.size());
   std::vector<std::shared_ptr<StepEntry>> parents;  // open steps this one chains on
   for (size_t i = 0; i < spec.entries.size(); ++i) {
     const PlanEntrySpec& entry = spec.entries[i];
@@ -509,8 +510,6 @@ absl::Status Engine::State::ReservePlanLocked(const PlanSpec& spec, uint64_t own
     batch->last_page_len.push_back(
         pages == 0 ? 0 : static_cast<int32_t>(kv_len - (pages - 1) * page_size));
   }
-  batch->phase = StepPhaseOf(batch->qo_indptr);
-
   batch->phase = StepPhaseOf(batch->qo_indptr);
 
   // Registered as preparing: open for the limits and for aborts, unseen by Forward and EndStep.

@@ -12,7 +12,7 @@
 // Each for 256 decode sequences of equal length (1024 and 32768 keys) and of mixed lengths,
 // median of many runs, after warm-up.
 //
-//   plan_bench [--sequences=256 --runs=2000]
+//   plan_bench [--sequences=256 --runs=2000 --kv_lens=1024,32768,mixed]
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -33,6 +33,8 @@
 
 ABSL_FLAG(int32_t, sequences, 256, "decode sequences per step");
 ABSL_FLAG(int32_t, runs, 2000, "timed runs per case");
+ABSL_FLAG(std::vector<std::string>, kv_lens, std::vector<std::string>({"1024", "32768", "mixed"}),
+          "keys per sequence of each case: a number, or mixed (uniform in [1, 8192])");
 ABSL_FLAG(int32_t, ctas_per_wave, 132 * 8,
           "decode CTAs the device runs at once (the planner's input; 132 SMs x 8 here)");
 
@@ -240,7 +242,7 @@ int Main() {
   const int32_t sequences = absl::GetFlag(FLAGS_sequences);
   const int32_t runs = absl::GetFlag(FLAGS_runs);
   absl::PrintF("%-8s %-8s %8s %12s %12s\n", "what", "kv_len", "batch", "p50 us", "p90 us");
-  for (const std::string kind : {"1024", "32768", "mixed"}) {
+  for (const std::string& kind : absl::GetFlag(FLAGS_kv_lens)) {
     BenchEngine(kind, sequences, runs);
 #ifdef ATTND_PLAN_BENCH_CUDA
     BenchKernelPlan(kind, sequences, runs, /*cached=*/false);
