@@ -210,6 +210,21 @@ void WriteLifecycleSeeds(SeedWriter& out) {
     }
     out.Write("export_import_channel_chunks", m.fuzz_case);
   }
+  {  // A chunk repeated at the end and its first copy dropped: every chunk once, in another
+     // order, which is a whole import (chunks come in any order), not a damaged one.
+    Managed m;
+    Action second;
+    *second.mutable_create_cache() = SmallCache(CacheVariant::kMhaManaged, "other");
+    *m.fuzz_case.add_actions() = second;
+    m.Plan({{1, 7}});
+    m.Forward(1, 0, rng);
+    m.Forward(1, 1, rng);
+    Action moved = ExportImportAction(1, "other", 0, 0);
+    moved.mutable_export_import()->set_repeat_message(2);
+    moved.mutable_export_import()->set_drop_message(2);
+    *m.fuzz_case.add_actions() = moved;
+    out.Write("export_import_reordered", m.fuzz_case);
+  }
   {  // A hand-written import stream: a header for 2 tokens and one chunk of K of layer 0 only.
     Managed m;
     Action action;

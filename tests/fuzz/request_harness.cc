@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -643,6 +644,16 @@ struct RequestHarness::State {
     return pools;
   }
 
+  // The chunk messages (all but the first), serialized and sorted: equal for two imports that
+  // send the same chunks in another order.
+  static std::vector<std::string> SortedChunks(
+      const std::vector<attnd::v1::ImportSequenceRequest>& messages) {
+    std::vector<std::string> chunks;
+    for (size_t i = 1; i < messages.size(); ++i) chunks.push_back(messages[i].SerializeAsString());
+    std::sort(chunks.begin(), chunks.end());
+    return chunks;
+  }
+
   ActionResult ExportImport(const ExportImport& action) {
     ActionResult result{false, false, std::nullopt, "ExportImport"};
     result.imported_cache = action.target_cache();
@@ -685,7 +696,6 @@ struct RequestHarness::State {
                     header.num_chunks());
     }  // the export's pins go here
     const std::vector<attnd::v1::ImportSequenceRequest> original = messages;
-    bool damaged = false;
     const size_t count = messages.size();
     if (action.corrupt_message() >= 1 && action.corrupt_message() <= count) {
       attnd::v1::ImportSequenceRequest& message = messages[action.corrupt_message() - 1];
@@ -697,17 +707,21 @@ struct RequestHarness::State {
           (*data)[action.corrupt_byte() % data->size()] ^=
               static_cast<char>(1 << (action.corrupt_byte() % 8));
         }
-        damaged = true;
       }
     }
     if (action.repeat_message() >= 2 && action.repeat_message() <= count) {
       messages.push_back(messages[action.repeat_message() - 1]);
-      damaged = true;
     }
     if (action.drop_message() >= 1 && action.drop_message() <= count) {
       messages.erase(messages.begin() + (action.drop_message() - 1));
-      damaged = true;
     }
+    // Damaged: anything but the header first and then every exported chunk exactly once, as it
+    // was exported, in any order (an import takes chunks in any order, so a repeated chunk
+    // whose first copy was dropped is only a reordering).
+    const bool damaged = messages.empty() ||
+                         messages[0].SerializeAsString() != original[0].SerializeAsString() ||
+                         SortedChunks(messages) != SortedChunks(original);
+    if (messages.empty()) return result;
     messages[0].set_cache(action.target_cache());
     messages[0].set_sequence_id(action.new_id());
     const uint64_t import_channel = MapChannelId(action.import_channel_id());
