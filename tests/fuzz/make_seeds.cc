@@ -60,6 +60,22 @@ struct Managed {
   void End(uint64_t ordinal, bool abort, uint32_t stream = 0) {
     *fuzz_case.add_actions() = EndStepAction(ordinal, abort, stream);
   }
+  // A second cache of the same shape, "other" (export/import targets).
+  void CreateOther() {
+    Action create;
+    *create.mutable_create_cache() = SmallCache(CacheVariant::kMhaManaged, "other");
+    *fuzz_case.add_actions() = create;
+  }
+  // A HOST_SHM channel on `cache` of `slots` slots of `max_tokens` rows.
+  void OpenShmChannel(const std::string& cache, int32_t max_tokens, int32_t slots) {
+    Action open;
+    attnd::v1::OpenChannelRequest& request = *open.mutable_open_channel();
+    request.set_cache(cache);
+    request.set_kind(attnd::v1::CHANNEL_KIND_HOST_SHM);
+    request.set_max_tokens(max_tokens);
+    request.set_slots(slots);
+    *fuzz_case.add_actions() = open;
+  }
 };
 
 Action ForkAction(uint64_t source, uint64_t new_id, int64_t tokens) {
@@ -123,9 +139,7 @@ void WriteLifecycleSeeds(SeedWriter& out) {
   }
   {  // Export/import round trips into a second cache, and damaged copies of it.
     Managed m;
-    Action second;
-    *second.mutable_create_cache() = SmallCache(CacheVariant::kMhaManaged, "other");
-    *m.fuzz_case.add_actions() = second;
+    m.CreateOther();
     m.Plan({{1, 7}});
     m.Forward(1, 0, rng);
     m.Forward(1, 1, rng);
@@ -153,17 +167,8 @@ void WriteLifecycleSeeds(SeedWriter& out) {
   {  // Export and import through a HOST_SHM channel (regions of ~1.8 KiB: chunks of one page),
      // damaged, and with a step on the channel in between.
     Managed m;
-    Action second;
-    *second.mutable_create_cache() = SmallCache(CacheVariant::kMhaManaged, "other");
-    *m.fuzz_case.add_actions() = second;
-    attnd::v1::OpenChannelRequest open;
-    open.set_cache("other");
-    open.set_kind(attnd::v1::CHANNEL_KIND_HOST_SHM);
-    open.set_max_tokens(1);
-    open.set_slots(2);
-    Action open_action;
-    *open_action.mutable_open_channel() = open;
-    *m.fuzz_case.add_actions() = open_action;
+    m.CreateOther();
+    m.OpenShmChannel("other", 1, 2);
     m.Plan({{1, 7}});
     m.Forward(1, 0, rng);
     m.Forward(1, 1, rng);
@@ -188,17 +193,8 @@ void WriteLifecycleSeeds(SeedWriter& out) {
   {  // A sequence of 4 pages a (layer, pool) through regions that hold 3: the channel cuts the
      // export's chunks at the region (3 + 1 pages), a gRPC export takes all 4 in one.
     Managed m;
-    Action second;
-    *second.mutable_create_cache() = SmallCache(CacheVariant::kMhaManaged, "other");
-    *m.fuzz_case.add_actions() = second;
-    attnd::v1::OpenChannelRequest open;
-    open.set_cache("other");
-    open.set_kind(attnd::v1::CHANNEL_KIND_HOST_SHM);
-    open.set_max_tokens(1);
-    open.set_slots(2);
-    Action open_action;
-    *open_action.mutable_open_channel() = open;
-    *m.fuzz_case.add_actions() = open_action;
+    m.CreateOther();
+    m.OpenShmChannel("other", 1, 2);
     m.Plan({{1, 16}});
     m.Forward(1, 0, rng);
     m.Forward(1, 1, rng);
@@ -213,9 +209,7 @@ void WriteLifecycleSeeds(SeedWriter& out) {
   {  // A chunk repeated at the end and its first copy dropped: every chunk once, in another
      // order, which is a whole import (chunks come in any order), not a damaged one.
     Managed m;
-    Action second;
-    *second.mutable_create_cache() = SmallCache(CacheVariant::kMhaManaged, "other");
-    *m.fuzz_case.add_actions() = second;
+    m.CreateOther();
     m.Plan({{1, 7}});
     m.Forward(1, 0, rng);
     m.Forward(1, 1, rng);
