@@ -60,6 +60,13 @@ struct Managed {
   void End(uint64_t ordinal, bool abort, uint32_t stream = 0) {
     *fuzz_case.add_actions() = EndStepAction(ordinal, abort, stream);
   }
+  // The case's first step: `tokens` tokens of sequence 1 through both layers (committed by the
+  // last one).
+  void FirstStep(int32_t tokens, std::mt19937_64& rng) {
+    Plan({{1, tokens}});
+    Forward(1, 0, rng);
+    Forward(1, 1, rng);
+  }
   // A second cache of the same shape, "other" (export/import targets).
   void CreateOther() {
     Action create;
@@ -106,9 +113,7 @@ void WriteLifecycleSeeds(SeedWriter& out) {
   std::mt19937_64 rng(20261125);
   {  // Fork inside a page; both sides write into the shared page; the source freed first.
     Managed m;
-    m.Plan({{1, 6}});
-    m.Forward(1, 0, rng);
-    m.Forward(1, 1, rng);
+    m.FirstStep(6, rng);
     *m.fuzz_case.add_actions() = ForkAction(1, 2, 5);
     *m.fuzz_case.add_actions() = ForkAction(1, 3, 0);
     m.Plan({{2, 1}, {3, 2}});
@@ -122,9 +127,7 @@ void WriteLifecycleSeeds(SeedWriter& out) {
   }
   {  // A copying step aborted, then committed early (the unrun layer's copy at commit).
     Managed m;
-    m.Plan({{1, 3}});
-    m.Forward(1, 0, rng);
-    m.Forward(1, 1, rng);
+    m.FirstStep(3, rng);
     *m.fuzz_case.add_actions() = ForkAction(1, 2, 0);
     m.Plan({{2, 1}});
     m.Forward(2, 0, rng);
@@ -140,9 +143,7 @@ void WriteLifecycleSeeds(SeedWriter& out) {
   {  // Export/import round trips into a second cache, and damaged copies of it.
     Managed m;
     m.CreateOther();
-    m.Plan({{1, 7}});
-    m.Forward(1, 0, rng);
-    m.Forward(1, 1, rng);
+    m.FirstStep(7, rng);
     *m.fuzz_case.add_actions() = ExportImportAction(1, "other", 0, 300);
     Action corrupt = ExportImportAction(1, "other", 2, 300);
     corrupt.mutable_export_import()->set_corrupt_message(3);
@@ -169,9 +170,7 @@ void WriteLifecycleSeeds(SeedWriter& out) {
     Managed m;
     m.CreateOther();
     m.OpenShmChannel("other", 1, 2);
-    m.Plan({{1, 7}});
-    m.Forward(1, 0, rng);
-    m.Forward(1, 1, rng);
+    m.FirstStep(7, rng);
     Action through = ExportImportAction(1, "other", 0, 0);
     through.mutable_export_import()->mutable_export_()->set_channel_id(1);
     through.mutable_export_import()->set_import_channel_id(1);
@@ -195,9 +194,7 @@ void WriteLifecycleSeeds(SeedWriter& out) {
     Managed m;
     m.CreateOther();
     m.OpenShmChannel("other", 1, 2);
-    m.Plan({{1, 16}});
-    m.Forward(1, 0, rng);
-    m.Forward(1, 1, rng);
+    m.FirstStep(16, rng);
     for (const uint64_t import_channel : {uint64_t{0}, uint64_t{1}}) {
       Action through = ExportImportAction(1, "other", 1 + import_channel, 0);
       through.mutable_export_import()->mutable_export_()->set_channel_id(1);
@@ -210,9 +207,7 @@ void WriteLifecycleSeeds(SeedWriter& out) {
      // order, which is a whole import (chunks come in any order), not a damaged one.
     Managed m;
     m.CreateOther();
-    m.Plan({{1, 7}});
-    m.Forward(1, 0, rng);
-    m.Forward(1, 1, rng);
+    m.FirstStep(7, rng);
     Action moved = ExportImportAction(1, "other", 0, 0);
     moved.mutable_export_import()->set_repeat_message(2);
     moved.mutable_export_import()->set_drop_message(2);

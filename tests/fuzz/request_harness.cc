@@ -718,10 +718,9 @@ struct RequestHarness::State {
     // Damaged: anything but the header first and then every exported chunk exactly once, as it
     // was exported, in any order (an import takes chunks in any order, so a repeated chunk
     // whose first copy was dropped is only a reordering).
-    const bool damaged = messages.empty() ||
-                         messages[0].SerializeAsString() != original[0].SerializeAsString() ||
-                         SortedChunks(messages) != SortedChunks(original);
     if (messages.empty()) return result;
+    const bool damaged = messages[0].SerializeAsString() != original[0].SerializeAsString() ||
+                         SortedChunks(messages) != SortedChunks(original);
     messages[0].set_cache(action.target_cache());
     messages[0].set_sequence_id(action.new_id());
     const uint64_t import_channel = MapChannelId(action.import_channel_id());
