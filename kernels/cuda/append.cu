@@ -225,54 +225,58 @@ struct AppendShared {
   int64_t slot_offset[kMaxJobs][kTokensPerCta];
 };
 
+// Quantises (paged jobs) and stores the 8 values `x` of one unit of job kJob. Every lane of the
+// warp calls it (FP8 lane pairs join their bytes by shuffle); `active` says whether the lane's unit
+// is written. Only the stores depend on `active`, so a caller's units need no branch around it.
+template <int kJob, typename InT, typename CacheT>
+__device__ __forceinline__ void WriteUnit(const AppendParams& params, int64_t first_token, const Unit& unit,
+                                          int64_t slot_offset, bool active, float (&x)[kUnit]) {
+  constexpr bool kFp8Cache = sizeof(CacheT) == 1;
+  const AppendJob& job = params.jobs[kJob];
+  if (kJob == 0 || job.page_ids == nullptr) {  // job 0 is dense (LaunchAppend)
+    if (active) {
+      *reinterpret_cast<uint4*>(static_cast<InT*>(job.out) +
+                                ((first_token + unit.token) * job.num_heads + unit.head) *
+                                    static_cast<int64_t>(job.width) +
+                                unit.first_dim) = FloatToRaw8<InT>(x);
+    }
+    return;
+  }
+  if (job.scale != 1.0f) {
+#pragma unroll
+    for (int k = 0; k < kUnit; ++k) x[k] = DivideByScale(x[k], job.scale, job.inverse_scale);
+  }
+  CacheT* const destination = static_cast<CacheT*>(job.out) + slot_offset + unit.head * job.head_stride + unit.first_dim;
+  if constexpr (kFp8Cache) {
+    // Units 2k and 2k + 1 are the two halves of 16 dims of one row (rows have an even unit
+    // count and start at even indices), so the even lane stores both: 16 bytes.
+    const uint2 bytes = FloatToRaw8<CacheT>(x);
+    const uint32_t odd_x = __shfl_xor_sync(0xffffffffu, bytes.x, 1);
+    const uint32_t odd_y = __shfl_xor_sync(0xffffffffu, bytes.y, 1);
+    if (active && (threadIdx.x & 1) == 0) {
+      *reinterpret_cast<uint4*>(destination) = make_uint4(bytes.x, bytes.y, odd_x, odd_y);
+    }
+  } else {
+    if (active) *reinterpret_cast<uint4*>(destination) = FloatToRaw8<CacheT>(x);
+  }
+}
+
 // Rotates (where the job does), quantises and stores one unit of job kJob. Every lane of the warp
-// calls it (FP8 lane pairs join their bytes by shuffle); `active` says whether the lane's unit is
-// written. `row()`: the unit's input row, where a partner that did not come by shuffle is read
-// (global memory, or the row's staged copy in shared memory); only evaluated where it is needed,
-// so it holds no registers otherwise.
+// calls it; `active` says whether the lane's unit is written. `row()`: the unit's input row, where
+// a partner that did not come by shuffle is read (global memory, or the row's staged copy in
+// shared memory); only evaluated where it is needed, so it holds no registers otherwise.
 template <int kJob, typename InT, typename CacheT, typename RowFn>
 __device__ __forceinline__ void StoreUnit(const AppendParams& params, const AppendShared& shared,
                                           int64_t first_token, const Unit& unit, int64_t slot_offset,
                                           bool active, const uint4& raw, RowFn row, bool shuffled,
                                           const uint4& partner_raw) {
-  constexpr bool kFp8Cache = sizeof(CacheT) == 1;
   const AppendJob& job = params.jobs[kJob];
-  const bool paged = kJob != 0 && job.page_ids != nullptr;  // job 0 is dense (LaunchAppend)
-  uint2 fp8_bytes = make_uint2(0, 0);
-  if (active) {
-    float x[kUnit];
-    Raw8ToFloat<InT>(raw, x);
-    if (job.rotate && unit.first_dim < 2 * params.rope_pairs) {
-      Rotate8<InT>(x, params, unit, row(), shared.angles[unit.token], shuffled, partner_raw);
-    }
-    if (!paged) {
-      *reinterpret_cast<uint4*>(static_cast<InT*>(job.out) +
-                                ((first_token + unit.token) * job.num_heads + unit.head) *
-                                    static_cast<int64_t>(job.width) +
-                                unit.first_dim) = FloatToRaw8<InT>(x);
-    } else {
-      if (job.scale != 1.0f) {
-#pragma unroll
-        for (int k = 0; k < kUnit; ++k) x[k] = DivideByScale(x[k], job.scale, job.inverse_scale);
-      }
-      if constexpr (kFp8Cache) {
-        fp8_bytes = FloatToRaw8<CacheT>(x);
-      } else {
-        *reinterpret_cast<uint4*>(static_cast<CacheT*>(job.out) + slot_offset +
-                                  unit.head * job.head_stride + unit.first_dim) = FloatToRaw8<CacheT>(x);
-      }
-    }
+  float x[kUnit];
+  Raw8ToFloat<InT>(raw, x);
+  if (active && job.rotate && unit.first_dim < 2 * params.rope_pairs) {
+    Rotate8<InT>(x, params, unit, row(), shared.angles[unit.token], shuffled, partner_raw);
   }
-  if constexpr (kFp8Cache && kJob != 0) {
-    // Units 2k and 2k + 1 are the two halves of 16 dims of one row (rows have an even unit
-    // count and start at even indices), so the even lane stores both: 16 bytes.
-    const uint32_t odd_x = __shfl_xor_sync(0xffffffffu, fp8_bytes.x, 1);
-    const uint32_t odd_y = __shfl_xor_sync(0xffffffffu, fp8_bytes.y, 1);
-    if (active && paged && (threadIdx.x & 1) == 0) {
-      *reinterpret_cast<uint4*>(static_cast<CacheT*>(job.out) + slot_offset + unit.head * job.head_stride +
-                                unit.first_dim) = make_uint4(fp8_bytes.x, fp8_bytes.y, odd_x, odd_y);
-    }
-  }
+  WriteUnit<kJob, InT, CacheT>(params, first_token, unit, slot_offset, active, x);
 }
 
 // Calls fetch(r, source) for each unit of this thread in job kJob's round `base` that holds input:
@@ -281,13 +285,12 @@ template <int kJob, typename InT, typename Fetch>
 __device__ __forceinline__ void ForRoundUnits(const AppendParams& params, int base, int64_t first_token,
                                               int tokens_here, Fetch fetch) {
   const AppendJob& job = params.jobs[kJob];
-  const int units = kTokensPerCta * job.units_per_token;
+  const int units = tokens_here * job.units_per_token;
 #pragma unroll
   for (int r = 0; r < kUnitsInFlight; ++r) {
     const int index = base + r * kAppendThreads + threadIdx.x;
     if (index >= units) continue;
     const Unit unit = Locate(job, index);
-    if (unit.token >= tokens_here) continue;
     fetch(r, InputRow<InT>(job, unit, first_token) + unit.first_dim);
   }
 }
@@ -335,6 +338,68 @@ __device__ __forceinline__ int PresentJob(const AppendParams& params, int job) {
   return job;
 }
 
+// Whether job kJob's rounds can take TransformRoundUniform: no rotation, or neox over the whole
+// head with partners by shuffle (the models' usual RoPE). Uniform across the CTA.
+template <int kJob>
+__device__ __forceinline__ bool UniformRounds(const AppendParams& params) {
+  const AppendJob& job = params.jobs[kJob];
+  return !job.rotate || (ShufflePartners(params, job) && 2 * params.rope_pairs == job.width);
+}
+
+// One round of job kJob's units (those of `value`, from unit `base` on) where UniformRounds holds:
+// every unit of the round takes the same path, and nothing but the stores depends on whether a
+// lane's unit exists, so the compiler can interleave the round's units (each unit's own chain of
+// slot lookup, shuffles, angle loads, products and store is long; in the general path each unit
+// is a branch of its own, and the units of a round ran one after another).
+template <int kJob, typename InT, typename CacheT>
+__device__ __forceinline__ void TransformRoundUniform(const AppendParams& params, const AppendShared& shared,
+                                                      int64_t first_token, int tokens_here, int base,
+                                                      const uint4 (&value)[kUnitsInFlight]) {
+  const AppendJob& job = params.jobs[kJob];
+  const int units = tokens_here * job.units_per_token;  // of the tokens present
+  const int pairs = params.rope_pairs;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < kUnitsInFlight; ++r) {
+    // Uniform across the CTA, so the shuffles have every lane.
+    if (base + r * kAppendThreads >= units) break;
+    const int index = base + r * kAppendThreads + threadIdx.x;
+    const Unit unit = Locate(job, index < units ? index : 0);
+    const int64_t slot_offset = shared.slot_offset[kJob][unit.token];
+    const bool active = index < units && slot_offset >= 0;
+    float x[kUnit];
+    Raw8ToFloat<InT>(value[r], x);
+    if (job.rotate) {
+      // Neox over the whole row: the partner unit is pairs / 8 lanes away, in the same warp.
+      const bool first_half = unit.first_dim < pairs;
+      const int source = first_half ? lane + pairs / kUnit : lane - pairs / kUnit;
+      uint4 partner_raw;
+      partner_raw.x = __shfl_sync(0xffffffffu, value[r].x, source);
+      partner_raw.y = __shfl_sync(0xffffffffu, value[r].y, source);
+      partner_raw.z = __shfl_sync(0xffffffffu, value[r].z, source);
+      partner_raw.w = __shfl_sync(0xffffffffu, value[r].w, source);
+      float partner[kUnit];
+      Raw8ToFloat<InT>(partner_raw, partner);
+      // The same products and sums, rounded the same way, as Rotate8's neox path.
+      const float4* unit_angles = reinterpret_cast<const float4*>(shared.angles[unit.token] +
+                                                                  (first_half ? unit.first_dim : unit.first_dim - pairs));
+#pragma unroll
+      for (int k = 0; k < kUnit; k += 2) {
+        const float4 two = unit_angles[k / 2];
+        const float cosines[2] = {two.x, two.z};
+        const float sines[2] = {two.y, two.w};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float product_cos = __fmul_rn(x[k + h], cosines[h]);
+          const float product_sin = __fmul_rn(partner[k + h], sines[h]);
+          x[k + h] = first_half ? __fsub_rn(product_cos, product_sin) : __fadd_rn(product_sin, product_cos);
+        }
+      }
+    }
+    WriteUnit<kJob, InT, CacheT>(params, first_token, unit, slot_offset, active, x);
+  }
+}
+
 // Transforms and stores job kJob's units of the CTA's tokens; the job index is a template
 // parameter so every job field is a constant-bank operand, not a computed load. With kRing, each
 // round's units come from the ring (`stage` is this round's half), and the round after it, this
@@ -345,7 +410,9 @@ __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendS
                                        uint4 (&value)[kUnitsInFlight], UnitRing* ring, int& stage) {
   constexpr bool kFp8Cache = sizeof(CacheT) == 1;
   const AppendJob& job = params.jobs[kJob];
-  const int units = kTokensPerCta * job.units_per_token;
+  // The units of the tokens present: rounds and units past them (a step's last CTA; a decode
+  // step of fewer than kTokensPerCta tokens) are not run at all.
+  const int units = tokens_here * job.units_per_token;
   for (int base = 0; base < units; base += kUnitsInFlight * kAppendThreads) {
     if constexpr (kRing) {
       // The round after this one: the job's next, else the next job's first (none in split mode).
@@ -362,6 +429,10 @@ __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendS
     } else {
       if (base > 0 || !first_loaded) LoadUnits<kJob, InT>(params, base, first_token, tokens_here, value);
     }
+    if (UniformRounds<kJob>(params)) {
+      TransformRoundUniform<kJob, InT, CacheT>(params, shared, first_token, tokens_here, base, value);
+      continue;
+    }
 #pragma unroll
     for (int r = 0; r < kUnitsInFlight; ++r) {
       // Uniform across the CTA, so the shuffle below has every lane.
@@ -369,7 +440,7 @@ __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendS
       const int index = base + r * kAppendThreads + threadIdx.x;
       const Unit unit = Locate(job, index < units ? index : 0);
       const int64_t slot_offset = shared.slot_offset[kJob][unit.token];
-      const bool active = index < units && unit.token < tokens_here && slot_offset >= 0;
+      const bool active = index < units && slot_offset >= 0;
       // Uniform across the CTA (a job's fields), so every lane takes part in the shuffles. The
       // paged jobs of FP8 caches keep the L1 partner load: with the shuffled vector live beside
       // their byte pairing, their kernels spilled at the 64 registers of 4 CTAs per SM. Job 0 (q,
@@ -401,8 +472,22 @@ __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendS
 // input holds them: [tokens_here][num_heads][width]).
 template <int kJob, typename InT, typename CacheT>
 __device__ __forceinline__ void RunStagedJob(const AppendParams& params, const AppendShared& shared,
-                                             int64_t first_token, const uint4* stage, int units) {
+                                             int64_t first_token, int tokens_here, const uint4* stage) {
   const AppendJob& job = params.jobs[kJob];
+  const int units = tokens_here * job.units_per_token;
+  if (UniformRounds<kJob>(params)) {
+    // Rounds of kUnitsInFlight units a thread, as the register kernel's, read from the stage.
+    for (int base = 0; base < units; base += kUnitsInFlight * kAppendThreads) {
+      uint4 value[kUnitsInFlight];
+#pragma unroll
+      for (int r = 0; r < kUnitsInFlight; ++r) {
+        const int index = base + r * kAppendThreads + threadIdx.x;
+        value[r] = index < units ? stage[index] : make_uint4(0, 0, 0, 0);
+      }
+      TransformRoundUniform<kJob, InT, CacheT>(params, shared, first_token, tokens_here, base, value);
+    }
+    return;
+  }
   // The bound is uniform across the CTA: every lane reaches StoreUnit's shuffles.
 #pragma unroll 2
   for (int base = 0; base < units; base += kAppendThreads) {
@@ -542,13 +627,13 @@ __global__ void __launch_bounds__(kAppendThreads, 4) AppendStagedKernel(const Ap
   PrepareTokens(params, shared, first_token, tokens_here, /*only_job=*/-1);
   CpAsyncWait<2>();
   __syncthreads();
-  RunStagedJob<0, InT, CacheT>(params, shared, first_token, job_stage[0], tokens_here * params.jobs[0].units_per_token);
+  RunStagedJob<0, InT, CacheT>(params, shared, first_token, tokens_here, job_stage[0]);
   CpAsyncWait<1>();
   __syncthreads();
-  RunStagedJob<1, InT, CacheT>(params, shared, first_token, job_stage[1], tokens_here * params.jobs[1].units_per_token);
+  RunStagedJob<1, InT, CacheT>(params, shared, first_token, tokens_here, job_stage[1]);
   CpAsyncWait<0>();
   __syncthreads();
-  RunStagedJob<2, InT, CacheT>(params, shared, first_token, job_stage[2], tokens_here * params.jobs[2].units_per_token);
+  RunStagedJob<2, InT, CacheT>(params, shared, first_token, tokens_here, job_stage[2]);
 }
 
 using AppendKernelFn = void (*)(AppendParams);

@@ -498,17 +498,17 @@ INSTANTIATE_TEST_SUITE_P(
                                  false, RopeStyle::kInterleaved, 0, true, 12}),
     [](const ::testing::TestParamInfo<AppendCase>& info) { return CaseName(info.param); });
 
-// (cache dtype, page size, positions past 131072, a large step: about 10000 rows, the staged
-// kernel's)
-class AppendMlaTest : public ::testing::TestWithParam<std::tuple<DType, int32_t, bool, bool>> {};
+// (cache dtype, page size, positions past 131072, rows of a large step: 0 for a small one; about
+// 3000 take the register kernel's packed rounds, about 10000 the staged kernel)
+class AppendMlaTest : public ::testing::TestWithParam<std::tuple<DType, int32_t, bool, int32_t>> {};
 
 TEST_P(AppendMlaTest, MatchesReference) {
   ATTND_SKIP_WITHOUT_GPU();
-  const auto [cache_dtype, page_size, long_positions, many] = GetParam();
+  const auto [cache_dtype, page_size, long_positions, many_rows] = GetParam();
   const DType in_dtype = DType::kBFloat16;
   constexpr int32_t kLora = 512, kRope = 64, kHeads = 16;
   std::mt19937 rng(77 + page_size);
-  AppendStep step = many             ? MakeManyStep(page_size, /*separate_kv=*/true, 10301, rng)
+  AppendStep step = many_rows > 0    ? MakeManyStep(page_size, /*separate_kv=*/true, many_rows, rng)
                     : long_positions ? MakeLongStep(page_size, /*separate_kv=*/true, rng)
                                      : MakeStep(page_size, /*separate_kv=*/true, rng);
   const int64_t num_tokens = static_cast<int64_t>(step.batch_indices.size());
@@ -582,18 +582,21 @@ TEST_P(AppendMlaTest, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Mla, AppendMlaTest,
-                         ::testing::Values(std::tuple{DType::kBFloat16, 1, false, false},
-                                           std::tuple{DType::kBFloat16, 64, false, false},
-                                           std::tuple{DType::kFloat8E4M3, 16, false, false},
-                                           std::tuple{DType::kBFloat16, 64, true, false},
-                                           std::tuple{DType::kFloat8E4M3, 64, true, false},
-                                           std::tuple{DType::kBFloat16, 64, false, true},
-                                           std::tuple{DType::kFloat8E4M3, 16, false, true}),
+                         ::testing::Values(std::tuple{DType::kBFloat16, 1, false, 0},
+                                           std::tuple{DType::kBFloat16, 64, false, 0},
+                                           std::tuple{DType::kFloat8E4M3, 16, false, 0},
+                                           std::tuple{DType::kBFloat16, 64, true, 0},
+                                           std::tuple{DType::kFloat8E4M3, 64, true, 0},
+                                           std::tuple{DType::kBFloat16, 64, false, 3003},
+                                           std::tuple{DType::kFloat8E4M3, 16, false, 2999},
+                                           std::tuple{DType::kBFloat16, 64, false, 10301},
+                                           std::tuple{DType::kFloat8E4M3, 16, false, 10301}),
                          [](const auto& info) {
                            return std::string(kernel_test::ShortName(std::get<0>(info.param))) + "_p" +
                                   std::to_string(std::get<1>(info.param)) +
                                   (std::get<2>(info.param) ? "_long" : "") +
-                                  (std::get<3>(info.param) ? "_many" : "");
+                                  (std::get<3>(info.param) > 0 ? "_rows" + std::to_string(std::get<3>(info.param))
+                                                               : "");
                          });
 
 TEST(AppendArgsTest, RejectsRotaryWiderThanHead) {
