@@ -2,23 +2,17 @@
 // runs up to three "jobs" over them, one after another: MHA q (dense, rotated), k (paged,
 // rotated), v (paged); MLA q_pe (dense, rotated), ckv (paged), kpe (paged, rotated). A job's
 // rows are walked as 8-element units (one 16-byte input vector each); consecutive lanes take
-// consecutive units, so every warp load and store is 512 contiguous bytes, and each thread loads
-// kUnitsInFlight units before transforming any, to keep enough bytes in flight. A neox partner
+// consecutive units, so every warp load and store is 512 contiguous bytes. A thread takes its
+// units in rounds of kUnitsInFlight, and where a job has no rotation or neox over the whole head
+// a round's units run one branch-free path, so the compiler interleaves them. A neox partner
 // vector comes from the lane that loaded it (a row of up to 32 units lies in one warp, and the
 // partner unit is rope_pairs / 8 lanes away), by shuffles rather than a second load. The CTA
 // looks up each token's slot and computes its rotary cos/sin once (shared by every head), in
-// float (rope_angles.h), while the first loads are out. FP8 units give 8 bytes: lane pairs
-// (always halves of one row) join them into one 16-byte store.
-// Three kernels share that transform (StoreUnit), by step size: up to 1024 tokens one job per CTA,
-// each thread's rounds of units double-buffered in shared memory (the ring); up to 8192 tokens
-// the same register kernel without the ring, every job in each CTA; beyond, the staged kernel,
-// which copies a CTA's whole input rows into shared memory at once.
+// float (rope_angles.h), while the first loads are out.
+// Each thread's rounds are double-buffered in shared memory (the ring: the next round's copies are
+// out while this one is transformed). Up to 1024 tokens each CTA runs one job of its tokens;
+// beyond, every job.
 #include <cuda_runtime.h>
-
-#include <mutex>
-#include <set>
-#include <type_traits>
-#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/cuda/append.h"
@@ -37,10 +31,6 @@ constexpr int kMaxRopePairs = 128;  // rotary_dim <= 256
 constexpr int kUnit = 8;            // elements of one unit
 constexpr int kUnitsInFlight = 4;   // units a thread loads before transforming them
 constexpr int kMaxJobs = 3;
-// The staged kernel's shared memory for a CTA's input rows: at most 4 tokens within 48 KB (4 CTAs
-// of 256 threads per SM); a token wider than that takes the register kernel.
-constexpr int kMaxStagedBytes = 48 * 1024;
-
 struct AppendJob {
   const void* in;           // [T][num_heads][width], the input dtype; null: job absent
   void* out;                // dense: [T][num_heads][width] (input dtype); paged: the pool
@@ -71,8 +61,6 @@ struct AppendParams {
   // Small steps (decode): each CTA runs one job (blockIdx.y) of its tokens, so q, k and v run
   // side by side instead of one after another in a few CTAs.
   bool split_jobs;
-  // The staged kernel (large steps): tokens per CTA.
-  int32_t staged_tokens;
 };
 
 // Whether a rotated job's neox partners come by shuffle: the half rotary width a whole number of
@@ -225,9 +213,9 @@ struct AppendShared {
   int64_t slot_offset[kMaxJobs][kTokensPerCta];
 };
 
-// Quantises (paged jobs) and stores the 8 values `x` of one unit of job kJob. Every lane of the
-// warp calls it (FP8 lane pairs join their bytes by shuffle); `active` says whether the lane's unit
-// is written. Only the stores depend on `active`, so a caller's units need no branch around it.
+// Quantises (paged jobs) and stores the 8 values `x` of one unit of job kJob; `active` says whether
+// the lane's unit is written. Only the stores depend on it, so a caller's units need no branch
+// around it.
 template <int kJob, typename InT, typename CacheT>
 __device__ __forceinline__ void WriteUnit(const AppendParams& params, int64_t first_token, const Unit& unit,
                                           int64_t slot_offset, bool active, float (&x)[kUnit]) {
@@ -248,14 +236,10 @@ __device__ __forceinline__ void WriteUnit(const AppendParams& params, int64_t fi
   }
   CacheT* const destination = static_cast<CacheT*>(job.out) + slot_offset + unit.head * job.head_stride + unit.first_dim;
   if constexpr (kFp8Cache) {
-    // Units 2k and 2k + 1 are the two halves of 16 dims of one row (rows have an even unit
-    // count and start at even indices), so the even lane stores both: 16 bytes.
-    const uint2 bytes = FloatToRaw8<CacheT>(x);
-    const uint32_t odd_x = __shfl_xor_sync(0xffffffffu, bytes.x, 1);
-    const uint32_t odd_y = __shfl_xor_sync(0xffffffffu, bytes.y, 1);
-    if (active && (threadIdx.x & 1) == 0) {
-      *reinterpret_cast<uint4*>(destination) = make_uint4(bytes.x, bytes.y, odd_x, odd_y);
-    }
+    // 8 bytes a lane: a warp's units of a row are still one contiguous range, and pairing lanes
+    // into 16-byte stores by shuffle cost more than it saved (f16 -> fp8 at 4096 tokens on an
+    // H100: 80.1% of copy paired, 81.3% not).
+    if (active) *reinterpret_cast<uint2*>(destination) = FloatToRaw8<CacheT>(x);
   } else {
     if (active) *reinterpret_cast<uint4*>(destination) = FloatToRaw8<CacheT>(x);
   }
@@ -263,8 +247,8 @@ __device__ __forceinline__ void WriteUnit(const AppendParams& params, int64_t fi
 
 // Rotates (where the job does), quantises and stores one unit of job kJob. Every lane of the warp
 // calls it; `active` says whether the lane's unit is written. `row()`: the unit's input row, where
-// a partner that did not come by shuffle is read (global memory, or the row's staged copy in
-// shared memory); only evaluated where it is needed, so it holds no registers otherwise.
+// a partner that did not come by shuffle is read; only evaluated where it is needed, so it holds
+// no registers otherwise.
 template <int kJob, typename InT, typename CacheT, typename RowFn>
 __device__ __forceinline__ void StoreUnit(const AppendParams& params, const AppendShared& shared,
                                           int64_t first_token, const Unit& unit, int64_t slot_offset,
@@ -295,15 +279,7 @@ __device__ __forceinline__ void ForRoundUnits(const AppendParams& params, int ba
   }
 }
 
-template <int kJob, typename InT>
-__device__ __forceinline__ void LoadUnits(const AppendParams& params, int base, int64_t first_token,
-                                          int tokens_here, uint4 (&value)[kUnitsInFlight]) {
-  ForRoundUnits<kJob, InT>(params, base, first_token, tokens_here, [&](int r, const InT* source) {
-    value[r] = *reinterpret_cast<const uint4*>(source);
-  });
-}
-
-// The register kernel's ring (kRing): per thread, two rounds of units in shared memory, so that
+// The register kernel's ring: per thread, two rounds of units in shared memory, so that
 // the next round's loads (cp.async) are out while this one is rotated and stored. Copies are
 // cached in L1 too: partners not shuffled are read through global memory right after.
 struct UnitRing {
@@ -401,34 +377,29 @@ __device__ __forceinline__ void TransformRoundUniform(const AppendParams& params
 }
 
 // Transforms and stores job kJob's units of the CTA's tokens; the job index is a template
-// parameter so every job field is a constant-bank operand, not a computed load. With kRing, each
-// round's units come from the ring (`stage` is this round's half), and the round after it, this
-// job's next or the next job's first, is issued into the other half first.
-template <int kJob, typename InT, typename CacheT, bool kRing>
+// parameter so every job field is a constant-bank operand, not a computed load. Each round's units
+// come from the ring (`stage` is this round's half), and the round after it, this job's next or
+// the next job's first (none where each CTA runs one job), is issued into the other half first.
+template <int kJob, typename InT, typename CacheT>
 __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendShared& shared,
-                                       int64_t first_token, int tokens_here, bool first_loaded,
-                                       uint4 (&value)[kUnitsInFlight], UnitRing* ring, int& stage) {
+                                       int64_t first_token, int tokens_here, UnitRing& ring, int& stage) {
   constexpr bool kFp8Cache = sizeof(CacheT) == 1;
   const AppendJob& job = params.jobs[kJob];
   // The units of the tokens present: rounds and units past them (a step's last CTA; a decode
   // step of fewer than kTokensPerCta tokens) are not run at all.
   const int units = tokens_here * job.units_per_token;
   for (int base = 0; base < units; base += kUnitsInFlight * kAppendThreads) {
-    if constexpr (kRing) {
-      // The round after this one: the job's next, else the next job's first (none in split mode).
-      int next_job = kJob, next_base = base + kUnitsInFlight * kAppendThreads;
-      if (next_base >= units) {
-        next_base = 0;
-        next_job = params.split_jobs ? kMaxJobs : PresentJob(params, kJob + 1);
-      }
-      IssueRound<InT>(params, next_job, next_base, first_token, tokens_here, *ring, stage ^ 1);
-      CpAsyncWait<1>();
-#pragma unroll
-      for (int r = 0; r < kUnitsInFlight; ++r) value[r] = ring->units[stage][r][threadIdx.x];
-      stage ^= 1;
-    } else {
-      if (base > 0 || !first_loaded) LoadUnits<kJob, InT>(params, base, first_token, tokens_here, value);
+    int next_job = kJob, next_base = base + kUnitsInFlight * kAppendThreads;
+    if (next_base >= units) {
+      next_base = 0;
+      next_job = params.split_jobs ? kMaxJobs : PresentJob(params, kJob + 1);
     }
+    IssueRound<InT>(params, next_job, next_base, first_token, tokens_here, ring, stage ^ 1);
+    CpAsyncWait<1>();
+    uint4 value[kUnitsInFlight];
+#pragma unroll
+    for (int r = 0; r < kUnitsInFlight; ++r) value[r] = ring.units[stage][r][threadIdx.x];
+    stage ^= 1;
     if (UniformRounds<kJob>(params)) {
       TransformRoundUniform<kJob, InT, CacheT>(params, shared, first_token, tokens_here, base, value);
       continue;
@@ -442,9 +413,8 @@ __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendS
       const int64_t slot_offset = shared.slot_offset[kJob][unit.token];
       const bool active = index < units && slot_offset >= 0;
       // Uniform across the CTA (a job's fields), so every lane takes part in the shuffles. The
-      // paged jobs of FP8 caches keep the L1 partner load: with the shuffled vector live beside
-      // their byte pairing, their kernels spilled at the 64 registers of 4 CTAs per SM. Job 0 (q,
-      // dense, in the input dtype) pairs no bytes.
+      // paged jobs of FP8 caches keep the L1 partner load here (by shuffle too, f16 -> fp8 steps
+      // of 1024-16384 tokens ran 0.3-1% slower on an H100).
       const bool shuffled = (!kFp8Cache || kJob == 0) && ShufflePartners(params, job);
       uint4 partner_raw = make_uint4(0, 0, 0, 0);
       if (shuffled) {
@@ -465,42 +435,6 @@ __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendS
           params, shared, first_token, unit, slot_offset, active, value[r],
           [&] { return InputRow<InT>(job, unit, first_token); }, shuffled, partner_raw);
     }
-  }
-}
-
-// Job kJob of the staged kernel: its units of the CTA's tokens, read from `stage` (the rows as the
-// input holds them: [tokens_here][num_heads][width]).
-template <int kJob, typename InT, typename CacheT>
-__device__ __forceinline__ void RunStagedJob(const AppendParams& params, const AppendShared& shared,
-                                             int64_t first_token, int tokens_here, const uint4* stage) {
-  const AppendJob& job = params.jobs[kJob];
-  const int units = tokens_here * job.units_per_token;
-  if (UniformRounds<kJob>(params)) {
-    // Rounds of kUnitsInFlight units a thread, as the register kernel's, read from the stage.
-    for (int base = 0; base < units; base += kUnitsInFlight * kAppendThreads) {
-      uint4 value[kUnitsInFlight];
-#pragma unroll
-      for (int r = 0; r < kUnitsInFlight; ++r) {
-        const int index = base + r * kAppendThreads + threadIdx.x;
-        value[r] = index < units ? stage[index] : make_uint4(0, 0, 0, 0);
-      }
-      TransformRoundUniform<kJob, InT, CacheT>(params, shared, first_token, tokens_here, base, value);
-    }
-    return;
-  }
-  // The bound is uniform across the CTA: every lane reaches StoreUnit's shuffles.
-#pragma unroll 2
-  for (int base = 0; base < units; base += kAppendThreads) {
-    const int index = base + threadIdx.x;
-    const bool inside = index < units;
-    const Unit unit = Locate(job, inside ? index : 0);
-    const int64_t slot_offset = shared.slot_offset[kJob][unit.token];
-    const bool active = inside && slot_offset >= 0;
-    const uint4 raw = inside ? stage[index] : make_uint4(0, 0, 0, 0);
-    StoreUnit<kJob, InT, CacheT>(
-        params, shared, first_token, unit, slot_offset, active, raw,
-        [&] { return reinterpret_cast<const InT*>(stage + index) - unit.first_dim; }, /*shuffled=*/false,
-        make_uint4(0, 0, 0, 0));
   }
 }
 
@@ -544,12 +478,10 @@ __device__ __forceinline__ void PrepareTokens(const AppendParams& params, Append
   }
 }
 
-template <typename InT, typename CacheT, bool kRing>
+template <typename InT, typename CacheT>
 __global__ void __launch_bounds__(kAppendThreads, 4) AppendKvKernel(const AppendParams params) {
   __shared__ __align__(16) AppendShared shared;
-  __shared__ __align__(16) std::conditional_t<kRing, UnitRing, char> ring_storage;
-  UnitRing* ring = nullptr;
-  if constexpr (kRing) ring = &ring_storage;
+  __shared__ __align__(16) UnitRing ring;
 
   // The attention kernel after it (decode) may be scheduled once every CTA of this grid runs;
   // it waits (griddepcontrol.wait) for this grid's results before it reads them.
@@ -560,135 +492,49 @@ __global__ void __launch_bounds__(kAppendThreads, 4) AppendKvKernel(const Append
   const int tokens_here =
       static_cast<int>(min(static_cast<int64_t>(kTokensPerCta), params.num_tokens - first_token));
 
-  // The first units' loads go out before the CTA waits for its tokens' slots and angles.
-  uint4 value[kUnitsInFlight];
-  int stage = 0;
-  const int first_job = params.split_jobs ? static_cast<int>(blockIdx.y) : 0;
-  const bool first_job_present = params.jobs[first_job].units_per_token > 0;
-  if constexpr (kRing) {
-    const int job = params.split_jobs ? (first_job_present ? first_job : kMaxJobs) : PresentJob(params, 0);
-    IssueRound<InT>(params, job, 0, first_token, tokens_here, *ring, 0);
-  } else if (first_job_present) {
-    if (first_job == 0) {
-      LoadUnits<0, InT>(params, 0, first_token, tokens_here, value);
-    } else if (first_job == 1) {
-      LoadUnits<1, InT>(params, 0, first_token, tokens_here, value);
-    } else {
-      LoadUnits<2, InT>(params, 0, first_token, tokens_here, value);
-    }
-  }
-
+  // The first round's copies go out before the CTA waits for its tokens' slots and angles.
+  const int first_job = params.split_jobs ? static_cast<int>(blockIdx.y) : PresentJob(params, 0);
+  IssueRound<InT>(params, params.split_jobs && params.jobs[first_job].units_per_token == 0 ? kMaxJobs : first_job, 0,
+                  first_token, tokens_here, ring, 0);
   PrepareTokens(params, shared, first_token, tokens_here, params.split_jobs ? first_job : -1);
   __syncthreads();
 
+  int stage = 0;
   if (!params.split_jobs) {
-    RunJob<0, InT, CacheT, kRing>(params, shared, first_token, tokens_here, first_job_present, value, ring, stage);
-    RunJob<1, InT, CacheT, kRing>(params, shared, first_token, tokens_here, false, value, ring, stage);
-    RunJob<2, InT, CacheT, kRing>(params, shared, first_token, tokens_here, false, value, ring, stage);
+    RunJob<0, InT, CacheT>(params, shared, first_token, tokens_here, ring, stage);
+    RunJob<1, InT, CacheT>(params, shared, first_token, tokens_here, ring, stage);
+    RunJob<2, InT, CacheT>(params, shared, first_token, tokens_here, ring, stage);
   } else if (first_job == 0) {
-    RunJob<0, InT, CacheT, kRing>(params, shared, first_token, tokens_here, first_job_present, value, ring, stage);
+    RunJob<0, InT, CacheT>(params, shared, first_token, tokens_here, ring, stage);
   } else if (first_job == 1) {
-    RunJob<1, InT, CacheT, kRing>(params, shared, first_token, tokens_here, first_job_present, value, ring, stage);
+    RunJob<1, InT, CacheT>(params, shared, first_token, tokens_here, ring, stage);
   } else {
-    RunJob<2, InT, CacheT, kRing>(params, shared, first_token, tokens_here, first_job_present, value, ring, stage);
+    RunJob<2, InT, CacheT>(params, shared, first_token, tokens_here, ring, stage);
   }
-  if constexpr (kRing) CpAsyncWait<0>();
-}
-
-// Steps of more than kStagedMinTokens tokens. The CTA copies its tokens' input rows of every job
-// (each job's rows of consecutive tokens are one contiguous range) into shared memory with
-// cp.async, all at once, before it waits for anything: its bytes in flight do not hang on
-// registers, as the register kernel's 4 units a thread do, and a neox partner is a shared memory
-// read. One commit group per job: q's rows are transformed while k's and v's still arrive.
-// params.staged_tokens tokens per CTA (1-4, host-chosen so the rows fit).
-template <typename InT, typename CacheT>
-__global__ void __launch_bounds__(kAppendThreads, 4) AppendStagedKernel(const AppendParams params) {
-  extern __shared__ __align__(16) uint4 staged[];
-  __shared__ __align__(16) AppendShared shared;
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  const int tokens_per_cta = params.staged_tokens;
-  const int64_t first_token = static_cast<int64_t>(blockIdx.x) * tokens_per_cta;
-  const int tokens_here = static_cast<int>(min(static_cast<int64_t>(tokens_per_cta), params.num_tokens - first_token));
-  const uint4* job_stage[kMaxJobs];
-  int stage_offset = 0;
-#pragma unroll
-  for (int j = 0; j < kMaxJobs; ++j) {
-    const AppendJob& job = params.jobs[j];
-    uint4* stage = staged + stage_offset;
-    job_stage[j] = stage;
-    stage_offset += tokens_per_cta * job.units_per_token;
-    const int units = tokens_here * job.units_per_token;
-    const uint4* source = static_cast<const uint4*>(job.in) + first_token * job.units_per_token;
-    for (int i = threadIdx.x; i < units; i += kAppendThreads) CpAsync16(stage + i, source + i, true);
-    CpAsyncCommit();  // an absent job commits an empty group
-  }
-  PrepareTokens(params, shared, first_token, tokens_here, /*only_job=*/-1);
-  CpAsyncWait<2>();
-  __syncthreads();
-  RunStagedJob<0, InT, CacheT>(params, shared, first_token, tokens_here, job_stage[0]);
-  CpAsyncWait<1>();
-  __syncthreads();
-  RunStagedJob<1, InT, CacheT>(params, shared, first_token, tokens_here, job_stage[1]);
   CpAsyncWait<0>();
-  __syncthreads();
-  RunStagedJob<2, InT, CacheT>(params, shared, first_token, tokens_here, job_stage[2]);
 }
 
 using AppendKernelFn = void (*)(AppendParams);
 
-// The kernel of a launch: staged (large steps), the register kernel with its ring (small steps,
-// one job per CTA), or without (the steps between).
-enum class AppendKernelKind { kRegister, kRing, kStaged };
-
-template <typename InT, typename CacheT>
-AppendKernelFn PickKernel(AppendKernelKind kind) {
-  switch (kind) {
-    case AppendKernelKind::kRegister:
-      return &AppendKvKernel<InT, CacheT, false>;
-    case AppendKernelKind::kRing:
-      return &AppendKvKernel<InT, CacheT, true>;
-    case AppendKernelKind::kStaged:
-      return &AppendStagedKernel<InT, CacheT>;
-  }
-  return nullptr;
-}
-
 template <typename InT>
-AppendKernelFn PickCache(DType cache_dtype, AppendKernelKind kind) {
+AppendKernelFn PickCache(DType cache_dtype) {
   switch (cache_dtype) {
     case DType::kFloat16:
-      return PickKernel<InT, __half>(kind);
+      return &AppendKvKernel<InT, __half>;
     case DType::kBFloat16:
-      return PickKernel<InT, __nv_bfloat16>(kind);
+      return &AppendKvKernel<InT, __nv_bfloat16>;
     case DType::kFloat8E4M3:
-      return PickKernel<InT, __nv_fp8_e4m3>(kind);
+      return &AppendKvKernel<InT, __nv_fp8_e4m3>;
     case DType::kFloat32:
       return nullptr;
   }
   return nullptr;
 }
 
-AppendKernelFn PickAppendKernel(DType in_dtype, DType cache_dtype, AppendKernelKind kind) {
-  if (in_dtype == DType::kFloat16) return PickCache<__half>(cache_dtype, kind);
-  if (in_dtype == DType::kBFloat16) return PickCache<__nv_bfloat16>(cache_dtype, kind);
+AppendKernelFn PickAppendKernel(DType in_dtype, DType cache_dtype) {
+  if (in_dtype == DType::kFloat16) return PickCache<__half>(cache_dtype);
+  if (in_dtype == DType::kBFloat16) return PickCache<__nv_bfloat16>(cache_dtype);
   return nullptr;
-}
-
-// The staged kernel's rows, with its static shared memory past the default 48 KB, are an opt-in per
-// kernel and device.
-absl::Status AllowStagedBytes(AppendKernelFn kernel) {
-  static std::mutex mutex;
-  static std::set<std::pair<AppendKernelFn, int>> allowed;
-  int device = 0;
-  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mutex);
-  if (allowed.count({kernel, device}) != 0) return absl::OkStatus();
-  CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxStagedBytes));
-  allowed.insert({kernel, device});
-  return absl::OkStatus();
 }
 
 bool Aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
@@ -819,36 +665,15 @@ absl::Status LaunchAppend(AppendParams& params, const AppendIndexView& tokens,
   // dependent phases (slot lookup, angles, then each job's loads and stores): one job per CTA.
   constexpr int64_t kSplitJobsMaxCtas = 256;
   params.split_jobs = num_ctas <= kSplitJobsMaxCtas;
-  // Past kStagedMinTokens, the staged kernel (H100, 2026-11-27: 86% of copy against 81% at 16384
-  // bf16 tokens, 80% against 77% fp8), unless a token's rows do not fit its shared memory. Below,
-  // the register kernel: 73% against 67% at 4096 (each CTA's rows land at once and are then
-  // rotated, and a grid of a few waves keeps the CTAs of a wave in step: the rotation is not
-  // hidden behind the other CTAs' loads, as it is over many waves).
-  constexpr int64_t kStagedMinTokens = 8192;
-  int64_t token_bytes = 0;
-  for (const AppendJob& job : params.jobs) token_bytes += int64_t{job.units_per_token} * 16;  // 16-byte units
-  params.staged_tokens = static_cast<int32_t>(std::min<int64_t>(kTokensPerCta, kMaxStagedBytes / token_bytes));
-  const bool staged = tokens.num_tokens > kStagedMinTokens && params.staged_tokens > 0;
-  // The ring (the next round's loads in flight while a round is rotated) gains where each CTA
-  // runs one job: 128 tokens 8.8 -> 7.7 us, 1024 tokens 16.6 -> 15.5 us (H100, bf16); over the
-  // larger grids it gained nothing for bf16 and lost 4-5 points of copy for fp8.
-  const AppendKernelKind kind = staged              ? AppendKernelKind::kStaged
-                                : params.split_jobs ? AppendKernelKind::kRing
-                                                    : AppendKernelKind::kRegister;
-  const AppendKernelFn kernel = PickAppendKernel(in_dtype, cache_dtype, kind);
+  // Every step size runs this one kernel (H100, 2026-11-27, against the kernel with its own
+  // shared memory stage of each CTA's whole rows it replaced past 8192 tokens: 16384 tokens
+  // f16 -> fp8 93% of copy against 83%, bf16 99% against 87%).
+  const AppendKernelFn kernel = PickAppendKernel(in_dtype, cache_dtype);
   if (kernel == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("append: no kernel for ", DTypeName(in_dtype),
                                                    " -> ", DTypeName(cache_dtype)));
   }
   void* kernel_args[] = {&params};
-  if (staged) {
-    RETURN_IF_ERROR(AllowStagedBytes(kernel));
-    const int64_t ctas = (tokens.num_tokens + params.staged_tokens - 1) / params.staged_tokens;
-    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(static_cast<unsigned>(ctas)),
-                                          dim3(kAppendThreads), kernel_args,
-                                          static_cast<size_t>(params.staged_tokens * token_bytes), stream));
-    return absl::OkStatus();
-  }
   const dim3 grid(static_cast<unsigned>(num_ctas), params.split_jobs ? kMaxJobs : 1);
   CUDA_RETURN_IF_ERROR(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid,
                                         dim3(kAppendThreads), kernel_args, 0, stream));

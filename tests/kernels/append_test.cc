@@ -468,11 +468,10 @@ INSTANTIATE_TEST_SUITE_P(
                    RopeStyle::kNone, 0, false, 35, 4100)),
     [](const ::testing::TestParamInfo<AppendCase>& info) { return CaseName(info.param); });
 
-// Steps past 8192 rows take the staged kernel, which holds up to 4 tokens' input rows (48 KB) per
-// CTA: these run 4, 3, 2 and 1 tokens per CTA (3, 14, 20 and 32 KB a token), both rotary styles,
-// and token counts that leave a partial last CTA. (A token over 48 KB takes the register kernel.)
+// Steps of about 10000 rows (the largest grids; a staged kernel took them until 2026-11-27), 3 to
+// 32 KB of rows a token, both rotary styles, token counts that leave a partial last CTA.
 INSTANTIATE_TEST_SUITE_P(
-    StagedSteps, AppendSweepTest,
+    LargeSteps, AppendSweepTest,
     ::testing::Values(
         ManyTokens(DType::kBFloat16, DType::kBFloat16, 128, 16, KvLayout::kNHD, false,
                    RopeStyle::kNeox, 0, true, 41, 10243, 8, 2),
@@ -499,7 +498,7 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<AppendCase>& info) { return CaseName(info.param); });
 
 // (cache dtype, page size, positions past 131072, rows of a large step: 0 for a small one; about
-// 3000 take the register kernel's packed rounds, about 10000 the staged kernel)
+// 3000 or 10000 run every job in each CTA)
 class AppendMlaTest : public ::testing::TestWithParam<std::tuple<DType, int32_t, bool, int32_t>> {};
 
 TEST_P(AppendMlaTest, MatchesReference) {
