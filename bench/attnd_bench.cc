@@ -604,7 +604,7 @@ int Main(int argc, char** argv) {
     std::printf("append: Hq %d Hkv %d D %d, neox RoPE, NHD page %d (q rotated into q_out)\n", kQoHeads,
                 kKvHeads, kHeadDim, kPageSize);
     const std::vector<int64_t> token_counts = quick ? std::vector<int64_t>{1, 1024, 16384}
-                                                    : std::vector<int64_t>{1, 16, 128, 1024, 2048, 4096, 8192, 16384};
+                                                    : std::vector<int64_t>{1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
     for (const auto& [in_dtype, cache_dtype] : {std::pair{DType::kFloat16, DType::kFloat8E4M3},
                                                 std::pair{DType::kBFloat16, DType::kBFloat16}}) {
       for (int64_t tokens : token_counts) report(RunAppend({tokens, in_dtype, cache_dtype}, stream));

@@ -1,5 +1,5 @@
-// Fused RoPE + quantise + paged append (DESIGN 4.1). A CTA takes kTokensPerCta tokens. A launch
-// runs up to three "jobs" over them, one after another: MHA q (dense, rotated), k (paged,
+// Fused RoPE + quantise + paged append (DESIGN 4.1). A CTA takes 1 to kTokensPerCta tokens. A
+// launch runs up to three "jobs" over them, one after another: MHA q (dense, rotated), k (paged,
 // rotated), v (paged); MLA q_pe (dense, rotated), ckv (paged), kpe (paged, rotated). A job's
 // rows are walked as 8-element units (one 16-byte input vector each); consecutive lanes take
 // consecutive units, so every warp load and store is 512 contiguous bytes. A thread takes its
@@ -26,7 +26,7 @@ namespace attnd::cuda {
 namespace {
 
 constexpr int kAppendThreads = 256;
-constexpr int kTokensPerCta = 4;
+constexpr int kTokensPerCta = 4;  // at most (AppendParams::tokens_per_cta)
 constexpr int kMaxRopePairs = 128;  // rotary_dim <= 256
 constexpr int kUnit = 8;            // elements of one unit
 constexpr int kUnitsInFlight = 4;   // units a thread loads before transforming them
@@ -61,6 +61,8 @@ struct AppendParams {
   // Small steps (decode): each CTA runs one job (blockIdx.y) of its tokens, so q, k and v run
   // side by side instead of one after another in a few CTAs.
   bool split_jobs;
+  // Tokens a CTA takes: 1, 2 or kTokensPerCta (small steps: more CTAs, each shorter).
+  int32_t tokens_per_cta;
 };
 
 // Whether a rotated job's neox partners come by shuffle: the half rotary width a whole number of
@@ -94,10 +96,11 @@ struct Unit {
 
 __device__ __forceinline__ Unit Locate(const AppendJob& job, int index) {
   // index < kTokensPerCta * units_per_token: the token by comparisons, not a division.
-  static_assert(kTokensPerCta == 4, "the token lookup below assumes 4 tokens per CTA");
   const int per_token = job.units_per_token;
   Unit unit;
-  unit.token = (index >= per_token) + (index >= 2 * per_token) + (index >= 3 * per_token);
+  unit.token = 0;
+#pragma unroll
+  for (int t = 1; t < kTokensPerCta; ++t) unit.token += index >= t * per_token;
   const int in_token = index - unit.token * per_token;
   unit.head = in_token >> job.log2_units_per_row;
   unit.first_dim = (in_token - (unit.head << job.log2_units_per_row)) * kUnit;
@@ -234,7 +237,8 @@ __device__ __forceinline__ void WriteUnit(const AppendParams& params, int64_t fi
 #pragma unroll
     for (int k = 0; k < kUnit; ++k) x[k] = DivideByScale(x[k], job.scale, job.inverse_scale);
   }
-  CacheT* const destination = static_cast<CacheT*>(job.out) + slot_offset + unit.head * job.head_stride + unit.first_dim;
+  CacheT* const destination =
+      static_cast<CacheT*>(job.out) + slot_offset + unit.head * job.head_stride + unit.first_dim;
   if constexpr (kFp8Cache) {
     // 8 bytes a lane: a warp's units of a row are still one contiguous range, and pairing lanes
     // into 16-byte stores by shuffle cost more than it saved (f16 -> fp8 at 4096 tokens on an
@@ -357,8 +361,8 @@ __device__ __forceinline__ void TransformRoundUniform(const AppendParams& params
       float partner[kUnit];
       Raw8ToFloat<InT>(partner_raw, partner);
       // The same products and sums, rounded the same way, as Rotate8's neox path.
-      const float4* unit_angles = reinterpret_cast<const float4*>(shared.angles[unit.token] +
-                                                                  (first_half ? unit.first_dim : unit.first_dim - pairs));
+      const int first_pair = first_half ? unit.first_dim : unit.first_dim - pairs;
+      const float4* unit_angles = reinterpret_cast<const float4*>(shared.angles[unit.token] + first_pair);
 #pragma unroll
       for (int k = 0; k < kUnit; k += 2) {
         const float4 two = unit_angles[k / 2];
@@ -385,8 +389,7 @@ __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendS
                                        int64_t first_token, int tokens_here, UnitRing& ring, int& stage) {
   constexpr bool kFp8Cache = sizeof(CacheT) == 1;
   const AppendJob& job = params.jobs[kJob];
-  // The units of the tokens present: rounds and units past them (a step's last CTA; a decode
-  // step of fewer than kTokensPerCta tokens) are not run at all.
+  // The units of the tokens present: rounds and units past them (a step's last CTA) are not run.
   const int units = tokens_here * job.units_per_token;
   for (int base = 0; base < units; base += kUnitsInFlight * kAppendThreads) {
     int next_job = kJob, next_base = base + kUnitsInFlight * kAppendThreads;
@@ -488,9 +491,9 @@ __global__ void __launch_bounds__(kAppendThreads, 4) AppendKvKernel(const Append
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-  const int64_t first_token = static_cast<int64_t>(blockIdx.x) * kTokensPerCta;
+  const int64_t first_token = static_cast<int64_t>(blockIdx.x) * params.tokens_per_cta;
   const int tokens_here =
-      static_cast<int>(min(static_cast<int64_t>(kTokensPerCta), params.num_tokens - first_token));
+      static_cast<int>(min(static_cast<int64_t>(params.tokens_per_cta), params.num_tokens - first_token));
 
   // The first round's copies go out before the CTA waits for its tokens' slots and angles.
   const int first_job = params.split_jobs ? static_cast<int>(blockIdx.y) : PresentJob(params, 0);
@@ -660,11 +663,14 @@ absl::Status LaunchAppend(AppendParams& params, const AppendIndexView& tokens,
   params.log2_page_size = 0;
   while ((1 << params.log2_page_size) < page_size) ++params.log2_page_size;
 
-  const int64_t num_ctas = (tokens.num_tokens + kTokensPerCta - 1) / kTokensPerCta;
-  // Up to kSplitJobsMaxCtas token groups (1024 tokens) the grid is too small to hide a CTA's
-  // dependent phases (slot lookup, angles, then each job's loads and stores): one job per CTA.
-  constexpr int64_t kSplitJobsMaxCtas = 256;
-  params.split_jobs = num_ctas <= kSplitJobsMaxCtas;
+  // Small steps run short CTAs, more of them (H100, 2026-11-27, f16 -> fp8 against 4 tokens a CTA:
+  // 16 tokens 6.18 -> 3.73 us, 128 tokens 6.96 -> 5.15, 512 tokens 10.64 -> 10.23; 2 tokens a CTA
+  // lost at 1024 and beyond).
+  params.tokens_per_cta = tokens.num_tokens <= 128 ? 1 : tokens.num_tokens <= 512 ? 2 : kTokensPerCta;
+  const int64_t num_ctas = (tokens.num_tokens + params.tokens_per_cta - 1) / params.tokens_per_cta;
+  // Up to 1024 tokens the grid is too small to hide a CTA's dependent phases (slot lookup,
+  // angles, then each job's loads and stores): one job per CTA.
+  params.split_jobs = tokens.num_tokens <= 1024;
   // Every step size runs this one kernel (H100, 2026-11-27, against the kernel with its own
   // shared memory stage of each CTA's whole rows it replaced past 8192 tokens: 16384 tokens
   // f16 -> fp8 93% of copy against 83%, bf16 99% against 87%).
