@@ -119,6 +119,32 @@ __device__ __forceinline__ bool HasVectorPartner(const AppendParams& params, con
          unit.first_dim + kUnit <= 2 * params.rope_pairs;
 }
 
+// Neox rotation of a unit lying wholly in one half of the rotary range: x[k] pairs with
+// partner[k], at the angles of `unit_angles` (the unit's 8 (cos, sin) pairs, four 16-byte loads).
+// Products and sums are rounded separately (no FMA contraction), as the reference's float
+// arithmetic does, so both store the same bits for the same cos/sin.
+__device__ __forceinline__ void RotateNeoxUnit(float* x, const float* partner, const float4* unit_angles,
+                                               bool first_half) {
+#pragma unroll
+  for (int k = 0; k < kUnit; k += 2) {
+    const float4 two = unit_angles[k / 2];
+    const float cosines[2] = {two.x, two.z};
+    const float sines[2] = {two.y, two.w};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float product_cos = __fmul_rn(x[k + h], cosines[h]);
+      const float product_sin = __fmul_rn(partner[k + h], sines[h]);
+      x[k + h] = first_half ? __fsub_rn(product_cos, product_sin) : __fadd_rn(product_sin, product_cos);
+    }
+  }
+}
+
+// The 16-byte unit of lane `source`.
+__device__ __forceinline__ uint4 ShuffleUnit(const uint4& value, int source) {
+  return make_uint4(__shfl_sync(0xffffffffu, value.x, source), __shfl_sync(0xffffffffu, value.y, source),
+                    __shfl_sync(0xffffffffu, value.z, source), __shfl_sync(0xffffffffu, value.w, source));
+}
+
 // Rotates the elements of x (dims [first_dim, first_dim + 8) of `row`) in the rotary range.
 // Products and sums are rounded separately (no FMA contraction), as the reference's float
 // arithmetic does, so both store the same bits for the same cos/sin.
@@ -172,20 +198,8 @@ __device__ __forceinline__ void Rotate8(float* x, const AppendParams& params, co
     const int partner_dim = first_dim < pairs ? first_dim + pairs : first_dim - pairs;
     Raw8ToFloat<InT>(shuffled ? partner_raw : *reinterpret_cast<const uint4*>(row + partner_dim), partner);
     const bool first_half = first_dim < pairs;
-    const float4* unit_angles =
-        reinterpret_cast<const float4*>(angles + (first_half ? first_dim : first_dim - pairs));
-#pragma unroll
-    for (int k = 0; k < kUnit; k += 2) {
-      const float4 two = unit_angles[k / 2];
-      const float cosines[2] = {two.x, two.z};
-      const float sines[2] = {two.y, two.w};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float product_cos = __fmul_rn(x[k + h], cosines[h]);
-        const float product_sin = __fmul_rn(partner[k + h], sines[h]);
-        x[k + h] = first_half ? __fsub_rn(product_cos, product_sin) : __fadd_rn(product_sin, product_cos);
-      }
-    }
+    RotateNeoxUnit(x, partner, reinterpret_cast<const float4*>(angles + (first_half ? first_dim : first_dim - pairs)),
+                   first_half);
     return;
   }
   // General case (the half width not a multiple of 8, or a unit across the rotary end):
@@ -353,28 +367,10 @@ __device__ __forceinline__ void TransformRoundUniform(const AppendParams& params
       // Neox over the whole row: the partner unit is pairs / 8 lanes away, in the same warp.
       const bool first_half = unit.first_dim < pairs;
       const int source = first_half ? lane + pairs / kUnit : lane - pairs / kUnit;
-      uint4 partner_raw;
-      partner_raw.x = __shfl_sync(0xffffffffu, value[r].x, source);
-      partner_raw.y = __shfl_sync(0xffffffffu, value[r].y, source);
-      partner_raw.z = __shfl_sync(0xffffffffu, value[r].z, source);
-      partner_raw.w = __shfl_sync(0xffffffffu, value[r].w, source);
       float partner[kUnit];
-      Raw8ToFloat<InT>(partner_raw, partner);
-      // The same products and sums, rounded the same way, as Rotate8's neox path.
+      Raw8ToFloat<InT>(ShuffleUnit(value[r], source), partner);
       const int first_pair = first_half ? unit.first_dim : unit.first_dim - pairs;
-      const float4* unit_angles = reinterpret_cast<const float4*>(shared.angles[unit.token] + first_pair);
-#pragma unroll
-      for (int k = 0; k < kUnit; k += 2) {
-        const float4 two = unit_angles[k / 2];
-        const float cosines[2] = {two.x, two.z};
-        const float sines[2] = {two.y, two.w};
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float product_cos = __fmul_rn(x[k + h], cosines[h]);
-          const float product_sin = __fmul_rn(partner[k + h], sines[h]);
-          x[k + h] = first_half ? __fsub_rn(product_cos, product_sin) : __fadd_rn(product_sin, product_cos);
-        }
-      }
+      RotateNeoxUnit(x, partner, reinterpret_cast<const float4*>(shared.angles[unit.token] + first_pair), first_half);
     }
     WriteUnit<kJob, InT, CacheT>(params, first_token, unit, slot_offset, active, x);
   }
@@ -429,10 +425,7 @@ __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendS
                            : first_units < partner_units       ? lane + partner_units
                            : first_units < 2 * partner_units ? lane - partner_units
                                                               : lane;
-        partner_raw.x = __shfl_sync(0xffffffffu, value[r].x, source);
-        partner_raw.y = __shfl_sync(0xffffffffu, value[r].y, source);
-        partner_raw.z = __shfl_sync(0xffffffffu, value[r].z, source);
-        partner_raw.w = __shfl_sync(0xffffffffu, value[r].w, source);
+        partner_raw = ShuffleUnit(value[r], source);
       }
       StoreUnit<kJob, InT, CacheT>(
           params, shared, first_token, unit, slot_offset, active, value[r],
