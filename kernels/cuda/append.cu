@@ -332,6 +332,24 @@ __device__ __forceinline__ int PresentJob(const AppendParams& params, int job) {
   return job;
 }
 
+// Unit `index` of job kJob's `units` in a round (every lane calls it, the lanes past `units` too):
+// where it lies, its slot (paged jobs) and whether it is written.
+struct RoundUnit {
+  Unit unit;
+  int64_t slot_offset;
+  bool active;
+};
+
+template <int kJob>
+__device__ __forceinline__ RoundUnit LocateRoundUnit(const AppendParams& params, const AppendShared& shared,
+                                                     int units, int index) {
+  RoundUnit round_unit;
+  round_unit.unit = Locate(params.jobs[kJob], index < units ? index : 0);
+  round_unit.slot_offset = shared.slot_offset[kJob][round_unit.unit.token];
+  round_unit.active = index < units && round_unit.slot_offset >= 0;
+  return round_unit;
+}
+
 // Whether job kJob's rounds can take TransformRoundUniform: no rotation, or neox over the whole
 // head with partners by shuffle (the models' usual RoPE). Uniform across the CTA.
 template <int kJob>
@@ -358,9 +376,8 @@ __device__ __forceinline__ void TransformRoundUniform(const AppendParams& params
     // Uniform across the CTA, so the shuffles have every lane.
     if (base + r * kAppendThreads >= units) break;
     const int index = base + r * kAppendThreads + threadIdx.x;
-    const Unit unit = Locate(job, index < units ? index : 0);
-    const int64_t slot_offset = shared.slot_offset[kJob][unit.token];
-    const bool active = index < units && slot_offset >= 0;
+    const RoundUnit at = LocateRoundUnit<kJob>(params, shared, units, index);
+    const Unit& unit = at.unit;
     float x[kUnit];
     Raw8ToFloat<InT>(value[r], x);
     if (job.rotate) {
@@ -372,7 +389,7 @@ __device__ __forceinline__ void TransformRoundUniform(const AppendParams& params
       const int first_pair = first_half ? unit.first_dim : unit.first_dim - pairs;
       RotateNeoxUnit(x, partner, reinterpret_cast<const float4*>(shared.angles[unit.token] + first_pair), first_half);
     }
-    WriteUnit<kJob, InT, CacheT>(params, first_token, unit, slot_offset, active, x);
+    WriteUnit<kJob, InT, CacheT>(params, first_token, unit, at.slot_offset, at.active, x);
   }
 }
 
@@ -408,9 +425,8 @@ __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendS
       // Uniform across the CTA, so the shuffle below has every lane.
       if (base + r * kAppendThreads >= units) break;
       const int index = base + r * kAppendThreads + threadIdx.x;
-      const Unit unit = Locate(job, index < units ? index : 0);
-      const int64_t slot_offset = shared.slot_offset[kJob][unit.token];
-      const bool active = index < units && slot_offset >= 0;
+      const RoundUnit at = LocateRoundUnit<kJob>(params, shared, units, index);
+      const Unit& unit = at.unit;
       // Uniform across the CTA (a job's fields), so every lane takes part in the shuffles. The
       // paged jobs of FP8 caches keep the L1 partner load here (by shuffle too, f16 -> fp8 steps
       // of 1024-16384 tokens ran 0.3-1% slower on an H100).
@@ -428,7 +444,7 @@ __device__ __forceinline__ void RunJob(const AppendParams& params, const AppendS
         partner_raw = ShuffleUnit(value[r], source);
       }
       StoreUnit<kJob, InT, CacheT>(
-          params, shared, first_token, unit, slot_offset, active, value[r],
+          params, shared, first_token, unit, at.slot_offset, at.active, value[r],
           [&] { return InputRow<InT>(job, unit, first_token); }, shuffled, partner_raw);
     }
   }
