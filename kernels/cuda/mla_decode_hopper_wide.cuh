@@ -39,7 +39,6 @@
 #include <type_traits>
 
 #include "hopper_ptx.cuh"
-#include "key_visibility.cuh"
 #include "math.cuh"
 #include "mla_decode_hopper.cuh"
 #include "mla_decode_kernel.cuh"
@@ -232,11 +231,10 @@ __device__ __forceinline__ void ZeroNonFiniteV(const MlaParams& params, const Ho
   const int first_position = work.position_offset + work.row_begin / num_heads;
   const int last_position = work.position_offset + (work.row_end - 1) / num_heads;
   const int tile_start = work.kv_begin + tile * kWideTile;
-  if (!TileHidesKeys(params.causal, params.window_left, tile_start, tile_start + kWideTile, work.kv_end,
-                     first_position, last_position)) {
-    return;
-  }
-  constexpr uint32_t kExponent = kNonFiniteExponent2<T>;
+  const bool hides_keys = (params.causal && min(tile_start + kWideTile, work.kv_end) - 1 > first_position) ||
+                          (params.window_left >= 0 && tile_start < last_position - params.window_left);
+  if (!hides_keys) return;
+  constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
   constexpr int kWords = (Shape::kConsumerCols / 64) * Shape::kBlockBytes / 16;
   uint4* v_words = reinterpret_cast<uint4*>(smem_generic + Shape::kKvOffset + (tile % Shape::kStages) * Shape::kKvBytes +
                                             consumer * (Shape::kConsumerCols / 64) * Shape::kBlockBytes);

@@ -30,7 +30,6 @@
 #include "attnd/kernels/dtype.h"
 #include "cp_async.cuh"
 #include "fp8.cuh"
-#include "key_visibility.cuh"
 #include "math.cuh"
 #include "mma.cuh"
 #include "plan/mla_work.h"
@@ -469,9 +468,10 @@ __global__ void __launch_bounds__(kThreads, 1) MlaDecodeKernel(const __grid_cons
     // kv_end are zero-filled already.
     {
       const int tile_start = kv_begin + tile * kTile;
-      if (TileHidesKeys(params.causal, params.window_left, tile_start, tile_start + kTile, kv_end, first_position,
-                        last_position)) {
-        constexpr uint32_t kExponent = kNonFiniteExponent2<T>;
+      const bool hides_keys = (params.causal && min(tile_start + kTile, kv_end) - 1 > first_position) ||
+                              (params.window_left >= 0 && tile_start < last_position - params.window_left);
+      if (hides_keys) {
+        constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
         T* v_tile = mma_tile(tile % kStages);
         for (int id = tid; id < kTile * kRankChunks; id += kThreads) {
           uint4* chunk = reinterpret_cast<uint4*>(v_tile + Swizzle<kDim>(id / kRankChunks, id % kRankChunks));

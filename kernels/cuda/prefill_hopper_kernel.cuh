@@ -30,7 +30,6 @@
 #include <cstdint>
 
 #include "hopper_ptx.cuh"
-#include "key_visibility.cuh"
 #include "math.cuh"
 #include "mma.cuh"
 #include "prefill_hopper_pipeline.cuh"
@@ -194,9 +193,8 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     const int tile_start = work.kv_begin + tile * kTileKv;
     const int tile_end = tile_start + kTileKv;
     // Per-element masking only where some row of the tile can see a masked key.
-    const bool needs_mask = tile_end > work.kv_end || TileHidesKeys(params.causal, params.window_left, tile_start,
-                                                                    tile_end, work.kv_end, work.first_position,
-                                                                    work.last_position);
+    const bool needs_mask = tile_end > work.kv_end || (params.causal && tile_end - 1 > work.first_position) ||
+                            (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
     if (!needs_mask) return;
     // Per row the keys it sees (VisibleKeys), as offsets from this thread's first key: two
     // compares with constants per element.
@@ -217,10 +215,9 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   // Almost always no bit is set: one 16-byte read.
   auto mark_bad_v = [&](int tile) {
     const int tile_start = work.kv_begin + tile * kTileKv;
-    if (!TileHidesKeys(params.causal, params.window_left, tile_start, tile_start + kTileKv, work.kv_end,
-                       work.first_position, work.last_position)) {
-      return;
-    }
+    const bool hides_keys = (params.causal && min(tile_start + kTileKv, work.kv_end) - 1 > work.first_position) ||
+                            (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
+    if (!hides_keys) return;
     const uint4 bad = *reinterpret_cast<const uint4*>(smem_generic + Shape::kFlagOffset +
                                                       ((first + tile) % kStages) * Shape::kFlagBytes);
     if ((bad.x | bad.y | bad.z | bad.w) == 0) return;

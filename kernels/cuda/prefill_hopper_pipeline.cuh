@@ -9,7 +9,6 @@
 #include "cp_async.cuh"
 #include "fast_divider.h"
 #include "hopper_ptx.cuh"
-#include "key_visibility.cuh"
 #include "math.cuh"
 #include "prefill_params.h"
 
@@ -186,14 +185,14 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
     // all ones) and flag the rows (a bit each, one word per warp); the consumers make the rows
     // that see a flagged key NaN.
     const bool hides_keys =
-        flags != 0 && TileHidesKeys(params.causal, params.window_left, tile_start, tile_start + kTileKv, work.kv_end,
-                                    work.first_position, work.last_position);
+        flags != 0 && ((params.causal && min(tile_start + kTileKv, work.kv_end) - 1 > work.first_position) ||
+                       (params.window_left >= 0 && tile_start < work.last_position - params.window_left));
     if (!hides_keys) {
       CpAsyncArriveNoinc(full);
       return;
     }
     CpAsyncWaitAll();
-    constexpr uint32_t kExponent = kNonFiniteExponent2<T>;
+    constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
     uint32_t warp_bits = 0;  // bit r: row 32 * warp + r held a non-finite value
 #pragma unroll
     for (int i = 0; i < kRowsPerLane; ++i) {

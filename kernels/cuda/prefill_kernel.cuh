@@ -22,7 +22,6 @@
 
 #include "cp_async.cuh"
 #include "fp8.cuh"
-#include "key_visibility.cuh"
 #include "math.cuh"
 #include "mma.cuh"
 #include "prefill_keys.cuh"
@@ -342,8 +341,8 @@ __device__ __forceinline__ void PrefillCta(const KernelParams& params, const Wor
 
     // Per-element masking only where some row of the tile can see a masked key.
     const int tile_end = tile_start + kTileKv;
-    const bool needs_mask = tile_end > kv_end || TileHidesKeys(params.causal, params.window_left, tile_start,
-                                                               tile_end, kv_end, first_position, last_position);
+    const bool needs_mask = tile_end > kv_end || (params.causal && tile_end - 1 > first_position) ||
+                            (params.window_left >= 0 && tile_start < last_position - params.window_left);
     if (needs_mask) {
       // Per row the keys it sees (VisibleKeys), as offsets from this thread's first key of the
       // tile: two compares with constants per element.
