@@ -29,6 +29,7 @@
 #include "hopper_ptx.cuh"
 #include "math.cuh"
 #include "mla_decode_kernel.cuh"
+#include "non_finite.cuh"
 #include "softmax.cuh"
 
 namespace attnd::cuda::mla::hopper {
@@ -388,7 +389,7 @@ __device__ __forceinline__ void Consume(const MlaParams& params, const HopperWor
     const bool hides_keys = (params.causal && min(tile_start + kTile, work.kv_end) - 1 > first_position) ||
                             (params.window_left >= 0 && tile_start < last_position - params.window_left);
     if (!hides_keys) return;
-    constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
+    constexpr uint32_t kExponent = kNonFiniteExponent2<T>;
     constexpr int kWords = (Shape::kConsumerCols / 64) * Shape::kKvBlockBytes / 16;
     uint4* v_words = reinterpret_cast<uint4*>(smem_generic + Shape::kKvOffset + (tile % kHopperStages) * Shape::kKvBytes +
                                               consumer * (Shape::kConsumerCols / 64) * Shape::kKvBlockBytes);

@@ -42,6 +42,7 @@
 #include "math.cuh"
 #include "mla_decode_hopper.cuh"
 #include "mla_decode_kernel.cuh"
+#include "non_finite.cuh"
 #include "softmax.cuh"
 
 namespace attnd::cuda::mla::hopper_wide {
@@ -234,7 +235,7 @@ __device__ __forceinline__ void ZeroNonFiniteV(const MlaParams& params, const Ho
   const bool hides_keys = (params.causal && min(tile_start + kWideTile, work.kv_end) - 1 > first_position) ||
                           (params.window_left >= 0 && tile_start < last_position - params.window_left);
   if (!hides_keys) return;
-  constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
+  constexpr uint32_t kExponent = kNonFiniteExponent2<T>;
   constexpr int kWords = (Shape::kConsumerCols / 64) * Shape::kBlockBytes / 16;
   uint4* v_words = reinterpret_cast<uint4*>(smem_generic + Shape::kKvOffset + (tile % Shape::kStages) * Shape::kKvBytes +
                                             consumer * (Shape::kConsumerCols / 64) * Shape::kBlockBytes);

@@ -32,6 +32,7 @@
 #include "fp8.cuh"
 #include "math.cuh"
 #include "mma.cuh"
+#include "non_finite.cuh"
 #include "plan/mla_work.h"
 #include "softmax.cuh"
 #include "vec.cuh"
@@ -471,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1) MlaDecodeKernel(const __grid_cons
       const bool hides_keys = (params.causal && min(tile_start + kTile, kv_end) - 1 > first_position) ||
                               (params.window_left >= 0 && tile_start < last_position - params.window_left);
       if (hides_keys) {
-        constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
+        constexpr uint32_t kExponent = kNonFiniteExponent2<T>;
         T* v_tile = mma_tile(tile % kStages);
         for (int id = tid; id < kTile * kRankChunks; id += kThreads) {
           uint4* chunk = reinterpret_cast<uint4*>(v_tile + Swizzle<kDim>(id / kRankChunks, id % kRankChunks));

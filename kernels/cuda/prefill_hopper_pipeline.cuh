@@ -10,6 +10,7 @@
 #include "fast_divider.h"
 #include "hopper_ptx.cuh"
 #include "math.cuh"
+#include "non_finite.cuh"
 #include "prefill_params.h"
 
 namespace attnd::cuda::prefill::hopper {
@@ -192,7 +193,7 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
       return;
     }
     CpAsyncWaitAll();
-    constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
+    constexpr uint32_t kExponent = kNonFiniteExponent2<T>;
     uint32_t warp_bits = 0;  // bit r: row 32 * warp + r held a non-finite value
 #pragma unroll
     for (int i = 0; i < kRowsPerLane; ++i) {

@@ -8,6 +8,7 @@
 
 #include "cp_async.cuh"
 #include "fp8.cuh"
+#include "non_finite.cuh"
 #include "prefill_params.h"
 
 namespace attnd::cuda::prefill {
@@ -126,7 +127,7 @@ struct KvTileLoader {
   // of the row found one, else 0, and returns whether this thread found one. A row's
   // kLoadsPerRow lanes are adjacent in one warp.
   __device__ __forceinline__ static bool ZeroNonFinite(T* tile, uint8_t* flags) {
-    constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7c007c00u : 0x7f807f80u;
+    constexpr uint32_t kExponent = kNonFiniteExponent2<T>;
     constexpr int kChunksPerLoad = kNarrow ? 2 : 1;
     const int load = threadIdx.x % kLoadsPerRow;
     const int first_row = threadIdx.x / kLoadsPerRow;
