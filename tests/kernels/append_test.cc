@@ -441,8 +441,8 @@ INSTANTIATE_TEST_SUITE_P(
                                  RopeStyle::kNeox, 64, true, 24, true}),
     [](const ::testing::TestParamInfo<AppendCase>& info) { return CaseName(info.param); });
 
-// Steps of 1100 to 5000 rows (the launcher's large-step grid), every dtype pair's kind and both
-// rotary styles.
+// Steps of about 300 rows (CTAs of 2 tokens, one job each), 700 (4 tokens, one job each) and 1100
+// to 5000 (every job in each CTA), every dtype pair's kind and both rotary styles.
 AppendCase ManyTokens(DType in_dtype, DType cache_dtype, int32_t head_dim, int32_t page_size,
                       KvLayout layout, bool separate_kv, RopeStyle rope, int32_t rotary_dim,
                       bool with_q, uint32_t seed, int32_t tokens, int32_t num_qo_heads = 8,
@@ -465,7 +465,11 @@ INSTANTIATE_TEST_SUITE_P(
         ManyTokens(DType::kBFloat16, DType::kFloat8E4M3, 256, 128, KvLayout::kNHD, false,
                    RopeStyle::kNeox, 40, true, 34, 2500),
         ManyTokens(DType::kFloat16, DType::kFloat16, 128, 16, KvLayout::kHND, false,
-                   RopeStyle::kNone, 0, false, 35, 4100)),
+                   RopeStyle::kNone, 0, false, 35, 4100),
+        ManyTokens(DType::kBFloat16, DType::kBFloat16, 128, 16, KvLayout::kNHD, false,
+                   RopeStyle::kNeox, 0, true, 36, 300),
+        ManyTokens(DType::kFloat16, DType::kFloat8E4M3, 64, 8, KvLayout::kHND, true,
+                   RopeStyle::kInterleaved, 0, true, 37, 700)),
     [](const ::testing::TestParamInfo<AppendCase>& info) { return CaseName(info.param); });
 
 // Steps of about 10000 rows (the largest grids; a staged kernel took them until 2026-11-27), 3 to
