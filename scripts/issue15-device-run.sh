@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 15's measurements in one device call: the MLA decode kernel (the uniform cases FlashInfer
+# was measured on, then the mixed sweep with the planner's schemes) and the fused RoPE + append
+# kernel, each after its tests on the same device. Two halves:
+#   scripts/issue15-device-run.sh pack   (here: builds mla_tests, kernel_tests, mla_bench and
+#                                         attnd_bench and bundles them into .gpu-pack/issue15.tar.xz)
+#   scripts/issue15-device-run.sh run    (on the device, carrying .gpu-pack/issue15.tar.xz and
+#                                         .gpu-pack/issue15.commit; logs under $OUT)
+# Every step runs under `timeout -k`; there is no daemon. Every benchmark case is checked
+# against the float64 CPU reference before it is timed.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+build_dir=${ATTND_BUILD_DIR:-build}
+
+case ${1:-} in
+  pack)
+    cmake --build "$build_dir" -j "${ATTND_JOBS:-$(nproc)}" \
+      --target mla_tests kernel_tests mla_bench attnd_bench >/dev/null || exit 1
+    rm -rf .gpu-pack/issue15 && mkdir -p .gpu-pack
+    /work/shared/tools/gpu-bundle .gpu-pack/issue15 "$build_dir/tests/kernels/mla_tests" \
+      "$build_dir/tests/kernels/kernel_tests" "$build_dir/bench/mla_bench" \
+      "$build_dir/bench/attnd_bench" || exit 1
+    rm -f .gpu-pack/issue15/lib/libcublas*
+    tar -C .gpu-pack -cf - issue15 | xz -T"$(nproc)" -6 > .gpu-pack/issue15.tar.xz &&
+      rm -rf .gpu-pack/issue15
+    echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
+      > .gpu-pack/issue15.commit
+    ls -la .gpu-pack/issue15.tar.xz
+    ;;
+  run)
+    OUT=${OUT:-/tmp/issue15-out}
+    mkdir -p "$OUT"
+    say() { echo "$*" | tee -a "$OUT/summary.txt"; }
+    timeout -k 10 120 tar -C /tmp -xJf .gpu-pack/issue15.tar.xz || exit 1
+    B=/tmp/issue15
+    say "commit $(cat .gpu-pack/issue15.commit 2>/dev/null) on" \
+      "$(timeout -k 2 20 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+    failed=0
+    # step NAME LIMIT_S PROGRAM ARGS...: one bundled program, its log in $OUT/NAME.log.
+    step() {
+      local name=$1 limit=$2; shift 2
+      timeout -k 10 "$limit" "$B/run" "$@" > "$OUT/$name.log" 2>&1
+      local rc=$?
+      say "$name rc=$rc"
+      [[ $rc == 0 ]] || failed=1
+    }
+    step mla_tests 200 mla_tests
+    grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]' "$OUT/mla_tests.log" | tee -a "$OUT/summary.txt"
+    step append_tests 200 kernel_tests --gtest_filter='*Append*'
+    grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]' "$OUT/append_tests.log" | tee -a "$OUT/summary.txt"
+    say "== MLA decode, uniform (FlashInfer's Hopper kernel: 64 x 8192 in 0.279 ms on an H100)"
+    step mla_uniform 200 mla_bench --cases=uniform --uniform=16,64,128
+    grep -E 'copy|uniform' "$OUT/mla_uniform.log" | tail -20 | tee -a "$OUT/summary.txt"
+    say "== MLA decode, mixed sweep with the planner's schemes"
+    step mla_mixed 300 mla_bench --variants --cases=mixed --csv="$OUT/mla_mixed.csv"
+    tail -25 "$OUT/mla_mixed.log" | tee -a "$OUT/summary.txt"
+    say "== append (bar: >= 80% of copy at 4096 tokens, f16 -> fp8 and bf16), twice"
+    for i in 1 2; do
+      step "append_$i" 120 attnd_bench --append --variants
+      grep -E '^append|copy bandwidth' "$OUT/append_$i.log" | tee -a "$OUT/summary.txt"
+    done
+    exit "$failed"
+    ;;
+  *)
+    echo "usage: $0 pack | run" >&2
+    exit 2
+    ;;
+esac
