@@ -17,15 +17,9 @@ case ${1:-} in
   pack)
     cmake --build "$build_dir" -j "${ATTND_JOBS:-$(nproc)}" \
       --target attnd_bench prefill_bench pod_bench >/dev/null || exit 1
-    rm -rf .gpu-pack/issue14 && mkdir -p .gpu-pack
-    /work/shared/tools/gpu-bundle .gpu-pack/issue14 "$build_dir/bench/attnd_bench" \
-      "$build_dir/bench/prefill_bench" "$build_dir/bench/pod_bench" || exit 1
-    rm -f .gpu-pack/issue14/lib/libcublas*
-    tar -C .gpu-pack -cf - issue14 | xz -T"$(nproc)" -6 > .gpu-pack/issue14.tar.xz &&
-      rm -rf .gpu-pack/issue14
-    echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
-      > .gpu-pack/issue14.commit
-    ls -la .gpu-pack/issue14.tar.xz
+    source scripts/device_pack.sh
+    device_pack issue14 "$build_dir/bench/attnd_bench" "$build_dir/bench/prefill_bench" \
+      "$build_dir/bench/pod_bench" || exit 1
     ;;
   run)
     OUT=${OUT:-/tmp/issue14-out}

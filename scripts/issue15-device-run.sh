@@ -16,16 +16,9 @@ case ${1:-} in
   pack)
     cmake --build "$build_dir" -j "${ATTND_JOBS:-$(nproc)}" \
       --target mla_tests kernel_tests mla_bench attnd_bench >/dev/null || exit 1
-    rm -rf .gpu-pack/issue15 && mkdir -p .gpu-pack
-    /work/shared/tools/gpu-bundle .gpu-pack/issue15 "$build_dir/tests/kernels/mla_tests" \
-      "$build_dir/tests/kernels/kernel_tests" "$build_dir/bench/mla_bench" \
-      "$build_dir/bench/attnd_bench" || exit 1
-    rm -f .gpu-pack/issue15/lib/libcublas*
-    tar -C .gpu-pack -cf - issue15 | xz -T"$(nproc)" -6 > .gpu-pack/issue15.tar.xz &&
-      rm -rf .gpu-pack/issue15
-    echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
-      > .gpu-pack/issue15.commit
-    ls -la .gpu-pack/issue15.tar.xz
+    source scripts/device_pack.sh
+    device_pack issue15 "$build_dir/tests/kernels/mla_tests" "$build_dir/tests/kernels/kernel_tests" \
+      "$build_dir/bench/mla_bench" "$build_dir/bench/attnd_bench" || exit 1
     ;;
   run)
     OUT=${OUT:-/tmp/issue15-out}

@@ -1,0 +1,21 @@
+# The "pack" half of the device scripts (scripts/issue14-device-run.sh, issue15-device-run.sh).
+# Sourced, not run.
+#
+#   device_pack NAME BINARY...
+#       bundles the binaries with their shared libraries (/work/shared/tools/gpu-bundle; cuBLAS
+#       left out: the device has it, and a call carries at most 64 MiB) into
+#       .gpu-pack/NAME.tar.xz, and the commit they were built from (+dirty when the tree differs)
+#       into .gpu-pack/NAME.commit. On the device the bundle unpacks to /tmp/NAME; run a program
+#       as /tmp/NAME/run PROGRAM ARGS.
+
+device_pack() {
+  local name=$1; shift
+  rm -rf ".gpu-pack/$name" && mkdir -p .gpu-pack || return 1
+  /work/shared/tools/gpu-bundle ".gpu-pack/$name" "$@" || return 1
+  rm -f ".gpu-pack/$name"/lib/libcublas*
+  tar -C .gpu-pack -cf - "$name" | xz -T"$(nproc)" -6 > ".gpu-pack/$name.tar.xz" &&
+    rm -rf ".gpu-pack/$name" || return 1
+  echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
+    > ".gpu-pack/$name.commit"
+  ls -la ".gpu-pack/$name.tar.xz"
+}
