@@ -78,6 +78,10 @@ struct WideShape {
   static constexpr int kFactorOffset = kPOffset + kBlockBytes;
   static constexpr int kBarrierOffset = kFactorOffset + kRows * 4;
   static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8 + 1024;  // + alignment slack
+  // The epilogue stages 16-bit O row by row over Q, 16 bytes of padding a row so that a warp's
+  // stores of 8 rows x 16 bytes hit distinct banks.
+  static constexpr int kOutPitch = kRank * 2 + 16;
+  static_assert(kRows * kOutPitch <= kKvOffset, "16-bit O staged over Q");
   static_assert(kWideTile == kRows, "one 8 KB block holds 64 rows of Q, the keys of a tile, or P");
   static_assert(kDim % 64 == 0 && kRank % 256 == 0, "shape");
   static_assert(kRopeDim == 64 && kRank % 64 == 0, "producer: whole 128-byte column blocks, kpe one of them");
@@ -507,29 +511,19 @@ __device__ __forceinline__ void ConsumeWide(const MlaParams& params, const Hoppe
     Help<Shape, T>(params, work, smem, smem_generic, o, inverse);
   }
 
-  // --- Epilogue: normalise and store this consumer's columns: o directly, or fp32 partials for
-  // MergeStates; the scorer stores lse.
+  // --- Epilogue: normalise and store this consumer's columns; the scorer stores lse.
+  // fp32 partials for MergeStates: straight from the accumulators (a warp's float2 stores fill
+  // whole 32-byte sectors of its 8 rows).
+  if (work.partial_first >= 0) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (!rows.valid[h]) continue;
-    const int global_row = work.row_begin + 16 * warp + 8 * h + lane / 4;
-    const int token = global_row / num_heads;
-    const int head = global_row - token * num_heads;
-    const int column0 = consumer * Shape::kConsumerCols + 2 * (lane % 4);
-    if (work.partial_first < 0) {
-      const int64_t out_row = static_cast<int64_t>(work.q_row + token) * num_heads + head;
-      uint16_t* out = static_cast<uint16_t*>(params.o) + out_row * kRank + column0;
-      const bool bf16 = params.o_bf16;
-#pragma unroll
-      for (int j = 0; j < Shape::kConsumerCols / 8; ++j) {
-        *reinterpret_cast<uint32_t*>(out + 8 * j) =
-            PackOut(o[4 * j + 2 * h] * inverse[h], o[4 * j + 2 * h + 1] * inverse[h], bf16);
-      }
-      if (consumer == 0 && lane % 4 == 0 && params.lse != nullptr) params.lse[out_row] = lse[h];
-    } else {
+    for (int h = 0; h < 2; ++h) {
+      if (!rows.valid[h]) continue;
+      const int global_row = work.row_begin + 16 * warp + 8 * h + lane / 4;
+      const int token = global_row / num_heads;
+      const int head = global_row - token * num_heads;
       const int64_t slot = work.partial_first + static_cast<int64_t>(token) * work.partial_stride;
       const int64_t partial_row = slot * num_heads + head;
-      float* out = params.partial_o + partial_row * kRank + column0;
+      float* out = params.partial_o + partial_row * kRank + consumer * Shape::kConsumerCols + 2 * (lane % 4);
 #pragma unroll
       for (int j = 0; j < Shape::kConsumerCols / 8; ++j) {
         *reinterpret_cast<float2*>(out + 8 * j) =
@@ -537,6 +531,42 @@ __device__ __forceinline__ void ConsumeWide(const MlaParams& params, const Hoppe
       }
       if (consumer == 0 && lane % 4 == 0) params.partial_lse[partial_row] = lse[h];
     }
+    return;
+  }
+  // o of the MMA type: its 4-byte pairs would fill half sectors, so the columns are staged in
+  // shared memory and stored as whole 16-byte chunks, a warp writing 512 contiguous bytes of a
+  // row. The staging overwrites Q, which only the scorer's Q K^T reads: the scorer's last one
+  // completed before its last softmax, and the helper got here through the barrier the scorer
+  // arrived at after that (the inverses), so no read of Q is left.
+  const bool bf16 = params.o_bf16;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = 16 * warp + 8 * h + lane / 4;
+    const int column = consumer * Shape::kConsumerCols + 2 * (lane % 4);
+    uint8_t* const staged = smem_generic + Shape::kQOffset + row * Shape::kOutPitch + 2 * column;
+#pragma unroll
+    for (int j = 0; j < Shape::kConsumerCols / 8; ++j) {
+      *reinterpret_cast<uint32_t*>(staged + 16 * j) =
+          PackOut(o[4 * j + 2 * h] * inverse[h], o[4 * j + 2 * h + 1] * inverse[h], bf16);
+    }
+    if (consumer == 0 && lane % 4 == 0 && rows.valid[h] && params.lse != nullptr) {
+      const int global_row = work.row_begin + row;
+      const int token = global_row / num_heads;
+      params.lse[static_cast<int64_t>(work.q_row + token) * num_heads + (global_row - token * num_heads)] = lse[h];
+    }
+  }
+  NamedBarrierSync(kWarpgroupBarrier + consumer, 128);
+  constexpr int kRowChunks = Shape::kConsumerCols * 2 / 16;  // 16-byte chunks of a row's columns
+  const int rows_here = work.row_end - work.row_begin;
+  for (int index = thread; index < kRows * kRowChunks; index += 128) {
+    const int row = index / kRowChunks;
+    if (row >= rows_here) break;  // rows grow with index: the rest are past the request
+    const int column_byte = consumer * Shape::kConsumerCols * 2 + 16 * (index % kRowChunks);
+    const int global_row = work.row_begin + row;
+    const int token = global_row / num_heads;
+    const int64_t out_row = static_cast<int64_t>(work.q_row + token) * num_heads + (global_row - token * num_heads);
+    *reinterpret_cast<uint4*>(static_cast<uint8_t*>(params.o) + out_row * kRank * 2 + column_byte) =
+        *reinterpret_cast<const uint4*>(smem_generic + Shape::kQOffset + row * Shape::kOutPitch + column_byte);
   }
 }
 
