@@ -209,10 +209,13 @@ __device__ __forceinline__ void IssueScores(float (&s)[32], uint64_t q_descripto
 }
 
 // What both consumers know of their rows: g and g + 8 of the warp's 16 (the wgmma accumulator
-// layout), the same in both.
+// layout), the same in both; and the query positions of the work's first and last rows, divided
+// out once (per tile, two integer divisions sat on the scorer's path between Q K^T and P V).
 struct WideRows {
   int position[2];
   bool valid[2];
+  int first_position;
+  int last_position;
 };
 
 // The consumer's V columns of a stage (MN-major: 64-column blocks kBlockBytes apart, 8-key
@@ -230,14 +233,11 @@ __device__ __forceinline__ uint64_t VDescriptor(uint32_t smem, int stage, int co
 // score non-finite for every row, so the rows that see it still come out NaN (softmax). Keys
 // past kv_end are zero-filled already.
 template <typename Shape, typename T>
-__device__ __forceinline__ void ZeroNonFiniteV(const MlaParams& params, const HopperWork& work, uint8_t* smem_generic,
-                                               int tile, int consumer) {
-  const int num_heads = params.num_heads;
-  const int first_position = work.position_offset + work.row_begin / num_heads;
-  const int last_position = work.position_offset + (work.row_end - 1) / num_heads;
+__device__ __forceinline__ void ZeroNonFiniteV(const MlaParams& params, const HopperWork& work, const WideRows& rows,
+                                               uint8_t* smem_generic, int tile, int consumer) {
   const int tile_start = work.kv_begin + tile * kWideTile;
-  const bool hides_keys = (params.causal && min(tile_start + kWideTile, work.kv_end) - 1 > first_position) ||
-                          (params.window_left >= 0 && tile_start < last_position - params.window_left);
+  const bool hides_keys = (params.causal && min(tile_start + kWideTile, work.kv_end) - 1 > rows.first_position) ||
+                          (params.window_left >= 0 && tile_start < rows.last_position - params.window_left);
   if (!hides_keys) return;
   constexpr uint32_t kExponent = kNonFiniteExponent2<T>;
   constexpr int kWords = (Shape::kConsumerCols / 64) * Shape::kBlockBytes / 16;
@@ -423,7 +423,7 @@ __device__ __forceinline__ void Score(const MlaParams& params, const HopperWork&
       convert_p();
       if (tile > 0) NamedBarrierSync(kPEmptyBarrier, 256);  // the helper's P_{j-1} V_1 completed
       publish();
-      ZeroNonFiniteV<Shape, T>(params, work, smem_generic, tile, 0);
+      ZeroNonFiniteV<Shape, T>(params, work, rows, smem_generic, tile, 0);
       RescaleRows(o, rescale);  // by this tile's factor, before P_j V_j adds to O
       issue_pv(tile);
     }
@@ -450,7 +450,7 @@ __device__ __forceinline__ void Score(const MlaParams& params, const HopperWork&
 
 // Warpgroup 2: O_1 from the published P and factors. Leaves the rows' inverses.
 template <typename Shape, typename T>
-__device__ __forceinline__ void Help(const MlaParams& params, const HopperWork& work, uint32_t smem,
+__device__ __forceinline__ void Help(const MlaParams& params, const HopperWork& work, const WideRows& rows, uint32_t smem,
                                      uint8_t* smem_generic, float (&o)[Shape::kConsumerCols / 2], float (&inverse)[2]) {
   const int thread = threadIdx.x % 128;
   const int row0 = 16 * (thread / 32) + (thread % 32) / 4;
@@ -461,7 +461,7 @@ __device__ __forceinline__ void Help(const MlaParams& params, const HopperWork& 
     WaitFull<Shape>(smem, tile);           // completed already: makes the stage's bytes visible here
     const float factor[2] = {factors[row0], factors[row0 + 8]};
     RescaleRows(o, factor);
-    ZeroNonFiniteV<Shape, T>(params, work, smem_generic, tile, 1);
+    ZeroNonFiniteV<Shape, T>(params, work, rows, smem_generic, tile, 1);
     const uint64_t v_descriptor = VDescriptor<Shape>(smem, tile % Shape::kStages, 1);
     WgmmaFence();
 #pragma unroll
@@ -498,6 +498,8 @@ __device__ __forceinline__ void ConsumeWide(const MlaParams& params, const Hoppe
     rows.valid[h] = global_row < work.row_end;
     rows.position[h] = work.position_offset + global_row / num_heads;
   }
+  rows.first_position = work.position_offset + work.row_begin / num_heads;
+  rows.last_position = work.position_offset + (work.row_end - 1) / num_heads;
 
   // o[4j + e]: rows g (e < 2) and g + 8, columns 8j + 2 (lane % 4) + e % 2 of the consumer's.
   float o[Shape::kConsumerCols / 2];
@@ -508,7 +510,7 @@ __device__ __forceinline__ void ConsumeWide(const MlaParams& params, const Hoppe
   if (consumer == 0) {
     Score<Shape, T>(params, work, rows, smem, smem_generic, o, inverse, lse);
   } else {
-    Help<Shape, T>(params, work, smem, smem_generic, o, inverse);
+    Help<Shape, T>(params, work, rows, smem, smem_generic, o, inverse);
   }
 
   // --- Epilogue: normalise and store this consumer's columns; the scorer stores lse.
