@@ -229,6 +229,17 @@ __device__ __forceinline__ void MbarrierWait(uint32_t barrier, uint32_t parity) 
   } while (done == 0);
 }
 
+// Whether the phase of parity `parity` has completed, without waiting.
+__device__ __forceinline__ bool MbarrierTest(uint32_t barrier, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(barrier), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 // One arrival on `barrier` once every cp.async this thread issued so far has landed. noinc: the
 // arrival counts against the barrier's expected count (one per producer thread).
 __device__ __forceinline__ void CpAsyncArriveNoinc(uint32_t barrier) {

@@ -264,9 +264,19 @@ __device__ __forceinline__ void Release(uint32_t smem, int tile) {
 }
 
 template <typename Shape>
+__device__ __forceinline__ uint32_t FullBarrier(uint32_t smem, int tile) {
+  return smem + Shape::kBarrierOffset + 8 * (tile % Shape::kStages);
+}
+
+// The parity of tile's fill of its stage.
+template <typename Shape>
+__device__ __forceinline__ uint32_t StagePhase(int tile) {
+  return static_cast<uint32_t>((tile / Shape::kStages) & 1);
+}
+
+template <typename Shape>
 __device__ __forceinline__ void WaitFull(uint32_t smem, int tile) {
-  MbarrierWait(smem + Shape::kBarrierOffset + 8 * (tile % Shape::kStages),
-               static_cast<uint32_t>((tile / Shape::kStages) & 1));
+  MbarrierWait(FullBarrier<Shape>(smem, tile), StagePhase<Shape>(tile));
   FenceProxyAsync();
 }
 
@@ -408,14 +418,27 @@ __device__ __forceinline__ void Score(const MlaParams& params, const HopperWork&
 
   const int n = work.num_tiles;
   if (n > 0) {
+    auto release_previous = [&](int tile) {
+      FenceRegisters(o);
+      fence_p();
+      Release<Shape>(smem, tile - 1);
+    };
     for (int tile = 0; tile < n; ++tile) {
-      WaitFull<Shape>(smem, tile);
-      issue_scores(tile);
-      if (tile > 0) {
-        WgmmaWait<1>();  // P_{j-1} V_0 has completed; Q K_j^T may still run
-        FenceRegisters(o);
-        fence_p();
-        Release<Shape>(smem, tile - 1);
+      // Stage j - 1 goes back to the producer once P_{j-1} V_0 completed. Where tile j has landed,
+      // Q K_j^T is issued first and queues behind that product. Where it has not, the release
+      // comes first: held until tile j lands, it would delay the load of tile j + 1 by as long.
+      if (tile > 0 && !MbarrierTest(FullBarrier<Shape>(smem, tile), StagePhase<Shape>(tile))) {
+        WgmmaWait<0>();
+        release_previous(tile);
+        WaitFull<Shape>(smem, tile);
+        issue_scores(tile);
+      } else {
+        WaitFull<Shape>(smem, tile);
+        issue_scores(tile);
+        if (tile > 0) {
+          WgmmaWait<1>();  // P_{j-1} V_0 has completed; Q K_j^T may still run
+          release_previous(tile);
+        }
       }
       WgmmaWait<0>();
       FenceRegisters(s);
