@@ -21,9 +21,10 @@
 //
 // Order of one tile j in the scorer: wait for stage j, issue Q K_j^T behind the still running
 // P_{j-1} V_0; wait_group 1 (P_{j-1} V_0 done: release stage j-1, so the producer refills it
-// while tile j is computed); wait_group 0; softmax; wait for the helper to have finished P_{j-1}
-// (kPEmptyBarrier); publish P_j and the factors (kPFullBarrier); issue P_j V_0. The helper's
-// P_j V_1 runs beside the scorer's next Q K^T.
+// while tile j is computed; where tile j has not landed yet, the release comes before that
+// wait); wait_group 0; softmax; wait for the helper to have finished P_{j-1} (kPEmptyBarrier);
+// publish P_j and the factors (kPFullBarrier); issue P_j V_0. The helper's P_j V_1 runs beside
+// the scorer's next Q K^T.
 //
 // Shared memory (1024-byte aligned 8 KB blocks of 64 rows x 128 B, 128-byte swizzle, see
 // hopper_ptx.cuh):
