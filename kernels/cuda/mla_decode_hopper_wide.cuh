@@ -269,7 +269,7 @@ __device__ __forceinline__ uint32_t FullBarrier(uint32_t smem, int tile) {
   return smem + Shape::kBarrierOffset + 8 * (tile % Shape::kStages);
 }
 
-// The parity of tile's fill of its stage.
+// The phase parity of the fill that brings `tile` into its stage.
 template <typename Shape>
 __device__ __forceinline__ uint32_t StagePhase(int tile) {
   return static_cast<uint32_t>((tile / Shape::kStages) & 1);
