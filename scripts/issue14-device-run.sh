@@ -8,7 +8,8 @@
 #                                         out: the device has it)
 #   scripts/issue14-device-run.sh run    (on the device, carrying .gpu-pack/issue14.tar.xz and
 #                                         .gpu-pack/issue14.commit; logs and CSVs under $OUT)
-# Every step runs under `timeout -k`; there is no daemon.
+# The card's power and SM clock are sampled through the run (scripts/device_clocks.sh,
+# $OUT/dmon.log, summarised at the end). Every step runs under `timeout -k`; there is no daemon.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 build_dir=${ATTND_BUILD_DIR:-build}
@@ -31,6 +32,8 @@ case ${1:-} in
     echo "commit $(cat .gpu-pack/issue14.commit 2>/dev/null) on" \
       "$(timeout -k 2 20 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)" |
       tee "$OUT/summary.txt"
+    source scripts/device_clocks.sh
+    clocks_start "$OUT/dmon.log"
     echo "== decode: attnd (issue 14's shapes, pages in order), then torch" | tee -a "$OUT/summary.txt"
     timeout -k 10 200 "$B/run" attnd_bench --decode --issue14 --contiguous-pages \
       --csv="$OUT/decode.csv" > "$OUT/decode.log" 2>&1
@@ -52,6 +55,8 @@ case ${1:-} in
     timeout -k 10 200 "$B/run" pod_bench > "$OUT/pod.log" 2>&1
     echo "pod_bench rc=$?" | tee -a "$OUT/summary.txt"
     tail -20 "$OUT/pod.log" | tee -a "$OUT/summary.txt"
+    clocks_stop
+    clocks_summary "$OUT/dmon.log" | tee -a "$OUT/summary.txt"
     ;;
   *)
     echo "usage: $0 pack | run" >&2

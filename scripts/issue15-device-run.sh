@@ -6,8 +6,9 @@
 #                                         attnd_bench and bundles them into .gpu-pack/issue15.tar.xz)
 #   scripts/issue15-device-run.sh run    (on the device, carrying .gpu-pack/issue15.tar.xz and
 #                                         .gpu-pack/issue15.commit; logs under $OUT)
-# Every step runs under `timeout -k`; there is no daemon. Every benchmark case is checked
-# against the float64 CPU reference before it is timed.
+# The card's power and SM clock are sampled through the run (scripts/device_clocks.sh,
+# $OUT/dmon.log, summarised at the end). Every step runs under `timeout -k`; there is no daemon.
+# Every benchmark case is checked against the float64 CPU reference before it is timed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 build_dir=${ATTND_BUILD_DIR:-build}
@@ -28,6 +29,8 @@ case ${1:-} in
     B=/tmp/issue15
     say "commit $(cat .gpu-pack/issue15.commit 2>/dev/null) on" \
       "$(timeout -k 2 20 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+    source scripts/device_clocks.sh
+    clocks_start "$OUT/dmon.log"
     failed=0
     # step NAME LIMIT_S PROGRAM ARGS...: one bundled program, its log in $OUT/NAME.log.
     step() {
@@ -52,6 +55,8 @@ case ${1:-} in
       step "append_$i" 120 attnd_bench --append --variants
       grep -E '^append|copy bandwidth' "$OUT/append_$i.log" | tee -a "$OUT/summary.txt"
     done
+    clocks_stop
+    say "$(clocks_summary "$OUT/dmon.log")"
     exit "$failed"
     ;;
   *)
