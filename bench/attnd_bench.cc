@@ -8,6 +8,7 @@
 //
 //   attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14] [--contiguous-pages]
 //               [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH] [--tc-max-chunk=N]
+//               [--warm_ms=N]
 // (no case flag: both). --quick runs a reduced sweep; --variants adds decode cases with pinned
 // chunk sizes next to the planner's choice; --issue14 runs only the decode shapes of issue 14's
 // table. --decode-kernel forces the decode kernel (default auto: the planner's choice); "all"
@@ -550,10 +551,10 @@ int Main(int argc, char** argv) {
       g_tc_max_chunk = std::atoi(arg.c_str() + 15);
     } else if (arg.rfind("--csv=", 0) == 0) {
       csv_path = arg.substr(6);
-    } else {
+    } else if (!ParseWarmFlag(arg.c_str())) {
       std::fprintf(stderr,
                    "usage: attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14]\n"
-                   "                   [--contiguous-pages] [--tc-max-chunk=N]\n"
+                   "                   [--contiguous-pages] [--tc-max-chunk=N] [--warm_ms=N]\n"
                    "                   [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH]\n");
       return 2;
     }
@@ -565,6 +566,7 @@ int Main(int argc, char** argv) {
     return 1;
   }
   PrintDevice();
+  PrintWarmUp();
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const CopyBandwidths copy = MeasureCopy(stream);

@@ -5,8 +5,10 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -72,8 +74,38 @@ inline double Median(std::vector<double> values) {
   return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
+// Seconds of warm-up before each timed measurement (--warm_ms=N; 0, the default, keeps the
+// short warm-up). The timed runs then start once the card has run the measured work for that
+// long, so every case meets it in the same state. An H100 at its 700 W limit runs compute-heavy
+// kernels about 10% slower than right after an idle stretch (the CPU reference check before
+// each case is one), docs/benchmarks.md, MLA section.
+inline double g_warm_seconds = 0.0;
+
+// Takes "--warm_ms=N" into g_warm_seconds; false for any other argument.
+inline bool ParseWarmFlag(const char* arg) {
+  if (std::strncmp(arg, "--warm_ms=", 10) != 0) return false;
+  g_warm_seconds = std::max(0.0, std::atof(arg + 10) * 1e-3);
+  return true;
+}
+
+// Says so in the output when --warm_ms was given.
+inline void PrintWarmUp() {
+  if (g_warm_seconds > 0) std::printf("warm-up: %.0f ms of the measured work before each timing\n", g_warm_seconds * 1e3);
+}
+
+// Repeats `run_once` (work enqueued on `stream`) until g_warm_seconds of wall time have passed.
+inline void WarmUp(cudaStream_t stream, const std::function<void()>& run_once) {
+  if (g_warm_seconds <= 0) return;
+  const auto start = std::chrono::steady_clock::now();
+  do {
+    run_once();
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+  } while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < g_warm_seconds);
+}
+
 // Seconds per call of enqueue(i): a CUDA graph of `launches` calls (i = 0..launches-1), median
-// of `replays` replays after two warm-up replays. With `spread`, also max / min of the replays.
+// of `replays` replays after two warm-up replays (and WarmUp). With `spread`, also max / min of
+// the replays.
 inline double TimeGraph(cudaStream_t stream, int launches,
                         const std::function<void(int)>& enqueue, int replays,
                         double* spread = nullptr) {
@@ -87,6 +119,7 @@ inline double TimeGraph(cudaStream_t stream, int launches,
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
   for (int i = 0; i < 2; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  WarmUp(stream, [&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
   std::vector<double> seconds;
   for (int r = 0; r < replays; ++r) {
     CHECK_CUDA(cudaEventRecord(start, stream));
@@ -109,9 +142,12 @@ inline double TimeGraph(cudaStream_t stream, int launches,
 }
 
 // Milliseconds per call of launch(i) without a graph: `reps` timed groups of `inner` calls
-// (i counts every call), the median group's time / inner.
+// (i counts every call), the median group's time / inner; after WarmUp over the first group.
 template <typename F>
 float MedianMs(int reps, int inner, F&& launch, cudaStream_t stream) {
+  WarmUp(stream, [&] {
+    for (int i = 0; i < inner; ++i) launch(i);
+  });
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));

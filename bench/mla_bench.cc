@@ -30,7 +30,10 @@
 // bandwidth one.
 //
 //   mla_bench [--variants] [--batches=16,32] [--uniform=16,64,128] [--cases=mixed,uniform]
-//             [--hopper_variant=auto|old|new|both] [--only=VARIANT] [--csv=PATH]
+//             [--hopper_variant=auto|old|new|both] [--only=VARIANT] [--csv=PATH] [--warm_ms=N]
+//
+// --warm_ms=N (every kernel benchmark): N ms of the measured work before each timing, so that
+// every case meets the card in the same power state (bench_util.h, WarmUp).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -459,11 +462,11 @@ int Main(int argc, char** argv) {
       const std::string cases = arg.substr(8);
       run_mixed = cases.find("mixed") != std::string::npos;
       run_uniform = cases.find("uniform") != std::string::npos;
-    } else {
+    } else if (!ParseWarmFlag(arg.c_str())) {
       std::fprintf(stderr,
                    "usage: mla_bench [--variants] [--batches=16,32,...] [--uniform=16,64,128] "
                    "[--cases=mixed,uniform] [--hopper_variant=auto|old|new|both] [--only=VARIANT] [--csv=PATH]\n"
-                   "                 [--cta_overhead_tokens=N] [--merge_tokens_per_partial_row=N]\n");
+                   "                 [--cta_overhead_tokens=N] [--merge_tokens_per_partial_row=N] [--warm_ms=N]\n");
       return 2;
     }
   }
@@ -473,6 +476,7 @@ int Main(int argc, char** argv) {
     return 1;
   }
   PrintDevice();
+  PrintWarmUp();
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const CopyBandwidths copy = MeasureCopy(stream);

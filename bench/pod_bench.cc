@@ -13,7 +13,7 @@
 // >= 1 GB, beyond L2). Columns: ms per variant, fused/b2b and fused/merged (the bars: <= 0.85
 // and < 1). torch is not run here.
 //
-// Usage: pod_bench [--only=SUBSTRING] [--page=1|16]   (whole run ~20-40 s on an H100)
+// Usage: pod_bench [--only=SUBSTRING] [--page=1|16] [--warm_ms=N]   (whole run ~20-40 s on an H100)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -303,6 +303,7 @@ int main(int argc, char** argv) {
     if (std::strncmp(argv[i], "--only=", 7) == 0) only = argv[i] + 7;
     if (std::strncmp(argv[i], "--page=", 7) == 0) page_sizes = {std::atoi(argv[i] + 7)};
     if (std::strcmp(argv[i], "--verbose") == 0) verbose = true;
+    bench::ParseWarmFlag(argv[i]);
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -314,6 +315,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaStreamCreate(&stream));
   std::printf("device: %s, %d SMs, L2 %d MB, driver %d\n", prop.name, prop.multiProcessorCount,
               prop.l2CacheSize >> 20, driver);
+  bench::PrintWarmUp();
   auto pod_waves = cuda::PodCtasPerWave(kHeadDim, kDtype, kDtype);
   CHECK_OK(pod_waves.status());
   auto waves = cuda::BatchPrefillCtasPerWave(kHeadDim, kDtype, kDtype);

@@ -11,7 +11,7 @@
 // --kernel=auto|mma|hopper picks the kernel (auto: what the planner picks on this device; the
 // Hopper kernel on sm_90 for these shapes). Output: a human table on stdout and, with
 // --csv=PATH, one line per case for tests/bench/torch_prefill_baseline.py to join with the torch
-// times.
+// times. --warm_ms=N runs N ms of each case's launches before timing it (bench_util.h, WarmUp).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -262,6 +262,7 @@ int main(int argc, char** argv) {
     if (std::strncmp(argv[i], "--only=", 7) == 0) only = argv[i] + 7;
     if (std::strcmp(argv[i], "--kernel=mma") == 0) kernel = plan::PrefillKernel::kMmaSync;
     if (std::strcmp(argv[i], "--kernel=hopper") == 0) kernel = plan::PrefillKernel::kHopper;
+    bench::ParseWarmFlag(argv[i]);
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -273,6 +274,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaStreamCreate(&stream));
   std::printf("device: %s, %d SMs, L2 %d MB, driver %d\n", prop.name, prop.multiProcessorCount,
               prop.l2CacheSize >> 20, driver);
+  bench::PrintWarmUp();
 
   const double peak = MatmulPeakTflops(stream);
   std::printf("cuBLAS bf16 8192^3: %.1f TFLOP/s (the peak below); kernel: %s\n", peak,
