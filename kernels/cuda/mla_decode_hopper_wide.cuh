@@ -89,6 +89,23 @@ struct WideShape {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of an SM");
 };
 
+// A stage's barriers: full (every producer thread's copies landed), empty (all 8 consumer warps
+// released it); and the phase parity of the fill that brings `tile` into its stage.
+template <typename Shape>
+__device__ __forceinline__ uint32_t FullBarrier(uint32_t smem, int tile) {
+  return smem + Shape::kBarrierOffset + 8 * (tile % Shape::kStages);
+}
+
+template <typename Shape>
+__device__ __forceinline__ uint32_t EmptyBarrier(uint32_t smem, int tile) {
+  return smem + Shape::kBarrierOffset + 8 * (Shape::kStages + tile % Shape::kStages);
+}
+
+template <typename Shape>
+__device__ __forceinline__ uint32_t StagePhase(int tile) {
+  return static_cast<uint32_t>((tile / Shape::kStages) & 1);
+}
+
 // Producer: thread t copies rows t / 8 + 16p (p = 0..3) of each tile, the 16-byte chunk t % 8
 // of each of a row's 128-byte column blocks, so a warp instruction reads 4 whole 128-byte lines
 // (one L2 request each; with 64 bytes of 8 rows an instruction made 8 requests of 2 sectors).
@@ -105,7 +122,6 @@ __device__ __forceinline__ void ProduceWide(const MlaParams& params, const Hoppe
   const int row0 = thread / 8;
   const uint32_t position = static_cast<uint32_t>(chunk ^ (row0 % 8)) << 4;
   const int page_mask = (1 << params.page_size_log2) - 1;
-  const uint32_t barriers = smem + Shape::kBarrierOffset;
   for (int tile = 0; tile < work.num_tiles; ++tile) {
     const int stage = tile % kStages;
     const uint8_t* ckv[kRowsPerThread];
@@ -145,7 +161,7 @@ __device__ __forceinline__ void ProduceWide(const MlaParams& params, const Hoppe
       }
     }
     // Fill u of a stage waits for the consumers' release of fill u - 1.
-    MbarrierWait(barriers + 8 * (kStages + stage), ((tile / kStages) & 1) ^ 1);
+    MbarrierWait(EmptyBarrier<Shape>(smem, tile), StagePhase<Shape>(tile) ^ 1);
 #pragma unroll
     for (int p = 0; p < kRowsPerThread; ++p) {
       const uint32_t row_base = smem + Shape::kKvOffset + stage * Shape::kKvBytes + (row0 + 16 * p) * 128 + position;
@@ -159,7 +175,7 @@ __device__ __forceinline__ void ProduceWide(const MlaParams& params, const Hoppe
                   row_valid);
       }
     }
-    CpAsyncArriveNoinc(barriers + 8 * stage);
+    CpAsyncArriveNoinc(FullBarrier<Shape>(smem, tile));
   }
 }
 
@@ -261,18 +277,7 @@ __device__ __forceinline__ void ZeroNonFiniteV(const MlaParams& params, const Ho
 template <typename Shape>
 __device__ __forceinline__ void Release(uint32_t smem, int tile) {
   __syncwarp();
-  if (threadIdx.x % 32 == 0) MbarrierArrive(smem + Shape::kBarrierOffset + 8 * (Shape::kStages + tile % Shape::kStages));
-}
-
-template <typename Shape>
-__device__ __forceinline__ uint32_t FullBarrier(uint32_t smem, int tile) {
-  return smem + Shape::kBarrierOffset + 8 * (tile % Shape::kStages);
-}
-
-// The phase parity of the fill that brings `tile` into its stage.
-template <typename Shape>
-__device__ __forceinline__ uint32_t StagePhase(int tile) {
-  return static_cast<uint32_t>((tile / Shape::kStages) & 1);
+  if (threadIdx.x % 32 == 0) MbarrierArrive(EmptyBarrier<Shape>(smem, tile));
 }
 
 template <typename Shape>
@@ -452,9 +457,7 @@ __device__ __forceinline__ void Score(const MlaParams& params, const HopperWork&
       issue_pv(tile);
     }
     WgmmaWait<0>();
-    FenceRegisters(o);
-    fence_p();
-    Release<Shape>(smem, n - 1);
+    release_previous(n);
     NamedBarrierSync(kPEmptyBarrier, 256);  // the helper has read the last factors
   }
 
