@@ -31,6 +31,9 @@
 //
 //   mla_bench [--variants] [--batches=16,32] [--uniform=16,64,128] [--cases=mixed,uniform]
 //             [--hopper_variant=auto|old|new|both] [--only=VARIANT] [--csv=PATH] [--warm_ms=N]
+//             [--kv_dtype=bf16|fp8]
+//
+// --kv_dtype=fp8: the latent cache in fp8 e4m3 (q and o bf16; bytes count one a cached value).
 //
 // --warm_ms=N (every kernel benchmark): N ms of the measured work before each timing, so that
 // every case meets the card in the same power state (bench_util.h, WarmUp).
@@ -61,6 +64,9 @@ namespace {
 // The planner's cost-model constants for every variant (-1: MlaPlanOptions' defaults), to re-fit
 // them for a kernel.
 int32_t g_cta_overhead_tokens = -1;
+// The latent cache's dtype (--kv_dtype=bf16|fp8); q and o stay bf16.
+DType g_kv_dtype = DType::kBFloat16;
+int64_t KvBytes() { return DTypeBytes(g_kv_dtype); }
 int32_t g_merge_tokens_per_partial_row = -1;
 
 using bench::DeviceMemory;
@@ -148,14 +154,14 @@ class MlaBatch {
       indptr_.push_back(indptr_.back() + static_cast<int32_t>((length + kPageSize - 1) / kPageSize));
     }
     const int64_t pages = indptr_.back();
-    ckv_ = std::make_unique<DeviceMemory>(pages * kPageSize * kRank * 2);
-    kpe_ = std::make_unique<DeviceMemory>(pages * kPageSize * kRope * 2);
+    ckv_ = std::make_unique<DeviceMemory>(pages * kPageSize * kRank * KvBytes());
+    kpe_ = std::make_unique<DeviceMemory>(pages * kPageSize * kRope * KvBytes());
     q_nope_ = std::make_unique<DeviceMemory>(int64_t{batch} * kHeads * kRank * 2);
     q_pe_ = std::make_unique<DeviceMemory>(int64_t{batch} * kHeads * kRope * 2);
     o_ = std::make_unique<DeviceMemory>(int64_t{batch} * kHeads * kRank * 2);
     lse_ = std::make_unique<DeviceMemory>(int64_t{batch} * kHeads * 4);
-    CHECK_CUDA(FillRandom(ckv_->get(), DType::kBFloat16, ckv_->bytes() / 2, 1000 + batch, 1.0f, stream));
-    CHECK_CUDA(FillRandom(kpe_->get(), DType::kBFloat16, kpe_->bytes() / 2, 2000 + batch, 1.0f, stream));
+    CHECK_CUDA(FillRandom(ckv_->get(), g_kv_dtype, ckv_->bytes() / KvBytes(), 1000 + batch, 1.0f, stream));
+    CHECK_CUDA(FillRandom(kpe_->get(), g_kv_dtype, kpe_->bytes() / KvBytes(), 2000 + batch, 1.0f, stream));
     CHECK_CUDA(FillRandom(q_nope_->get(), DType::kBFloat16, q_nope_->bytes() / 2, 3000 + batch, 2.0f, stream));
     CHECK_CUDA(FillRandom(q_pe_->get(), DType::kBFloat16, q_pe_->bytes() / 2, 4000 + batch, 2.0f, stream));
     page_ids_.resize(pages);
@@ -170,7 +176,7 @@ class MlaBatch {
     std::iota(qo_indptr_.begin(), qo_indptr_.end(), 0);
     params_.causal = true;
     params_.sm_scale = 1.0f / std::sqrt(192.0f);
-    bytes_ = static_cast<double>(total_tokens_) * (kRank + kRope) * 2 +
+    bytes_ = static_cast<double>(total_tokens_) * (kRank + kRope) * KvBytes() +
              static_cast<double>(batch) * kHeads * (kRank + kRope) * 2 + static_cast<double>(batch) * kHeads * kRank * 2;
     CHECK_CUDA(cudaStreamSynchronize(stream));
     // The first request and the longest (the last one when all are equally long).
@@ -251,8 +257,8 @@ class MlaBatch {
     args.pages = PageTableView{batch_, kPageSize, indptr_device_->get<int32_t>(), ids_device_->get<int32_t>(),
                                ids_device_->get<int32_t>(), nullptr};
     const int64_t pages = indptr_.back();
-    args.ckv_cache = PagedKvView{ckv_->get(), DType::kBFloat16, KvLayout::kNHD, pages, kPageSize, 1, kRank};
-    args.kpe_cache = PagedKvView{kpe_->get(), DType::kBFloat16, KvLayout::kNHD, pages, kPageSize, 1, kRope};
+    args.ckv_cache = PagedKvView{ckv_->get(), g_kv_dtype, KvLayout::kNHD, pages, kPageSize, 1, kRank};
+    args.kpe_cache = PagedKvView{kpe_->get(), g_kv_dtype, KvLayout::kNHD, pages, kPageSize, 1, kRope};
     args.params = params_;
     args.work = plan.View(packed_device.get<int32_t>());
     args.o = TokenHeadsView{o_->get(), DType::kBFloat16, batch_, kHeads, kRank};
@@ -293,12 +299,12 @@ class MlaBatch {
       for (int32_t p = 0; p < pages; ++p) {
         const int64_t page = page_ids_[indptr_[b] + p];
         const size_t ckv_at = ref_ckv_.size(), kpe_at = ref_kpe_.size();
-        ref_ckv_.resize(ckv_at + kPageSize * kRank);
-        ref_kpe_.resize(kpe_at + kPageSize * kRope);
-        CHECK_CUDA(cudaMemcpy(ref_ckv_.data() + ckv_at, ckv_->get<uint16_t>() + page * kPageSize * kRank,
-                              kPageSize * kRank * 2, cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaMemcpy(ref_kpe_.data() + kpe_at, kpe_->get<uint16_t>() + page * kPageSize * kRope,
-                              kPageSize * kRope * 2, cudaMemcpyDeviceToHost));
+        ref_ckv_.resize(ckv_at + kPageSize * kRank * KvBytes());
+        ref_kpe_.resize(kpe_at + kPageSize * kRope * KvBytes());
+        CHECK_CUDA(cudaMemcpy(ref_ckv_.data() + ckv_at, ckv_->get<uint8_t>() + page * kPageSize * kRank * KvBytes(),
+                              kPageSize * kRank * KvBytes(), cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(ref_kpe_.data() + kpe_at, kpe_->get<uint8_t>() + page * kPageSize * kRope * KvBytes(),
+                              kPageSize * kRope * KvBytes(), cudaMemcpyDeviceToHost));
         host_ids.push_back(static_cast<int32_t>(host_ids.size()));
       }
       host_indptr.push_back(static_cast<int32_t>(host_ids.size()));
@@ -318,8 +324,8 @@ class MlaBatch {
     args.qo_indptr = qo.data();
     args.pages = PageTableView{rows, kPageSize, host_indptr.data(), host_ids.data(), host_ids.data(), last_page_len.data()};
     const int64_t pages = static_cast<int64_t>(host_ids.size());
-    args.ckv_cache = PagedKvView{ref_ckv_.data(), DType::kBFloat16, KvLayout::kNHD, pages, kPageSize, 1, kRank};
-    args.kpe_cache = PagedKvView{ref_kpe_.data(), DType::kBFloat16, KvLayout::kNHD, pages, kPageSize, 1, kRope};
+    args.ckv_cache = PagedKvView{ref_ckv_.data(), g_kv_dtype, KvLayout::kNHD, pages, kPageSize, 1, kRank};
+    args.kpe_cache = PagedKvView{ref_kpe_.data(), g_kv_dtype, KvLayout::kNHD, pages, kPageSize, 1, kRope};
     args.params = params_;
     args.o = TokenHeadsView{ref_o_.data(), DType::kFloat32, rows, kHeads, kRank};
     args.lse = ref_lse_.data();
@@ -365,7 +371,7 @@ class MlaBatch {
   AttentionParams params_;
   double bytes_ = 0;
   std::vector<int32_t> checked_;
-  std::vector<uint16_t> ref_ckv_, ref_kpe_;
+  std::vector<uint8_t> ref_ckv_, ref_kpe_;  // raw bytes of g_kv_dtype
   std::vector<float> ref_o_, ref_lse_;
 };
 
@@ -458,6 +464,8 @@ int Main(int argc, char** argv) {
       g_cta_overhead_tokens = std::atoi(arg.c_str() + 22);
     } else if (arg.rfind("--merge_tokens_per_partial_row=", 0) == 0) {
       g_merge_tokens_per_partial_row = std::atoi(arg.c_str() + 31);
+    } else if (arg == "--kv_dtype=bf16" || arg == "--kv_dtype=fp8") {
+      g_kv_dtype = arg == "--kv_dtype=fp8" ? DType::kFloat8E4M3 : DType::kBFloat16;
     } else if (arg.rfind("--cases=", 0) == 0) {
       const std::string cases = arg.substr(8);
       run_mixed = cases.find("mixed") != std::string::npos;
@@ -466,7 +474,7 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: mla_bench [--variants] [--batches=16,32,...] [--uniform=16,64,128] "
                    "[--cases=mixed,uniform] [--hopper_variant=auto|old|new|both] [--only=VARIANT] [--csv=PATH]\n"
-                   "                 [--cta_overhead_tokens=N] [--merge_tokens_per_partial_row=N] [--warm_ms=N]\n");
+                   "                 [--kv_dtype=bf16|fp8] [--cta_overhead_tokens=N] [--merge_tokens_per_partial_row=N] [--warm_ms=N]\n");
       return 2;
     }
   }
@@ -484,15 +492,15 @@ int Main(int argc, char** argv) {
   std::printf("copy bandwidth (1 GiB D2D, read + write): cudaMemcpy %.3f TB/s, copy kernel %.3f TB/s; "
               "%%copy below is against %.3f TB/s\n",
               copy.memcpy / 1e12, copy.kernel / 1e12, copy_bandwidth / 1e12);
-  auto ctas = cuda::MlaDecodeCtasPerWave({DType::kBFloat16, DType::kBFloat16, kRank, kRope});
+  auto ctas = cuda::MlaDecodeCtasPerWave({DType::kBFloat16, g_kv_dtype, kRank, kRope});
   CHECK_OK(ctas.status());
-  std::printf("mla: %d heads, rank %d + rope %d, bf16, page %d; %d CTAs per wave (measured occupancy x SMs)\n",
-              kHeads, kRank, kRope, kPageSize, *ctas);
+  std::printf("mla: %d heads, rank %d + rope %d, bf16 q, %s cache, page %d; %d CTAs per wave (measured occupancy x SMs)\n",
+              kHeads, kRank, kRope, DTypeName(g_kv_dtype), kPageSize, *ctas);
   std::fflush(stdout);
 
   if (hopper_variant == "new" || hopper_variant == "both") {
     auto wide = cuda::MlaDecodeCtasPerWave(
-        {DType::kBFloat16, DType::kBFloat16, kRank, kRope, cuda::MlaKernel::kHopperWide});
+        {DType::kBFloat16, g_kv_dtype, kRank, kRope, cuda::MlaKernel::kHopperWide});
     CHECK_OK(wide.status());
     std::printf("wide-tile Hopper kernel: %d CTAs per wave%s\n", *wide,
                 *wide == *ctas ? "" : " (differs: its plans still use the default kernel's count)");

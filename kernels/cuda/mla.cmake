@@ -17,11 +17,13 @@ set_target_properties(attnd_mla_kernels PROPERTIES
 
 # The Hopper kernels (split-K and wide-tile; wgmma, setmaxnreg: sm_90a only) are their own object
 # library compiled with that one -gencode, when 90 is among the architectures built; the launcher uses it on compute
-# capability 9.0 for caches of q's 16-bit type (ATTND_MLA_HOPPER).
+# capability 9.0 (ATTND_MLA_HOPPER): the split-K kernel for caches of q's 16-bit type, the wide-tile one
+# for those and fp8 e4m3 caches.
 if(ATTND_CUDA_ARCHITECTURES MATCHES "(^|;)90")
   add_library(attnd_mla_hopper OBJECT
     ${CMAKE_CURRENT_LIST_DIR}/mla_decode_hopper.cu
-    ${CMAKE_CURRENT_LIST_DIR}/mla_decode_hopper_wide.cu)
+    ${CMAKE_CURRENT_LIST_DIR}/mla_decode_hopper_wide.cu
+    ${CMAKE_CURRENT_LIST_DIR}/mla_decode_hopper_wide_fp8.cu)
   target_include_directories(attnd_mla_hopper PRIVATE ${CMAKE_CURRENT_LIST_DIR})
   target_link_libraries(attnd_mla_hopper PRIVATE attnd_kernel_types attnd_plan CUDA::cudart attnd_warnings)
   target_compile_options(attnd_mla_hopper

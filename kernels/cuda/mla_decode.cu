@@ -25,13 +25,9 @@ int64_t PartialLseOffsetBytes(int32_t num_partials, int32_t num_heads, int32_t k
   return (o_bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
 }
 
-// Whether the Hopper kernel applies to `config` on the current device (scales checked apart).
-bool HopperApplies(const MlaDecodeConfig& config) {
+// Whether this device runs the Hopper kernels: compute capability 9.0 and an sm_90a build.
+bool HopperDevice() {
 #if ATTND_MLA_HOPPER
-  if (!Is16Bit(config.q_dtype) || config.kv_dtype != config.q_dtype || config.rope_dim != mla::kRopeDim ||
-      (config.kv_lora_rank != 512 && config.kv_lora_rank != 256)) {
-    return false;
-  }
   int device = 0, major = 0, minor = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -40,33 +36,46 @@ bool HopperApplies(const MlaDecodeConfig& config) {
   }
   return major == 9 && minor == 0;
 #else
-  (void)config;
   return false;
 #endif
 }
 
+// The shapes both Hopper kernels take: q 16-bit, rank 512 or 256, rope 64.
+bool HopperShape(const MlaDecodeConfig& config) {
+  return Is16Bit(config.q_dtype) && config.rope_dim == mla::kRopeDim &&
+         (config.kv_lora_rank == 512 || config.kv_lora_rank == 256);
+}
+
 // The kernel that runs for `config` (scales_equal: kpe_scale == ckv_scale); error when a forced
-// Hopper kernel does not apply.
+// Hopper kernel does not apply. The wide-tile kernel takes caches of q's type or fp8 e4m3 and any
+// scales; the split-K kernel (kHopper) caches of q's type with equal scales.
 absl::StatusOr<MlaKernel> ResolveKernel(const MlaDecodeConfig& config, bool scales_equal) {
-  const bool hopper = HopperApplies(config) && scales_equal;
+  const bool hopper = HopperShape(config) && HopperDevice();
+  const bool wide = hopper && (config.kv_dtype == config.q_dtype || config.kv_dtype == DType::kFloat8E4M3);
   switch (config.kernel) {
     case MlaKernel::kMmaSync:
       return MlaKernel::kMmaSync;
     case MlaKernel::kHopper:
-    case MlaKernel::kHopperWide:
-      if (!hopper) {
+      if (!hopper || config.kv_dtype != config.q_dtype || !scales_equal) {
         return absl::InvalidArgumentError(
-            "MLA decode: the Hopper kernels need compute capability 9.0, an sm_90a build, q and cache of "
-            "one 16-bit type and kpe_scale == ckv_scale");
+            "MLA decode: the split-K Hopper kernel needs compute capability 9.0, an sm_90a build, q and "
+            "cache of one 16-bit type and kpe_scale == ckv_scale");
       }
-      return config.kernel;
+      return MlaKernel::kHopper;
+    case MlaKernel::kHopperWide:
+      if (!wide) {
+        return absl::InvalidArgumentError(
+            "MLA decode: the wide-tile Hopper kernel needs compute capability 9.0, an sm_90a build, q 16-bit "
+            "and a cache of q's type or fp8_e4m3");
+      }
+      return MlaKernel::kHopperWide;
     case MlaKernel::kAuto:
       break;
   }
-  // The wide-tile kernel where a Hopper kernel applies: on the H100 it took 64 x 8192 keys in
-  // 350 us against the two-CTA kernel's 442, 16 and 128 x 8192 likewise faster (mla_bench
-  // --hopper_variant=both, docs/benchmarks.md).
-  return hopper ? MlaKernel::kHopperWide : MlaKernel::kMmaSync;
+  // The wide-tile kernel where it applies: on the H100 it took 64 x 8192 keys in 350 us against
+  // the two-CTA kernel's 442, 16 and 128 x 8192 likewise faster (mla_bench --hopper_variant=both,
+  // docs/benchmarks.md).
+  return wide ? MlaKernel::kHopperWide : MlaKernel::kMmaSync;
 }
 
 cudaError_t Launch(const mla::MlaParams& params, const MlaDecodeConfig& config, MlaKernel kernel,
@@ -76,7 +85,8 @@ cudaError_t Launch(const mla::MlaParams& params, const MlaDecodeConfig& config, 
     return mla::LaunchMlaHopper(params, config.kv_lora_rank, config.q_dtype, num_ctas, stream, ctas_per_sm);
   }
   if (kernel == MlaKernel::kHopperWide) {
-    return mla::LaunchMlaHopperWide(params, config.kv_lora_rank, config.q_dtype, num_ctas, stream, ctas_per_sm);
+    return mla::LaunchMlaHopperWide(params, config.kv_lora_rank, config.q_dtype, config.kv_dtype, num_ctas, stream,
+                                    ctas_per_sm);
   }
 #else
   (void)kernel;

@@ -1,7 +1,7 @@
 // MLA decode on Hopper (sm_90a), DESIGN 4.6: the wide-tile kernel (MlaKernel::kHopperWide), a
 // variant of mla_decode_hopper.cuh with the same units, masks, outputs and partials: a CTA
 // computes 64 rows (query token, head) of one request against one chunk of its latent keys, here
-// in tiles of 64 keys. For caches of q's 16-bit type with kpe_scale == ckv_scale.
+// in tiles of 64 keys. For caches of q's 16-bit type or fp8 e4m3 (ProduceWideFp8), any scales.
 //
 // Why a variant: the split-K kernel multiplies Q K^T as m64n32k16 with both operands in shared
 // memory (3 KB per 16-clock instruction, more than shared memory feeds the tensor cores) and
@@ -60,6 +60,7 @@ inline constexpr uint32_t kQBarrier = 1;       // both consumers, once Q is in s
 inline constexpr uint32_t kPFullBarrier = 2;   // scorer arrives, helper syncs: P_j is published
 inline constexpr uint32_t kPEmptyBarrier = 3;  // helper arrives, scorer syncs: P_j was read
 inline constexpr uint32_t kWarpgroupBarrier = 4;  // + consumer index: one consumer's 128 threads
+inline constexpr uint32_t kProducerBarrier = 6;   // the producer's 128 threads (fp8 caches)
 
 template <int kRankArg>
 struct WideShape {
@@ -79,6 +80,9 @@ struct WideShape {
   static constexpr int kFactorOffset = kPOffset + kBlockBytes;
   static constexpr int kBarrierOffset = kFactorOffset + kRows * 4;
   static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8 + 1024;  // + alignment slack
+  // fp8 caches: a tile's raw bytes, [kBlocks][64 rows][64 B], in the upper half of its stage.
+  static constexpr int kRawBlockBytes = kRows * 64;
+  static constexpr int kRawOffset = kKvBytes - kBlocks * kRawBlockBytes;
   // The epilogue stages 16-bit O row by row over Q, 16 bytes of padding a row so that a warp's
   // stores of 8 rows x 16 bytes hit distinct banks.
   static constexpr int kOutPitch = kRank * 2 + 16;
@@ -106,15 +110,53 @@ __device__ __forceinline__ uint32_t StagePhase(int tile) {
   return static_cast<uint32_t>((tile / Shape::kStages) & 1);
 }
 
+// fp8: expands a stage's landed raw tile (column-block-major at kRawOffset, see ProduceWide) into
+// T in place, block by block: thread t converts rows t / 4 + 32p (p = 0, 1), 16 values (bytes
+// 16 (t % 4)) of each raw block, to chunks 2 (t % 4) and + 1 of the row in the 128-byte swizzled
+// layout (a warp reads 512 contiguous bytes and its stores hit every bank group four times).
+// Block b's output overlaps only raw blocks <= b: a barrier of the producer's threads before the
+// writes of each block that overlaps the raw region means none reads raw bytes already overwritten.
+template <typename Shape, typename T>
+__device__ __forceinline__ void ExpandFp8Stage(uint32_t stage) {
+  const int thread = threadIdx.x;  // 0..127
+  const int piece = thread % 4;
+  NamedBarrierSync(kProducerBarrier, 128);  // every producer thread's copies landed
+#pragma unroll
+  for (int b = 0; b < Shape::kBlocks; ++b) {
+    uint4 raw[2];
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      raw[p] = LoadShared16(stage + Shape::kRawOffset + b * Shape::kRawBlockBytes + (thread / 4 + 32 * p) * 64 + 16 * piece);
+    }
+    if ((b + 1) * Shape::kBlockBytes > Shape::kRawOffset) NamedBarrierSync(kProducerBarrier, 128);
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int row = thread / 4 + 32 * p;
+      uint4 low, high;
+      ConvertFp8x16<T, __nv_fp8_e4m3>(raw[p], low, high);
+      const uint32_t row_base = stage + b * Shape::kBlockBytes + row * 128;
+      StoreShared16(row_base + (((2 * piece) ^ (row % 8)) << 4), low);
+      StoreShared16(row_base + (((2 * piece + 1) ^ (row % 8)) << 4), high);
+    }
+  }
+}
+
 // Producer: thread t copies rows t / 8 + 16p (p = 0..3) of each tile, the 16-byte chunk t % 8
 // of each of a row's 128-byte column blocks, so a warp instruction reads 4 whole 128-byte lines
 // (one L2 request each; with 64 bytes of 8 rows an instruction made 8 requests of 2 sectors).
 // Chunk c of block b of a row lands in block b at position c ^ (row % 8): the thread's rows
 // share row % 8, so every copy of a row differs by an immediate.
-template <typename Shape>
+//
+// fp8 e4m3 caches (Stored 1 byte, T the MMA type): shared memory has no room for raw stages beside
+// Q and two stages of T, so a tile's raw bytes land in the upper half of its own (released) stage,
+// column-block-major ([kBlocks][64 rows][64 B]; ckv line L of a row, 128 values, is raw blocks 2L
+// and 2L + 1; kpe is the last), and the producer expands them in place into T (ExpandFp8Stage).
+// HBM then reads one byte a value.
+template <typename Shape, typename T, typename Stored>
 __device__ __forceinline__ void ProduceWide(const MlaParams& params, const HopperWork& work, uint32_t smem) {
   constexpr int kStages = Shape::kStages;
-  constexpr int kStoredBytes = 2;
+  constexpr int kStoredBytes = sizeof(Stored);
+  constexpr bool kFp8 = kStoredBytes == 1;
   constexpr int kRowsPerThread = kWideTile / 16;
   constexpr int kRankBlocks = Shape::kRank / 64;
   const int thread = threadIdx.x;  // 0..127
@@ -162,30 +204,53 @@ __device__ __forceinline__ void ProduceWide(const MlaParams& params, const Hoppe
     }
     // Fill u of a stage waits for the consumers' release of fill u - 1.
     MbarrierWait(EmptyBarrier<Shape>(smem, tile), StagePhase<Shape>(tile) ^ 1);
+    if constexpr (kFp8) {
+      const uint32_t raw = smem + Shape::kKvOffset + stage * Shape::kKvBytes + Shape::kRawOffset;
 #pragma unroll
-    for (int p = 0; p < kRowsPerThread; ++p) {
-      const uint32_t row_base = smem + Shape::kKvOffset + stage * Shape::kKvBytes + (row0 + 16 * p) * 128 + position;
-      const bool row_valid = (valid >> p) & 1u;
+      for (int p = 0; p < kRowsPerThread; ++p) {
+        const int row = row0 + 16 * p;
+        const bool row_valid = (valid >> p) & 1u;
+        const uint32_t row_raw = raw + row * 64 + 16 * (chunk % 4);
 #pragma unroll
-      for (int b = 0; b < Shape::kBlocks; ++b) {
-        // Rows past the chunk are zero-filled: a zero V row keeps 0 * stale bytes from making NaN.
-        // Their addresses stay inside the pools (the pool's start, or the tile's page), so the
-        // copy takes them as they are, with a zero source size: no select per copy.
-        CpAsync16(row_base + b * Shape::kBlockBytes, b < kRankBlocks ? ckv[p] + 128 * b : kpe[p] + 128 * (b - kRankBlocks),
-                  row_valid);
+        for (int line = 0; line < Shape::kRank / 128; ++line) {
+          CpAsync16(row_raw + (2 * line + chunk / 4) * Shape::kRawBlockBytes, ckv[p] + 128 * line, row_valid);
+        }
+        // kpe rows are 64 bytes: chunks 0..3 (the pointers of chunks 4..7 are not read).
+        if (chunk < 4) CpAsync16(row_raw + (Shape::kBlocks - 1) * Shape::kRawBlockBytes, kpe[p], row_valid);
       }
+      CpAsyncWaitAll();
+      ExpandFp8Stage<Shape, T>(smem + Shape::kKvOffset + stage * Shape::kKvBytes);
+      FenceProxyAsync();  // generic-proxy stores, read next by wgmma (the async proxy)
+      MbarrierArrive(FullBarrier<Shape>(smem, tile));
+    } else {
+#pragma unroll
+      for (int p = 0; p < kRowsPerThread; ++p) {
+        const uint32_t row_base = smem + Shape::kKvOffset + stage * Shape::kKvBytes + (row0 + 16 * p) * 128 + position;
+        const bool row_valid = (valid >> p) & 1u;
+#pragma unroll
+        for (int b = 0; b < Shape::kBlocks; ++b) {
+          // Rows past the chunk are zero-filled: a zero V row keeps 0 * stale bytes from making NaN.
+          // Their addresses stay inside the pools (the pool's start, or the tile's page), so the
+          // copy takes them as they are, with a zero source size: no select per copy.
+          CpAsync16(row_base + b * Shape::kBlockBytes,
+                    b < kRankBlocks ? ckv[p] + 128 * b : kpe[p] + 128 * (b - kRankBlocks), row_valid);
+        }
+      }
+      CpAsyncArriveNoinc(FullBarrier<Shape>(smem, tile));
     }
-    CpAsyncArriveNoinc(FullBarrier<Shape>(smem, tile));
   }
 }
 
-// Q's 64 rows (zero past the request) into shared memory by both consumers' 256 threads.
-template <typename Shape>
+// Q's 64 rows (zero past the request) into shared memory by both consumers' 256 threads. Where
+// kpe_scale != ckv_scale, q_pe comes through registers times pe_ratio (rounded to T), as in the
+// mma.sync kernel, so one score scale serves both parts of Q K^T.
+template <typename Shape, typename T>
 __device__ __forceinline__ void LoadQ(const MlaParams& params, const HopperWork& work, uint32_t smem) {
   const int index0 = threadIdx.x - 128;  // 0..255
   const uint16_t* q_nope = static_cast<const uint16_t*>(params.q_nope);
   const uint16_t* q_pe = static_cast<const uint16_t*>(params.q_pe);
   const int num_heads = params.num_heads;
+  const bool scale_pe = params.pe_ratio != 1.0f;
   constexpr int kPasses = kRows * Shape::kChunks / 256;
   static_assert(kPasses * 256 == kRows * Shape::kChunks, "Q passes");
 #pragma unroll
@@ -204,7 +269,12 @@ __device__ __forceinline__ void LoadQ(const MlaParams& params, const HopperWork&
     }
     const uint32_t destination =
         smem + Shape::kQOffset + (chunk / 8) * Shape::kBlockBytes + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
-    CpAsync16(destination, source, valid);
+    if (scale_pe && chunk >= Shape::kRankChunks) {
+      const uint4 raw = valid ? LoadStreaming16(source) : make_uint4(0, 0, 0, 0);
+      StoreShared16(destination, ConvertQ<T>(raw, std::is_same_v<T, __nv_bfloat16>, params.pe_ratio));
+    } else {
+      CpAsync16(destination, source, valid);
+    }
   }
   CpAsyncWaitAll();
   FenceProxyAsync();  // generic-proxy writes, read next by wgmma (the async proxy)
@@ -517,7 +587,7 @@ __device__ __forceinline__ void ConsumeWide(const MlaParams& params, const Hoppe
   const int lane = thread % 32;
   const int num_heads = params.num_heads;
 
-  LoadQ<Shape>(params, work, smem);
+  LoadQ<Shape, T>(params, work, smem);
   WideRows rows;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -599,7 +669,8 @@ __device__ __forceinline__ void ConsumeWide(const MlaParams& params, const Hoppe
   }
 }
 
-template <int kRank, typename T>
+// T: q's type, which the tensor cores multiply in; Stored: the cache's (T or fp8 e4m3).
+template <int kRank, typename T, typename Stored>
 __global__ void __launch_bounds__(kWideThreads, 1) MlaDecodeHopperWideKernel(const __grid_constant__ MlaParams params) {
   using Shape = WideShape<kRank>;
   extern __shared__ __align__(1024) uint8_t shared_bytes[];
@@ -618,7 +689,8 @@ __global__ void __launch_bounds__(kWideThreads, 1) MlaDecodeHopperWideKernel(con
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
     ReleaseRegisters<kWideProducerRegisters>();
-    ProduceWide<Shape>(params, work, smem);
+    static_assert(std::is_same_v<Stored, T> || std::is_same_v<Stored, __nv_fp8_e4m3>, "caches of q's type or fp8");
+    ProduceWide<Shape, T, Stored>(params, work, smem);
     CpAsyncWaitAll();
   } else {
     ClaimRegisters<kWideConsumerRegisters>();
@@ -626,9 +698,9 @@ __global__ void __launch_bounds__(kWideThreads, 1) MlaDecodeHopperWideKernel(con
   }
 }
 
-template <int kRank, typename T>
+template <int kRank, typename T, typename Stored>
 cudaError_t LaunchMlaHopperWide(const MlaParams& params, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
-  return hopper::LaunchOrMeasure(&MlaDecodeHopperWideKernel<kRank, T>, kWideThreads,
+  return hopper::LaunchOrMeasure(&MlaDecodeHopperWideKernel<kRank, T, Stored>, kWideThreads,
                                  WideShape<kRank>::kSmemBytes, params, num_ctas, stream,
                                  ctas_per_sm);
 }

@@ -684,9 +684,12 @@ cudaError_t LaunchMlaR256(const MlaParams& params, DType q_dtype, DType kv_dtype
 // (ATTND_MLA_HOPPER); runs only on compute capability 9.0.
 cudaError_t LaunchMlaHopper(const MlaParams& params, int32_t rank, DType dtype, int32_t num_ctas,
                             cudaStream_t stream, int* ctas_per_sm);
-// The wide-tile Hopper kernel (mla_decode_hopper_wide.cu): the same conditions.
-cudaError_t LaunchMlaHopperWide(const MlaParams& params, int32_t rank, DType dtype, int32_t num_ctas,
+// The wide-tile Hopper kernel (mla_decode_hopper_wide.cu, also sm_90a only): q 16-bit, the cache
+// of q's type or fp8 e4m3 (mla_decode_hopper_wide_fp8.cu), rank 512 or 256, any scales.
+cudaError_t LaunchMlaHopperWide(const MlaParams& params, int32_t rank, DType q_dtype, DType kv_dtype, int32_t num_ctas,
                                 cudaStream_t stream, int* ctas_per_sm);
+cudaError_t LaunchMlaHopperWideFp8(const MlaParams& params, int32_t rank, DType q_dtype, int32_t num_ctas,
+                                   cudaStream_t stream, int* ctas_per_sm);
 
 template <int kRank>
 cudaError_t LaunchMlaForTypes(const MlaParams& params, DType q_dtype, DType kv_dtype, int32_t num_ctas,

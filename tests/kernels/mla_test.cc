@@ -4,8 +4,8 @@
 // 32 and 64 (plus 1 and 16: any power of two), SHARED and SEPARATE_KV tables, every split
 // scheme of the planner (auto, oversubscription, one wave, none, pinned, deterministic),
 // lengths 0, 1, tile and page boundaries, long (to 131072) in one batch; kAuto runs the
-// wide-tile Hopper kernel on an H100, and each Hopper-eligible case runs again on the first
-// Hopper kernel (kHopper). Outputs are poisoned
+// wide-tile Hopper kernel on an H100 (16-bit and fp8 caches), every case of the sweep runs again
+// on the mma.sync kernel, and each case of one 16-bit type on the first Hopper kernel (kHopper). Outputs are poisoned
 // (NaN) before each launch and cache slots no request owns hold NaN, so a read past a
 // sequence's end or an unwritten output shows.
 //
@@ -345,10 +345,9 @@ std::vector<MlaCase> SweepCases() {
       cases.push_back(c);
     }
   }
-  // The mma.sync kernel on the 16-bit cases (kAuto runs the Hopper kernel there on an H100).
+  // The mma.sync kernel on the same cases (kAuto runs the wide-tile Hopper kernel there on an H100).
   const size_t hopper_eligible = cases.size();
   for (size_t i = 0; i < hopper_eligible; ++i) {
-    if (cases[i].kv_dtype == DType::kFloat8E4M3) continue;
     MlaCase c = cases[i];
     c.kernel = cuda::MlaKernel::kMmaSync;
     c.seed += 1000;
@@ -460,6 +459,27 @@ std::vector<MlaCase> SweepCases() {
     c.fixed_split_tokens = 0;
     c.seed = seed++;
     cases.push_back(c);
+    // fp8 caches on the wide-tile kernel: pinned odd chunks, pages of 16 and 1, a scale ratio
+    // that is not a power of two (q_pe times it, rounded), rank 256.
+    MlaCase fp8;
+    fp8.kernel = cuda::MlaKernel::kHopperWide;
+    fp8.kv_dtype = DType::kFloat8E4M3;
+    fp8.num_heads = 128;
+    fp8.q_lens = {1, 2};
+    fp8.page_size = 16;
+    fp8.separate_kv = true;
+    fp8.fixed_split_tokens = 37;
+    fp8.ckv_scale = 0.6f;
+    fp8.kpe_scale = 1.3f;
+    fp8.seed = seed++;
+    cases.push_back(fp8);
+    fp8.q_dtype = DType::kFloat16;
+    fp8.rank = 256;
+    fp8.num_heads = 32;
+    fp8.page_size = 1;
+    fp8.fixed_split_tokens = 200;
+    fp8.seed = seed++;
+    cases.push_back(fp8);
     MlaCase window;
     window.kernel = cuda::MlaKernel::kHopperWide;
     window.num_heads = 16;
@@ -567,6 +587,14 @@ std::vector<MlaCase> NonFiniteCases() {
   fp8.q_lens = {4};
   fp8.lengths = {300, 1029, 45, 7};
   fp8.fixed_split_tokens = 64;
+  fp8.seed = seed++;
+  cases.push_back(fp8);
+  fp8.kernel = cuda::MlaKernel::kHopperWide;
+  fp8.seed = seed++;
+  cases.push_back(fp8);
+  fp8.q_dtype = DType::kBFloat16;
+  fp8.fixed_split_tokens = 0;
+  fp8.mode = MlaSplitMode::kNone;
   fp8.seed = seed++;
   cases.push_back(fp8);
   return cases;
@@ -691,7 +719,8 @@ INSTANTIATE_TEST_SUITE_P(KvDtypes, MlaDeterminismTest,
                          ::testing::Values(std::pair{DType::kBFloat16, cuda::MlaKernel::kAuto},
                                            std::pair{DType::kBFloat16, cuda::MlaKernel::kMmaSync},
                                            std::pair{DType::kBFloat16, cuda::MlaKernel::kHopperWide},
-                                           std::pair{DType::kFloat8E4M3, cuda::MlaKernel::kAuto}),
+                                           std::pair{DType::kFloat8E4M3, cuda::MlaKernel::kMmaSync},
+                                           std::pair{DType::kFloat8E4M3, cuda::MlaKernel::kHopperWide}),
                          [](const ::testing::TestParamInfo<std::pair<DType, cuda::MlaKernel>>& info) {
                            const cuda::MlaKernel kernel = info.param.second;
                            return std::string(kernel_test::ShortName(info.param.first)) +
@@ -729,12 +758,10 @@ std::vector<MlaCase> SanitizerCases() {
       c.lengths = {0, 1, 33, 100, 190};
       c.seed = seed++;
       cases.push_back(c);
-      if (kv_dtype == DType::kBFloat16) {
-        c.kernel = cuda::MlaKernel::kMmaSync;
-        cases.push_back(c);
-        c.kernel = cuda::MlaKernel::kHopperWide;
-        cases.push_back(c);
-      }
+      c.kernel = cuda::MlaKernel::kMmaSync;
+      cases.push_back(c);
+      c.kernel = cuda::MlaKernel::kHopperWide;
+      cases.push_back(c);
     }
   }
   return cases;
