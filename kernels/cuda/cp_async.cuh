@@ -64,4 +64,16 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// CpAsyncWait<pending> for a pending count known only after unrolling (0..4; more waits for 4,
+// which is stricter).
+__device__ __forceinline__ void CpAsyncWaitPending(int pending) {
+  switch (pending) {
+    case 0: CpAsyncWait<0>(); break;
+    case 1: CpAsyncWait<1>(); break;
+    case 2: CpAsyncWait<2>(); break;
+    case 3: CpAsyncWait<3>(); break;
+    default: CpAsyncWait<4>(); break;
+  }
+}
+
 }  // namespace attnd::cuda

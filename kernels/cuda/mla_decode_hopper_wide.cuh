@@ -31,7 +31,9 @@
 //   Q        [D/64 blocks][64 rows][128 B]                72 KB at rank 512
 //   KV       [kStages][D/64 blocks][64 keys][128 B]       ckv in blocks 0..rank/64-1, kpe last
 //   P        [64 rows][128 B]: 64 keys of the MMA type, K-major (the helper's A operand)
-//   factors  [64] float: per tile the rows' rescale factors; after the last, o_scale / sum
+//   factors  [64] float: per tile the rows' rescale factors
+//   inverses [64] float: after the last tile, o_scale / sum (apart from the factors, so that the
+//            helper's last read of the factors and these writes share no address)
 //   mbarriers: full, empty per stage.
 // Rank 512: 72 + 2 x 72 + 8 KB (+ 1 KB alignment slack) = 225.3 KB of the 227 KB an SM offers.
 #pragma once
@@ -78,7 +80,8 @@ struct WideShape {
   static constexpr int kKvOffset = kQOffset + kBlocks * kBlockBytes;
   static constexpr int kPOffset = kKvOffset + kStages * kKvBytes;
   static constexpr int kFactorOffset = kPOffset + kBlockBytes;
-  static constexpr int kBarrierOffset = kFactorOffset + kRows * 4;
+  static constexpr int kInverseOffset = kFactorOffset + kRows * 4;
+  static constexpr int kBarrierOffset = kInverseOffset + kRows * 4;
   static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8 + 1024;  // + alignment slack
   // fp8 caches: a tile's raw bytes, [kBlocks][64 rows][64 B], in the upper half of its stage.
   static constexpr int kRawBlockBytes = kRows * 64;
@@ -110,33 +113,46 @@ __device__ __forceinline__ uint32_t StagePhase(int tile) {
   return static_cast<uint32_t>((tile / Shape::kStages) & 1);
 }
 
-// fp8: expands a stage's landed raw tile (column-block-major at kRawOffset, see ProduceWide) into
-// T in place, block by block: thread t converts rows t / 4 + 32p (p = 0, 1), 16 values (bytes
-// 16 (t % 4)) of each raw block, to chunks 2 (t % 4) and + 1 of the row in the 128-byte swizzled
-// layout (a warp reads 512 contiguous bytes and its stores hit every bank group four times).
-// Block b's output overlaps only raw blocks <= b: a barrier of the producer's threads before the
-// writes of each block that overlaps the raw region means none reads raw bytes already overwritten.
+// fp8: expands a stage's raw tile (column-block-major at kRawOffset, see ProduceWide) into T in
+// place as its commit groups land: group g < kRank / 128 is ckv line g (raw blocks 2g, 2g + 1),
+// the last group kpe (the last block), so the expansion of the first blocks runs while the later
+// ones still stream in. Thread t converts rows t / 4 + 32p (p = 0, 1), 16 values (bytes 16 (t % 4))
+// of each raw block, to chunks 2 (t % 4) and + 1 of the row in the 128-byte swizzled layout (a
+// warp reads 512 contiguous bytes and its stores hit every bank group four times). A block's
+// output overlaps only raw blocks <= its own: a barrier of the producer's threads before the
+// writes of each group that overlaps the raw region means none reads raw bytes already overwritten.
 template <typename Shape, typename T>
 __device__ __forceinline__ void ExpandFp8Stage(uint32_t stage) {
+  constexpr int kGroups = Shape::kRank / 128 + 1;
   const int thread = threadIdx.x;  // 0..127
   const int piece = thread % 4;
-  NamedBarrierSync(kProducerBarrier, 128);  // every producer thread's copies landed
 #pragma unroll
-  for (int b = 0; b < Shape::kBlocks; ++b) {
-    uint4 raw[2];
+  for (int group = 0; group < kGroups; ++group) {
+    const int first_block = group < kGroups - 1 ? 2 * group : Shape::kBlocks - 1;
+    const int blocks = group < kGroups - 1 ? 2 : 1;
+    CpAsyncWaitPending(kGroups - 1 - group);
+    NamedBarrierSync(kProducerBarrier, 128);  // every producer thread's copies of the group landed
+    uint4 raw[2][2];
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      raw[p] = LoadShared16(stage + Shape::kRawOffset + b * Shape::kRawBlockBytes + (thread / 4 + 32 * p) * 64 + 16 * piece);
+    for (int i = 0; i < blocks; ++i) {
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        raw[i][p] = LoadShared16(stage + Shape::kRawOffset + (first_block + i) * Shape::kRawBlockBytes +
+                                 (thread / 4 + 32 * p) * 64 + 16 * piece);
+      }
     }
-    if ((b + 1) * Shape::kBlockBytes > Shape::kRawOffset) NamedBarrierSync(kProducerBarrier, 128);
+    if ((first_block + blocks) * Shape::kBlockBytes > Shape::kRawOffset) NamedBarrierSync(kProducerBarrier, 128);
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const int row = thread / 4 + 32 * p;
-      uint4 low, high;
-      ConvertFp8x16<T, __nv_fp8_e4m3>(raw[p], low, high);
-      const uint32_t row_base = stage + b * Shape::kBlockBytes + row * 128;
-      StoreShared16(row_base + (((2 * piece) ^ (row % 8)) << 4), low);
-      StoreShared16(row_base + (((2 * piece + 1) ^ (row % 8)) << 4), high);
+    for (int i = 0; i < blocks; ++i) {
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int row = thread / 4 + 32 * p;
+        uint4 low, high;
+        ConvertFp8x16<T, __nv_fp8_e4m3>(raw[i][p], low, high);
+        const uint32_t row_base = stage + (first_block + i) * Shape::kBlockBytes + row * 128;
+        StoreShared16(row_base + (((2 * piece) ^ (row % 8)) << 4), low);
+        StoreShared16(row_base + (((2 * piece + 1) ^ (row % 8)) << 4), high);
+      }
     }
   }
 }
@@ -205,20 +221,25 @@ __device__ __forceinline__ void ProduceWide(const MlaParams& params, const Hoppe
     // Fill u of a stage waits for the consumers' release of fill u - 1.
     MbarrierWait(EmptyBarrier<Shape>(smem, tile), StagePhase<Shape>(tile) ^ 1);
     if constexpr (kFp8) {
-      const uint32_t raw = smem + Shape::kKvOffset + stage * Shape::kKvBytes + Shape::kRawOffset;
+      const uint32_t raw = smem + Shape::kKvOffset + stage * Shape::kKvBytes + Shape::kRawOffset + 16 * (chunk % 4);
+      // One commit group per ckv line, then kpe (ExpandFp8Stage's order).
 #pragma unroll
-      for (int p = 0; p < kRowsPerThread; ++p) {
-        const int row = row0 + 16 * p;
-        const bool row_valid = (valid >> p) & 1u;
-        const uint32_t row_raw = raw + row * 64 + 16 * (chunk % 4);
+      for (int line = 0; line < Shape::kRank / 128; ++line) {
 #pragma unroll
-        for (int line = 0; line < Shape::kRank / 128; ++line) {
-          CpAsync16(row_raw + (2 * line + chunk / 4) * Shape::kRawBlockBytes, ckv[p] + 128 * line, row_valid);
+        for (int p = 0; p < kRowsPerThread; ++p) {
+          CpAsync16(raw + (2 * line + chunk / 4) * Shape::kRawBlockBytes + (row0 + 16 * p) * 64, ckv[p] + 128 * line,
+                    (valid >> p) & 1u);
         }
-        // kpe rows are 64 bytes: chunks 0..3 (the pointers of chunks 4..7 are not read).
-        if (chunk < 4) CpAsync16(row_raw + (Shape::kBlocks - 1) * Shape::kRawBlockBytes, kpe[p], row_valid);
+        CpAsyncCommit();
       }
-      CpAsyncWaitAll();
+      // kpe rows are 64 bytes: chunks 0..3 (the pointers of chunks 4..7 are not read).
+      if (chunk < 4) {
+#pragma unroll
+        for (int p = 0; p < kRowsPerThread; ++p) {
+          CpAsync16(raw + (Shape::kBlocks - 1) * Shape::kRawBlockBytes + (row0 + 16 * p) * 64, kpe[p], (valid >> p) & 1u);
+        }
+      }
+      CpAsyncCommit();
       ExpandFp8Stage<Shape, T>(smem + Shape::kKvOffset + stage * Shape::kKvBytes);
       FenceProxyAsync();  // generic-proxy stores, read next by wgmma (the async proxy)
       MbarrierArrive(FullBarrier<Shape>(smem, tile));
@@ -528,10 +549,11 @@ __device__ __forceinline__ void Score(const MlaParams& params, const HopperWork&
     }
     WgmmaWait<0>();
     release_previous(n);
-    NamedBarrierSync(kPEmptyBarrier, 256);  // the helper has read the last factors
+    NamedBarrierSync(kPEmptyBarrier, 256);  // the helper's last arrival: every one is matched
   }
 
-  // Row sums over the quad (fixed pairing); the helper gets the inverses through the factors.
+  // Row sums over the quad (fixed pairing); the helper gets the inverses through shared memory.
+  float* const inverses = reinterpret_cast<float*>(smem_generic + Shape::kInverseOffset);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
@@ -540,7 +562,7 @@ __device__ __forceinline__ void Score(const MlaParams& params, const HopperWork&
     // non-finite input it saw) stores NaN in o and lse.
     inverse[h] = row_sum[h] != 0.0f ? params.o_scale / row_sum[h] : 0.0f;
     lse[h] = row_sum[h] != 0.0f ? (row_max[h] + log2f(row_sum[h])) * kLn2 : -INFINITY;
-    if (lane % 4 == 0) factors[16 * warp + 8 * h + lane / 4] = inverse[h];
+    if (lane % 4 == 0) inverses[16 * warp + 8 * h + lane / 4] = inverse[h];
   }
   NamedBarrierArrive(kPFullBarrier, 256);
 }
@@ -573,8 +595,9 @@ __device__ __forceinline__ void Help(const MlaParams& params, const HopperWork& 
     Release<Shape>(smem, tile);
   }
   NamedBarrierSync(kPFullBarrier, 256);  // the inverses
-  inverse[0] = factors[row0];
-  inverse[1] = factors[row0 + 8];
+  const float* const inverses = reinterpret_cast<const float*>(smem_generic + Shape::kInverseOffset);
+  inverse[0] = inverses[row0];
+  inverse[1] = inverses[row0 + 8];
 }
 
 template <typename Shape, typename T>
