@@ -31,9 +31,11 @@
 //
 //   mla_bench [--variants] [--batches=16,32] [--uniform=16,64,128] [--cases=mixed,uniform]
 //             [--hopper_variant=auto|old|new|both] [--only=VARIANT] [--csv=PATH] [--warm_ms=N]
-//             [--kv_dtype=bf16|fp8]
+//             [--kv_dtype=bf16|fp8] [--hot_pages=N]
 //
 // --kv_dtype=fp8: the latent cache in fp8 e4m3 (q and o bf16; bytes count one a cached value).
+// --hot_pages=N (a diagnostic): every page id folded into the first N pages, so that the latent
+// read comes from L2 (% copy then counts bytes HBM did not serve).
 //
 // --warm_ms=N (every kernel benchmark): N ms of the measured work before each timing, so that
 // every case meets the card in the same power state (bench_util.h, WarmUp).
@@ -67,6 +69,9 @@ int32_t g_cta_overhead_tokens = -1;
 // The latent cache's dtype (--kv_dtype=bf16|fp8); q and o stay bf16.
 DType g_kv_dtype = DType::kBFloat16;
 int64_t KvBytes() { return DTypeBytes(g_kv_dtype); }
+// --hot_pages=N: every page id folded into the first N pages (a diagnostic: with N pages in L2,
+// the time without HBM's share). 0: every page its own.
+int32_t g_hot_pages = 0;
 int32_t g_merge_tokens_per_partial_row = -1;
 
 using bench::DeviceMemory;
@@ -168,6 +173,9 @@ class MlaBatch {
     std::iota(page_ids_.begin(), page_ids_.end(), 0);
     std::mt19937 rng(17);
     std::shuffle(page_ids_.begin(), page_ids_.end(), rng);
+    if (g_hot_pages > 0) {
+      for (int32_t& id : page_ids_) id %= g_hot_pages;
+    }
     indptr_device_ = std::make_unique<DeviceMemory>(indptr_.size() * 4);
     ids_device_ = std::make_unique<DeviceMemory>(page_ids_.size() * 4);
     CopyToDevice(indptr_device_->get(), indptr_);
@@ -466,6 +474,8 @@ int Main(int argc, char** argv) {
       g_merge_tokens_per_partial_row = std::atoi(arg.c_str() + 31);
     } else if (arg == "--kv_dtype=bf16" || arg == "--kv_dtype=fp8") {
       g_kv_dtype = arg == "--kv_dtype=fp8" ? DType::kFloat8E4M3 : DType::kBFloat16;
+    } else if (arg.rfind("--hot_pages=", 0) == 0) {
+      g_hot_pages = std::max(0, std::atoi(arg.c_str() + 12));
     } else if (arg.rfind("--cases=", 0) == 0) {
       const std::string cases = arg.substr(8);
       run_mixed = cases.find("mixed") != std::string::npos;
@@ -474,7 +484,7 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: mla_bench [--variants] [--batches=16,32,...] [--uniform=16,64,128] "
                    "[--cases=mixed,uniform] [--hopper_variant=auto|old|new|both] [--only=VARIANT] [--csv=PATH]\n"
-                   "                 [--kv_dtype=bf16|fp8] [--cta_overhead_tokens=N] [--merge_tokens_per_partial_row=N] [--warm_ms=N]\n");
+                   "                 [--kv_dtype=bf16|fp8] [--hot_pages=N] [--cta_overhead_tokens=N] [--merge_tokens_per_partial_row=N] [--warm_ms=N]\n");
       return 2;
     }
   }
