@@ -240,6 +240,22 @@ __device__ __forceinline__ bool MbarrierTest(uint32_t barrier, uint32_t parity) 
   return done != 0;
 }
 
+// One arrival on `barrier` that also adds `bytes` to the transaction count its phase waits for
+// (the bytes of the TMA loads that complete on it).
+__device__ __forceinline__ void MbarrierArriveExpectTx(uint32_t barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier), "r"(bytes) : "memory");
+}
+
+// TMA: the box at (x, y) (elements: column, row) of the 2D tensor map `map` (a __grid_constant__
+// kernel parameter's address) into shared memory at `destination`, completing `bytes` on `barrier`.
+__device__ __forceinline__ void TmaLoad2d(uint32_t destination, const void* map, int x, int y, uint32_t barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          destination),
+      "l"(map), "r"(x), "r"(y), "r"(barrier)
+      : "memory");
+}
+
 // One arrival on `barrier` once every cp.async this thread issued so far has landed. noinc: the
 // arrival counts against the barrier's expected count (one per producer thread).
 __device__ __forceinline__ void CpAsyncArriveNoinc(uint32_t barrier) {

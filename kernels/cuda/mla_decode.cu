@@ -1,8 +1,12 @@
 // MLA decode launcher (DESIGN 4.6): validates the views, resolves the scales, launches the
 // kernel of the (rank, dtypes) on one CTA per plan unit, then MergeStates for split requests.
+#include <cuda.h>  // CUtensorMap and its enums (types only: cuTensorMapEncodeTiled is looked up)
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/cuda/cuda_check.h"
@@ -76,6 +80,58 @@ absl::StatusOr<MlaKernel> ResolveKernel(const MlaDecodeConfig& config, bool scal
   // the two-CTA kernel's 442, 16 and 128 x 8192 likewise faster (mla_bench --hopper_variant=both,
   // docs/benchmarks.md).
   return wide ? MlaKernel::kHopperWide : MlaKernel::kMmaSync;
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry points (nothing links libcuda);
+// null where the driver lacks it.
+PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
+  }();
+  return encode;
+}
+
+// A 16-bit pool as the 2D tensor [rows][columns] with 64 x 64 boxes in the 128-byte swizzle.
+bool EncodePoolMap(const void* pool, int64_t rows, int32_t columns, CUtensorMap* map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(columns), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(columns) * 2};
+  const cuuint32_t box[2] = {64, 64};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(pool), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Whether the wide-tile kernel loads whole tiles with TMA: 16-bit caches with pages of 64+ keys
+// whose rows a 32-bit coordinate reaches, unless ATTND_MLA_TMA=0 (for measurement). false where
+// a map cannot be made: the kernel's cp.async loads serve every tile then. The maps bound every
+// read to the pools the views describe.
+bool SetUpTma(const MlaDecodeArgs& args, mla::MlaParams* params) {
+  static const bool enabled = [] {
+    const char* value = std::getenv("ATTND_MLA_TMA");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  const PagedKvView& ckv = args.ckv_cache;
+  const PagedKvView& kpe = args.kpe_cache;
+  const int64_t ckv_rows = ckv.num_pages * int64_t{ckv.page_size};
+  const int64_t kpe_rows = kpe.num_pages * int64_t{kpe.page_size};
+  if (!enabled || !args.allow_tma || !Is16Bit(ckv.dtype) || ckv.page_size < 64 || ckv_rows <= 0 || kpe_rows <= 0 ||
+      ckv_rows >= (int64_t{1} << 31) ||
+      kpe_rows >= (int64_t{1} << 31)) {
+    return false;
+  }
+  return EncodePoolMap(ckv.data, ckv_rows, ckv.head_dim, &params->ckv_map) &&
+         EncodePoolMap(kpe.data, kpe_rows, mla::kRopeDim, &params->kpe_map);
 }
 
 cudaError_t Launch(const mla::MlaParams& params, const MlaDecodeConfig& config, MlaKernel kernel,
@@ -243,6 +299,7 @@ absl::Status MlaDecode(const MlaDecodeArgs& args, cudaStream_t stream) {
 
   const MlaDecodeConfig config{args.q_nope.dtype, ckv.dtype, rank, args.kpe_cache.head_dim, args.kernel};
   ASSIGN_OR_RETURN(const MlaKernel kernel, ResolveKernel(config, attention.k_scale == attention.v_scale));
+  params.tma = kernel == MlaKernel::kHopperWide && SetUpTma(args, &params);
   CUDA_RETURN_IF_ERROR(Launch(params, config, kernel, args.work.num_units, stream, nullptr));
   if (args.work.num_merge_rows == 0) return absl::OkStatus();
 

@@ -190,7 +190,34 @@ __device__ __forceinline__ void ProduceWide(const MlaParams& params, const Hoppe
     for (int p = 0; p < kRowsPerThread; ++p) valid |= tile_start + row0 + 16 * p < work.kv_end ? 1u << p : 0u;
     // Looked up before the wait, so the page ids' latency hides behind it. Where the tile's keys
     // lie in one page (pages of 64+ keys, mostly), one lookup per pool serves all four rows.
-    if ((tile_start >> params.page_size_log2) == ((tile_start + kWideTile - 1) >> params.page_size_log2)) {
+    const bool one_page =
+        (tile_start >> params.page_size_log2) == ((tile_start + kWideTile - 1) >> params.page_size_log2);
+    if constexpr (!kFp8) {
+      // A whole tile inside one page: one thread loads it with TMA (nine 8 KB boxes), the others
+      // only arrive. Tiles that end past the chunk (rows to zero-fill) or span pages take the
+      // copies below.
+      if (params.tma && one_page && tile_start + kWideTile <= work.kv_end) {
+        const int slot = work.page_begin + (tile_start >> params.page_size_log2);
+        const int entry = tile_start & page_mask;
+        const int ckv_row = (__ldg(params.ckv_page_ids + slot) << params.page_size_log2) + entry;
+        const int kpe_row = (__ldg(params.kpe_page_ids + slot) << params.page_size_log2) + entry;
+        MbarrierWait(EmptyBarrier<Shape>(smem, tile), StagePhase<Shape>(tile) ^ 1);
+        const uint32_t full = FullBarrier<Shape>(smem, tile);
+        if (thread == 0) {
+          const uint32_t stage_base = smem + Shape::kKvOffset + stage * Shape::kKvBytes;
+          MbarrierArriveExpectTx(full, Shape::kKvBytes);
+#pragma unroll
+          for (int b = 0; b < kRankBlocks; ++b) {
+            TmaLoad2d(stage_base + b * Shape::kBlockBytes, &params.ckv_map, 64 * b, ckv_row, full);
+          }
+          TmaLoad2d(stage_base + kRankBlocks * Shape::kBlockBytes, &params.kpe_map, 0, kpe_row, full);
+        } else {
+          MbarrierArrive(full);
+        }
+        continue;
+      }
+    }
+    if (one_page) {
       const int slot = work.page_begin + (tile_start >> params.page_size_log2);
       const int64_t entry = (tile_start & page_mask) + row0;
       const uint8_t* ckv_row = params.ckv_pool + __ldg(params.ckv_page_ids + slot) * params.ckv_page_bytes +

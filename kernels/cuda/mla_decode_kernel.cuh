@@ -18,6 +18,7 @@
 // and split-K order), so a request's result is the same in any batch for the same chunking.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a type only: nothing links libcuda)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -72,6 +73,12 @@ struct MlaParams {
   bool q_bf16;
   bool o_bf16;
   bool causal;
+  // The wide-tile Hopper kernel's TMA loads (16-bit caches, pages of 64+ keys): each pool as a 2D
+  // tensor [pages x page_size rows][rank or 64 columns], boxes of 64 x 64 with the 128-byte
+  // swizzle of its shared-memory tiles. tma false: cp.async only.
+  bool tma;
+  CUtensorMap ckv_map;
+  CUtensorMap kpe_map;
 };
 
 template <int kRankArg, typename T, typename Stored>

@@ -64,6 +64,7 @@ struct MlaCase {
   bool causal = true;
   std::vector<int64_t> lengths;  // empty: the standard mix
   cuda::MlaKernel kernel = cuda::MlaKernel::kAuto;  // Hopper on an H100 where it applies
+  bool allow_tma = true;  // MlaDecodeArgs::allow_tma
   uint32_t seed = 1;
 };
 
@@ -227,6 +228,7 @@ bool RunGpu(const MlaProblem& problem, const plan::MlaPlan& plan, MlaOutput* out
   args.workspace = workspace.get();
   args.workspace_bytes = workspace_bytes;
   args.kernel = c.kernel;
+  args.allow_tma = c.allow_tma;
   const absl::Status status = cuda::MlaDecode(args, nullptr);
   EXPECT_TRUE(status.ok()) << status;
   if (!status.ok()) return false;
@@ -728,6 +730,56 @@ INSTANTIATE_TEST_SUITE_P(KvDtypes, MlaDeterminismTest,
                                    : kernel == cuda::MlaKernel::kHopperWide ? "_wide"
                                                                             : "_auto");
                          });
+
+// The wide-tile kernel's TMA loads (whole tiles in one page, pages of 64+ keys) against its
+// cp.async loads: o and lse bitwise equal, and right. Chunks pinned mid-tile and a window make
+// tiles of both kinds in one launch (a window moves a chunk's first key off the tile grid).
+class MlaTmaTest : public ::testing::TestWithParam<MlaCase> {};
+
+TEST_P(MlaTmaTest, TmaLoadsMatchCopiesBitwise) {
+  ATTND_SKIP_WITHOUT_GPU();
+  if (!KernelAvailable(GetParam())) GTEST_SKIP() << "no " << CaseName(GetParam()) << " kernel on this device";
+  MlaProblem problem = MakeProblem(GetParam());
+  auto plan = PlanFor(problem);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  MlaOutput tma, copies;
+  ASSERT_TRUE(RunGpu(problem, *plan, &tma));
+  problem.config.allow_tma = false;
+  ASSERT_TRUE(RunGpu(problem, *plan, &copies));
+  EXPECT_EQ(tma.o, copies.o) << "o differs between TMA and cp.async loads";
+  EXPECT_EQ(std::memcmp(tma.lse.data(), copies.lse.data(), tma.lse.size() * sizeof(float)), 0)
+      << "lse differs between TMA and cp.async loads";
+  ExpectMatchesReference(problem, tma, RunReference(problem));
+}
+
+std::vector<MlaCase> TmaCases() {
+  std::vector<MlaCase> cases;
+  MlaCase c;
+  c.kernel = cuda::MlaKernel::kHopperWide;
+  c.num_heads = 128;
+  c.q_lens = {1, 2};
+  c.lengths = {0, 1, 63, 64, 65, 300, 4100};
+  c.seed = 1900;
+  cases.push_back(c);  // page 64, auto split
+  c.page_size = 128;
+  c.separate_kv = true;
+  c.fixed_split_tokens = 37;
+  c.seed = 1901;
+  cases.push_back(c);  // tiles across pages and past chunk ends
+  c.q_dtype = DType::kFloat16;
+  c.kv_dtype = DType::kFloat16;
+  c.rank = 256;
+  c.num_heads = 32;
+  c.q_lens = {3};
+  c.fixed_split_tokens = 0;
+  c.window_left = 100;
+  c.seed = 1902;
+  cases.push_back(c);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Tma, MlaTmaTest, ::testing::ValuesIn(TmaCases()),
+                         [](const ::testing::TestParamInfo<MlaCase>& info) { return CaseName(info.param); });
 
 // A small sweep for compute-sanitizer (run with --gtest_filter='SanitizerMla*').
 class SanitizerMlaTest : public ::testing::TestWithParam<MlaCase> {};

@@ -76,6 +76,9 @@ struct MlaDecodeArgs {
   void* workspace = nullptr;  // 256-byte aligned, MlaDecodeWorkspaceBytes(work.num_partials..)
   int64_t workspace_bytes = 0;
   MlaKernel kernel = MlaKernel::kAuto;  // kHopper(Wide) where it does not apply: INVALID_ARGUMENT
+  // The wide-tile kernel loads whole 64-key tiles of 16-bit caches with pages of 64+ keys by TMA
+  // (false, or ATTND_MLA_TMA=0 in the environment: cp.async for every tile; same results).
+  bool allow_tma = true;
 };
 
 // Launches the decode, then MergeStates when the plan splits, on `stream`. Allocates nothing,
