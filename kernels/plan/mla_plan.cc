@@ -48,28 +48,28 @@ int64_t CountCtas(const Active& active, int64_t chunk_tokens) {
   return ctas;
 }
 
-// The smallest multiple of kMlaTileTokens in [low, high] whose CTAs fit in max_ctas; `high`
+// The smallest multiple of kMlaChunkTokens in [low, high] whose CTAs fit in max_ctas; `high`
 // when none does. CountCtas is non-increasing in the chunk: binary search.
 int64_t SmallestChunkWithin(const Active& active, int64_t low, int64_t high, int64_t max_ctas) {
-  int64_t lo = CeilDiv(low, kMlaTileTokens);
-  int64_t hi = CeilDiv(high, kMlaTileTokens);
-  if (lo >= hi || CountCtas(active, hi * kMlaTileTokens) > max_ctas) return high;
+  int64_t lo = CeilDiv(low, kMlaChunkTokens);
+  int64_t hi = CeilDiv(high, kMlaChunkTokens);
+  if (lo >= hi || CountCtas(active, hi * kMlaChunkTokens) > max_ctas) return high;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (CountCtas(active, mid * kMlaTileTokens) <= max_ctas) {
+    if (CountCtas(active, mid * kMlaChunkTokens) <= max_ctas) {
       hi = mid;
     } else {
       lo = mid + 1;
     }
   }
-  return std::min(lo * kMlaTileTokens, high);
+  return std::min(lo * kMlaChunkTokens, high);
 }
 
 int64_t NoSplitChunk(const Active& active) { return std::max<int64_t>(active.max_length, 1); }
 
 int64_t OneWaveChunk(const Active& active, const MlaPlanOptions& options) {
   const int64_t longest = NoSplitChunk(active);
-  const int64_t floor = RoundUp(std::max(options.min_chunk_tokens, 1), kMlaTileTokens);
+  const int64_t floor = RoundUp(std::max(options.min_chunk_tokens, 1), kMlaChunkTokens);
   return SmallestChunkWithin(active, floor, longest, options.ctas_per_wave);
 }
 
@@ -77,7 +77,7 @@ int64_t OversubscribeChunk(const Active& active, const MlaPlanOptions& options) 
   const int64_t longest = NoSplitChunk(active);
   const int64_t splits = std::clamp<int64_t>(
       CeilDiv(longest, std::max(options.min_tokens_per_cta, 1)), 1, std::max(options.max_splits, 1));
-  const int64_t chunk = RoundUp(CeilDiv(longest, splits), kMlaTileTokens);
+  const int64_t chunk = RoundUp(CeilDiv(longest, splits), kMlaChunkTokens);
   if (chunk >= longest) return longest;
   const int64_t max_ctas = int64_t{std::max(options.max_waves, 1)} * options.ctas_per_wave;
   return SmallestChunkWithin(active, chunk, longest, max_ctas);

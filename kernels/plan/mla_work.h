@@ -9,8 +9,13 @@ namespace attnd::plan {
 // Rows (query token, head) one MLA decode CTA computes: the MMA M dimension of the kernel. The
 // planner cuts each request's rows (q_len * num_heads) into tiles of this many.
 inline constexpr int32_t kMlaRowsPerCta = 64;
-// Keys the kernel streams per shared-memory tile; planner-chosen chunks are multiples of it.
+// Keys the mma.sync kernel streams per shared-memory tile.
 inline constexpr int32_t kMlaTileTokens = 32;
+// Planner-chosen chunks are multiples of this: the wide-tile Hopper kernel's 64-key tile (and
+// MLA's usual page), so that no chunk ends in a part-filled tile and, with pages of 64+ keys,
+// every whole tile of a chunk lies in one page (the kernel's TMA loads).
+inline constexpr int32_t kMlaChunkTokens = 64;
+static_assert(kMlaChunkTokens % kMlaTileTokens == 0, "chunks of whole tiles of either kernel");
 
 // One CTA's work: rows [row_begin, row_begin + kMlaRowsPerCta) of one request against keys
 // [kv_begin, kv_end). A request's rows are token-major: row r is query token r / num_heads,

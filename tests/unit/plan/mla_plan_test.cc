@@ -111,9 +111,9 @@ TEST(PlanMlaDecodeTest, OneWaveUsesTheSmallestChunkThatFitsTheWave) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->mode, MlaSplitMode::kOneWave);
   EXPECT_LE(plan->num_units(), 132);
-  EXPECT_EQ(plan->kv_chunk_tokens % kMlaTileTokens, 0);
+  EXPECT_EQ(plan->kv_chunk_tokens % kMlaChunkTokens, 0);
   // One granule less would not fit.
-  const int64_t smaller = plan->kv_chunk_tokens - kMlaTileTokens;
+  const int64_t smaller = plan->kv_chunk_tokens - kMlaChunkTokens;
   int64_t ctas = 0;
   for (int64_t length : lengths) ctas += 2 * std::max<int64_t>(1, (length + smaller - 1) / smaller);
   EXPECT_GT(ctas, 132);
@@ -290,7 +290,7 @@ TEST(PlanMlaDecodeTest, OversubscriptionPrefersAChunkThatFillsWholeWaves) {
   options.oversubscribe_candidates = 4;
   auto searched = PlanMlaDecode(DecodeRows(5), lengths, options);
   ASSERT_TRUE(searched.ok());
-  EXPECT_EQ(searched->kv_chunk_tokens, 2016);
+  EXPECT_EQ(searched->kv_chunk_tokens, 2048);  // 2000 rounded up to whole 64-key chunks
   EXPECT_LT(searched->estimated_cost, plain->estimated_cost);
 }
 
