@@ -9,14 +9,8 @@ cudaError_t LaunchMlaHopperWide(const MlaParams& params, int32_t rank, DType q_d
   if (kv_dtype == DType::kFloat8E4M3) {
     return LaunchMlaHopperWideFp8(params, rank, q_dtype, num_ctas, stream, ctas_per_sm);
   }
-  using hopper_wide::LaunchMlaHopperWide;
-  const bool bf16 = q_dtype == DType::kBFloat16;
-  if (rank == 512) {
-    return bf16 ? LaunchMlaHopperWide<512, __nv_bfloat16, __nv_bfloat16>(params, num_ctas, stream, ctas_per_sm)
-                : LaunchMlaHopperWide<512, __half, __half>(params, num_ctas, stream, ctas_per_sm);
-  }
-  return bf16 ? LaunchMlaHopperWide<256, __nv_bfloat16, __nv_bfloat16>(params, num_ctas, stream, ctas_per_sm)
-              : LaunchMlaHopperWide<256, __half, __half>(params, num_ctas, stream, ctas_per_sm);
+  return hopper_wide::LaunchMlaHopperWideFor<void>(params, rank, q_dtype == DType::kBFloat16, num_ctas, stream,
+                                                   ctas_per_sm);
 }
 
 }  // namespace attnd::cuda::mla

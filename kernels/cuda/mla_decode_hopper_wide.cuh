@@ -755,4 +755,19 @@ cudaError_t LaunchMlaHopperWide(const MlaParams& params, int32_t num_ctas, cudaS
                                  ctas_per_sm);
 }
 
+// The rank (512 or 256) and q's type (bf16 when `bf16`, else fp16) of one cache type: Fp8 =
+// __nv_fp8_e4m3, or void for caches of q's own type. Each .cu instantiates one cache kind.
+template <typename Fp8>
+cudaError_t LaunchMlaHopperWideFor(const MlaParams& params, int32_t rank, bool bf16, int32_t num_ctas,
+                                   cudaStream_t stream, int* ctas_per_sm) {
+  using Bf16Cache = std::conditional_t<std::is_void_v<Fp8>, __nv_bfloat16, Fp8>;
+  using HalfCache = std::conditional_t<std::is_void_v<Fp8>, __half, Fp8>;
+  if (rank == 512) {
+    return bf16 ? LaunchMlaHopperWide<512, __nv_bfloat16, Bf16Cache>(params, num_ctas, stream, ctas_per_sm)
+                : LaunchMlaHopperWide<512, __half, HalfCache>(params, num_ctas, stream, ctas_per_sm);
+  }
+  return bf16 ? LaunchMlaHopperWide<256, __nv_bfloat16, Bf16Cache>(params, num_ctas, stream, ctas_per_sm)
+              : LaunchMlaHopperWide<256, __half, HalfCache>(params, num_ctas, stream, ctas_per_sm);
+}
+
 }  // namespace attnd::cuda::mla::hopper_wide

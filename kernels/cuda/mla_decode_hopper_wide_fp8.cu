@@ -6,15 +6,8 @@ namespace attnd::cuda::mla {
 
 cudaError_t LaunchMlaHopperWideFp8(const MlaParams& params, int32_t rank, DType q_dtype, int32_t num_ctas,
                                    cudaStream_t stream, int* ctas_per_sm) {
-  using hopper_wide::LaunchMlaHopperWide;
-  using Fp8 = __nv_fp8_e4m3;
-  const bool bf16 = q_dtype == DType::kBFloat16;
-  if (rank == 512) {
-    return bf16 ? LaunchMlaHopperWide<512, __nv_bfloat16, Fp8>(params, num_ctas, stream, ctas_per_sm)
-                : LaunchMlaHopperWide<512, __half, Fp8>(params, num_ctas, stream, ctas_per_sm);
-  }
-  return bf16 ? LaunchMlaHopperWide<256, __nv_bfloat16, Fp8>(params, num_ctas, stream, ctas_per_sm)
-              : LaunchMlaHopperWide<256, __half, Fp8>(params, num_ctas, stream, ctas_per_sm);
+  return hopper_wide::LaunchMlaHopperWideFor<__nv_fp8_e4m3>(params, rank, q_dtype == DType::kBFloat16, num_ctas,
+                                                            stream, ctas_per_sm);
 }
 
 }  // namespace attnd::cuda::mla
