@@ -32,7 +32,8 @@ case ${1:-} in
       "$build_dir/tests/kernels/cuda_backend_test" \
       "$build_dir/tests/kernels/prefill_tests" \
       "$build_dir/tests/kernels/cuda_lifecycle_test" "$build_dir/bench/handoff_probe" || exit 1
-    tar -C .gpu-pack -cf - channels | xz -T"$(nproc)" -6 > .gpu-pack/channels.tar.xz
+    source scripts/device_pack.sh
+    device_xz channels .gpu-pack/channels.tar.xz
     rm -rf .gpu-pack/channels
     echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
       > .gpu-pack/channels.commit

@@ -40,9 +40,10 @@ case ${1:-} in
     for b in server/attnd client/attnctl; do
       objcopy --strip-debug "$build_dir/$b" ".gpu-pack/bundle/bin/$(basename "$b")" || exit 1
     done
-    # xz: the kernels' fatbins, linked into several binaries, barely shrink under gzip (73 MB)
-    # and a device call carries at most 64 MiB.
-    tar -C .gpu-pack -cf - bundle | xz -T"$(nproc)" -6 > .gpu-pack/bundle.tar.xz && rm -rf .gpu-pack/bundle
+    # xz with a dictionary that spans binaries (device_xz): the kernels' fatbins, linked into
+    # several binaries, are stored once; a device call carries at most 64 MiB.
+    source scripts/device_pack.sh
+    device_xz bundle .gpu-pack/bundle.tar.xz && rm -rf .gpu-pack/bundle
     echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
       > .gpu-pack/commit
     ls -la .gpu-pack
