@@ -34,8 +34,8 @@ __device__ __forceinline__ void CpAsync16CacheAll(void* shared, const void* glob
 __device__ __forceinline__ uint4 LoadStreaming16(const void* global) {
   uint4 value;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
-               : "l"(global));
+      : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
+      : "l"(global));
   return value;
 }
 

@@ -125,9 +125,9 @@ bool SetUpTma(const MlaDecodeArgs& args, mla::MlaParams* params) {
   const PagedKvView& kpe = args.kpe_cache;
   const int64_t ckv_rows = ckv.num_pages * int64_t{ckv.page_size};
   const int64_t kpe_rows = kpe.num_pages * int64_t{kpe.page_size};
+  constexpr int64_t kRowLimit = int64_t{1} << 31;  // the kernel's row coordinates are 32-bit
   if (!enabled || !args.allow_tma || !Is16Bit(ckv.dtype) || ckv.page_size < 64 || ckv_rows <= 0 || kpe_rows <= 0 ||
-      ckv_rows >= (int64_t{1} << 31) ||
-      kpe_rows >= (int64_t{1} << 31)) {
+      ckv_rows >= kRowLimit || kpe_rows >= kRowLimit) {
     return false;
   }
   return EncodePoolMap(ckv.data, ckv_rows, ckv.head_dim, &params->ckv_map) &&
