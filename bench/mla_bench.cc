@@ -66,13 +66,13 @@ namespace {
 // The planner's cost-model constants for every variant (-1: MlaPlanOptions' defaults), to re-fit
 // them for a kernel.
 int32_t g_cta_overhead_tokens = -1;
+int32_t g_merge_tokens_per_partial_row = -1;
 // The latent cache's dtype (--kv_dtype=bf16|fp8); q and o stay bf16.
 DType g_kv_dtype = DType::kBFloat16;
 int64_t KvBytes() { return DTypeBytes(g_kv_dtype); }
 // --hot_pages=N: every page id folded into the first N pages (a diagnostic: with N pages in L2,
 // the time without HBM's share). 0: every page its own.
 int32_t g_hot_pages = 0;
-int32_t g_merge_tokens_per_partial_row = -1;
 
 using bench::DeviceMemory;
 using bench::CopyToDevice;

@@ -30,15 +30,6 @@ __device__ __forceinline__ void CpAsync16CacheAll(void* shared, const void* glob
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(SharedAddress(shared)), "l"(global) : "memory");
 }
 
-// 16 bytes of read-only global memory into registers, not kept in L1 (streamed once).
-__device__ __forceinline__ uint4 LoadStreaming16(const void* global) {
-  uint4 value;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
-      : "l"(global));
-  return value;
-}
-
 // 16 bytes of shared memory into registers.
 __device__ __forceinline__ uint4 LoadShared16(uint32_t shared_address) {
   uint4 value;

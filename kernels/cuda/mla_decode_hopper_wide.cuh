@@ -318,7 +318,7 @@ __device__ __forceinline__ void LoadQ(const MlaParams& params, const HopperWork&
     const uint32_t destination =
         smem + Shape::kQOffset + (chunk / 8) * Shape::kBlockBytes + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
     if (scale_pe && chunk >= Shape::kRankChunks) {
-      const uint4 raw = valid ? LoadStreaming16(source) : make_uint4(0, 0, 0, 0);
+      const uint4 raw = valid ? __ldg(reinterpret_cast<const uint4*>(source)) : make_uint4(0, 0, 0, 0);
       StoreShared16(destination, ConvertQ<T>(raw, std::is_same_v<T, __nv_bfloat16>, params.pe_ratio));
     } else {
       CpAsync16(destination, source, valid);
