@@ -125,6 +125,8 @@ case ${1:-} in
         case $case in
           grpc_stream) e2e grpc_stream --stream --window=1 ;;
           shm) e2e shm --transport=shm ;;
+          shm_parts[0-9]*)  # a HOST_SHM decode layer in N parts of its rows (--host_shm_parts)
+            DAEMON_ARGS=--host_shm_parts=${case#shm_parts} e2e "$case" --transport=shm ;;
           shm_spin)  # completion threads spin, the client spins up to 2 ms on done words
             DAEMON_ARGS=--cuda_completion=spin e2e "$case" --transport=shm --host_spin_us=2000 ;;
           cuda_ipc) e2e cuda_ipc --transport=cuda_ipc ;;

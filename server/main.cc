@@ -44,6 +44,10 @@ ABSL_FLAG(int32_t, channel_kernel_timing, 16,
           "CUDA backend: time the kernels of one CUDA_IPC channel layer in this many for the "
           "kernel metrics and GetStats (1: every layer, 0: none; each timed layer costs ~6 us "
           "of GPU time under MPS). The Forward path times every layer");
+ABSL_FLAG(int32_t, host_shm_parts, 2,
+          "CUDA backend: a HOST_SHM channel's decode layer runs in this many parts of its rows "
+          "(1..16), so that part p + 1's inputs cross PCIe while part p computes and part p's "
+          "outputs cross back while part p + 1 computes; 1 copies and computes the layer whole");
 ABSL_FLAG(absl::Duration, nccl_init_timeout, absl::Seconds(60),
           "CUDA backend: how long an NCCL channel waits for its client to join the communicator "
           "(rank 1, ChannelInfo.nccl_unique_id) before it closes");
@@ -191,6 +195,12 @@ int main(int argc, char** argv) {
   if (options.channel_kernel_timing < 0) {
     std::fprintf(stderr, "attnd: --channel_kernel_timing: expected >= 0, got %d\n",
                  options.channel_kernel_timing);
+    return 2;
+  }
+  options.host_shm_parts = absl::GetFlag(FLAGS_host_shm_parts);
+  if (options.host_shm_parts < 1 || options.host_shm_parts > 16) {
+    std::fprintf(stderr, "attnd: --host_shm_parts: expected 1..16, got %d\n",
+                 options.host_shm_parts);
     return 2;
   }
   options.nccl_init_timeout = absl::GetFlag(FLAGS_nccl_init_timeout);

@@ -74,6 +74,9 @@ struct ServerOptions {
   // CUDA_IPC channels: the kernels of one layer in this many are timed for the kernel metrics
   // and GetStats (1: every layer, 0: none): a timing event costs ~2 us of a layer under MPS.
   int32_t channel_kernel_timing = 16;
+  // HOST_SHM channels: a decode layer runs in this many parts of its rows, part p + 1's inputs
+  // crossing the bus while part p computes (1: the whole layer at once).
+  int32_t host_shm_parts = 2;
   // NCCL channels: how long attnd waits for the client to join the communicator before it
   // closes the channel.
   absl::Duration nccl_init_timeout = absl::Seconds(60);

@@ -294,6 +294,34 @@ DecodeWorkView DecodePlan::View(const int32_t* packed) const {
   return view;
 }
 
+std::vector<DecodePlanPart> SplitDecodePlanByRows(const DecodePlan& plan, int64_t num_rows,
+                                                  int32_t parts) {
+  const DecodePlanPart whole{0, num_rows, 0, plan.num_items(), 0, plan.num_merge_rows()};
+  const int64_t count = std::min<int64_t>(std::max<int32_t>(parts, 1), std::max<int64_t>(num_rows, 1));
+  if (count <= 1) return {whole};
+  // Items and merge rows must come in row order for a row range to be one slice of each.
+  if (!std::is_sorted(plan.item_q_row.begin(), plan.item_q_row.end()) ||
+      !std::is_sorted(plan.merge_q_row.begin(), plan.merge_q_row.end())) {
+    return {whole};
+  }
+  std::vector<DecodePlanPart> out;
+  out.reserve(count);
+  for (int64_t p = 0; p < count; ++p) {
+    DecodePlanPart part;
+    part.row_begin = num_rows * p / count;
+    part.row_end = num_rows * (p + 1) / count;
+    auto first_at_or_after = [](const std::vector<int32_t>& rows, int64_t row) {
+      return static_cast<int32_t>(std::lower_bound(rows.begin(), rows.end(), row) - rows.begin());
+    };
+    part.item_begin = first_at_or_after(plan.item_q_row, part.row_begin);
+    part.item_end = first_at_or_after(plan.item_q_row, part.row_end);
+    part.merge_begin = first_at_or_after(plan.merge_q_row, part.row_begin);
+    part.merge_end = first_at_or_after(plan.merge_q_row, part.row_end);
+    out.push_back(part);
+  }
+  return out;
+}
+
 std::string DecodePlan::DebugString() const {
   std::string out = absl::StrCat("DecodePlan{kernel=",
                                  kernel == DecodeKernel::kTensorCore ? "tensor_core" : "cuda_core",

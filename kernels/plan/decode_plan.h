@@ -104,6 +104,26 @@ struct DecodePlan {
   std::string DebugString() const;
 };
 
+// A part of a decode plan's rows: rows [row_begin, row_end), the items that compute them
+// [item_begin, item_end) and their merge rows [merge_begin, merge_end) (SliceDecodeWork).
+struct DecodePlanPart {
+  int64_t row_begin = 0;
+  int64_t row_end = 0;
+  int32_t item_begin = 0;
+  int32_t item_end = 0;
+  int32_t merge_begin = 0;
+  int32_t merge_end = 0;
+};
+
+// The plan's `num_rows` rows cut into up to `parts` consecutive ranges of nearly equal size
+// (fewer when there are fewer rows), each with its own items and merge rows, so that a layer can
+// run part by part (a HOST_SHM layer copies part p + 1 in while part p computes). Running every
+// part's slice runs every item once with its own partial slot and every merge over the same
+// slots in the same order: the same bits as the whole plan. One part (the whole plan) when
+// parts <= 1 or when the plan's rows are not in item order.
+std::vector<DecodePlanPart> SplitDecodePlanByRows(const DecodePlan& plan, int64_t num_rows,
+                                                  int32_t parts);
+
 // Plans a decode batch. Request b has kv_lengths[b] keys (this step's token included) and
 // qo_indptr[b + 1] - qo_indptr[b] query rows: 1 for decode, 0 for a padding slot (no work, no
 // output). INVALID_ARGUMENT for more than one row, negative lengths, bad options or a forced

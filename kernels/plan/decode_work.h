@@ -32,4 +32,22 @@ struct DecodeWorkView {
   DecodeKernel kernel = DecodeKernel::kCudaCore;  // which kernel BatchDecode launches
 };
 
+// Items [item_begin, item_end) and merge rows [merge_begin, merge_end) of `view`: a launch of
+// the slice runs exactly those items and merges, with the whole plan's partial slots (so
+// num_partials, and with it the workspace, stays the whole plan's).
+inline DecodeWorkView SliceDecodeWork(const DecodeWorkView& view, int32_t item_begin,
+                                      int32_t item_end, int32_t merge_begin, int32_t merge_end) {
+  DecodeWorkView slice = view;
+  slice.num_items = item_end - item_begin;
+  slice.item_request = view.item_request + item_begin;
+  slice.item_q_row = view.item_q_row + item_begin;
+  slice.item_kv_begin = view.item_kv_begin + item_begin;
+  slice.item_kv_end = view.item_kv_end + item_begin;
+  slice.item_partial = view.item_partial + item_begin;
+  slice.num_merge_rows = merge_end - merge_begin;
+  slice.merge_indptr = view.merge_indptr + merge_begin;
+  slice.merge_q_row = view.merge_q_row + merge_begin;
+  return slice;
+}
+
 }  // namespace attnd::plan

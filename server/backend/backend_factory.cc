@@ -31,6 +31,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions
       cuda.decode_kernel = options.decode_kernel;
       cuda.completion_wait = options.cuda_completion_wait;
       cuda.channel_timing_stride = options.channel_timing_stride;
+      cuda.host_shm_parts = options.host_shm_parts;
       cuda.nccl_init_timeout = options.nccl_init_timeout;
       return MakeCudaBackend(cuda);
     }

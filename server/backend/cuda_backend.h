@@ -39,6 +39,9 @@ struct CudaBackendOptions {
   // CUDA_IPC channels time the kernels of one layer in this many (1: all, 0: none; attnd's
   // --channel_kernel_timing). The Forward path times every layer.
   int32_t channel_timing_stride = 16;
+  // A HOST_SHM channel's decode layer runs in this many parts of its rows (attnd's
+  // --host_shm_parts; CudaStep).
+  int32_t host_shm_parts = 2;
   // How long an NCCL channel waits for its client to join (attnd's --nccl_init_timeout).
   absl::Duration nccl_init_timeout = absl::Seconds(60);
 };

@@ -64,6 +64,9 @@ struct CudaCacheOptions {
   // CUDA_IPC channels time the kernels of one layer in this many (1: every layer, 0: none;
   // attnd's --channel_kernel_timing): a timing event costs ~2 us of the stream under MPS.
   int32_t channel_timing_stride = 16;
+  // A HOST_SHM channel's decode layer runs in this many parts of its rows (attnd's
+  // --host_shm_parts; CudaStep::EnqueueInParts).
+  int32_t host_shm_parts = 2;
   // How long an NCCL channel waits for its peer to join before it closes (issue 19; attnd's
   // --nccl_init_timeout).
   absl::Duration nccl_init_timeout = absl::Seconds(60);
@@ -127,6 +130,7 @@ class CudaCache final : public BackendCache {
   BackendObserver* observer() const { return observer_; }
   CompletionWait completion_wait() const { return options_.wait; }
   int32_t channel_timing_stride() const { return options_.channel_timing_stride; }
+  int32_t host_shm_parts() const { return options_.host_shm_parts; }
   // Whether the device reaches registered host memory (a HOST_SHM ring) at its host address
   // (cudaDevAttrCanUseHostPointerForRegisteredMem), so stream operations may name it.
   bool host_pointers_on_device() const { return host_pointers_on_device_; }

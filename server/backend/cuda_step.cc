@@ -48,6 +48,10 @@ CudaStep::CudaStep(CudaCache* cache, Lane& lane, std::shared_ptr<const StepBatch
   if (plan_->run_decode) {
     decode_work_ = plan_->decode.View(At<int32_t>(arrays, offsets.decode_work));
   }
+  if (plan_->run_decode && !plan_->run_prefill && !plan_->run_pod && !plan_->run_mla) {
+    parts_ = plan::SplitDecodePlanByRows(plan_->decode, batch_->num_tokens,
+                                         cache->host_shm_parts());
+  }
   if (plan_->run_mla) {
     mla_work_ = plan_->mla.View(At<int32_t>(arrays, offsets.mla_work));
   }
@@ -119,14 +123,18 @@ void CudaStep::Submit(LayerSlot* slot, const LayerIo& io, DoneCallback done) {
   {
     std::lock_guard lock(lane_.submit_mu);
     absl::Status status = output.status();
-    if (status.ok()) {
+    if (status.ok() && RunsInParts(io)) {
+      status = EnqueueInParts(*slot, io);
+    } else if (status.ok()) {
       status = EnqueueLocked(*slot, io, io.host_registered ? nullptr : (*output)->memory.data());
     }
     // Recorded even after a failed launch: the slot is reused only once the work that was
     // enqueued before the failure has passed this point. A registered layer ran wholly on the
-    // compute stream (EnqueueLocked), others end with the output copy on d2h.
+    // compute stream (EnqueueLocked), unless it ran in parts; others end with the output copy
+    // on d2h, which a layer in parts also ends with, after its kernels (EnqueueInParts).
+    const bool on_compute = io.host_registered && !RunsInParts(io);
     const cudaError_t recorded = cudaEventRecord(
-        slot->finished.get(), io.host_registered ? lane_.compute.get() : lane_.d2h.get());
+        slot->finished.get(), on_compute ? lane_.compute.get() : lane_.d2h.get());
     if (status.ok() && recorded != cudaSuccess) {
       status = cuda::CudaErrorToStatus(recorded, "cudaEventRecord(finished)", __FILE__, __LINE__);
     }
@@ -234,20 +242,7 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents* events, const LayerBuffers
   const cudaStream_t compute = lane_.compute.get();
   const int64_t tokens = batch_->num_tokens;
 
-  cuda::AppendKvArgs append;
-  append.tokens = tokens_;
-  append.pages = pages_;
-  append.rope_style = g.rope.style;
-  append.rope_inv_freq = cache_->rope_inv_freq();
-  append.rotary_dim = g.rope.style == RopeStyle::kNone ? 0 : g.rope.rotary_dim;
-  append.q_in = RowsOf(buffers.q, g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
-  append.q_out = RowsOf(lane_.q_rotated.data(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
-  append.k_in = RowsOf(buffers.k, g.q_dtype, tokens, g.num_kv_heads, g.k_head_dim);
-  append.v_in = RowsOf(buffers.v, g.q_dtype, tokens, g.num_kv_heads, g.v_head_dim);
-  append.k_cache = cache_->Pool(layer, false);
-  append.v_cache = cache_->Pool(layer, true);
-  append.k_scale = g.k_scale;
-  append.v_scale = g.v_scale;
+  const cuda::AppendKvArgs append = MhaAppendArgs(buffers, layer, 0, tokens);
   RETURN_IF_ERROR(cuda::AppendKv(append, compute));
   RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::appended, compute));
 
@@ -295,6 +290,130 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents* events, const LayerBuffers
     if (events != nullptr) attended = &(events->*last);
   }
   *attended_event = attended;
+  return absl::OkStatus();
+}
+
+cuda::AppendKvArgs CudaStep::MhaAppendArgs(const LayerBuffers& buffers, int32_t layer,
+                                           int64_t row_begin, int64_t row_end) const {
+  const CacheGeometry& g = cache_->geometry();
+  const int64_t rows = row_end - row_begin;
+  // Row r of a [tokens][heads][dim] tensor of `dtype` starts r * heads * dim elements in.
+  auto rows_from = [&](const void* data, int32_t heads, int32_t dim) {
+    const int64_t skip = row_begin * heads * dim * int64_t{DTypeBytes(g.q_dtype)};
+    return RowsOf(static_cast<const uint8_t*>(data) + skip, g.q_dtype, rows, heads, dim);
+  };
+  cuda::AppendKvArgs append;
+  append.tokens.num_tokens = rows;
+  append.tokens.batch_indices = tokens_.batch_indices + row_begin;
+  append.tokens.positions = tokens_.positions + row_begin;
+  append.pages = pages_;
+  append.rope_style = g.rope.style;
+  append.rope_inv_freq = cache_->rope_inv_freq();
+  append.rotary_dim = g.rope.style == RopeStyle::kNone ? 0 : g.rope.rotary_dim;
+  append.q_in = rows_from(buffers.q, g.num_qo_heads, g.k_head_dim);
+  append.q_out = rows_from(lane_.q_rotated.data(), g.num_qo_heads, g.k_head_dim);
+  append.k_in = rows_from(buffers.k, g.num_kv_heads, g.k_head_dim);
+  append.v_in = rows_from(buffers.v, g.num_kv_heads, g.v_head_dim);
+  append.k_cache = cache_->Pool(layer, false);
+  append.v_cache = cache_->Pool(layer, true);
+  append.k_scale = g.k_scale;
+  append.v_scale = g.v_scale;
+  return append;
+}
+
+// A HOST_SHM decode layer in parts of its rows (--host_shm_parts; the step's parts_): part p's
+// rows of q, k and v cross the bus on the H2D stream while part p - 1 computes, and part p's o
+// (and lse) cross back on the D2H stream while part p + 1 computes; the client's done word
+// follows the last part's outputs. Each part runs the append over its rows and the decode plan's
+// slice for them (SplitDecodePlanByRows): every item and merge of the whole plan once, with the
+// whole plan's partial slots, so the outputs are bitwise those of one launch.
+absl::Status CudaStep::EnqueueInParts(LayerSlot& slot, const LayerIo& io) {
+  const CacheGeometry& g = cache_->geometry();
+  const int32_t layer = io.layer;
+  const cudaStream_t h2d = lane_.h2d.get();
+  const cudaStream_t compute = lane_.compute.get();
+  const cudaStream_t d2h = lane_.d2h.get();
+  while (slot.parts.size() < parts_.size()) {
+    auto events = std::make_unique<PartEvents>();
+    RETURN_IF_ERROR(events->Create());
+    slot.parts.push_back(std::move(events));
+  }
+  // Copy-on-write pages (ForkSequence) before any part's append writes into the copies.
+  if (!batch_->page_copies.empty()) {
+    RETURN_IF_ERROR(cache_->EnqueuePageCopies(layer, batch_->page_copies, compute));
+  }
+  const int64_t tokens = batch_->num_tokens;
+  const int64_t q_row = sizes_.q_bytes / tokens;
+  const int64_t k_row = sizes_.k_bytes / tokens;
+  const int64_t v_row = sizes_.v_bytes / tokens;
+  const int64_t o_row = sizes_.o_bytes / tokens;
+  const int64_t lse_row = sizes_.lse_bytes / tokens;
+  uint8_t* device_in = slot.device_in.data();
+  uint8_t* device_out = slot.device_out.data();
+  LayerBuffers buffers;
+  buffers.q = device_in;
+  buffers.k = device_in + sizes_.k_offset;
+  buffers.v = device_in + sizes_.v_offset;
+  buffers.o = device_out;
+  buffers.lse = batch_->options.return_lse
+                    ? reinterpret_cast<float*>(device_out + sizes_.lse_offset)
+                    : nullptr;
+  const TokenHeadsView q =
+      RowsOf(lane_.q_rotated.data(), g.q_dtype, tokens, g.num_qo_heads, g.k_head_dim);
+  const TokenHeadsView o = RowsOf(buffers.o, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
+  auto copy = [](void* to, const void* from, int64_t bytes, cudaMemcpyKind kind,
+                 cudaStream_t stream) -> absl::Status {
+    if (bytes > 0) CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(to, from, bytes, kind, stream));
+    return absl::OkStatus();
+  };
+  for (size_t p = 0; p < parts_.size(); ++p) {
+    const plan::DecodePlanPart& part = parts_[p];
+    PartEvents& events = *slot.parts[p];
+    const int64_t first = part.row_begin;
+    const int64_t rows = part.row_end - part.row_begin;
+    auto from_ring = [&](const void* ring) { return static_cast<const uint8_t*>(ring); };
+    RETURN_IF_ERROR(copy(device_in + first * q_row, from_ring(io.q) + first * q_row,
+                         rows * q_row, cudaMemcpyHostToDevice, h2d));
+    RETURN_IF_ERROR(copy(device_in + sizes_.k_offset + first * k_row,
+                         from_ring(io.k) + first * k_row, rows * k_row, cudaMemcpyHostToDevice,
+                         h2d));
+    RETURN_IF_ERROR(copy(device_in + sizes_.v_offset + first * v_row,
+                         from_ring(io.v) + first * v_row, rows * v_row, cudaMemcpyHostToDevice,
+                         h2d));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events.copied.get(), h2d));
+
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, events.copied.get(), 0));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events.started.get(), compute));
+    RETURN_IF_ERROR(cuda::AppendKv(MhaAppendArgs(buffers, layer, first, part.row_end), compute));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events.appended.get(), compute));
+    cuda::BatchDecodeArgs decode;
+    decode.q = q;
+    decode.pages = pages_;
+    decode.k_cache = cache_->Pool(layer, false);
+    decode.v_cache = cache_->Pool(layer, true);
+    decode.params = batch_->options.params;
+    decode.work = plan::SliceDecodeWork(decode_work_, part.item_begin, part.item_end,
+                                        part.merge_begin, part.merge_end);
+    decode.o = o;
+    decode.lse = buffers.lse;
+    decode.workspace = lane_.decode_workspace.data();
+    decode.workspace_bytes = lane_.decode_workspace.capacity();
+    RETURN_IF_ERROR(cuda::BatchDecode(decode, compute));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(events.attended.get(), compute));
+
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, events.attended.get(), 0));
+    RETURN_IF_ERROR(copy(static_cast<uint8_t*>(io.o) + first * o_row, device_out + first * o_row,
+                         rows * o_row, cudaMemcpyDeviceToHost, d2h));
+    if (io.lse != nullptr) {
+      RETURN_IF_ERROR(copy(reinterpret_cast<uint8_t*>(io.lse) + first * lse_row,
+                           device_out + sizes_.lse_offset + first * lse_row, rows * lse_row,
+                           cudaMemcpyDeviceToHost, d2h));
+    }
+  }
+  if (io.done_word != nullptr && cache_->host_pointers_on_device()) {
+    // Best effort: without it the layer still completes through the host.
+    cuda::StreamWriteFlag(d2h, io.done_word, io.done_value).IgnoreError();
+  }
   return absl::OkStatus();
 }
 
@@ -356,7 +475,9 @@ void CudaStep::Complete(LayerSlot* slot) {
   MarkStage(io.trace, LayerTrace::kDeviceDone);
   auto* output = static_cast<OutputPool::Buffer*>(slot->output);
   slot->output = nullptr;
-  if (status.ok() && io.host_registered) {
+  if (status.ok() && RunsInParts(io)) {
+    ReportPartTimes(*slot);
+  } else if (status.ok() && io.host_registered) {
     ReportTimes(*slot, /*copied=*/true);  // the outputs were copied straight into the caller's registered memory
   } else if (status.ok()) {
     const uint8_t* host_out = output->memory.data();
@@ -397,27 +518,42 @@ void CudaStep::Complete(LayerSlot* slot) {
 }
 
 void CudaStep::ReportTimes(const LayerEvents& slot, bool copied) const {
+  if (cache_->observer() == nullptr) return;
+  KernelSeconds seconds;
+  seconds.append = ElapsedSeconds(slot.started, slot.appended);
+  seconds.first = ElapsedSeconds(slot.appended, slot.attended_first);
+  if (plan_->run_decode && plan_->run_prefill) {
+    seconds.second = ElapsedSeconds(slot.attended_first, slot.attended_second);
+  }
+  Report(seconds, copied);
+}
+
+// A layer in parts: each kernel's time is the sum over the parts' launches (the waits for the
+// parts' copies between them are not kernel time).
+void CudaStep::ReportPartTimes(const LayerSlot& slot) const {
+  if (cache_->observer() == nullptr) return;
+  KernelSeconds seconds;
+  for (size_t p = 0; p < parts_.size(); ++p) {
+    const PartEvents& events = *slot.parts[p];
+    seconds.append += ElapsedSeconds(events.started, events.appended);
+    seconds.first += ElapsedSeconds(events.appended, events.attended);
+  }
+  Report(seconds, /*copied=*/true);
+}
+
+void CudaStep::Report(const KernelSeconds& seconds, bool copied) const {
   BackendObserver* observer = cache_->observer();
-  if (observer == nullptr) return;
   const std::string_view phase = StepPhaseName(batch_->phase);
   const int32_t device = cache_->device();
-  observer->OnKernel("append", "append", ElapsedSeconds(slot.started, slot.appended), device);
+  observer->OnKernel("append", "append", seconds.append, device);
   if (plan_->run_mla) {
     // "mla_decode" or "mla_prefill", the merge of split requests included.
-    observer->OnKernel(plan_->KernelName(), phase,
-                       ElapsedSeconds(slot.appended, slot.attended_first), device);
+    observer->OnKernel(plan_->KernelName(), phase, seconds.first, device);
   }
-  if (plan_->run_decode) {
-    observer->OnKernel("decode", phase, ElapsedSeconds(slot.appended, slot.attended_first),
-                       device);
-  }
-  if (plan_->run_pod) {
-    observer->OnKernel("pod", phase, ElapsedSeconds(slot.appended, slot.attended_first), device);
-  }
+  if (plan_->run_decode) observer->OnKernel("decode", phase, seconds.first, device);
+  if (plan_->run_pod) observer->OnKernel("pod", phase, seconds.first, device);
   if (plan_->run_prefill) {
-    observer->OnKernel("prefill", phase,
-                       plan_->run_decode ? ElapsedSeconds(slot.attended_first, slot.attended_second)
-                                        : ElapsedSeconds(slot.appended, slot.attended_first),
+    observer->OnKernel("prefill", phase, plan_->run_decode ? seconds.second : seconds.first,
                        device);
   }
   if (!copied) return;  // a CUDA_IPC channel layer: nothing crossed the bus

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <vector>
 
+#include "attnd/kernels/cuda/append.h"
 #include "backend/backend.h"
 #include "backend/cuda_cache.h"
 #include "backend/cuda_step_resources.h"
@@ -59,11 +60,26 @@ class CudaStep final : public BackendStep {
   // `events` null: an untimed channel layer (no event recorded, *attended null).
   absl::Status EnqueueMhaKernels(LayerEvents* events, const LayerBuffers& buffers,
                                  int32_t layer, const CudaEvent** attended);
+  // A HOST_SHM decode layer in parts of its rows (parts_), copies overlapping the kernels.
+  absl::Status EnqueueInParts(LayerSlot& slot, const LayerIo& io);
+  bool RunsInParts(const LayerIo& io) const { return io.host_registered && parts_.size() > 1; }
+  // The MHA append of rows [row_begin, row_end) of the layer's buffers.
+  cuda::AppendKvArgs MhaAppendArgs(const LayerBuffers& buffers, int32_t layer, int64_t row_begin,
+                                   int64_t row_end) const;
   absl::Status EnqueueMlaKernels(LayerEvents* events, const LayerBuffers& buffers,
                                  int32_t layer, const CudaEvent** attended);
   // On the completion thread: waits, lends or copies out, reports, frees the slot, calls done.
   void Complete(LayerSlot* slot);
   void ReportTimes(const LayerEvents& events, bool copied) const;
+  void ReportPartTimes(const LayerSlot& slot) const;
+  // Kernel seconds of one layer: the append, the first attention launch (decode, POD, MLA, or
+  // prefill alone) and the prefill after a decode.
+  struct KernelSeconds {
+    double append = 0;
+    double first = 0;
+    double second = 0;
+  };
+  void Report(const KernelSeconds& seconds, bool copied) const;
 
   CudaCache* const cache_;
   Lane& lane_;
@@ -77,6 +93,9 @@ class CudaStep final : public BackendStep {
   PageTableView pages_;
   AppendIndexView tokens_;
   plan::DecodeWorkView decode_work_;
+  // A decode-only MHA step's rows in parts (--host_shm_parts), for HOST_SHM layers; one part
+  // (no split) otherwise.
+  std::vector<plan::DecodePlanPart> parts_;
   plan::MlaWorkView mla_work_;
   void* prefill_work_ = nullptr;
   int64_t prefill_work_bytes_ = 0;

@@ -36,6 +36,13 @@ absl::Status StepResources::Init(bool blocking_sync) {
   return absl::OkStatus();
 }
 
+absl::Status PartEvents::Create() {
+  RETURN_IF_ERROR(copied.Create(false));
+  RETURN_IF_ERROR(started.Create(true));
+  RETURN_IF_ERROR(appended.Create(true));
+  return attended.Create(true);
+}
+
 absl::Status LayerEvents::Create(bool blocking_sync) {
   RETURN_IF_ERROR(started.Create(true));
   RETURN_IF_ERROR(appended.Create(true));

@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -65,12 +66,25 @@ struct LayerBuffers {
   float* lse = nullptr;
 };
 
+// One part of a layer run in parts (CudaStep::EnqueueInParts): its inputs copied (H2D stream),
+// and its kernels' start, append and attention ends (compute stream; timing events).
+struct PartEvents {
+  CudaEvent copied;
+  CudaEvent started;
+  CudaEvent appended;
+  CudaEvent attended;
+
+  absl::Status Create();
+};
+
 struct LayerSlot : LayerEvents {
   PinnedBuffer host_in;     // q | k | v (| q_pe) as the caller sent them
   DeviceBuffer device_in;   // host_in's layout
   DeviceBuffer device_out;  // o | lse, LayerSizes layout; per slot so that the copy of one
                             // layer's outputs overlaps the next layer's kernels
   CudaEvent inputs_copied;  // on the lane's H2D stream, after host_in -> device_in
+  // Parts of a layer run in parts (a HOST_SHM decode layer), created on first use.
+  std::vector<std::unique_ptr<PartEvents>> parts;
 
   // The layer in flight in this slot (set by Submit, cleared by Complete).
   LayerIo io;

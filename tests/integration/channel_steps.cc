@@ -72,20 +72,31 @@ absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& p
                                     const attnd::v1::CacheConfig& config, int decode_steps,
                                     uint64_t seed, bool chained, int32_t client_device,
                                     std::optional<int32_t> cache_device) {
+  std::vector<Entries> steps = {{{1, 5}, {2, 9}, {3, 1}}};
+  for (int i = 0; i < decode_steps; ++i) steps.push_back({{1, 1}, {9, 0}, {2, 1}, {3, 1}});
+  return CompareChannelStepsWithGrpc(client, prefix, kind, config, steps, seed,
+                                     /*max_tokens=*/64, chained, client_device, cache_device);
+}
+
+absl::Status CompareChannelStepsWithGrpc(client::Client& client, const std::string& prefix,
+                                         attnd::v1::ChannelKind kind,
+                                         const attnd::v1::CacheConfig& config,
+                                         const std::vector<Entries>& steps, uint64_t seed,
+                                         int32_t max_tokens, bool chained,
+                                         int32_t client_device,
+                                         std::optional<int32_t> cache_device) {
   const std::string grpc_cache = prefix + "-grpc";
   const std::string channel_cache = prefix + "-channel";
   RETURN_IF_ERROR(client.CreateCache(grpc_cache, config, cache_device).status());
   RETURN_IF_ERROR(client.CreateCache(channel_cache, config, cache_device).status());
   client::ChannelOptions options;
   options.kind = kind;
-  options.max_tokens = 64;
+  options.max_tokens = max_tokens;
   options.with_lse = true;
   options.cuda_device = client_device;
   ASSIGN_OR_RETURN(std::unique_ptr<client::Channel> channel,
                    client::Channel::Open(client, channel_cache, options));
   std::mt19937_64 rng(seed);
-  std::vector<Entries> steps = {{{1, 5}, {2, 9}, {3, 1}}};
-  for (int i = 0; i < decode_steps; ++i) steps.push_back({{1, 1}, {9, 0}, {2, 1}, {3, 1}});
   auto plan_on_channel = [&](size_t s) {
     attnd::v1::PlanRequest request = MakePlan(channel_cache, steps[s], true);
     request.set_channel_id(channel->id());

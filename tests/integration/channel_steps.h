@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -39,6 +40,15 @@ absl::Status CompareChannelWithGrpc(client::Client& client, const std::string& p
                                     uint64_t seed, bool chained = false,
                                     int32_t client_device = -1,
                                     std::optional<int32_t> cache_device = std::nullopt);
+
+// The same with the caller's steps ((sequence id, new tokens) per entry, as MakePlan takes
+// them) and a channel of `max_tokens` rows.
+absl::Status CompareChannelStepsWithGrpc(
+    client::Client& client, const std::string& prefix, attnd::v1::ChannelKind kind,
+    const attnd::v1::CacheConfig& config,
+    const std::vector<std::vector<std::pair<uint64_t, int32_t>>>& steps, uint64_t seed,
+    int32_t max_tokens, bool chained = false, int32_t client_device = -1,
+    std::optional<int32_t> cache_device = std::nullopt);
 
 // Sequence transfers through a channel of `kind` against gRPC bytes: creates caches
 // "<prefix>-a" and "<prefix>-b" (SmallConfig(64)), prefills sequence 1 of a with 13 tokens,

@@ -44,6 +44,27 @@ TEST_F(ChannelTest, HostShmStepsMatchForwardBitwise) {
                                    SmallConfig(256), /*decode_steps=*/4, /*seed=*/3));
 }
 
+// Decode steps of many rows, some of whose requests' keys the decode plan splits (long
+// prompts), so that the CUDA backend runs each HOST_SHM layer in parts of its rows
+// (--host_shm_parts, default 2: each part's copies, append, decode slice and merges), against
+// Forward's one launch, byte for byte.
+TEST_F(ChannelTest, HostShmDecodeInPartsMatchesForwardBitwise) {
+  std::vector<Entries> steps;
+  Entries prompt;
+  Entries decode;
+  for (uint64_t id = 1; id <= 13; ++id) {
+    // Lengths from 3 to 1100 keys: the long ones are split into chunks whose partials merge.
+    prompt.push_back({id, static_cast<int32_t>(id % 4 == 0 ? 700 + 100 * id / 4 : 3 * id)});
+    decode.push_back({id, 1});
+  }
+  decode.insert(decode.begin() + 5, {99, 0});  // a padding slot among the rows
+  steps.push_back(prompt);
+  for (int i = 0; i < 3; ++i) steps.push_back(decode);
+  ASSERT_OK(CompareChannelStepsWithGrpc(client(), "parts", attnd::v1::CHANNEL_KIND_HOST_SHM,
+                                        SmallConfig(2048), steps, /*seed=*/11,
+                                        /*max_tokens=*/4096));
+}
+
 // A step planned on top of an open one (DESIGN 3b): its positions follow the open step's new
 // tokens and every output equals the sequential steps' through Forward, byte for byte.
 TEST_F(ChannelTest, HostShmChainedStepsMatchForwardBitwise) {

@@ -1,5 +1,6 @@
 #include "plan/decode_plan.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <numeric>
 #include <vector>
@@ -348,6 +349,77 @@ TEST(PlanBatchDecodeTest, PackAndViewAgree) {
   EXPECT_EQ(view.merge_q_row[0], 0);
   EXPECT_EQ(view.num_partials, 3);
   EXPECT_EQ(static_cast<size_t>(view.merge_q_row + 1 - packed.data()), packed.size());
+}
+
+// Parts cover the rows, items and merge rows exactly once, in order, and each part's items and
+// merges are those of its rows (split requests' partials merge inside their own part).
+TEST(SplitDecodePlanByRowsTest, PartsTileRowsItemsAndMerges) {
+  DecodePlanOptions options = Options(8, 528);
+  options.fixed_split_tokens = 100;
+  const std::vector<int32_t> qo_indptr = {0, 1, 2, 2, 3, 4, 5};  // request 2 is padding
+  const std::vector<int64_t> lengths = {250, 50, 0, 420, 10, 130};
+  auto plan = PlanBatchDecode(qo_indptr, lengths, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (int32_t parts : {1, 2, 3, 5, 9}) {
+    const std::vector<DecodePlanPart> split = SplitDecodePlanByRows(*plan, 5, parts);
+    ASSERT_EQ(split.size(), static_cast<size_t>(std::min(parts, 5))) << parts;
+    int64_t row = 0;
+    int32_t item = 0;
+    int32_t merge = 0;
+    for (const DecodePlanPart& part : split) {
+      EXPECT_EQ(part.row_begin, row);
+      EXPECT_EQ(part.item_begin, item);
+      EXPECT_EQ(part.merge_begin, merge);
+      EXPECT_LT(part.row_begin, part.row_end) << "no empty part";
+      for (int32_t i = part.item_begin; i < part.item_end; ++i) {
+        EXPECT_GE(plan->item_q_row[i], part.row_begin);
+        EXPECT_LT(plan->item_q_row[i], part.row_end);
+      }
+      for (int32_t m = part.merge_begin; m < part.merge_end; ++m) {
+        EXPECT_GE(plan->merge_q_row[m], part.row_begin);
+        EXPECT_LT(plan->merge_q_row[m], part.row_end);
+        // The merged slots are written by this part's items.
+        for (int32_t slot = plan->merge_indptr[m]; slot < plan->merge_indptr[m + 1]; ++slot) {
+          const auto writer = std::find(plan->item_partial.begin(), plan->item_partial.end(), slot);
+          ASSERT_NE(writer, plan->item_partial.end());
+          const int32_t index = static_cast<int32_t>(writer - plan->item_partial.begin());
+          EXPECT_GE(index, part.item_begin);
+          EXPECT_LT(index, part.item_end);
+        }
+      }
+      row = part.row_end;
+      item = part.item_end;
+      merge = part.merge_end;
+    }
+    EXPECT_EQ(row, 5);
+    EXPECT_EQ(item, plan->num_items());
+    EXPECT_EQ(merge, plan->num_merge_rows());
+  }
+  EXPECT_EQ(SplitDecodePlanByRows(*plan, 5, 0).size(), 1u);
+}
+
+TEST(SplitDecodePlanByRowsTest, SlicedViewsPointAtTheirItems) {
+  DecodePlanOptions options = Options(8, 528);
+  options.fixed_split_tokens = 100;
+  auto plan = PlanBatchDecode(DecodeRows(3), std::vector<int64_t>{250, 50, 330}, options);
+  ASSERT_TRUE(plan.ok());
+  const std::vector<int32_t> packed = plan->Pack();
+  const DecodeWorkView view = plan->View(packed.data());
+  const std::vector<DecodePlanPart> split = SplitDecodePlanByRows(*plan, 3, 2);
+  ASSERT_EQ(split.size(), 2u);
+  const DecodePlanPart& second = split[1];
+  const DecodeWorkView slice = SliceDecodeWork(view, second.item_begin, second.item_end,
+                                               second.merge_begin, second.merge_end);
+  ASSERT_EQ(slice.num_items, second.item_end - second.item_begin);
+  for (int32_t i = 0; i < slice.num_items; ++i) {
+    EXPECT_EQ(slice.item_q_row[i], plan->item_q_row[second.item_begin + i]);
+    EXPECT_EQ(slice.item_kv_end[i], plan->item_kv_end[second.item_begin + i]);
+    EXPECT_EQ(slice.item_partial[i], plan->item_partial[second.item_begin + i]);
+  }
+  ASSERT_EQ(slice.num_merge_rows, second.merge_end - second.merge_begin);
+  EXPECT_EQ(slice.merge_q_row[slice.num_merge_rows - 1], 2);
+  EXPECT_EQ(slice.merge_indptr[slice.num_merge_rows], plan->num_partials);
+  EXPECT_EQ(slice.num_partials, plan->num_partials);
 }
 
 }  // namespace
