@@ -94,7 +94,17 @@ struct Row {
   float fused_ms, b2b_ms, b2b_mma_ms, merged_ms;
   double error_b2b, error_merged;
   std::string pod_plan;
+  float decode_ms = 0, prefill_ms = 0;           // --split: each half alone
+  std::vector<std::pair<int32_t, float>> split;  // --split: (prefill CTAs, ms) side by side
 };
+
+// --split=P1,P2,...: a diagnostic of an SM-partitioned POD. The decode kernel and the Hopper
+// prefill kernel persistent over P CTAs (one per SM) run at once on two streams (the prefill's
+// launched first, at a higher priority, so it holds P SMs and the decode the rest), checked
+// against b2b's outputs, then timed. --contiguous: each request's pages in order (FlashInfer's
+// benchmark), instead of shuffled.
+std::vector<int32_t> g_splits;
+bool g_contiguous = false;
 
 Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
   const int32_t batch = shape.num_prefills + kNumDecodes;
@@ -119,7 +129,7 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
   std::vector<int32_t> page_ids(num_pages);
   std::iota(page_ids.begin(), page_ids.end(), 0);
   std::mt19937 rng(static_cast<uint32_t>(shape.prefill_q * 7 + shape.decode_kv + page_size));
-  std::shuffle(page_ids.begin(), page_ids.end(), rng);
+  if (!g_contiguous) std::shuffle(page_ids.begin(), page_ids.end(), rng);
 
   const int64_t row_elements = int64_t{kQoHeads} * kHeadDim;
   const int64_t pool_elements = num_pages * page_size * kKvHeads * kHeadDim;
@@ -280,6 +290,56 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
   row.b2b_mma_ms = TimeMs(run_b2b_mma, stream);
   row.merged_ms = TimeMs(run_merged, stream);
   CHECK_CUDA(cudaGetLastError());
+  if (!g_splits.empty()) {
+    row.decode_ms = TimeMs([&] { CHECK_OK(cuda::BatchDecode(decode_args, stream)); }, stream);
+    row.prefill_ms = TimeMs(
+        [&] { CHECK_OK(cuda::BatchPrefill(*prefill_auto, prefill_args, auto_workspace, auto_bytes, stream)); },
+        stream);
+    int low = 0, high = 0;
+    CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&low, &high));
+    cudaStream_t side;
+    CHECK_CUDA(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, high));
+    cudaEvent_t fork, join;
+    CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    CHECK_CUDA(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+    for (int32_t ctas : g_splits) {
+      plan::PrefillPlanInput input = prefill_input(prefill_indptr, prefill_kv);
+      input.kernel = plan::PrefillKernel::kHopper;
+      input.ctas_per_wave.hopper_tile128 = ctas;
+      auto split_plan = plan::PlanPrefill(input);
+      CHECK_OK(split_plan.status());
+      const int64_t split_bytes = cuda::BatchPrefillWorkspaceBytes(*split_plan);
+      void* split_workspace = workspace_of(split_bytes);
+      CHECK_OK(cuda::UploadBatchPrefillPlan(*split_plan, split_workspace, split_bytes, stream));
+      cuda::BatchPrefillArgs split_args = prefill_args;
+      split_args.o = {o_merged, kDtype, rows, kQoHeads, kHeadDim};
+      cuda::BatchDecodeArgs split_decode = decode_args;
+      split_decode.o = {static_cast<uint16_t*>(o_merged) + prefill_rows * row_elements, kDtype, kNumDecodes,
+                        kQoHeads, kHeadDim};
+      auto run_split = [&] {
+        CHECK_CUDA(cudaEventRecord(fork, stream));
+        CHECK_CUDA(cudaStreamWaitEvent(side, fork, 0));
+        CHECK_OK(cuda::BatchPrefill(*split_plan, split_args, split_workspace, split_bytes, side));
+        CHECK_OK(cuda::BatchDecode(split_decode, stream));
+        CHECK_CUDA(cudaEventRecord(join, side));
+        CHECK_CUDA(cudaStreamWaitEvent(stream, join, 0));
+      };
+      CHECK_CUDA(cudaMemsetAsync(o_merged, 0xff, rows * row_elements * 2, stream));
+      run_split();
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      const double error = RelativeError(Download(o_merged, rows * row_elements), fused_host);
+      if (!(error <= 1e-2)) {
+        std::fprintf(stderr, "%s page %d split %d: differs from fused by %.3g: not timing\n", shape.name.c_str(),
+                     page_size, ctas, error);
+        std::exit(1);
+      }
+      row.split.push_back({ctas, TimeMs(run_split, stream)});
+      CHECK_CUDA(cudaFree(split_workspace));
+    }
+    CHECK_CUDA(cudaEventDestroy(fork));
+    CHECK_CUDA(cudaEventDestroy(join));
+    CHECK_CUDA(cudaStreamDestroy(side));
+  }
 
   for (void* p : {q, k_pool, v_pool, outputs[0], outputs[1], outputs[2], pod_workspace, decode_workspace,
                   auto_workspace, mma_workspace, merged_workspace}) {
@@ -303,6 +363,14 @@ int main(int argc, char** argv) {
     if (std::strncmp(argv[i], "--only=", 7) == 0) only = argv[i] + 7;
     if (std::strncmp(argv[i], "--page=", 7) == 0) page_sizes = {std::atoi(argv[i] + 7)};
     if (std::strcmp(argv[i], "--verbose") == 0) verbose = true;
+    if (std::strcmp(argv[i], "--contiguous") == 0) g_contiguous = true;
+    if (std::strncmp(argv[i], "--split=", 8) == 0) {
+      for (const char* p = argv[i] + 8; *p != '\0';) {
+        g_splits.push_back(std::atoi(p));
+        while (*p != '\0' && *p != ',') ++p;
+        if (*p == ',') ++p;
+      }
+    }
     bench::ParseWarmFlag(argv[i]);
   }
   int device = 0;
@@ -339,6 +407,11 @@ int main(int argc, char** argv) {
       std::printf("%-22s %4d %9.4f %9.4f %9.4f %9.4f %10.3f %13.3f %9.2e\n", shape.name.c_str(), page_size,
                   row.fused_ms, row.b2b_ms, row.b2b_mma_ms, row.merged_ms, row.fused_ms / row.b2b_ms,
                   row.fused_ms / row.merged_ms, std::max(row.error_b2b, row.error_merged));
+      if (!g_splits.empty()) {
+        std::printf("  decode alone %.4f, prefill alone %.4f; side by side:", row.decode_ms, row.prefill_ms);
+        for (const auto& [ctas, ms] : row.split) std::printf(" P=%d %.4f (%.3f of b2b)", ctas, ms, ms / row.b2b_ms);
+        std::printf("\n");
+      }
       std::fflush(stdout);
     }
   }

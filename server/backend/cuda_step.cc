@@ -328,6 +328,25 @@ cuda::AppendKvArgs CudaStep::MhaAppendArgs(const LayerBuffers& buffers, int32_t 
 // slice for them (SplitDecodePlanByRows): every item and merge of the whole plan once, with the
 // whole plan's partial slots, so the outputs are bitwise those of one launch.
 absl::Status CudaStep::EnqueueInParts(LayerSlot& slot, const LayerIo& io) {
+  absl::Status status = EnqueuePartsLocked(slot, io);
+  // The layer ends on the D2H stream (Submit records `finished` there). After a failure midway,
+  // copies or kernels already enqueued on the other two streams may not be behind it yet: join
+  // them, so the slot and the lane's buffers are reused only once they are done.
+  const cudaStream_t d2h = lane_.d2h.get();
+  for (auto [event, stream] : {std::pair{&slot.inputs_copied, lane_.h2d.get()},
+                               std::pair{&slot.attended_second, lane_.compute.get()}}) {
+    const cudaError_t joined = [&] {
+      const cudaError_t recorded = cudaEventRecord(event->get(), stream);
+      return recorded != cudaSuccess ? recorded : cudaStreamWaitEvent(d2h, event->get(), 0);
+    }();
+    if (status.ok() && joined != cudaSuccess) {
+      status = cuda::CudaErrorToStatus(joined, "joining the parts' streams", __FILE__, __LINE__);
+    }
+  }
+  return status;
+}
+
+absl::Status CudaStep::EnqueuePartsLocked(LayerSlot& slot, const LayerIo& io) {
   const CacheGeometry& g = cache_->geometry();
   const int32_t layer = io.layer;
   const cudaStream_t h2d = lane_.h2d.get();
@@ -410,6 +429,7 @@ absl::Status CudaStep::EnqueueInParts(LayerSlot& slot, const LayerIo& io) {
                            cudaMemcpyDeviceToHost, d2h));
     }
   }
+  // Behind the last part's outputs (and, through EnqueueInParts' join, nothing else is left).
   if (io.done_word != nullptr && cache_->host_pointers_on_device()) {
     // Best effort: without it the layer still completes through the host.
     cuda::StreamWriteFlag(d2h, io.done_word, io.done_value).IgnoreError();

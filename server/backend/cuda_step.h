@@ -62,6 +62,7 @@ class CudaStep final : public BackendStep {
                                  int32_t layer, const CudaEvent** attended);
   // A HOST_SHM decode layer in parts of its rows (parts_), copies overlapping the kernels.
   absl::Status EnqueueInParts(LayerSlot& slot, const LayerIo& io);
+  absl::Status EnqueuePartsLocked(LayerSlot& slot, const LayerIo& io);
   bool RunsInParts(const LayerIo& io) const { return io.host_registered && parts_.size() > 1; }
   // The MHA append of rows [row_begin, row_end) of the layer's buffers.
   cuda::AppendKvArgs MhaAppendArgs(const LayerBuffers& buffers, int32_t layer, int64_t row_begin,
