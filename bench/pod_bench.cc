@@ -2,8 +2,9 @@
 // x q/kv length, with 128 decode requests x kv length) at the standard shape (Hq 32, Hkv 8,
 // D 128, bf16 q and KV, NHD), page sizes 1 and 16. Per case and page size:
 //   fused     POD: one grid of prefill and decode CTAs (cuda::PodAttention)
-//   b2b       the decode kernel then the prefill kernel (kAuto: Hopper on sm_90) back to back,
-//             as the CUDA backend runs a mixed step without POD
+//   b2b       the decode kernel (the planner's choice, tensor cores where the device has them)
+//             then the prefill kernel (kAuto: Hopper on sm_90) back to back, as the CUDA backend
+//             runs a mixed step without POD
 //   b2b-mma   the same with the mma.sync prefill kernel (the tile code POD runs)
 //   merged    one batch prefill plan over every request (kAuto)
 // The outputs of all variants are compared with each other (normwise relative error, bf16
@@ -95,6 +96,7 @@ struct Row {
   double error_b2b, error_merged;
   std::string pod_plan;
   float decode_ms = 0, prefill_ms = 0;           // --split: each half alone
+  std::string decode_kernel;
   std::vector<std::pair<int32_t, float>> split;  // --split: (prefill CTAs, ms) side by side
 };
 
@@ -211,14 +213,24 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
     decode_page_indptr[i] = page_indptr[shape.num_prefills + i] - page_indptr[shape.num_prefills];
   }
   const int32_t* d_decode_page_indptr = Upload(decode_page_indptr);
-  auto decode_ctas = cuda::DecodeCtasPerWave({kDtype, kDtype, kHeadDim, kQoHeads / kKvHeads});
+  const cuda::DecodeKernelConfig decode_config{kDtype, kDtype, kHeadDim, kQoHeads / kKvHeads};
+  auto decode_ctas = cuda::DecodeCtasPerWave(decode_config);
   CHECK_OK(decode_ctas.status());
   plan::DecodePlanOptions decode_options;
   decode_options.num_kv_heads = kKvHeads;
   decode_options.ctas_per_wave = *decode_ctas;
+  // As the backend plans a decode (StepPlanContext): the tensor-core kernel where the device has
+  // it, the planner choosing per batch.
+  if (cuda::TensorCoreDecodeSupports(decode_config)) {
+    auto tensor_ctas = cuda::TensorCoreDecodeCtasPerWave(decode_config);
+    CHECK_OK(tensor_ctas.status());
+    decode_options.tensor_core_supported = true;
+    decode_options.tensor_core_ctas_per_wave = *tensor_ctas;
+  }
   auto decode_plan = plan::PlanBatchDecode(decode_qo_indptr, decode_kv, decode_options);
   CHECK_OK(decode_plan.status());
   const int32_t* d_decode_work = Upload(decode_plan->Pack());
+  const bool tensor_core = decode_plan->kernel == plan::DecodeKernel::kTensorCore;
   const int64_t decode_bytes = cuda::BatchDecodeWorkspaceBytes(decode_plan->num_partials, kQoHeads, kHeadDim);
   void* decode_workspace = workspace_of(decode_bytes);
   cuda::BatchDecodeArgs decode_args;
@@ -291,6 +303,7 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
   row.merged_ms = TimeMs(run_merged, stream);
   CHECK_CUDA(cudaGetLastError());
   if (!g_splits.empty()) {
+    row.decode_kernel = tensor_core ? "tensor cores" : "CUDA cores";
     row.decode_ms = TimeMs([&] { CHECK_OK(cuda::BatchDecode(decode_args, stream)); }, stream);
     row.prefill_ms = TimeMs(
         [&] { CHECK_OK(cuda::BatchPrefill(*prefill_auto, prefill_args, auto_workspace, auto_bytes, stream)); },
@@ -408,7 +421,8 @@ int main(int argc, char** argv) {
                   row.fused_ms, row.b2b_ms, row.b2b_mma_ms, row.merged_ms, row.fused_ms / row.b2b_ms,
                   row.fused_ms / row.merged_ms, std::max(row.error_b2b, row.error_merged));
       if (!g_splits.empty()) {
-        std::printf("  decode alone %.4f, prefill alone %.4f; side by side:", row.decode_ms, row.prefill_ms);
+        std::printf("  decode alone %.4f (%s), prefill alone %.4f; side by side:", row.decode_ms, row.decode_kernel.c_str(),
+                    row.prefill_ms);
         for (const auto& [ctas, ms] : row.split) std::printf(" P=%d %.4f (%.3f of b2b)", ctas, ms, ms / row.b2b_ms);
         std::printf("\n");
       }
