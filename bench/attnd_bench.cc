@@ -6,12 +6,12 @@
 // with events (median of the replays, divided by N). Each case reports its time and the
 // fraction of the device-to-device copy bandwidth measured at the start of the same run.
 //
-//   attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14] [--contiguous-pages]
+//   attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14] [--e2e] [--contiguous-pages]
 //               [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH] [--tc-max-chunk=N]
 //               [--warm_ms=N]
 // (no case flag: both). --quick runs a reduced sweep; --variants adds decode cases with pinned
 // chunk sizes next to the planner's choice; --issue14 runs only the decode shapes of issue 14's
-// table. --decode-kernel forces the decode kernel (default auto: the planner's choice); "all"
+// table; --e2e only short-context batches (the e2e shape's decode layers). --decode-kernel forces the decode kernel (default auto: the planner's choice); "all"
 // runs every case with each of auto, cuda_core and tensor_core (names suffixed _auto, _cc, _tc).
 // --contiguous-pages gives each request's decode pages in order (FlashInfer's measurement in
 // issue 14 used contiguous page ids) instead of shuffled.
@@ -318,6 +318,19 @@ std::vector<DecodeSpec> WithKernels(const std::vector<DecodeSpec>& specs,
   return out;
 }
 
+// The decode layers of PERFORMANCE.md's e2e shape (128 sequences, a 64-token prompt, then decode
+// steps: 65 to ~120 keys each) and of its micro-batches, and a few longer short-context batches.
+std::vector<DecodeSpec> E2eDecodeSpecs() {
+  std::vector<DecodeSpec> specs;
+  for (const auto& [batch, length] : {std::pair{128, 65}, std::pair{128, 117}, std::pair{64, 117},
+                                      std::pair{32, 117}, std::pair{128, 256}, std::pair{128, 512},
+                                      std::pair{256, 256}}) {
+    specs.push_back({"b" + std::to_string(batch) + "_kv" + std::to_string(length),
+                     std::vector<int64_t>(batch, length)});
+  }
+  return specs;
+}
+
 std::vector<DecodeSpec> DecodeSpecs(bool quick) {
   std::vector<DecodeSpec> specs;
   const std::vector<int32_t> batches = quick ? std::vector<int32_t>{1, 16, 64, 256} : std::vector<int32_t>{1, 16, 64, 128, 256};
@@ -520,7 +533,7 @@ void PrintDevice() {
 }
 
 int Main(int argc, char** argv) {
-  bool decode = false, append = false, quick = false, variants = false, issue14 = false;
+  bool decode = false, append = false, quick = false, variants = false, issue14 = false, e2e = false;
   std::vector<plan::DecodeKernelChoice> kernels = {plan::DecodeKernelChoice::kAuto};
   std::string csv_path;
   for (int i = 1; i < argc; ++i) {
@@ -538,6 +551,9 @@ int Main(int argc, char** argv) {
     } else if (arg == "--issue14") {
       issue14 = true;
       decode = true;
+    } else if (arg == "--e2e") {
+      e2e = true;
+      decode = true;
     } else if (arg == "--decode-kernel=auto") {
       kernels = {plan::DecodeKernelChoice::kAuto};
     } else if (arg == "--decode-kernel=cuda_core") {
@@ -553,7 +569,7 @@ int Main(int argc, char** argv) {
       csv_path = arg.substr(6);
     } else if (!ParseWarmFlag(arg.c_str())) {
       std::fprintf(stderr,
-                   "usage: attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14]\n"
+                   "usage: attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14] [--e2e]\n"
                    "                   [--contiguous-pages] [--tc-max-chunk=N] [--warm_ms=N]\n"
                    "                   [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH]\n");
       return 2;
@@ -594,7 +610,7 @@ int Main(int argc, char** argv) {
     std::printf("decode: Hq %d Hkv %d D %d bf16 NHD page %d; CTAs per wave (measured occupancy x SMs): "
                 "CUDA-core kernel %d, tensor-core kernel %d\n",
                 kQoHeads, kKvHeads, kHeadDim, kPageSize, waves.cuda_core, waves.tensor_core);
-    const std::vector<DecodeSpec> specs = issue14 ? Issue14DecodeSpecs() : DecodeSpecs(quick);
+    const std::vector<DecodeSpec> specs = issue14 ? Issue14DecodeSpecs() : e2e ? E2eDecodeSpecs() : DecodeSpecs(quick);
     for (const DecodeSpec& spec : WithKernels(specs, kernels)) report(RunDecode(spec, waves, stream));
     if (variants) {
       for (const DecodeSpec& spec : WithKernels(DecodeVariants(specs), kernels)) {
