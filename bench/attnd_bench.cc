@@ -319,12 +319,15 @@ std::vector<DecodeSpec> WithKernels(const std::vector<DecodeSpec>& specs,
 }
 
 // The decode layers of PERFORMANCE.md's e2e shape (128 sequences, a 64-token prompt, then decode
-// steps: 65 to ~120 keys each) and of its micro-batches, and a few longer short-context batches.
+// steps: 65 to ~120 keys each) and of its micro-batches, and other short-context batches (where
+// the planner's choice between the CUDA-core and tensor-core kernels is made on few keys).
 std::vector<DecodeSpec> E2eDecodeSpecs() {
   std::vector<DecodeSpec> specs;
   for (const auto& [batch, length] : {std::pair{128, 65}, std::pair{128, 117}, std::pair{64, 117},
                                       std::pair{32, 117}, std::pair{128, 256}, std::pair{128, 512},
-                                      std::pair{256, 256}}) {
+                                      std::pair{256, 256}, std::pair{1, 512}, std::pair{1, 2048},
+                                      std::pair{4, 512}, std::pair{8, 256}, std::pair{16, 128},
+                                      std::pair{16, 256}, std::pair{32, 64}}) {
     specs.push_back({"b" + std::to_string(batch) + "_kv" + std::to_string(length),
                      std::vector<int64_t>(batch, length)});
   }

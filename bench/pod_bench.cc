@@ -7,6 +7,9 @@
 //             runs a mixed step without POD
 //   b2b-mma   the same with the mma.sync prefill kernel (the tile code POD runs)
 //   merged    one batch prefill plan over every request (kAuto)
+//   side      the decode and the Hopper prefill side by side on two streams, the prefill over
+//             plan::SideBySidePrefillCtas persistent CTAs (the CTAs column; 0: b2b's time), as
+//             the CUDA backend runs a mixed step where POD's auto rule leaves it
 // The outputs of all variants are compared with each other (normwise relative error, bf16
 // tolerance) before anything is timed; the decode and prefill kernels are each validated
 // against the CPU reference by their own tests. Times are medians over groups of launches
@@ -36,6 +39,7 @@
 #include "plan/decode_plan.h"
 #include "plan/pod_plan.h"
 #include "plan/prefill_plan.h"
+#include "plan/step_plan.h"
 
 namespace attnd {
 namespace {
@@ -95,6 +99,8 @@ struct Row {
   float fused_ms, b2b_ms, b2b_mma_ms, merged_ms;
   double error_b2b, error_merged;
   std::string pod_plan;
+  float side_ms = 0;       // the backend's mixed step on Hopper: decode and prefill side by side
+  int32_t side_ctas = 0;   // its prefill's persistent CTAs (0: the step runs b2b)
   float decode_ms = 0, prefill_ms = 0;           // --split: each half alone
   std::string decode_kernel;
   std::vector<std::pair<int32_t, float>> split;  // --split: (prefill CTAs, ms) side by side
@@ -302,57 +308,74 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
   row.b2b_mma_ms = TimeMs(run_b2b_mma, stream);
   row.merged_ms = TimeMs(run_merged, stream);
   CHECK_CUDA(cudaGetLastError());
+  int low = 0, high = 0;
+  CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&low, &high));
+  cudaStream_t side;
+  CHECK_CUDA(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, high));
+  cudaEvent_t fork, join;
+  CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  CHECK_CUDA(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  // The decode and the Hopper prefill over `ctas` persistent CTAs side by side, as the CUDA
+  // backend runs a mixed step (CudaStep::EnqueueMhaKernels), into o_merged; checked against
+  // fused, then timed.
+  auto time_side_by_side = [&](int32_t ctas) {
+    plan::PrefillPlan split_plan = *prefill_auto;
+    for (plan::PrefillLaunch& launch : split_plan.launches) {
+      if (launch.kernel == plan::PrefillKernel::kHopper) launch.grid_ctas = std::min(launch.grid_ctas, ctas);
+    }
+    cuda::BatchPrefillArgs split_args = prefill_args;
+    split_args.o = {o_merged, kDtype, rows, kQoHeads, kHeadDim};
+    cuda::BatchDecodeArgs split_decode = decode_args;
+    split_decode.o = {static_cast<uint16_t*>(o_merged) + prefill_rows * row_elements, kDtype, kNumDecodes,
+                      kQoHeads, kHeadDim};
+    auto run_split = [&] {
+      CHECK_CUDA(cudaEventRecord(fork, stream));
+      CHECK_CUDA(cudaStreamWaitEvent(side, fork, 0));
+      CHECK_OK(cuda::BatchPrefill(split_plan, split_args, auto_workspace, auto_bytes, side));
+      CHECK_OK(cuda::BatchDecode(split_decode, stream));
+      CHECK_CUDA(cudaEventRecord(join, side));
+      CHECK_CUDA(cudaStreamWaitEvent(stream, join, 0));
+    };
+    CHECK_CUDA(cudaMemsetAsync(o_merged, 0xff, rows * row_elements * 2, stream));
+    run_split();
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    const double error = RelativeError(Download(o_merged, rows * row_elements), fused_host);
+    if (!(error <= 1e-2)) {
+      std::fprintf(stderr, "%s page %d side by side over %d CTAs: differs from fused by %.3g: not timing\n",
+                   shape.name.c_str(), page_size, ctas, error);
+      std::exit(1);
+    }
+    return TimeMs(run_split, stream);
+  };
+  {
+    // The planner's rule (plan::SideBySidePrefillCtas) on this step.
+    StepBatch batch_shape;
+    batch_shape.batch_size = batch;
+    batch_shape.qo_indptr = qo_indptr;
+    batch_shape.page_indptr = page_indptr;
+    batch_shape.k_page_indices = page_ids;
+    batch_shape.last_page_len = last_page_len;
+    batch_shape.options.params = params;
+    CacheGeometry geometry;
+    geometry.num_qo_heads = kQoHeads;
+    geometry.num_kv_heads = kKvHeads;
+    geometry.k_head_dim = geometry.v_head_dim = kHeadDim;
+    geometry.page_size = page_size;
+    geometry.kv_dtype = kDtype;
+    row.side_ctas = plan::SideBySidePrefillCtas(batch_shape, geometry, waves->hopper_tile128);
+    row.side_ms = row.side_ctas > 0 ? time_side_by_side(row.side_ctas) : row.b2b_ms;
+  }
   if (!g_splits.empty()) {
     row.decode_kernel = tensor_core ? "tensor cores" : "CUDA cores";
     row.decode_ms = TimeMs([&] { CHECK_OK(cuda::BatchDecode(decode_args, stream)); }, stream);
     row.prefill_ms = TimeMs(
         [&] { CHECK_OK(cuda::BatchPrefill(*prefill_auto, prefill_args, auto_workspace, auto_bytes, stream)); },
         stream);
-    int low = 0, high = 0;
-    CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&low, &high));
-    cudaStream_t side;
-    CHECK_CUDA(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, high));
-    cudaEvent_t fork, join;
-    CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    CHECK_CUDA(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
-    for (int32_t ctas : g_splits) {
-      plan::PrefillPlanInput input = prefill_input(prefill_indptr, prefill_kv);
-      input.kernel = plan::PrefillKernel::kHopper;
-      input.ctas_per_wave.hopper_tile128 = ctas;
-      auto split_plan = plan::PlanPrefill(input);
-      CHECK_OK(split_plan.status());
-      const int64_t split_bytes = cuda::BatchPrefillWorkspaceBytes(*split_plan);
-      void* split_workspace = workspace_of(split_bytes);
-      CHECK_OK(cuda::UploadBatchPrefillPlan(*split_plan, split_workspace, split_bytes, stream));
-      cuda::BatchPrefillArgs split_args = prefill_args;
-      split_args.o = {o_merged, kDtype, rows, kQoHeads, kHeadDim};
-      cuda::BatchDecodeArgs split_decode = decode_args;
-      split_decode.o = {static_cast<uint16_t*>(o_merged) + prefill_rows * row_elements, kDtype, kNumDecodes,
-                        kQoHeads, kHeadDim};
-      auto run_split = [&] {
-        CHECK_CUDA(cudaEventRecord(fork, stream));
-        CHECK_CUDA(cudaStreamWaitEvent(side, fork, 0));
-        CHECK_OK(cuda::BatchPrefill(*split_plan, split_args, split_workspace, split_bytes, side));
-        CHECK_OK(cuda::BatchDecode(split_decode, stream));
-        CHECK_CUDA(cudaEventRecord(join, side));
-        CHECK_CUDA(cudaStreamWaitEvent(stream, join, 0));
-      };
-      CHECK_CUDA(cudaMemsetAsync(o_merged, 0xff, rows * row_elements * 2, stream));
-      run_split();
-      CHECK_CUDA(cudaStreamSynchronize(stream));
-      const double error = RelativeError(Download(o_merged, rows * row_elements), fused_host);
-      if (!(error <= 1e-2)) {
-        std::fprintf(stderr, "%s page %d split %d: differs from fused by %.3g: not timing\n", shape.name.c_str(),
-                     page_size, ctas, error);
-        std::exit(1);
-      }
-      row.split.push_back({ctas, TimeMs(run_split, stream)});
-      CHECK_CUDA(cudaFree(split_workspace));
-    }
-    CHECK_CUDA(cudaEventDestroy(fork));
-    CHECK_CUDA(cudaEventDestroy(join));
-    CHECK_CUDA(cudaStreamDestroy(side));
+    for (int32_t ctas : g_splits) row.split.push_back({ctas, time_side_by_side(ctas)});
   }
+  CHECK_CUDA(cudaEventDestroy(fork));
+  CHECK_CUDA(cudaEventDestroy(join));
+  CHECK_CUDA(cudaStreamDestroy(side));
 
   for (void* p : {q, k_pool, v_pool, outputs[0], outputs[1], outputs[2], pod_workspace, decode_workspace,
                   auto_workspace, mma_workspace, merged_workspace}) {
@@ -410,16 +433,17 @@ int main(int argc, char** argv) {
       {"1x4096+128x8192", 1, 4096, 4096, 8192},
       {"1x6000/7000+128x8192", 1, 6000, 7000, 8192},
   };
-  std::printf("%-22s %4s %9s %9s %9s %9s %10s %13s %9s\n", "case", "page", "fused", "b2b", "b2b-mma", "merged",
-              "fused/b2b", "fused/merged", "max.err");
+  std::printf("%-22s %4s %9s %9s %9s %9s %10s %13s %9s %14s %9s %10s\n", "case", "page", "fused", "b2b", "b2b-mma",
+              "merged", "fused/b2b", "fused/merged", "max.err", "side (CTAs)", "side/b2b", "side/merged");
   for (int32_t page_size : page_sizes) {
     for (const Case& shape : cases) {
       if (!only.empty() && shape.name.find(only) == std::string::npos) continue;
       const Row row = RunCase(shape, page_size, stream);
       if (verbose) std::printf("%s", row.pod_plan.c_str());
-      std::printf("%-22s %4d %9.4f %9.4f %9.4f %9.4f %10.3f %13.3f %9.2e\n", shape.name.c_str(), page_size,
-                  row.fused_ms, row.b2b_ms, row.b2b_mma_ms, row.merged_ms, row.fused_ms / row.b2b_ms,
-                  row.fused_ms / row.merged_ms, std::max(row.error_b2b, row.error_merged));
+      std::printf("%-22s %4d %9.4f %9.4f %9.4f %9.4f %10.3f %13.3f %9.2e %9.4f (%2d) %9.3f %10.3f\n",
+                  shape.name.c_str(), page_size, row.fused_ms, row.b2b_ms, row.b2b_mma_ms, row.merged_ms,
+                  row.fused_ms / row.b2b_ms, row.fused_ms / row.merged_ms, std::max(row.error_b2b, row.error_merged),
+                  row.side_ms, row.side_ctas, row.side_ms / row.b2b_ms, row.side_ms / row.merged_ms);
       if (!g_splits.empty()) {
         std::printf("  decode alone %.4f (%s), prefill alone %.4f; side by side:", row.decode_ms, row.decode_kernel.c_str(),
                     row.prefill_ms);

@@ -56,12 +56,13 @@ struct DecodePlanOptions {
   // kAuto picks the tensor-core kernel (when both exist) for batches of at least this many
   // requests with at least this many keys in all. Measured on an H100 (docs/benchmarks.md,
   // Hq 32 / Hkv 8 / D 128 bf16, page 16) it won on every shape of issue 14 from batch 1 x 4096
-  // keys up (12.5 vs 14.9 us there); below 4096 keys in all the CUDA-core kernel is kept
-  // (not measured yet).
+  // keys up (12.5 vs 14.9 us there), and on short contexts too (`attnd_bench --e2e`, 2026-11-28):
+  // 1 x 512 6.7 against 7.8 us, 16 x 128 6.7 against 9.7, 32 x 117 8.9 against 13.0, 128 x 117
+  // 31.7 against 34.0; only 128 x 65 ran 3% slower (25.4 against 24.7). So no floor by default.
   // Deterministic plans always take the CUDA-core kernel when it exists: the kernel must not
   // depend on the rest of the batch.
   int32_t tensor_core_min_requests = 1;
-  int64_t tensor_core_min_total_kv_tokens = 4096;
+  int64_t tensor_core_min_total_kv_tokens = 0;
   // Floor of the chunk. DESIGN 4.2 suggests ~128; 64 measured 21% faster for one request of
   // 1024 keys on an H100 (docs/benchmarks.md).
   int32_t min_chunk_tokens = 64;

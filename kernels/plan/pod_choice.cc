@@ -39,7 +39,7 @@ PodStepShape PodShapeOf(const StepBatch& batch, int32_t page_size, bool hopper_p
 }
 
 bool PodAutoPicks(const PodStepShape& shape) {
-  return !shape.hopper_prefill || shape.page_size == 1;
+  return !shape.hopper_prefill;
 }
 
 bool ChoosePod(PodMode mode, const PodStepShape& shape) {

@@ -44,15 +44,15 @@ PodStepShape PodShapeOf(const StepBatch& batch, int32_t page_size, bool hopper_p
 
 // The auto rule, from bench/pod_bench on an H100 (docs/benchmarks.md, POD): POD's prefill role
 // runs the mma.sync tiles, so it wins where the separate prefill would too, and loses where the
-// Hopper (wgmma) prefill kernel is much faster than mma.sync.
-//   - page size 1: fused / back to back 0.72-0.78 and fused / one merged prefill 0.78-0.91 on
-//     all five reference cases (the Hopper prefill gains nothing there: 0.81 vs 0.80 ms);
-//   - page size 16 with the Hopper prefill: fused / back to back 0.94-1.13 (slower on 3 of 5),
-//     and 1.09x the separate kernels' time on the e2e mixed step (512 prefill + 128 decodes);
-//   - page size 16 against back to back with the mma.sync prefill (what runs where the Hopper
-//     kernel does not: no sm_90a, head_dim 256, mixed dtypes): fused 0.84-0.91.
-// So: POD when the separate prefill would not be the Hopper kernel, or the page size is 1.
-// Page sizes 2 to 8 with the Hopper kernel were not measured and keep the separate kernels.
+// Hopper (wgmma) prefill kernel runs.
+//   - 2026-11-28, the separate path's decode on tensor cores (as the planner picks it): fused /
+//     back to back with the Hopper prefill 1.08-1.24 at page size 1 and 1.10-1.28 at page size
+//     16 (POD lost everywhere); against back to back with the mma.sync prefill (what runs where
+//     the Hopper kernel does not: no sm_90a, head_dim 256, mixed dtypes) 0.95-0.99.
+//   - (2026-11-22, before the tensor-core decode: fused / back to back 0.72-0.78 at page size 1,
+//     0.94-1.13 at page size 16 with the Hopper prefill.)
+// So: POD when the separate prefill would not be the Hopper kernel. Where it would, a mixed step
+// runs the decode and the Hopper prefill side by side on two streams instead (step_plan.h).
 bool PodAutoPicks(const PodStepShape& shape);
 
 // Whether a step of `shape` runs POD under `mode`: only mixed steps (>= 1 prefill and >= 1

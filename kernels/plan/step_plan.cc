@@ -264,8 +264,36 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
   if (step.run_prefill) {
     ASSIGN_OR_RETURN(step.prefill, PlanPrefillRows(batch, context, step.run_decode));
   }
+  const bool hopper_launch =
+      std::any_of(step.prefill.launches.begin(), step.prefill.launches.end(),
+                  [](const PrefillLaunch& launch) { return launch.kernel == PrefillKernel::kHopper; });
+  if (step.run_decode && step.run_prefill && hopper_launch) {
+    step.side_by_side_prefill_ctas =
+        SideBySidePrefillCtas(batch, g, context.prefill_ctas_per_wave.hopper_tile128);
+  }
   step.offsets = LayOut(batch, step.run_decode ? step.decode.PackedWords() : 0, 0);
   return step;
+}
+
+int32_t SideBySidePrefillCtas(const StepBatch& batch, const CacheGeometry& geometry,
+                              int32_t hopper_wave) {
+  double flops = 0;       // the prefill's Q K^T and P V
+  double kv_bytes = 0;    // the decode's K and V
+  for (int32_t b = 0; b < batch.batch_size; ++b) {
+    const int32_t rows = batch.Rows(b);
+    const double keys = static_cast<double>(batch.KvLength(b, geometry.page_size));
+    if (rows > 1) {
+      // Causal: row i of q new rows sees keys - q + i + 1 keys.
+      const double seen = batch.options.params.causal ? rows * (keys - rows) + 0.5 * rows * (rows + 1.0)
+                                                      : rows * keys;
+      flops += 2.0 * seen * geometry.num_qo_heads * (geometry.k_head_dim + geometry.v_head_dim);
+    } else if (rows == 1) {
+      kv_bytes += keys * geometry.num_kv_heads * (geometry.k_head_dim + geometry.v_head_dim) *
+                  DTypeBytes(geometry.kv_dtype);
+    }
+  }
+  if (hopper_wave <= 1 || flops <= 0 || flops > kSideBySideMaxFlopsPerByte * kv_bytes) return 0;
+  return std::max(1, static_cast<int32_t>(kSideBySidePrefillShare * hopper_wave + 0.5));
 }
 
 absl::StatusOr<PodPlan> PlanPodStep(const StepBatch& batch, const CacheGeometry& geometry,

@@ -87,6 +87,13 @@ struct StepPlan {
   // (cuda::PodAttention over `pod`; run_decode and run_prefill are then false).
   bool run_pod = false;
   PodPlan pod;
+  // A mixed step whose prefill runs the Hopper kernel (SideBySidePrefillCtas): > 0 runs the
+  // decode kernel and the prefill's launches side by side on two streams, the Hopper launches
+  // persistent over this many CTAs (an SM each) so the decode keeps the rest of the GPU until
+  // the prefill is done; the backend applies it where its lane has the second stream. The plan
+  // itself (prefill.launches' grid_ctas) stays the one-after-the-other plan: a work item's bits
+  // do not depend on the grid.
+  int32_t side_by_side_prefill_ctas = 0;
   StepArrayOffsets offsets;
 
   // "none", "decode" or "prefill" (a step that runs both reports "prefill", its larger part);
@@ -99,6 +106,24 @@ struct StepPlan {
 };
 
 absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext& context);
+
+// Side by side (StepPlan::side_by_side_prefill_ctas), measured on an H100 with bench/pod_bench
+// --split (docs/benchmarks.md, POD, 2026-11-28): the Hopper prefill (an SM per CTA, every
+// register of it) cannot share an SM with decode CTAs, so the GPU is split by SMs. Giving the
+// prefill ~55% of them won on all five reference cases at page sizes 1 and 16 (0.80-0.90 of
+// the kernels one after the other; 24-40% of the SMs lost up to 1.45x): the decode is bound by
+// HBM, not by its SMs, and takes the prefill's SMs once the prefill is done. Where the prefill,
+// so restricted, would outlast the decode, the step runs one kernel after the other.
+inline constexpr double kSideBySidePrefillShare = 0.55;
+// The prefill is estimated at ~600 TFLOP/s and the decode at ~2.8 TB/s (H100): side by side
+// when the prefill's FLOPs <= 0.55 x 600 / 2.8 ~ 118 x the decode's KV bytes.
+inline constexpr double kSideBySideMaxFlopsPerByte = 118.0;
+
+// Persistent CTAs for the prefill of a mixed step side by side with its decode (0: run them one
+// after the other): `hopper_wave` CTAs in a full wave; the rows and keys of its prefill
+// (> 1 row) and decode (1 row) entries decide.
+int32_t SideBySidePrefillCtas(const StepBatch& batch, const CacheGeometry& geometry,
+                              int32_t hopper_wave);
 
 // PlanPod over every entry of `batch` (decode rows become the 16-row decode role).
 absl::StatusOr<PodPlan> PlanPodStep(const StepBatch& batch, const CacheGeometry& geometry,

@@ -1,6 +1,7 @@
 #include "backend/backend_factory.h"
 
 #include <cstdlib>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "backend/cpu_backend.h"
@@ -32,6 +33,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions
       cuda.completion_wait = options.cuda_completion_wait;
       cuda.channel_timing_stride = options.channel_timing_stride;
       cuda.host_shm_parts = options.host_shm_parts;
+      // ATTND_SIDE_BY_SIDE=0: mixed steps one kernel after the other (measurements).
+      const char* side_by_side = std::getenv("ATTND_SIDE_BY_SIDE");
+      cuda.side_by_side = side_by_side == nullptr || std::string_view(side_by_side) != "0";
       cuda.nccl_init_timeout = options.nccl_init_timeout;
       return MakeCudaBackend(cuda);
     }

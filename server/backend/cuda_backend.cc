@@ -343,6 +343,7 @@ absl::StatusOr<std::unique_ptr<BackendCache>> CudaBackend::CreateCache(
   cache_options.decode_kernel = options_.decode_kernel;
   cache_options.channel_timing_stride = options_.channel_timing_stride;
   cache_options.host_shm_parts = options_.host_shm_parts;
+  cache_options.side_by_side = options_.side_by_side;
   cache_options.nccl_init_timeout = options_.nccl_init_timeout;
   auto cache = CudaCache::Create(geometry, reservation->base() + offset, device->info.ordinal,
                                  cache_options, options_.observer, release);

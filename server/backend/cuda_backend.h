@@ -42,6 +42,10 @@ struct CudaBackendOptions {
   // A HOST_SHM channel's decode layer runs in this many parts of its rows (attnd's
   // --host_shm_parts; CudaStep).
   int32_t host_shm_parts = 2;
+  // Mixed steps the planner marks side by side (StepPlan::side_by_side_prefill_ctas) run their
+  // decode and prefill on two streams of a cache's lane; false runs them one after the other
+  // (the environment variable ATTND_SIDE_BY_SIDE=0, for measurements and tests).
+  bool side_by_side = true;
   // How long an NCCL channel waits for its client to join (attnd's --nccl_init_timeout).
   absl::Duration nccl_init_timeout = absl::Seconds(60);
 };

@@ -64,9 +64,10 @@ absl::StatusOr<std::unique_ptr<CudaCache>> CudaCache::Create(const CacheGeometry
   return cache;
 }
 
-absl::Status Lane::CreateStreams() {
+absl::Status Lane::CreateStreams(bool with_side) {
   RETURN_IF_ERROR(h2d.Create());
   RETURN_IF_ERROR(compute.Create());
+  if (with_side) RETURN_IF_ERROR(side.Create(/*greatest_priority=*/true));
   return d2h.Create();
 }
 
@@ -78,7 +79,7 @@ absl::Status CudaCache::Init(int device) {
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
       &host_pointers, cudaDevAttrCanUseHostPointerForRegisteredMem, device));
   host_pointers_on_device_ = host_pointers != 0;
-  for (Lane& lane : lanes_) RETURN_IF_ERROR(lane.CreateStreams());
+  for (Lane& lane : lanes_) RETURN_IF_ERROR(lane.CreateStreams(options_.side_by_side));
   RETURN_IF_ERROR(transfer_.Create());
   const cudaStream_t stream = lanes_[0].compute.get();
   // Zeroed so that a slot never written reads as 0 (as the CPU backend's calloc'd pools do).

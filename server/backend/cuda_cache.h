@@ -67,6 +67,8 @@ struct CudaCacheOptions {
   // A HOST_SHM channel's decode layer runs in this many parts of its rows (attnd's
   // --host_shm_parts; CudaStep::EnqueueInParts).
   int32_t host_shm_parts = 2;
+  // Whether the cache's lanes get the side stream of mixed steps side by side (Lane::side).
+  bool side_by_side = true;
   // How long an NCCL channel waits for its peer to join before it closes (issue 19; attnd's
   // --nccl_init_timeout).
   absl::Duration nccl_init_timeout = absl::Seconds(60);
@@ -76,6 +78,10 @@ struct Lane {
   CudaStream h2d;
   CudaStream compute;
   CudaStream d2h;
+  // A cache's lanes only (channel lanes keep one stream each): a mixed step's prefill runs here,
+  // at the device's greatest stream priority, beside its decode on `compute`
+  // (StepPlan::side_by_side_prefill_ctas).
+  CudaStream side;
   // Held while a layer's work is enqueued (and while the lane's buffers grow), so that one
   // layer's launches and the posting of its completion are not interleaved with another's.
   std::mutex submit_mu;
@@ -88,7 +94,8 @@ struct Lane {
   std::vector<uint8_t*> retired;
   std::vector<uint8_t*> retired_pinned;
 
-  absl::Status CreateStreams();
+  // with_side: also the side stream (a cache's lanes, CudaCacheOptions::side_by_side).
+  absl::Status CreateStreams(bool with_side);
 };
 
 class CudaCache final : public BackendCache {

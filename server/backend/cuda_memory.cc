@@ -87,8 +87,15 @@ CudaStream::~CudaStream() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
-absl::Status CudaStream::Create() {
-  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+absl::Status CudaStream::Create(bool greatest_priority) {
+  if (!greatest_priority) {
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    return absl::OkStatus();
+  }
+  int least = 0;
+  int greatest = 0;
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
   return absl::OkStatus();
 }
 

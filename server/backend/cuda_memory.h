@@ -87,8 +87,9 @@ class CudaStream {
   CudaStream& operator=(const CudaStream&) = delete;
   ~CudaStream();
 
-  // A non-blocking stream: it does not wait for the legacy default stream.
-  absl::Status Create();
+  // A non-blocking stream: it does not wait for the legacy default stream. greatest_priority:
+  // the block scheduler dispatches its kernels' CTAs before those of default-priority streams.
+  absl::Status Create(bool greatest_priority = false);
   cudaStream_t get() const { return stream_; }
 
  private:

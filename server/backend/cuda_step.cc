@@ -1,5 +1,6 @@
 #include "backend/cuda_step.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -62,6 +63,17 @@ CudaStep::CudaStep(CudaCache* cache, Lane& lane, std::shared_ptr<const StepBatch
   if (plan_->run_pod) {
     prefill_work_ = arrays.data() + prefill_work_offset;
     prefill_work_bytes_ = cuda::PodWorkspaceBytes(plan_->pod);
+  }
+  side_by_side_ = plan_->run_decode && plan_->run_prefill && plan_->side_by_side_prefill_ctas > 0 &&
+                  lane_.side.get() != nullptr;
+  if (side_by_side_) {
+    side_prefill_ = plan_->prefill;
+    for (plan::PrefillLaunch& launch : side_prefill_.launches) {
+      if (launch.kernel != plan::PrefillKernel::kHopper) continue;
+      launch.grid_ctas = launch.grid_ctas > 0
+                             ? std::min(launch.grid_ctas, plan_->side_by_side_prefill_ctas)
+                             : plan_->side_by_side_prefill_ctas;
+    }
   }
   for (LayerSlot& slot : resources_->slots) free_slots_.push_back(&slot);
   ++lane_.open_steps;
@@ -231,13 +243,14 @@ absl::Status CudaStep::EnqueueKernels(LayerEvents& slot, bool timed, const Layer
   if (!batch_->page_copies.empty()) {
     RETURN_IF_ERROR(cache_->EnqueuePageCopies(layer, batch_->page_copies, lane_.compute.get()));
   }
-  LayerEvents* const events = timed ? &slot : nullptr;
-  return cache_->geometry().mla ? EnqueueMlaKernels(events, buffers, layer, attended_event)
-                                : EnqueueMhaKernels(events, buffers, layer, attended_event);
+  return cache_->geometry().mla
+             ? EnqueueMlaKernels(timed ? &slot : nullptr, buffers, layer, attended_event)
+             : EnqueueMhaKernels(slot, timed, buffers, layer, attended_event);
 }
 
-absl::Status CudaStep::EnqueueMhaKernels(LayerEvents* events, const LayerBuffers& buffers,
+absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, bool timed, const LayerBuffers& buffers,
                                          int32_t layer, const CudaEvent** attended_event) {
+  LayerEvents* const events = timed ? &slot : nullptr;
   const CacheGeometry& g = cache_->geometry();
   const cudaStream_t compute = lane_.compute.get();
   const int64_t tokens = batch_->num_tokens;
@@ -249,33 +262,67 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents* events, const LayerBuffers
   const TokenHeadsView q = append.q_out;
   const TokenHeadsView o = RowsOf(buffers.o, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
   float* lse = buffers.lse;
+  cuda::BatchDecodeArgs decode;
+  decode.q = q;
+  decode.pages = pages_;
+  decode.k_cache = append.k_cache;
+  decode.v_cache = append.v_cache;
+  decode.params = batch_->options.params;
+  decode.work = decode_work_;
+  decode.o = o;
+  decode.lse = lse;
+  decode.workspace = lane_.decode_workspace.data();
+  decode.workspace_bytes = lane_.decode_workspace.capacity();
+  cuda::BatchPrefillArgs prefill;
+  prefill.q = q;
+  prefill.qo_indptr = qo_indptr_;
+  prefill.pages = pages_;
+  prefill.k_cache = append.k_cache;
+  prefill.v_cache = append.v_cache;
+  prefill.params = batch_->options.params;
+  prefill.o = o;
+  prefill.lse = lse;
+
+  if (side_by_side_) {
+    // The prefill's launches first, on the side stream at the greatest priority, so that its
+    // persistent CTAs take their SMs before the decode's CTAs fill the rest; the decode's CTAs
+    // take the prefill's SMs once it is done. They write disjoint rows of o and lse and read the
+    // same rotated q. Joined whatever happens, so the layer's events cover both streams.
+    const cudaStream_t side = lane_.side.get();
+    bool forked = false;
+    absl::Status status = [&]() -> absl::Status {
+      CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.fork.get(), compute));
+      CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, slot.fork.get(), 0));
+      forked = true;
+      RETURN_IF_ERROR(
+          cuda::BatchPrefill(side_prefill_, prefill, prefill_work_, prefill_work_bytes_, side));
+      RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::attended_second, side));
+      RETURN_IF_ERROR(cuda::BatchDecode(decode, compute));
+      return RecordIfTimed(events, &LayerEvents::attended_first, compute);
+    }();
+    if (forked) {
+      const cudaError_t joined = [&] {
+        const cudaError_t recorded = cudaEventRecord(slot.join.get(), side);
+        return recorded != cudaSuccess ? recorded
+                                       : cudaStreamWaitEvent(compute, slot.join.get(), 0);
+      }();
+      if (status.ok() && joined != cudaSuccess) {
+        status = cuda::CudaErrorToStatus(joined, "joining the side stream", __FILE__, __LINE__);
+      }
+    }
+    RETURN_IF_ERROR(status);
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.attended.get(), compute));
+    *attended_event = &slot.attended;
+    return absl::OkStatus();
+  }
+
   const CudaEvent* attended = events != nullptr ? &events->appended : nullptr;
   if (plan_->run_decode) {
-    cuda::BatchDecodeArgs decode;
-    decode.q = q;
-    decode.pages = pages_;
-    decode.k_cache = append.k_cache;
-    decode.v_cache = append.v_cache;
-    decode.params = batch_->options.params;
-    decode.work = decode_work_;
-    decode.o = o;
-    decode.lse = lse;
-    decode.workspace = lane_.decode_workspace.data();
-    decode.workspace_bytes = lane_.decode_workspace.capacity();
     RETURN_IF_ERROR(cuda::BatchDecode(decode, compute));
     RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::attended_first, compute));
     if (events != nullptr) attended = &events->attended_first;
   }
   if (plan_->run_prefill || plan_->run_pod) {
-    cuda::BatchPrefillArgs prefill;
-    prefill.q = q;
-    prefill.qo_indptr = qo_indptr_;
-    prefill.pages = pages_;
-    prefill.k_cache = append.k_cache;
-    prefill.v_cache = append.v_cache;
-    prefill.params = batch_->options.params;
-    prefill.o = o;
-    prefill.lse = lse;
     if (plan_->run_pod) {
       // The step's decode and prefill rows in one fused launch (its merge included).
       RETURN_IF_ERROR(
@@ -543,7 +590,9 @@ void CudaStep::ReportTimes(const LayerEvents& slot, bool copied) const {
   seconds.append = ElapsedSeconds(slot.started, slot.appended);
   seconds.first = ElapsedSeconds(slot.appended, slot.attended_first);
   if (plan_->run_decode && plan_->run_prefill) {
-    seconds.second = ElapsedSeconds(slot.attended_first, slot.attended_second);
+    // Side by side, the prefill started with the decode, after the append.
+    seconds.second = ElapsedSeconds(side_by_side_ ? slot.appended : slot.attended_first,
+                                    slot.attended_second);
   }
   Report(seconds, copied);
 }

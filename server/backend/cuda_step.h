@@ -58,7 +58,7 @@ class CudaStep final : public BackendStep {
   // host_out: the output buffer to copy o | lse into; null for registered io (o, lse direct).
   absl::Status EnqueueLocked(LayerSlot& slot, const LayerIo& io, uint8_t* host_out);
   // `events` null: an untimed channel layer (no event recorded, *attended null).
-  absl::Status EnqueueMhaKernels(LayerEvents* events, const LayerBuffers& buffers,
+  absl::Status EnqueueMhaKernels(LayerEvents& slot, bool timed, const LayerBuffers& buffers,
                                  int32_t layer, const CudaEvent** attended);
   // A HOST_SHM decode layer in parts of its rows (parts_), copies overlapping the kernels.
   absl::Status EnqueueInParts(LayerSlot& slot, const LayerIo& io);
@@ -97,6 +97,10 @@ class CudaStep final : public BackendStep {
   // A decode-only MHA step's rows in parts (--host_shm_parts), for HOST_SHM layers; one part
   // (no split) otherwise.
   std::vector<plan::DecodePlanPart> parts_;
+  // A mixed step side by side (StepPlan::side_by_side_prefill_ctas, where the lane has its side
+  // stream): the prefill plan with its Hopper launches narrowed to that many persistent CTAs.
+  bool side_by_side_ = false;
+  plan::PrefillPlan side_prefill_;
   plan::MlaWorkView mla_work_;
   void* prefill_work_ = nullptr;
   int64_t prefill_work_bytes_ = 0;

@@ -48,6 +48,9 @@ absl::Status LayerEvents::Create(bool blocking_sync) {
   RETURN_IF_ERROR(appended.Create(true));
   RETURN_IF_ERROR(attended_first.Create(true));
   RETURN_IF_ERROR(attended_second.Create(true));
+  RETURN_IF_ERROR(fork.Create(false));
+  RETURN_IF_ERROR(join.Create(false));
+  RETURN_IF_ERROR(attended.Create(false));
   return finished.Create(false, blocking_sync);
 }
 

@@ -50,6 +50,12 @@ struct LayerEvents {
   CudaEvent attended_first;
   CudaEvent attended_second;
   CudaEvent finished;
+  // A mixed step side by side (CudaStep::EnqueueMhaKernels): the side stream starts after the
+  // append (fork) and the compute stream continues once the prefill is done (join), then
+  // `attended` follows both kernels. Not timing events.
+  CudaEvent fork;
+  CudaEvent join;
+  CudaEvent attended;
 
   // blocking_sync: see CudaEvent::Create (for `finished`, which a completion thread waits on).
   absl::Status Create(bool blocking_sync);

@@ -34,6 +34,7 @@
 #include "cuda_backend_test_util.h"
 #include "gtest/gtest.h"
 #include "plan/pod_choice.h"
+#include "plan/step_plan.h"
 
 namespace attnd {
 namespace {
@@ -246,8 +247,8 @@ StepOptions Options(const CacheGeometry& g) {
 }
 
 // The kernel of a mixed, non-deterministic step of a cache of geometry `g`: POD where the auto
-// rule picks it (pod_choice.h: the separate prefill would not be the Hopper kernel, or page size
-// 1), unless ATTND_POD says otherwise (MakeBackendPair sets the backends' pod_mode from it); the
+// rule picks it (pod_choice.h: the separate prefill would not be the Hopper kernel), unless
+// ATTND_POD says otherwise (MakeBackendPair sets the backends' pod_mode from it); the
 // separate kernels ("prefill") elsewhere.
 std::string MixedKernel(const CacheGeometry& g) {
   const auto waves = cuda::BatchPrefillCtasPerWave(g.k_head_dim, g.q_dtype, g.kv_dtype);
@@ -736,6 +737,78 @@ std::unique_ptr<Backend> SmallCudaBackend(int64_t budget_bytes) {
   auto backend = MakeCudaBackend(options);
   EXPECT_TRUE(backend.ok()) << backend.status();
   return backend.ok() ? std::move(backend).value() : nullptr;
+}
+
+// A mixed step the planner runs side by side (its decode and its Hopper prefill on two streams,
+// the prefill over part of the SMs: StepPlan::side_by_side_prefill_ctas) gives bitwise the o and
+// lse of the same step one kernel after the other (CudaBackendOptions::side_by_side = false):
+// the same work items, whatever the persistent grid. (The sequential path is checked against the
+// CPU reference by CudaBackendVsCpuTest.)
+TEST(CudaBackendTest, MixedStepsSideBySideMatchOneAfterTheOtherBitwise) {
+  SKIP_WITHOUT_GPU();
+  CacheGeometry g;
+  g.num_layers = 2;
+  g.num_qo_heads = 32;
+  g.num_kv_heads = 8;
+  g.k_head_dim = g.v_head_dim = 128;
+  g.page_size = 16;
+  g.num_pages = 1280;
+  g.q_dtype = g.kv_dtype = DType::kBFloat16;
+  g.rope.style = RopeStyle::kNeox;
+  g.rope.rotary_dim = 128;
+  const auto waves = cuda::BatchPrefillCtasPerWave(g.k_head_dim, g.q_dtype, g.kv_dtype);
+  ASSERT_TRUE(waves.ok()) << waves.status();
+  if (waves->hopper_tile128 == 0) GTEST_SKIP() << "side by side needs the Hopper prefill kernel (sm_90a)";
+  std::vector<std::unique_ptr<Backend>> backends;
+  std::vector<std::unique_ptr<BackendCache>> caches;
+  for (bool side_by_side : {true, false}) {
+    CudaBackendOptions options;
+    options.kv_budget_bytes = int64_t{256} << 20;
+    options.side_by_side = side_by_side;
+    auto backend = MakeCudaBackend(options);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    auto cache = (*backend)->CreateCache(g);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    backends.push_back(*std::move(backend));
+    caches.push_back(*std::move(cache));
+  }
+  SequenceBook book(g, /*separate_kv=*/false, /*seed=*/11);
+  StepOptions options = Options(g);
+  std::vector<std::pair<int, int32_t>> prompts, mixed_entries;
+  for (int s = 0; s < 24; ++s) {
+    prompts.push_back({s, 600 + 7 * s});
+    mixed_entries.push_back({s, 1});
+  }
+  mixed_entries.insert(mixed_entries.begin() + 9, {100, 200});  // a new prompt among the decodes
+  std::mt19937 rng(77);
+  for (int step = 0; step < 2; ++step) {
+    const std::shared_ptr<StepBatch> batch = book.Plan(step == 0 ? prompts : mixed_entries, options);
+    if (step == 1) {
+      // The premise: the planner puts this step side by side.
+      ASSERT_GT(plan::SideBySidePrefillCtas(*batch, g, waves->hopper_tile128), 0);
+    }
+    std::vector<LayerInputs> inputs(g.num_layers);
+    const int64_t tokens = batch->num_tokens;
+    for (LayerInputs& layer : inputs) {
+      layer.q = RandomTensor(g.q_dtype, tokens * g.num_qo_heads * g.k_head_dim, rng);
+      layer.k = RandomTensor(g.q_dtype, tokens * g.num_kv_heads * g.k_head_dim, rng);
+      layer.v = RandomTensor(g.q_dtype, tokens * g.num_kv_heads * g.v_head_dim, rng);
+    }
+    const StepRun side = RunStep(*caches[0], batch, inputs);
+    const StepRun sequential = RunStep(*caches[1], batch, inputs);
+    ASSERT_EQ(side.layers.size(), sequential.layers.size());
+    for (size_t layer = 0; layer < side.layers.size(); ++layer) {
+      SCOPED_TRACE(::testing::Message() << side.kernel << " step, layer " << layer);
+      ASSERT_TRUE(side.layers[layer].status.ok()) << side.layers[layer].status;
+      ASSERT_TRUE(sequential.layers[layer].status.ok()) << sequential.layers[layer].status;
+      EXPECT_TRUE(side.layers[layer].o == sequential.layers[layer].o);
+      EXPECT_EQ(std::memcmp(side.layers[layer].lse.data(), sequential.layers[layer].lse.data(),
+                            side.layers[layer].lse.size() * sizeof(float)),
+                0);
+      const Error o_error = NormwiseError(g.q_dtype, side.layers[layer].o, sequential.layers[layer].o);
+      EXPECT_FALSE(o_error.nan) << "an element of o was not written";
+    }
+  }
 }
 
 TEST(CudaBackendTest, InfoDescribesTheDeviceAndWhatWorks) {

@@ -226,8 +226,8 @@ DecodePlanOptions BothKernels(int32_t num_kv_heads) {
   return options;
 }
 
-TEST(PlanBatchDecodeTest, TensorCoresFromFourThousandKeysShortBatchesStayOnCudaCores) {
-  const DecodePlanOptions options = BothKernels(8);
+TEST(PlanBatchDecodeTest, TensorCoresWhereTheCacheHasThemCudaCoresBelowAGivenFloor) {
+  DecodePlanOptions options = BothKernels(8);
   auto large = PlanBatchDecode(DecodeRows(64), std::vector<int64_t>(64, 4096), options);
   ASSERT_TRUE(large.ok()) << large.status();
   EXPECT_EQ(large->kernel, DecodeKernel::kTensorCore);
@@ -239,10 +239,15 @@ TEST(PlanBatchDecodeTest, TensorCoresFromFourThousandKeysShortBatchesStayOnCudaC
   auto short_kv = PlanBatchDecode(DecodeRows(16), std::vector<int64_t>(16, 1024), options);
   ASSERT_TRUE(short_kv.ok());
   EXPECT_EQ(short_kv->kernel, DecodeKernel::kTensorCore);
-  // Fewer than 4096 keys in all stay on the CUDA-core kernel.
-  auto tiny = PlanBatchDecode(DecodeRows(2), std::vector<int64_t>{1000, 2000}, options);
+  // Short contexts too (measured faster on tensor cores from 1 x 512 keys up).
+  auto tiny = PlanBatchDecode(DecodeRows(2), std::vector<int64_t>{100, 20}, options);
   ASSERT_TRUE(tiny.ok());
-  EXPECT_EQ(tiny->kernel, DecodeKernel::kCudaCore);
+  EXPECT_EQ(tiny->kernel, DecodeKernel::kTensorCore);
+  // A floor keeps batches with fewer keys in all on the CUDA-core kernel.
+  options.tensor_core_min_total_kv_tokens = 4096;
+  auto below = PlanBatchDecode(DecodeRows(2), std::vector<int64_t>{1000, 2000}, options);
+  ASSERT_TRUE(below.ok());
+  EXPECT_EQ(below->kernel, DecodeKernel::kCudaCore);
 }
 
 TEST(PlanBatchDecodeTest, ChunksBySizeOfTheChosenKernelsWave) {

@@ -246,5 +246,65 @@ TEST(PodStepPlanTest, MixedStepsRunPodOnlyWhenTheModeAndOptionsSaySo) {
   EXPECT_EQ(decode->KernelName(), "decode");
 }
 
+// A mixed step whose prefill runs the Hopper kernel: side by side with its decode when the
+// prefill is small beside the decode's KV (kSideBySideMaxFlopsPerByte), over ~55% of the Hopper
+// wave; one after the other when the prefill dominates, and never without a Hopper launch.
+TEST(SideBySideStepPlanTest, MixedHopperStepsRunSideBySideWhenTheDecodeDominates) {
+  CacheGeometry g;
+  g.num_layers = 1;
+  g.num_qo_heads = 32;
+  g.num_kv_heads = 8;
+  g.k_head_dim = g.v_head_dim = 128;
+  g.page_size = 16;
+  g.num_pages = 1 << 16;
+  SequenceBook book(g, /*separate_kv=*/false, /*seed=*/5);
+  StepOptions options;
+  options.params.sm_scale = 0.1f;
+  options.params.causal = true;
+  std::vector<std::pair<int, int32_t>> prompts;
+  for (int s = 0; s < 64; ++s) prompts.push_back({s, 2048});
+  book.Plan(prompts, options);
+  plan::StepPlanContext context;
+  context.geometry = &g;
+  context.decode_supported = true;
+  context.decode_ctas_per_wave = 528;
+  context.prefill_ctas_per_wave = {396, 396, 264, 132, 132};  // hopper_tile128 = 132
+  context.pod_mode = plan::PodMode::kAuto;
+
+  // 64 decodes of 2049 keys (537 MB of KV) beside a 1024-token prompt (8.6 GFLOP): side by side.
+  std::vector<std::pair<int, int32_t>> entries;
+  for (int s = 0; s < 64; ++s) entries.push_back({s, 1});
+  entries.push_back({100, 1024});
+  const std::shared_ptr<StepBatch> mixed = book.Plan(entries, options);
+  auto side = plan::PlanStep(*mixed, context);
+  ASSERT_TRUE(side.ok()) << side.status();
+  EXPECT_FALSE(side->run_pod);  // auto: the Hopper prefill runs beside the decode instead
+  EXPECT_TRUE(side->run_decode && side->run_prefill);
+  EXPECT_EQ(side->side_by_side_prefill_ctas, 73);  // 0.55 x 132, rounded
+  for (const plan::PrefillLaunch& launch : side->prefill.launches) {
+    if (launch.kernel == plan::PrefillKernel::kHopper) {
+      EXPECT_EQ(launch.grid_ctas, 132);  // unchanged: the backend narrows it
+    }
+  }
+
+  // One decode beside an 8192-token prompt: the prefill dominates, one after the other.
+  const std::shared_ptr<StepBatch> heavy = book.Plan({{0, 1}, {101, 8192}}, options);
+  auto sequential = plan::PlanStep(*heavy, context);
+  ASSERT_TRUE(sequential.ok());
+  EXPECT_TRUE(sequential->run_decode && sequential->run_prefill);
+  EXPECT_EQ(sequential->side_by_side_prefill_ctas, 0);
+
+  // Without the Hopper kernel (no Hopper wave), POD takes the mixed step instead.
+  context.prefill_ctas_per_wave.hopper_tile128 = 0;
+  context.pod_ctas_per_wave = {396, 396};
+  auto pod = plan::PlanStep(*book.Plan({{1, 1}, {102, 600}}, options), context);
+  ASSERT_TRUE(pod.ok());
+  EXPECT_EQ(pod->side_by_side_prefill_ctas, 0);
+
+  // The estimate itself: no prefill rows, or no Hopper wave, gives 0.
+  EXPECT_EQ(plan::SideBySidePrefillCtas(*book.Plan({{2, 1}}, options), g, 132), 0);
+  EXPECT_EQ(plan::SideBySidePrefillCtas(*mixed, g, 0), 0);
+}
+
 }  // namespace
 }  // namespace attnd
