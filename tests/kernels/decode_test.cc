@@ -337,6 +337,9 @@ std::vector<DecodeCase> SweepCases() {
             c.layout = layout;
             c.group = group;
             c.separate_kv = (seed % 3) == 0;
+            // The CUDA-core kernel's sweep: the planner would now take the tensor-core kernel
+            // for most of these shapes (its own sweep is TensorCoreDecodeSweepTest).
+            c.kernel = DecodeKernelChoice::kCudaCore;
             c.seed = seed++;
             cases.push_back(c);
           }
@@ -586,9 +589,9 @@ std::vector<DecodeCase> TensorCoreCases() {
     c.seed = seed++;
     cases.push_back(c);
   }
-  // The planner's choice: a large batch and batch 1 of 8192 keys go to tensor cores, fewer than
-  // 4096 keys in all stay on CUDA cores, group 16 (no CUDA-core kernel) always goes to tensor cores, and deterministic plans
-  // stay on CUDA cores.
+  // The planner's choice: a large batch, batch 1 of 8192 keys and a short batch (16 requests of
+  // up to 64 keys; tensor cores from 1 x 512 keys up measured faster, decode_plan.h) go to tensor
+  // cores, group 16 (no CUDA-core kernel) always does, and deterministic plans stay on CUDA cores.
   {
     DecodeCase large;
     large.group = 4;
@@ -604,7 +607,7 @@ std::vector<DecodeCase> TensorCoreCases() {
     cases.push_back(single);
     DecodeCase short_kv = large;
     short_kv.lengths = RandomLengths(16, 64, 16, seed);
-    short_kv.expect_kernel = DecodeKernel::kCudaCore;
+    short_kv.expect_kernel = DecodeKernel::kTensorCore;
     short_kv.seed = seed++;
     cases.push_back(short_kv);
     DecodeCase group16 = large;
