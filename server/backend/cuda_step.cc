@@ -262,17 +262,7 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, bool timed, const La
   const TokenHeadsView q = append.q_out;
   const TokenHeadsView o = RowsOf(buffers.o, g.q_dtype, tokens, g.num_qo_heads, g.v_head_dim);
   float* lse = buffers.lse;
-  cuda::BatchDecodeArgs decode;
-  decode.q = q;
-  decode.pages = pages_;
-  decode.k_cache = append.k_cache;
-  decode.v_cache = append.v_cache;
-  decode.params = batch_->options.params;
-  decode.work = decode_work_;
-  decode.o = o;
-  decode.lse = lse;
-  decode.workspace = lane_.decode_workspace.data();
-  decode.workspace_bytes = lane_.decode_workspace.capacity();
+  const cuda::BatchDecodeArgs decode = MhaDecodeArgs(q, o, lse, layer, decode_work_);
   cuda::BatchPrefillArgs prefill;
   prefill.q = q;
   prefill.qo_indptr = qo_indptr_;
@@ -338,6 +328,23 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, bool timed, const La
   }
   *attended_event = attended;
   return absl::OkStatus();
+}
+
+cuda::BatchDecodeArgs CudaStep::MhaDecodeArgs(const TokenHeadsView& q, const TokenHeadsView& o,
+                                              float* lse, int32_t layer,
+                                              const plan::DecodeWorkView& work) const {
+  cuda::BatchDecodeArgs decode;
+  decode.q = q;
+  decode.pages = pages_;
+  decode.k_cache = cache_->Pool(layer, false);
+  decode.v_cache = cache_->Pool(layer, true);
+  decode.params = batch_->options.params;
+  decode.work = work;
+  decode.o = o;
+  decode.lse = lse;
+  decode.workspace = lane_.decode_workspace.data();
+  decode.workspace_bytes = lane_.decode_workspace.capacity();
+  return decode;
 }
 
 cuda::AppendKvArgs CudaStep::MhaAppendArgs(const LayerBuffers& buffers, int32_t layer,
@@ -452,19 +459,11 @@ absl::Status CudaStep::EnqueuePartsLocked(LayerSlot& slot, const LayerIo& io) {
     CUDA_RETURN_IF_ERROR(cudaEventRecord(events.started.get(), compute));
     RETURN_IF_ERROR(cuda::AppendKv(MhaAppendArgs(buffers, layer, first, part.row_end), compute));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(events.appended.get(), compute));
-    cuda::BatchDecodeArgs decode;
-    decode.q = q;
-    decode.pages = pages_;
-    decode.k_cache = cache_->Pool(layer, false);
-    decode.v_cache = cache_->Pool(layer, true);
-    decode.params = batch_->options.params;
-    decode.work = plan::SliceDecodeWork(decode_work_, part.item_begin, part.item_end,
-                                        part.merge_begin, part.merge_end);
-    decode.o = o;
-    decode.lse = buffers.lse;
-    decode.workspace = lane_.decode_workspace.data();
-    decode.workspace_bytes = lane_.decode_workspace.capacity();
-    RETURN_IF_ERROR(cuda::BatchDecode(decode, compute));
+    RETURN_IF_ERROR(cuda::BatchDecode(
+        MhaDecodeArgs(q, o, buffers.lse, layer,
+                      plan::SliceDecodeWork(decode_work_, part.item_begin, part.item_end,
+                                            part.merge_begin, part.merge_end)),
+        compute));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(events.attended.get(), compute));
 
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h, events.attended.get(), 0));

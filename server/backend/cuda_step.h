@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attnd/kernels/cuda/append.h"
+#include "attnd/kernels/cuda/decode.h"
 #include "backend/backend.h"
 #include "backend/cuda_cache.h"
 #include "backend/cuda_step_resources.h"
@@ -67,6 +68,9 @@ class CudaStep final : public BackendStep {
   // The MHA append of rows [row_begin, row_end) of the layer's buffers.
   cuda::AppendKvArgs MhaAppendArgs(const LayerBuffers& buffers, int32_t layer, int64_t row_begin,
                                    int64_t row_end) const;
+  // The MHA decode of `work` (the step's plan or a slice of it) over the rotated q rows.
+  cuda::BatchDecodeArgs MhaDecodeArgs(const TokenHeadsView& q, const TokenHeadsView& o, float* lse,
+                                      int32_t layer, const plan::DecodeWorkView& work) const;
   absl::Status EnqueueMlaKernels(LayerEvents* events, const LayerBuffers& buffers,
                                  int32_t layer, const CudaEvent** attended);
   // On the completion thread: waits, lends or copies out, reports, frees the slot, calls done.
