@@ -2,7 +2,10 @@
 // kernel (prefill_hopper_kernel.cuh). Built only for compute_90a/sm_90a (prefill.cmake), when 90
 // is among ATTND_CUDA_ARCHITECTURES; four kernels: head_dim 64 and 128 x bf16 and fp16.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
+#include "launch.cuh"
 #include "prefill_hopper_kernel.cuh"
 
 namespace attnd::cuda::prefill {
@@ -25,8 +28,19 @@ cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, int32
   KernelParams persistent = params;
   persistent.num_work = num_ctas;
   const int32_t grid = grid_ctas > 0 ? std::min(num_ctas, grid_ctas) : num_ctas;
-  kernel<<<grid, hopper::kThreads, Shape::kSmemBytes, stream>>>(persistent);
-  return cudaGetLastError();
+  // A programmatic dependent launch (launch.cuh): the kernel waits for the preceding grid before
+  // it reads q or the cache. ATTND_PREFILL_PDL=0 launches it the ordinary way (measurements).
+  static const bool programmatic = [] {
+    const char* value = std::getenv("ATTND_PREFILL_PDL");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  if (!programmatic) {
+    kernel<<<grid, hopper::kThreads, Shape::kSmemBytes, stream>>>(persistent);
+    return cudaGetLastError();
+  }
+  void* args[] = {&persistent};
+  return LaunchAfterPrecedingGrid(reinterpret_cast<const void*>(kernel), dim3(grid), dim3(hopper::kThreads),
+                                  Shape::kSmemBytes, stream, args);
 }
 
 }  // namespace

@@ -452,11 +452,27 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     const int b = (round & 1) ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
     return round * static_cast<int>(gridDim.x) + b;
   };
+  // Launched as a programmatic dependent of the kernel before it on the stream (the append that
+  // wrote q and the new keys, LaunchPrefillHopper): this grid's CTAs may start while that one
+  // finishes. Everything up to the first read of q or of the cache (barriers, the work item,
+  // which the plan upload wrote before that kernel ran) overlaps its tail; griddepcontrol.wait
+  // returns once it completed and its writes are visible (at once after an ordinary launch).
+  // Nothing here is written before that wait. The kernel after this one (a merge) may be
+  // scheduled once every CTA of this one runs; it waits for this grid's results itself.
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  auto wait_for_preceding_grid = [] {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  };
   if (warpgroup == 0) {
     ReleaseRegisters<kProducerRegisters>();
     int first = 0;
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
       const CtaWork work = DecodeWork(params, index);
+      if (first == 0) wait_for_preceding_grid();
       ProduceKv<Shape, T>(params, work, smem, first);
       first += work.num_kv_tiles;
     }
@@ -466,6 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     int first = 0;
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
       const CtaWork work = DecodeWork(params, index);
+      if (first == 0) wait_for_preceding_grid();
       Consume<Shape, T>(params, work, smem, smem_generic, first);
       first += work.num_kv_tiles;
     }
