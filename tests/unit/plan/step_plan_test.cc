@@ -193,16 +193,22 @@ TEST(MlaStepPlanTest, DeterministicChunkingDependsOnTheRequestAlone) {
   EXPECT_EQ(units_a, units_of(*b, *step_b, 3));
 }
 
-// ---- POD ----
+// ---- POD and side by side ----
 
-TEST(PodStepPlanTest, MixedStepsRunPodOnlyWhenTheModeAndOptionsSaySo) {
+// PERFORMANCE.md's standard shape (Hq 32, Hkv 8, D 128, page 16), one layer.
+CacheGeometry StandardGeometry(int64_t num_pages) {
   CacheGeometry g;
   g.num_layers = 1;
   g.num_qo_heads = 32;
   g.num_kv_heads = 8;
   g.k_head_dim = g.v_head_dim = 128;
   g.page_size = 16;
-  g.num_pages = 4096;
+  g.num_pages = num_pages;
+  return g;
+}
+
+TEST(PodStepPlanTest, MixedStepsRunPodOnlyWhenTheModeAndOptionsSaySo) {
+  const CacheGeometry g = StandardGeometry(4096);
   SequenceBook book(g, /*separate_kv=*/false, /*seed=*/3);
   StepOptions options;
   options.params.sm_scale = 0.1f;
@@ -250,13 +256,7 @@ TEST(PodStepPlanTest, MixedStepsRunPodOnlyWhenTheModeAndOptionsSaySo) {
 // prefill is small beside the decode's KV (kSideBySideMaxFlopsPerByte), over ~55% of the Hopper
 // wave; one after the other when the prefill dominates, and never without a Hopper launch.
 TEST(SideBySideStepPlanTest, MixedHopperStepsRunSideBySideWhenTheDecodeDominates) {
-  CacheGeometry g;
-  g.num_layers = 1;
-  g.num_qo_heads = 32;
-  g.num_kv_heads = 8;
-  g.k_head_dim = g.v_head_dim = 128;
-  g.page_size = 16;
-  g.num_pages = 1 << 16;
+  const CacheGeometry g = StandardGeometry(1 << 16);
   SequenceBook book(g, /*separate_kv=*/false, /*seed=*/5);
   StepOptions options;
   options.params.sm_scale = 0.1f;
