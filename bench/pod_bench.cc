@@ -319,11 +319,8 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
   // backend runs a mixed step (CudaStep::EnqueueMhaKernels), into o_merged; checked against
   // fused, then timed.
   auto time_side_by_side = [&](int32_t ctas) {
-    plan::PrefillPlan split_plan = *prefill_auto;
-    for (plan::PrefillLaunch& launch : split_plan.launches) {
-      if (launch.kernel == plan::PrefillKernel::kHopper) launch.grid_ctas = std::min(launch.grid_ctas, ctas);
-    }
     cuda::BatchPrefillArgs split_args = prefill_args;
+    split_args.max_persistent_ctas = ctas;
     split_args.o = {o_merged, kDtype, rows, kQoHeads, kHeadDim};
     cuda::BatchDecodeArgs split_decode = decode_args;
     split_decode.o = {static_cast<uint16_t*>(o_merged) + prefill_rows * row_elements, kDtype, kNumDecodes,
@@ -331,7 +328,7 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
     auto run_split = [&] {
       CHECK_CUDA(cudaEventRecord(fork, stream));
       CHECK_CUDA(cudaStreamWaitEvent(side, fork, 0));
-      CHECK_OK(cuda::BatchPrefill(split_plan, split_args, auto_workspace, auto_bytes, side));
+      CHECK_OK(cuda::BatchPrefill(*prefill_auto, split_args, auto_workspace, auto_bytes, side));
       CHECK_OK(cuda::BatchDecode(split_decode, stream));
       CHECK_CUDA(cudaEventRecord(join, side));
       CHECK_CUDA(cudaStreamWaitEvent(stream, join, 0));

@@ -3,6 +3,7 @@
 // (no device code), so Abseil never goes through nvcc.
 #include "attnd/kernels/cuda/prefill.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -256,7 +257,11 @@ absl::Status LaunchPlanned(const plan::PrefillPlan& plan, const plan::PrefillLau
                      "128 and 128-row tiles");
     }
 #ifdef ATTND_PREFILL_HOPPER
-    CUDA_RETURN_IF_ERROR(LaunchPrefillHopper(params, plan.head_dim, args.q.dtype, num_ctas, launch.grid_ctas, stream, nullptr));
+    int32_t grid_ctas = launch.grid_ctas;
+    if (args.max_persistent_ctas > 0) {
+      grid_ctas = grid_ctas > 0 ? std::min(grid_ctas, args.max_persistent_ctas) : args.max_persistent_ctas;
+    }
+    CUDA_RETURN_IF_ERROR(LaunchPrefillHopper(params, plan.head_dim, args.q.dtype, num_ctas, grid_ctas, stream, nullptr));
     return absl::OkStatus();
 #else
     return absl::UnimplementedError("BatchPrefill: this build has no sm_90a code for the Hopper kernel");

@@ -64,10 +64,9 @@ absl::StatusOr<std::unique_ptr<CudaCache>> CudaCache::Create(const CacheGeometry
   return cache;
 }
 
-absl::Status Lane::CreateStreams(bool with_side) {
+absl::Status Lane::CreateStreams() {
   RETURN_IF_ERROR(h2d.Create());
   RETURN_IF_ERROR(compute.Create());
-  if (with_side) RETURN_IF_ERROR(side.Create(/*greatest_priority=*/true));
   return d2h.Create();
 }
 
@@ -79,7 +78,7 @@ absl::Status CudaCache::Init(int device) {
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
       &host_pointers, cudaDevAttrCanUseHostPointerForRegisteredMem, device));
   host_pointers_on_device_ = host_pointers != 0;
-  for (Lane& lane : lanes_) RETURN_IF_ERROR(lane.CreateStreams(options_.side_by_side));
+  for (Lane& lane : lanes_) RETURN_IF_ERROR(lane.CreateStreams());
   RETURN_IF_ERROR(transfer_.Create());
   const cudaStream_t stream = lanes_[0].compute.get();
   // Zeroed so that a slot never written reads as 0 (as the CPU backend's calloc'd pools do).
@@ -113,6 +112,12 @@ absl::Status CudaCache::Init(int device) {
     ASSIGN_OR_RETURN(prefill_ctas_per_wave_,
                      cuda::BatchPrefillCtasPerWave(geometry_.k_head_dim, geometry_.q_dtype,
                                                    geometry_.kv_dtype));
+    // Mixed steps run side by side only where the prefill can be the Hopper kernel
+    // (plan::SideBySidePrefillCtas): only then does a lane take the side stream (and a hardware
+    // queue with it).
+    if (options_.side_by_side && prefill_ctas_per_wave_.hopper_tile128 > 0) {
+      for (Lane& lane : lanes_) RETURN_IF_ERROR(lane.side.Create(/*greatest_priority=*/true));
+    }
     pod_mode_ = pod_mode;
     if (pod_mode_ != plan::PodMode::kOff) {
       ASSIGN_OR_RETURN(pod_ctas_per_wave_,

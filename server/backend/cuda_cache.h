@@ -78,9 +78,9 @@ struct Lane {
   CudaStream h2d;
   CudaStream compute;
   CudaStream d2h;
-  // A cache's lanes only (channel lanes keep one stream each): a mixed step's prefill runs here,
-  // at the device's greatest stream priority, beside its decode on `compute`
-  // (StepPlan::side_by_side_prefill_ctas).
+  // A cache's lanes only (channel lanes keep one stream each), where the Hopper prefill runs
+  // (CudaCache::Init): a mixed step's prefill runs here, at the device's greatest stream
+  // priority, beside its decode on `compute` (StepPlan::side_by_side_prefill_ctas).
   CudaStream side;
   // Held while a layer's work is enqueued (and while the lane's buffers grow), so that one
   // layer's launches and the posting of its completion are not interleaved with another's.
@@ -94,8 +94,7 @@ struct Lane {
   std::vector<uint8_t*> retired;
   std::vector<uint8_t*> retired_pinned;
 
-  // with_side: also the side stream (a cache's lanes, CudaCacheOptions::side_by_side).
-  absl::Status CreateStreams(bool with_side);
+  absl::Status CreateStreams();
 };
 
 class CudaCache final : public BackendCache {

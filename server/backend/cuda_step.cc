@@ -1,6 +1,5 @@
 #include "backend/cuda_step.h"
 
-#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -66,15 +65,6 @@ CudaStep::CudaStep(CudaCache* cache, Lane& lane, std::shared_ptr<const StepBatch
   }
   side_by_side_ = plan_->run_decode && plan_->run_prefill && plan_->side_by_side_prefill_ctas > 0 &&
                   lane_.side.get() != nullptr;
-  if (side_by_side_) {
-    side_prefill_ = plan_->prefill;
-    for (plan::PrefillLaunch& launch : side_prefill_.launches) {
-      if (launch.kernel != plan::PrefillKernel::kHopper) continue;
-      launch.grid_ctas = launch.grid_ctas > 0
-                             ? std::min(launch.grid_ctas, plan_->side_by_side_prefill_ctas)
-                             : plan_->side_by_side_prefill_ctas;
-    }
-  }
   for (LayerSlot& slot : resources_->slots) free_slots_.push_back(&slot);
   ++lane_.open_steps;
 }
@@ -279,13 +269,14 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, bool timed, const La
     // take the prefill's SMs once it is done. They write disjoint rows of o and lse and read the
     // same rotated q. Joined whatever happens, so the layer's events cover both streams.
     const cudaStream_t side = lane_.side.get();
+    prefill.max_persistent_ctas = plan_->side_by_side_prefill_ctas;
     bool forked = false;
     absl::Status status = [&]() -> absl::Status {
       CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.fork.get(), compute));
       CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, slot.fork.get(), 0));
       forked = true;
       RETURN_IF_ERROR(
-          cuda::BatchPrefill(side_prefill_, prefill, prefill_work_, prefill_work_bytes_, side));
+          cuda::BatchPrefill(plan_->prefill, prefill, prefill_work_, prefill_work_bytes_, side));
       RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::attended_second, side));
       RETURN_IF_ERROR(cuda::BatchDecode(decode, compute));
       return RecordIfTimed(events, &LayerEvents::attended_first, compute);

@@ -102,9 +102,8 @@ class CudaStep final : public BackendStep {
   // (no split) otherwise.
   std::vector<plan::DecodePlanPart> parts_;
   // A mixed step side by side (StepPlan::side_by_side_prefill_ctas, where the lane has its side
-  // stream): the prefill plan with its Hopper launches narrowed to that many persistent CTAs.
+  // stream).
   bool side_by_side_ = false;
-  plan::PrefillPlan side_prefill_;
   plan::MlaWorkView mla_work_;
   void* prefill_work_ = nullptr;
   int64_t prefill_work_bytes_ = 0;

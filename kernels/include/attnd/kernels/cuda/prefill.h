@@ -39,6 +39,10 @@ struct BatchPrefillArgs {
                                        // masked rows get 0
   float* lse = nullptr;                // [T_q][num_qo_heads] natural log, -inf when fully
                                        // masked; optional
+  // > 0: the plan's Hopper launches run persistent over at most this many CTAs (a mixed step's
+  // prefill beside its decode, plan::StepPlan::side_by_side_prefill_ctas); 0: the plan's grid.
+  // A work item's result does not depend on the grid.
+  int32_t max_persistent_ctas = 0;
 };
 
 // CTAs of each query tile's kernel the current device runs at once (resident CTAs per SM x
