@@ -11,7 +11,8 @@
 namespace attnd::cuda::prefill {
 namespace {
 
-// Two stages each of K and V: with Q, 160 KB of shared memory at head_dim 128, one CTA per SM.
+// Two stages each of K and V: with two Q buffers, 192 KB of shared memory at head_dim 128, one CTA
+// per SM.
 constexpr int kStages = 2;
 
 template <int kHeadDim, typename T>

@@ -9,7 +9,9 @@
 //     1..128, NHD or HND, rows past the keys zero-filled; TMA boxes cannot follow a page table
 //     of 1-row pages), into a ring of kStages stages each for K and V; a stage is full when every
 //     producer thread's copies landed (cp.async.mbarrier.arrive.noinc) and empty when every
-//     consumer warp released it (mbarrier.arrive after its wgmma reads completed).
+//     consumer warp released it (mbarrier.arrive after its wgmma reads completed). From the
+//     CTA's second work on it also loads each work's Q rows, into the Q buffer the consumers
+//     left two works before, while they finish the work before (Q full / Q empty mbarriers).
 //   consumers (warpgroups 1 and 2, 224 registers): 64 query rows each. Per KV tile j:
 //     S = Q K_j^T (wgmma m64n128k16, Q and K from shared memory), online softmax in registers
 //     (log2 domain), O += P_{j-1} V_{j-1} (wgmma m64nDk16, P from registers, V transposed from
@@ -21,10 +23,12 @@
 //
 // Shared memory (1024-byte aligned blocks, 128-byte swizzle, see hopper_ptx.cuh; shapes
 // and the producer in prefill_hopper_pipeline.cuh):
-//   Q  [2 consumers][D/64 blocks][64 rows][128 B]  (reused to stage O in the epilogue)
+//   Q  [2 buffers][2 consumers][D/64 blocks][64 rows][128 B]  (work k of a CTA: buffer k % 2)
 //   K  [kStages][D/64 blocks][128 rows][128 B]
 //   V  [kStages][D/64 blocks][128 rows][128 B]
-//   mbarriers: K full, K empty, V full, V empty, one per stage each.
+//   mbarriers: K full, K empty, V full, V empty, one per stage each; Q full, Q empty per buffer.
+// O goes from the accumulators to global memory directly (a transpose within each quad gives
+// every thread whole 16-byte chunks), so the epilogue needs no barrier and no shared memory.
 #pragma once
 
 #include <cstdint>
@@ -107,42 +111,31 @@ __device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], flo
 // `first`: as for ProduceKv.
 template <typename Shape, typename T>
 __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWork& work, uint32_t smem,
-                                        uint8_t* smem_generic, int first) {
+                                        uint8_t* smem_generic, int first, int round) {
   constexpr int kHeadDim = Shape::kHeadDim;
   constexpr int kStages = Shape::kStages;
-  constexpr int kChunks = Shape::kChunks;
   constexpr int kOut = kHeadDim / 2;  // O accumulators per thread
   const int consumer = threadIdx.x / 128 - 1;
   const int thread = threadIdx.x % 128;
   const int warp = thread / 32;
   const int lane = thread % 32;
   const int group = params.group_size;
-  const uint32_t q_smem = smem + Shape::kQOffset + consumer * Shape::kQBytes;
+  const int buffer = round % Shape::kQBuffers;
+  const uint32_t q_smem = QSmem<Shape>(smem, buffer, consumer);
   const uint32_t barriers = smem + Shape::kBarrierOffset;
   const int consumer_row_start = work.row_start + 64 * consumer;
 
-  // --- Q: this consumer's 64 rows; rows past the request are zero-filled and never stored. The
-  // barrier first: the previous work's O staging in these rows has been copied out.
-  NamedBarrierSync(kConsumerBarrier + consumer, 128);
-  {
-    const T* q = static_cast<const T*>(params.q);
-    const int chunk = thread % kChunks;
-#pragma unroll
-    for (int pass = 0; pass < 64 * kChunks / 128; ++pass) {
-      const int row = thread / kChunks + pass * (128 / kChunks);
-      const int packed = consumer_row_start + row;
-      const bool valid = packed < work.row_end;
-      const T* source = q;
-      if (valid) {
-        const int token = DivideByGroup(params, packed);
-        const int head = work.kv_head * group + (packed - token * group);
-        source += (static_cast<int64_t>(work.qo_start + token) * params.num_qo_heads + head) * kHeadDim + chunk * 8;
-      }
-      CpAsync16(q_smem + SwizzledChunk<64>(row, chunk), source, valid);
-    }
+  // --- Q: this consumer's 64 rows. The CTA's first work loads them here, beside the producer's
+  // first K tile; the producer loads every later work's into the other buffer while the
+  // consumers finish the one before (ProduceQ): fill (round - 1) / 2 of that buffer.
+  if (round == 0) {
+    CopyQRows<Shape, T, 64>(params, work, smem, buffer, 64 * consumer, thread);
     CpAsyncWaitAll();
     FenceProxyAsync();  // the copies were generic-proxy writes; wgmma reads through the async proxy
     NamedBarrierSync(kConsumerBarrier + consumer, 128);
+  } else {
+    MbarrierWait(QFull<Shape>(smem, buffer), ((round - 1) / Shape::kQBuffers) & 1);
+    FenceProxyAsync();  // as above, for the producer's copies
   }
 
   // Rows of this thread: g and g + 8 of its warp's 16 (the wgmma accumulator layout).
@@ -333,6 +326,14 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     fence_p();
     release(v_empty(n - 1));
   }
+  // This warp's Q K^T products have completed: the producer may load work round + 2's rows here.
+  release(QEmpty<Shape>(smem, buffer));
+
+  // A split item writes fp32 partials (normalised by its own sum) for MergeStates. Read after
+  // the loop (no register holds it there), before the row sums, which hide its latency.
+  const WorkItem* my_item = params.items + DivideByKvHeads(params, work.index);
+  const int partial_first = __ldcg(&my_item->partial_first);
+  const int partial_stride = __ldcg(&my_item->partial_stride);
 
   // --- Epilogue. A non-finite v of a key a row saw left a NaN or inf in its o: o * 0 adds NaN
   // to the row's sum then, exactly 0 otherwise. From here on a NaN sum means the row read a
@@ -355,11 +356,6 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   }
   const int thread_row0 = 16 * warp + lane / 4;  // consumer-local rows thread_row0 and + 8
 
-  // A split item writes fp32 partials (normalised by its own sum) for MergeStates. Read late:
-  // no register holds it through the loop.
-  const WorkItem* my_item = params.items + DivideByKvHeads(params, work.index);
-  const int partial_first = __ldcg(&my_item->partial_first);
-  const int partial_stride = __ldcg(&my_item->partial_stride);
   if (partial_first >= 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -382,40 +378,48 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     return;
   }
 
-  // Stage O in this consumer's Q rows (free: its last Q K^T completed in every warp, which the
-  // barrier below guarantees before anyone overwrites them), then store 16-byte chunks.
-  NamedBarrierSync(kConsumerBarrier + consumer, 128);
-  uint8_t* stage = smem_generic + Shape::kQOffset + consumer * Shape::kQBytes;  // [64][D] of T, swizzled
+  // O from registers to global memory. A quad's 4 threads hold 4 bytes of each 16-byte chunk of
+  // a row (columns 8j + 2t, + 1 of chunk j); a 4 x 4 transpose over the quad (two exchanges)
+  // gives thread t all of chunk 4k + t, one 16-byte store each. No shared memory: the Q buffer
+  // is the producer's again already.
+  T* o_out = static_cast<T*>(params.o);
+  const bool odd = (lane & 1) != 0;
+  const bool high = (lane & 2) != 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = thread_row0 + 8 * h;
+    const int packed_row = consumer_row_start + thread_row0 + 8 * h;
+    const int token = DivideByGroup(params, packed_row);
+    const int head = work.kv_head * group + (packed_row - token * group);
+    const int64_t row_offset = static_cast<int64_t>(work.qo_start + token) * params.num_qo_heads + head;
+    const bool store = packed_row < work.row_end;
 #pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      const uint32_t packed = PackFloat2<T>(o[4 * j + 2 * h] * inverse[h], o[4 * j + 2 * h + 1] * inverse[h]);
-      *reinterpret_cast<uint32_t*>(stage + row * (2 * kHeadDim) + ((j ^ (row % 8)) << 4) + 4 * (lane % 4)) = packed;
-    }
-    const int packed_row = consumer_row_start + row;
-    if (params.lse != nullptr && lane % 4 == 0 && packed_row < work.row_end) {
-      const int token = DivideByGroup(params, packed_row);
-      const int head = work.kv_head * group + (packed_row - token * group);
-      params.lse[static_cast<int64_t>(work.qo_start + token) * params.num_qo_heads + head] = lse[h];
-    }
-  }
-  NamedBarrierSync(kConsumerBarrier + consumer, 128);
-  T* o_out = static_cast<T*>(params.o);
+    for (int k = 0; k < kHeadDim / 32; ++k) {
+      uint32_t a[4];  // a[c]: columns 8 (4k + c) + 2t, + 1
 #pragma unroll
-  for (int pass = 0; pass < 64 * kChunks / 128; ++pass) {
-    const int index = thread + 128 * pass;
-    const int row = index / kChunks;
-    const int chunk = index % kChunks;
-    const int packed_row = consumer_row_start + row;
-    if (packed_row < work.row_end) {
-      const int token = DivideByGroup(params, packed_row);
-      const int head = work.kv_head * group + (packed_row - token * group);
-      *reinterpret_cast<uint4*>(o_out + (static_cast<int64_t>(work.qo_start + token) * params.num_qo_heads + head) *
-                                            kHeadDim + chunk * 8) =
-          *reinterpret_cast<const uint4*>(stage + row * (2 * kHeadDim) + ((chunk ^ (row % 8)) << 4));
+      for (int c = 0; c < 4; ++c) {
+        const int j = 4 * k + c;
+        a[c] = PackFloat2<T>(o[4 * j + 2 * h] * inverse[h], o[4 * j + 2 * h + 1] * inverse[h]);
+      }
+      // With lane ^ 1: the pieces whose chunk parity differs from the thread's.
+      uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? a[0] : a[1], 1);
+      uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? a[2] : a[3], 1);
+      a[0] = odd ? r0 : a[0];
+      a[1] = odd ? a[1] : r0;
+      a[2] = odd ? r1 : a[2];
+      a[3] = odd ? a[3] : r1;
+      // With lane ^ 2: the 2 x 2 blocks off the diagonal. a[c] now holds thread c's 4 bytes.
+      r0 = __shfl_xor_sync(0xffffffffu, high ? a[0] : a[2], 2);
+      r1 = __shfl_xor_sync(0xffffffffu, high ? a[1] : a[3], 2);
+      a[0] = high ? r0 : a[0];
+      a[1] = high ? r1 : a[1];
+      a[2] = high ? a[2] : r0;
+      a[3] = high ? a[3] : r1;
+      if (store) {
+        *reinterpret_cast<uint4*>(o_out + row_offset * kHeadDim + (4 * k + lane % 4) * 8) =
+            make_uint4(a[0], a[1], a[2], a[3]);
+      }
     }
+    if (params.lse != nullptr && lane % 4 == 0 && store) params.lse[row_offset] = lse[h];
   }
 }
 
@@ -434,6 +438,10 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
       MbarrierInit(barriers + 8 * (Shape::kStages + stage), 4 * kConsumers);      // K empty: consumer warps
       MbarrierInit(barriers + 8 * (2 * Shape::kStages + stage), 128);             // V full
       MbarrierInit(barriers + 8 * (3 * Shape::kStages + stage), 4 * kConsumers);  // V empty
+    }
+    for (int buffer = 0; buffer < Shape::kQBuffers; ++buffer) {
+      MbarrierInit(QFull<Shape>(smem, buffer), 128);               // producer threads
+      MbarrierInit(QEmpty<Shape>(smem, buffer), 4 * kConsumers);   // consumer warps
     }
     FenceMbarrierInit();
   }
@@ -473,6 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
       const CtaWork work = DecodeWork(params, index);
       if (first == 0) wait_for_preceding_grid();
+      if (round > 0) ProduceQ<Shape, T>(params, work, smem, round);
       ProduceKv<Shape, T>(params, work, smem, first);
       first += work.num_kv_tiles;
     }
@@ -483,7 +492,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
       const CtaWork work = DecodeWork(params, index);
       if (first == 0) wait_for_preceding_grid();
-      Consume<Shape, T>(params, work, smem, smem_generic, first);
+      Consume<Shape, T>(params, work, smem, smem_generic, first, round);
       first += work.num_kv_tiles;
     }
     // Consumer 1 opened consumer 0's turn after the CTA's last tile: consumer 0 takes it, so

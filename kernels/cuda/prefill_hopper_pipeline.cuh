@@ -38,16 +38,36 @@ struct HopperShape {
   static constexpr int kQBytes = kBlocks * kQBlockBytes;
   static constexpr int kKvBlockBytes = kTileKv * 128;
   static constexpr int kKvBytes = kBlocks * kKvBlockBytes;
+  // Two Q buffers: work k of a CTA reads buffer k % 2, so the producer loads a work's rows while
+  // the consumers finish the one before.
+  static constexpr int kQBuffers = 2;
   static constexpr int kQOffset = 0;
-  static constexpr int kKOffset = kQOffset + kConsumers * kQBytes;
+  static constexpr int kKOffset = kQOffset + kQBuffers * kConsumers * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvBytes;
+  // mbarriers: K full, K empty, V full, V empty per stage, then Q full and Q empty per buffer.
   static constexpr int kBarrierOffset = kVOffset + kStages * kKvBytes;
+  static constexpr int kQBarrierOffset = kBarrierOffset + 4 * kStages * 8;
   // [kStages][kTileKv bits]: set where a V row of a tile that hides keys held a non-finite value.
-  static constexpr int kFlagOffset = kBarrierOffset + 4 * kStages * 8;
+  static constexpr int kFlagOffset = kQBarrierOffset + 2 * kQBuffers * 8;
   static constexpr int kFlagBytes = kTileKv / 8;
   static constexpr int kSmemBytes = kFlagOffset + kStages * kFlagBytes + 1024;  // + alignment slack
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim");
 };
+
+// Q buffer `buffer`'s rows of consumer `consumer`, and the buffer's mbarriers: full (the
+// producer's 128 threads' copies landed) and empty (every consumer warp's last Q K^T completed).
+template <typename Shape>
+__device__ __forceinline__ uint32_t QSmem(uint32_t smem, int buffer, int consumer) {
+  return smem + Shape::kQOffset + (buffer * kConsumers + consumer) * Shape::kQBytes;
+}
+template <typename Shape>
+__device__ __forceinline__ uint32_t QFull(uint32_t smem, int buffer) {
+  return smem + Shape::kQBarrierOffset + 8 * buffer;
+}
+template <typename Shape>
+__device__ __forceinline__ uint32_t QEmpty(uint32_t smem, int buffer) {
+  return smem + Shape::kQBarrierOffset + 8 * (Shape::kQBuffers + buffer);
+}
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of `kRows` rows.
 template <int kRows>
@@ -109,6 +129,44 @@ __device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params, int in
 }
 
 // --- Producer ---------------------------------------------------------------------------------
+
+// Copies `rows` Q rows of `work`, from its packed row row_start + first_row, into buffer
+// `buffer` (its consumers' blocks, row r of the tile in consumer r / 64's), `threads` threads
+// from `thread`; rows past the request are zero-filled (and never stored).
+template <typename Shape, typename T, int kRows>
+__device__ __forceinline__ void CopyQRows(const KernelParams& params, const CtaWork& work, uint32_t smem, int buffer,
+                                          int first_row, int thread) {
+  constexpr int kChunks = Shape::kChunks;
+  const int chunk = thread % kChunks;
+  const int group = params.group_size;
+  const T* q = static_cast<const T*>(params.q);
+#pragma unroll
+  for (int pass = 0; pass < kRows * kChunks / 128; ++pass) {
+    const int row = first_row + thread / kChunks + pass * (128 / kChunks);
+    const int packed = work.row_start + row;
+    const bool valid = packed < work.row_end;
+    const T* source = q;
+    if (valid) {
+      const int token = DivideByGroup(params, packed);
+      const int head = work.kv_head * group + (packed - token * group);
+      source += (static_cast<int64_t>(work.qo_start + token) * params.num_qo_heads + head) * Shape::kHeadDim + chunk * 8;
+    }
+    CpAsync16(QSmem<Shape>(smem, buffer, row / 64) + SwizzledChunk<64>(row % 64, chunk), source, valid);
+  }
+}
+
+// The Q rows of the CTA's `round`-th work (round >= 1; the consumers load their first work's
+// rows themselves, beside the producer's first K tile) into buffer round % 2, once the consumers
+// released that buffer's previous rows (work round - 2).
+template <typename Shape, typename T>
+__device__ __forceinline__ void ProduceQ(const KernelParams& params, const CtaWork& work, uint32_t smem, int round) {
+  const int buffer = round % Shape::kQBuffers;
+  // Fill u = round / 2 of the buffer waits for the release of fill u - 1 (fill 0 of buffer 0 is
+  // the consumers' own): parity (u & 1) ^ 1, which passes at once for u = 0.
+  MbarrierWait(QEmpty<Shape>(smem, buffer), ((round / Shape::kQBuffers) & 1) ^ 1);
+  CopyQRows<Shape, T, kTileRows>(params, work, smem, buffer, 0, threadIdx.x % 128);
+  CpAsyncArriveNoinc(QFull<Shape>(smem, buffer));
+}
 
 // Copies KV tiles into the stages. Warp w copies rows [32w, 32w + 32) of each tile: lane group
 // g = lane / 8 takes the 8 rows 32w + 8g + i (i = 0..7), and lane c = lane % 8 the 16-byte chunk
