@@ -293,7 +293,9 @@ int32_t SideBySidePrefillCtas(const StepBatch& batch, const CacheGeometry& geome
     }
   }
   if (hopper_wave <= 1 || flops <= 0 || flops > kSideBySideMaxFlopsPerByte * kv_bytes) return 0;
-  return std::max(1, static_cast<int32_t>(kSideBySidePrefillShare * hopper_wave + 0.5));
+  const double prefill_part = flops / (flops + kPrefillFlopsPerDecodeByte * kv_bytes);
+  const double share = prefill_part < kSideBySideSmallPrefill ? kSideBySideSmallPrefillShare : kSideBySidePrefillShare;
+  return std::max(1, static_cast<int32_t>(share * hopper_wave + 0.5));
 }
 
 absl::StatusOr<PodPlan> PlanPodStep(const StepBatch& batch, const CacheGeometry& geometry,

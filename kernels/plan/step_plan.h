@@ -115,9 +115,18 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
 // HBM, not by its SMs, and takes the prefill's SMs once the prefill is done. Where the prefill,
 // so restricted, would outlast the decode, the step runs one kernel after the other.
 inline constexpr double kSideBySidePrefillShare = 0.55;
-// The prefill is estimated at ~600 TFLOP/s and the decode at ~2.8 TB/s (H100): side by side
-// when the prefill's FLOPs <= 0.55 x 600 / 2.8 ~ 118 x the decode's KV bytes.
+// The prefill is estimated at ~600 TFLOP/s and the decode at ~2.8 TB/s (H100): a prefill FLOP
+// takes as long as 2.8 / 600 decode KV bytes. Side by side when the prefill's FLOPs <= 0.55 x
+// 600 / 2.8 ~ 118 x the decode's KV bytes.
+inline constexpr double kPrefillFlopsPerDecodeByte = 600.0 / 2.8;
 inline constexpr double kSideBySideMaxFlopsPerByte = 118.0;
+// Where that estimate puts under a fifth of the step's time in the prefill, it gets ~42.5% of the
+// wave instead (56 of 132 SMs): measured on an H200 (pod_bench --split=56,73,88,100,112,
+// docs/benchmarks.md, POD, 2026-11-28), 56 CTAs beat 73 by 2.6-6.5% where the decode was 3-4x
+// the prefill (1x2048 + 128x2048 at page 16, 1x4096 + 128x8192), while 73 stayed best where the
+// prefill was ~40% of the step; on the H100, 56-80 CTAs measured alike on every case.
+inline constexpr double kSideBySideSmallPrefill = 0.2;
+inline constexpr double kSideBySideSmallPrefillShare = 0.425;
 
 // Persistent CTAs for the prefill of a mixed step side by side with its decode (0: run them one
 // after the other): `hopper_wave` CTAs in a full wave; the rows and keys of its prefill

@@ -253,8 +253,9 @@ TEST(PodStepPlanTest, MixedStepsRunPodOnlyWhenTheModeAndOptionsSaySo) {
 }
 
 // A mixed step whose prefill runs the Hopper kernel: side by side with its decode when the
-// prefill is small beside the decode's KV (kSideBySideMaxFlopsPerByte), over ~55% of the Hopper
-// wave; one after the other when the prefill dominates, and never without a Hopper launch.
+// prefill is small beside the decode's KV (kSideBySideMaxFlopsPerByte), over ~42.5% of the Hopper
+// wave where the prefill is under a fifth of the estimated time and ~55% above; one after the
+// other when the prefill dominates, and never without a Hopper launch.
 TEST(SideBySideStepPlanTest, MixedHopperStepsRunSideBySideWhenTheDecodeDominates) {
   const CacheGeometry g = StandardGeometry(1 << 16);
   SequenceBook book(g, /*separate_kv=*/false, /*seed=*/5);
@@ -271,7 +272,8 @@ TEST(SideBySideStepPlanTest, MixedHopperStepsRunSideBySideWhenTheDecodeDominates
   context.prefill_ctas_per_wave = {396, 396, 264, 132, 132};  // hopper_tile128 = 132
   context.pod_mode = plan::PodMode::kAuto;
 
-  // 64 decodes of 2049 keys (537 MB of KV) beside a 1024-token prompt (8.6 GFLOP): side by side.
+  // 64 decodes of 2049 keys (537 MB of KV) beside a 1024-token prompt (8.6 GFLOP, ~7% of the
+  // estimated time): side by side, the prefill over 0.425 x 132 CTAs.
   std::vector<std::pair<int, int32_t>> entries;
   for (int s = 0; s < 64; ++s) entries.push_back({s, 1});
   entries.push_back({100, 1024});
@@ -280,7 +282,15 @@ TEST(SideBySideStepPlanTest, MixedHopperStepsRunSideBySideWhenTheDecodeDominates
   ASSERT_TRUE(side.ok()) << side.status();
   EXPECT_FALSE(side->run_pod);  // auto: the Hopper prefill runs beside the decode instead
   EXPECT_TRUE(side->run_decode && side->run_prefill);
-  EXPECT_EQ(side->side_by_side_prefill_ctas, 73);  // 0.55 x 132, rounded
+  EXPECT_EQ(side->side_by_side_prefill_ctas, 56);  // 0.425 x 132, rounded
+
+  // 11 decodes of 2049 keys (92 MB) beside the 1024-token prompt (~30%): 0.55 x 132.
+  std::vector<std::pair<int, int32_t>> larger;
+  for (int s = 0; s < 11; ++s) larger.push_back({s, 1});
+  larger.push_back({103, 1024});
+  auto larger_side = plan::PlanStep(*book.Plan(larger, options), context);
+  ASSERT_TRUE(larger_side.ok()) << larger_side.status();
+  EXPECT_EQ(larger_side->side_by_side_prefill_ctas, 73);
   for (const plan::PrefillLaunch& launch : side->prefill.launches) {
     if (launch.kernel == plan::PrefillKernel::kHopper) {
       EXPECT_EQ(launch.grid_ctas, 132);  // unchanged: the backend narrows it
