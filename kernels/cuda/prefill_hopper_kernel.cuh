@@ -108,10 +108,12 @@ __device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], flo
   }
 }
 
-// `first`: as for ProduceKv.
+// `first`: as for ProduceKv. `next`: the launch's work `next_index` (the CTA's next), decoded
+// here where it exists.
 template <typename Shape, typename T>
 __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWork& work, uint32_t smem,
-                                        uint8_t* smem_generic, int first, int round) {
+                                        uint8_t* smem_generic, int first, int round,
+                                        int next_index, CtaWork& next) {
   constexpr int kHeadDim = Shape::kHeadDim;
   constexpr int kStages = Shape::kStages;
   constexpr int kOut = kHeadDim / 2;  // O accumulators per thread
@@ -328,6 +330,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   }
   // This warp's Q K^T products have completed: the producer may load work round + 2's rows here.
   release(QEmpty<Shape>(smem, buffer));
+  if (next_index < params.num_work) next = DecodeWork(params, next_index);
 
   // A split item writes fp32 partials (normalised by its own sum) for MergeStates. Read after
   // the loop (no register holds it there), before the row sums, which hide its latency.
@@ -488,12 +491,16 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     CpAsyncWaitAll();
   } else {
     ClaimRegisters<kConsumerRegisters>();
+    // Each later work is decoded by Consume as the work before ends (its reads' latency hides
+    // behind that work's epilogue).
     int first = 0;
+    CtaWork work = work_index(0) < params.num_work ? DecodeWork(params, work_index(0)) : CtaWork{};
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
-      const CtaWork work = DecodeWork(params, index);
       if (first == 0) wait_for_preceding_grid();
-      Consume<Shape, T>(params, work, smem, smem_generic, first, round);
+      CtaWork next{};
+      Consume<Shape, T>(params, work, smem, smem_generic, first, round, work_index(round + 1), next);
       first += work.num_kv_tiles;
+      work = next;
     }
     // Consumer 1 opened consumer 0's turn after the CTA's last tile: consumer 0 takes it, so
     // that phase completes (see Consume's turn-taking).
