@@ -130,9 +130,9 @@ __device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params, int in
 
 // --- Producer ---------------------------------------------------------------------------------
 
-// Copies `rows` Q rows of `work`, from its packed row row_start + first_row, into buffer
-// `buffer` (its consumers' blocks, row r of the tile in consumer r / 64's), `threads` threads
-// from `thread`; rows past the request are zero-filled (and never stored).
+// Copies kRows Q rows of `work`, from its packed row row_start + first_row, into Q buffer
+// `buffer` (row r of the tile in consumer r / 64's block); 128 threads share the copies, this one
+// being `thread` of them. Rows past the request are zero-filled (and never stored).
 template <typename Shape, typename T, int kRows>
 __device__ __forceinline__ void CopyQRows(const KernelParams& params, const CtaWork& work, uint32_t smem, int buffer,
                                           int first_row, int thread) {
