@@ -119,7 +119,7 @@ inline constexpr double kSideBySidePrefillShare = 0.55;
 // takes as long as 2.8 / 600 decode KV bytes. Side by side when the prefill's FLOPs <= 0.55 x
 // 600 / 2.8 ~ 118 x the decode's KV bytes.
 inline constexpr double kPrefillFlopsPerDecodeByte = 600.0 / 2.8;
-inline constexpr double kSideBySideMaxFlopsPerByte = 118.0;
+inline constexpr double kSideBySideMaxFlopsPerByte = kSideBySidePrefillShare * kPrefillFlopsPerDecodeByte;
 // Where that estimate puts under a fifth of the step's time in the prefill, it gets ~42.5% of the
 // wave instead (56 of 132 SMs): measured on an H200 (pod_bench --split=56,73,88,100,112,
 // docs/benchmarks.md, POD, 2026-11-28), 56 CTAs beat 73 by 2.6-6.5% where the decode was 3-4x
