@@ -55,7 +55,8 @@ struct WorkspaceLayout {
 
 static_assert(sizeof(plan::PrefillWorkItem) == sizeof(prefill::WorkItem) &&
                   offsetof(plan::PrefillWorkItem, kv_chunk_end) == offsetof(prefill::WorkItem, kv_chunk_end) &&
-                  offsetof(plan::PrefillWorkItem, partial_stride) == offsetof(prefill::WorkItem, partial_stride),
+                  offsetof(plan::PrefillWorkItem, partial_stride) == offsetof(prefill::WorkItem, partial_stride) &&
+                  offsetof(plan::PrefillWorkItem, kv_head) == offsetof(prefill::WorkItem, kv_head),
               "the plan's items are copied bytewise into the kernel's");
 
 bool Aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
@@ -227,7 +228,6 @@ absl::StatusOr<KernelParams> ResolveKernelParams(const plan::PrefillPlan& plan, 
   params.num_qo_heads = plan.num_qo_heads;
   params.num_kv_heads = plan.num_kv_heads;
   params.group_size = plan.num_qo_heads / plan.num_kv_heads;
-  params.kv_heads_multiplier = FastDivider::MultiplierOf(params.num_kv_heads);
   params.group_multiplier = FastDivider::MultiplierOf(params.group_size);
   int32_t log2 = 0;
   while ((1 << log2) < args.pages.page_size) ++log2;
@@ -249,13 +249,15 @@ absl::Status LaunchPlanned(const plan::PrefillPlan& plan, const plan::PrefillLau
                            const BatchPrefillArgs& args, cudaStream_t stream) {
   const PagedKvView& k_cache = args.k_cache;
   params.items += launch.first_item;
-  const int32_t num_ctas = launch.num_items * plan.num_kv_heads;
+  const int32_t num_ctas = static_cast<int32_t>(launch.NumCtas(plan.num_kv_heads));
   cudaError_t error = cudaErrorInvalidValue;
   if (launch.kernel == plan::PrefillKernel::kHopper) {
     if (!HopperPrefillSupports(plan.head_dim, args.q.dtype, k_cache.dtype) || launch.tile_rows != kHopperTileRows) {
       return Invalid("the plan chose the Hopper kernel, which needs q and KV of one 16-bit type, head_dim 64 or "
                      "128 and 128-row tiles");
     }
+    if (!launch.per_head) return Invalid("the plan's Hopper launch needs one item per KV head");
+    params.balanced_grid = launch.balanced_grid;
 #ifdef ATTND_PREFILL_HOPPER
     int32_t grid_ctas = launch.grid_ctas;
     if (args.max_persistent_ctas > 0) {
@@ -267,6 +269,7 @@ absl::Status LaunchPlanned(const plan::PrefillPlan& plan, const plan::PrefillLau
     return absl::UnimplementedError("BatchPrefill: this build has no sm_90a code for the Hopper kernel");
 #endif
   }
+  if (launch.per_head) return Invalid("the mma.sync kernel takes one item per query tile and chunk, not per KV head");
   switch (plan.head_dim) {
     case 64:
       error = LaunchPrefillD64(params, launch.tile_rows, args.q.dtype, k_cache.dtype, num_ctas, stream, nullptr);

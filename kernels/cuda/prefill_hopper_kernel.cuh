@@ -334,7 +334,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
 
   // A split item writes fp32 partials (normalised by its own sum) for MergeStates. Read after
   // the loop (no register holds it there), before the row sums, which hide its latency.
-  const WorkItem* my_item = params.items + DivideByKvHeads(params, work.index);
+  const WorkItem* my_item = params.items + work.index;
   const int partial_first = __ldcg(&my_item->partial_first);
   const int partial_stride = __ldcg(&my_item->partial_stride);
 
@@ -452,15 +452,18 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
 
   // The role is uniform per warpgroup; the shuffle lets the compiler see that.
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
-  // Persistent: the CTA walks the launch's work (heaviest first) in rounds of the grid size, so
-  // the producer loads the next work's keys while the consumers finish the current one. Odd
-  // rounds run backwards (CTA b takes the (G-1-b)-th of the round): with causal work shrinking
-  // along the list, a plain stride handed CTA 0 the heaviest of every round (causal 8192 ~4%
-  // slower than one CTA per item); snaking pairs heavy with light. Measured against one CTA per
-  // item (H100, same run): 1-2% faster at 2048, 1-3% slower at 8192, near the run-to-run spread.
-  // Every work item runs the same code wherever it lands, so the order changes no bits.
+  // Persistent: the CTA walks the launch's work in rounds of the grid size, so the producer loads
+  // the next work's keys while the consumers finish the current one. On the grid the planner
+  // balanced the items for (params.balanced_grid), CTA b's r-th work is item r * G + b (each
+  // round's heaviest to the CTA with the least so far, prefill_plan.cc). On another grid (a
+  // share of the SMs beside a decode) the items are near heaviest-first, and odd rounds run
+  // backwards (CTA b takes the (G-1-b)-th of the round): a plain stride would hand CTA 0 the
+  // heaviest of every round; snaking pairs heavy with light. Every work item runs the same code
+  // wherever it lands, so the order changes no bits.
+  const bool snake = static_cast<int>(gridDim.x) != params.balanced_grid;
   auto work_index = [&](int round) {
-    const int b = (round & 1) ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
+    const int b = snake && (round & 1) ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)
+                                       : static_cast<int>(blockIdx.x);
     return round * static_cast<int>(gridDim.x) + b;
   };
   // Launched as a programmatic dependent of the kernel before it on the stream (the append that

@@ -77,7 +77,7 @@ __device__ __forceinline__ uint32_t SwizzledChunk(int row, int chunk) {
 
 // The work of one CTA, decoded from its item the same way in every thread.
 struct CtaWork {
-  int index;  // into the launch's work: item index / num_kv_heads, kv head index % num_kv_heads
+  int index;  // into the launch's items (one per KV head)
   int kv_head;
   int qo_start;
   int row_start;  // first packed row of the tile
@@ -91,11 +91,8 @@ struct CtaWork {
   int num_kv_tiles;
 };
 
-// Division by the launch's KV head count and GQA group, the multipliers read from the parameters
-// (constant memory) where they are used.
-__device__ __forceinline__ int DivideByKvHeads(const KernelParams& params, int n) {
-  return FastDivider(params.num_kv_heads, params.kv_heads_multiplier).Divide(n);
-}
+// Division by the launch's GQA group, the multiplier read from the parameters (constant memory)
+// where it is used.
 __device__ __forceinline__ int DivideByGroup(const KernelParams& params, int n) {
   return FastDivider(params.group_size, params.group_multiplier).Divide(n);
 }
@@ -103,9 +100,8 @@ __device__ __forceinline__ int DivideByGroup(const KernelParams& params, int n) 
 __device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params, int index) {
   CtaWork work;
   work.index = index;
-  const int item_index = DivideByKvHeads(params, index);
-  work.kv_head = index - item_index * params.num_kv_heads;
-  const WorkItem item = params.items[item_index];
+  const WorkItem item = params.items[index];
+  work.kv_head = item.kv_head;
   const int request = item.request;
   work.qo_start = params.qo_indptr[request];
   const int q_len = params.qo_indptr[request + 1] - work.qo_start;

@@ -11,9 +11,10 @@
 
 namespace attnd::cuda::prefill {
 
-// One CTA's work (times num_kv_heads: CTA x works on item x / num_kv_heads, kv head
-// x % num_kv_heads). Rows are packed (token, head-in-group): packed row r of a request is token
-// r / group_size, query head kv_head * group_size + r % group_size.
+// One CTA's work. mma.sync kernels: times num_kv_heads (CTA x works on item x / num_kv_heads,
+// kv head x % num_kv_heads); the Hopper kernel: one item per KV head (kv_head). Rows are packed
+// (token, head-in-group): packed row r of a request is token r / group_size, query head
+// kv_head * group_size + r % group_size.
 struct WorkItem {
   int32_t request;
   int32_t packed_row_start;  // first packed row of the query tile
@@ -21,7 +22,8 @@ struct WorkItem {
   int32_t kv_chunk_end;
   int32_t partial_first;     // -1: write o and lse; else token t -> slot first + t * stride
   int32_t partial_stride;
-  int32_t reserved[2];
+  int32_t kv_head;  // Hopper kernel: the item's KV head (one item per head); mma.sync: unused
+  int32_t reserved;
 };
 static_assert(sizeof(WorkItem) == 32, "WorkItem is two 16-byte loads");
 
@@ -45,9 +47,8 @@ struct KernelParams {
   int32_t num_qo_heads;
   int32_t num_kv_heads;
   int32_t group_size;       // num_qo_heads / num_kv_heads
-  // FastDivider::MultiplierOf(num_kv_heads) and of group_size (the Hopper kernel divides by
-  // them without holding a register for it).
-  uint32_t kv_heads_multiplier;
+  // FastDivider::MultiplierOf(group_size) (the Hopper kernel divides by it without holding a
+  // register for it).
   uint32_t group_multiplier;
   int32_t page_size_log2;   // page sizes are powers of two
   // score_log2 = log2(e) * f(sm_scale * k_scale * q.k) with f the soft cap (or identity).
@@ -56,7 +57,10 @@ struct KernelParams {
   float v_scale;
   int32_t window_left;      // -1: none
   bool causal;
-  int32_t num_work;         // Hopper kernel (persistent): CTAs' worth of work, items x KV heads
+  int32_t num_work;         // Hopper kernel (persistent): CTAs' worth of work, one item each
+  // Hopper kernel: the grid the items' order was balanced for (item r * balanced_grid + b is CTA
+  // b's r-th work); on any other grid the CTAs snake through the items.
+  int32_t balanced_grid;
 };
 
 // Launches the kernel of one (head_dim, query tile, q dtype, kv dtype) on `num_ctas` CTAs, or,

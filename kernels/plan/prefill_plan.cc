@@ -4,6 +4,10 @@
 #include <array>
 #include <cinttypes>
 #include <cstdio>
+#include <map>
+#include <span>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 
@@ -70,6 +74,102 @@ int64_t ItemWork(const PrefillWorkItem& item, int32_t tile_rows, int32_t group, 
   return keys * tile_rows;
 }
 
+// The Hopper kernel's persistent CTAs take their work by position: CTA b's r-th is r * grid + b.
+// Appends `items` (heaviest first, with their key-row products) once per KV head in that layout.
+//
+// Order: a work reads the first `tiles` KV tiles of its (request, chunk, KV head). Heaviest first
+// over the whole launch, every weight class sweeps the KV of every head again, and at causal
+// 8 x 2048 (64 heads' KV, 64 MB) L2 keeps little of it: ncu measured 1.1 GB of DRAM traffic a
+// launch (Q and O are 0.27 GB) on an H200, whose clock the 700 W cap holds at ~1.45 GHz under this
+// load. So works longer than `light_tiles` run head by head (each head's heaviest first), the
+// concurrent CTAs sharing a few heads' KV, and the light ones last, heaviest first, to even out
+// the CTAs' ends: their KV (the first light_tiles tiles of every head) fits kLightKvBytes. When
+// all the launch's KV fits that, heaviest first throughout.
+//
+// Balance: the works are cut into rounds of `grid`; within a round the heavier a work the less
+// work its CTA has so far (longest processing time first, one work per CTA and round). A work's
+// time is estimated as its 128-key tiles plus ~1.5 at its boundaries (Q, the first Q K^T and the
+// last P V without overlap, the epilogue: 2.8 against 1.9 us a tile at 8 x 2048, H200). The last
+// round, short of `grid` works, goes to CTAs 0.. by position: the CTAs are renumbered so those are
+// the least loaded. Returns the grid balanced for: min(grid, works); 0 keeps one CTA per work.
+constexpr int64_t kLightKvBytes = int64_t{16} << 20;
+
+int32_t BalancePersistentWork(std::span<const std::pair<int64_t, PrefillWorkItem>> items, int32_t tile_rows,
+                              int32_t num_kv_heads, int32_t head_dim, int32_t grid,
+                              std::vector<PrefillWorkItem>& out) {
+  struct Work {
+    PrefillWorkItem item;
+    int64_t tiles;
+    int64_t group;  // (request, chunk) index x num_kv_heads + head: works that read the same KV
+  };
+  std::vector<Work> works;
+  works.reserve(items.size() * num_kv_heads);
+  // Items of one (request, chunk) share a group number (by first appearance).
+  std::map<std::pair<int32_t, int32_t>, int64_t> group_of;
+  int64_t max_tiles = 0;
+  for (const auto& [key_rows, item] : items) {
+    const int64_t tiles = CeilDiv(key_rows / tile_rows, 128);
+    max_tiles = std::max(max_tiles, tiles);
+    const auto [it, inserted] = group_of.try_emplace({item.request, item.kv_chunk_start}, int64_t{0});
+    if (inserted) it->second = static_cast<int64_t>(group_of.size()) - 1;
+    for (int32_t head = 0; head < num_kv_heads; ++head) {
+      works.push_back({item, tiles, it->second * num_kv_heads + head});
+      works.back().item.kv_head = head;
+    }
+  }
+  const int64_t num_groups = static_cast<int64_t>(group_of.size()) * num_kv_heads;
+  const int64_t num_works = static_cast<int64_t>(works.size());
+  const size_t base = out.size();
+  out.resize(base + works.size());
+  if (grid <= 0 || num_works <= grid) {
+    for (int64_t w = 0; w < num_works; ++w) out[base + w] = works[w].item;
+    return grid <= 0 ? 0 : static_cast<int32_t>(num_works);
+  }
+
+  // Light: works of at most light_tiles tiles (K and V, 16-bit), whose KV over every group fits.
+  const int64_t tile_bytes = int64_t{2} * 128 * head_dim * 2;
+  const int64_t light_tiles = kLightKvBytes / (num_groups * tile_bytes);
+  if (light_tiles < max_tiles) {
+    // Heavy works by group (each group's heaviest first: `works` is heaviest first), then light.
+    std::stable_sort(works.begin(), works.end(), [&](const Work& a, const Work& b) {
+      const bool a_light = a.tiles <= light_tiles, b_light = b.tiles <= light_tiles;
+      if (a_light != b_light) return b_light;
+      return a_light ? false : a.group < b.group;
+    });
+  }
+
+  // Virtual CTA v takes a work per round; `cta_of[w]` is work w's. Ties go to the lower number,
+  // so the plan is a function of its input.
+  std::vector<int64_t> load(grid, 0);
+  std::vector<int32_t> order(grid);
+  std::vector<int64_t> round_works;
+  std::vector<int32_t> cta_of(num_works);
+  for (int64_t round_start = 0; round_start < num_works; round_start += grid) {
+    for (int32_t v = 0; v < grid; ++v) order[v] = v;
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return load[a] != load[b] ? load[a] < load[b] : a < b; });
+    const int64_t round_end = std::min<int64_t>(num_works, round_start + grid);
+    round_works.clear();
+    for (int64_t w = round_start; w < round_end; ++w) round_works.push_back(w);
+    std::stable_sort(round_works.begin(), round_works.end(),
+                     [&](int64_t a, int64_t b) { return works[a].tiles > works[b].tiles; });
+    for (size_t i = 0; i < round_works.size(); ++i) {
+      const int64_t w = round_works[i];
+      cta_of[w] = order[i];
+      load[order[i]] += 2 * works[w].tiles + 3;
+    }
+  }
+  // Physical numbers: the last round's CTAs first.
+  const int64_t last_start = (num_works - 1) / grid * grid;
+  std::vector<int32_t> physical(grid, -1);
+  int32_t next = 0;
+  for (int64_t w = last_start; w < num_works; ++w) physical[cta_of[w]] = next++;
+  for (int32_t v = 0; v < grid; ++v) {
+    if (physical[v] < 0) physical[v] = next++;
+  }
+  for (int64_t w = 0; w < num_works; ++w) out[base + w / grid * grid + physical[cta_of[w]]] = works[w].item;
+  return grid;
+}
+
 }  // namespace
 
 int32_t PrefillQueryTileRows(int64_t packed_rows, int32_t head_dim) {
@@ -87,7 +187,11 @@ const char* PrefillKernelName(PrefillKernel kernel) {
   return "?";
 }
 
-int64_t PrefillPlan::NumCtas() const { return static_cast<int64_t>(items.size()) * num_kv_heads; }
+int64_t PrefillPlan::NumCtas() const {
+  int64_t ctas = 0;
+  for (const PrefillLaunch& launch : launches) ctas += launch.NumCtas(num_kv_heads);
+  return ctas;
+}
 
 std::string PrefillPlan::DebugString() const {
   std::string out;
@@ -240,11 +344,20 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
                      [](const auto& a, const auto& b) { return a.first > b.first; });
     PrefillLaunch launch;
     launch.kernel = kTileRows[slot] == 128 ? tile128_kernel : PrefillKernel::kMmaSync;
-    if (launch.kernel == PrefillKernel::kHopper) launch.grid_ctas = input.ctas_per_wave.hopper_tile128;
     launch.tile_rows = kTileRows[slot];
     launch.first_item = static_cast<int32_t>(plan.items.size());
-    launch.num_items = static_cast<int32_t>(items.size());
-    for (const auto& [work, item] : items) plan.items.push_back(item);
+    if (launch.kernel == PrefillKernel::kHopper) {
+      launch.grid_ctas = input.ctas_per_wave.hopper_tile128;
+      launch.per_head = true;
+      if (int64_t{launch.first_item} + static_cast<int64_t>(items.size()) * input.num_kv_heads > INT32_MAX) {
+        return absl::InvalidArgumentError("prefill batch needs more than 2^31 CTAs");
+      }
+      launch.balanced_grid = BalancePersistentWork(items, launch.tile_rows, input.num_kv_heads, input.head_dim,
+                                                   launch.grid_ctas, plan.items);
+    } else {
+      for (const auto& [work, item] : items) plan.items.push_back(item);
+    }
+    launch.num_items = static_cast<int32_t>(plan.items.size()) - launch.first_item;
     plan.launches.push_back(launch);
   }
   if (plan.NumCtas() > INT32_MAX) return absl::InvalidArgumentError("prefill batch needs more than 2^31 CTAs");

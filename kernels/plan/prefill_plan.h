@@ -79,7 +79,10 @@ struct PrefillWorkItem {
   // partial_first + t * partial_stride ([slot][num_qo_heads][head_dim] fp32 plus lse).
   int32_t partial_first = -1;
   int32_t partial_stride = 0;
-  int32_t reserved[2] = {0, 0};
+  // Hopper launches (PrefillLaunch::per_head): the KV head of this item; elsewhere 0, and a CTA's
+  // head is its index % num_kv_heads.
+  int32_t kv_head = 0;
+  int32_t reserved = 0;
 };
 
 // One kernel launch: every item of one query tile size and kernel.
@@ -87,10 +90,17 @@ struct PrefillLaunch {
   PrefillKernel kernel = PrefillKernel::kMmaSync;  // never kAuto
   int32_t tile_rows = 0;   // packed query rows per CTA
   int32_t first_item = 0;  // into PrefillPlan::items
-  int32_t num_items = 0;   // CTAs = num_items * num_kv_heads
+  int32_t num_items = 0;   // CTAs' worth of work: num_items * num_kv_heads, or num_items if per_head
   // Hopper: persistent CTAs that walk those CTAs' work, one wave (ctas_per_wave.hopper_tile128);
   // 0: one CTA per item and head.
   int32_t grid_ctas = 0;
+  // Hopper: one item per (query tile, chunk, KV head), kv_head set, laid out for the persistent
+  // grid: item r * balanced_grid + b is CTA b's r-th work, the rounds balanced by estimated time
+  // (BalancePersistentWork in prefill_plan.cc).
+  bool per_head = false;
+  int32_t balanced_grid = 0;  // min(grid_ctas, its CTAs' worth of work)
+
+  int64_t NumCtas(int32_t num_kv_heads) const { return per_head ? num_items : int64_t{num_items} * num_kv_heads; }
 };
 
 struct PrefillPlan {

@@ -96,6 +96,9 @@ absl::StatusOr<PrefillPlan> PlanPrefillRows(const StepBatch& batch,
       }
     }
     kept.num_items = static_cast<int32_t>(items.size()) - kept.first_item;
+    // Items dropped from a balanced layout shift the rest off their CTAs' positions: the kernel
+    // then snakes through them (prefill_hopper_kernel.cuh).
+    if (kept.num_items != launch.num_items) kept.balanced_grid = 0;
     if (kept.num_items > 0) launches.push_back(kept);
   }
   prefill.items = std::move(items);

@@ -103,6 +103,7 @@ Output RunGpu(const Batch& batch) {
   args.params = batch.Params();
   args.o = {o.get(), config.q_dtype, batch.num_rows, config.num_qo_heads, config.head_dim};
   args.lse = config.return_lse ? static_cast<float*>(lse.get()) : nullptr;
+  args.max_persistent_ctas = config.max_persistent_ctas;
 
   absl::Status status = cuda::UploadBatchPrefillPlan(plan, workspace.get(), workspace_bytes, nullptr);
   EXPECT_TRUE(status.ok()) << status;
@@ -441,6 +442,39 @@ TEST(BatchPrefillHopperTest, ManyOneTileWorksPerCtaFinishAndAgree) {
     const Output again = RunGpu(batch);
     ASSERT_TRUE(again.ok) << "launch " << launch;
     ASSERT_EQ(again.o, first.o) << "launch " << launch;
+  }
+}
+
+// The planner lays the Hopper works out for its one-wave grid (CTA b's r-th work at r * G + b,
+// rounds balanced); on a smaller grid (a share of the SMs beside a decode) the CTAs snake
+// through the same items. Either way every work runs once, with the same bits.
+TEST(BatchPrefillHopperTest, EveryGridRunsEveryWorkWithTheSameBits) {
+  SKIP_WITHOUT_HOPPER();
+  Config config;
+  config.kernel = plan::PrefillKernel::kHopper;
+  config.num_qo_heads = 16;
+  config.num_kv_heads = 4;
+  config.split_kv = false;
+  config.seed = 31;
+  std::mt19937 rng(31);
+  std::vector<int32_t> q_lens, kv_lens;
+  for (int i = 0; i < 24; ++i) {
+    q_lens.push_back(std::uniform_int_distribution<int32_t>(1, 700)(rng));
+    kv_lens.push_back(q_lens.back() + std::uniform_int_distribution<int32_t>(0, 300)(rng));
+  }
+  const Batch batch = MakeBatch(config, q_lens, kv_lens);
+  const Output balanced = RunGpu(batch);
+  ASSERT_TRUE(balanced.ok);
+  ASSERT_TRUE(balanced.hopper);
+  ExpectMatches(batch, balanced, RunReference(batch));
+  for (int32_t grid : {1, 7, 61}) {
+    Config smaller = config;
+    smaller.max_persistent_ctas = grid;
+    const Batch same = MakeBatch(smaller, q_lens, kv_lens);
+    const Output got = RunGpu(same);
+    ASSERT_TRUE(got.ok) << "grid " << grid;
+    EXPECT_EQ(got.o, balanced.o) << "grid " << grid;
+    EXPECT_EQ(got.lse, balanced.lse) << "grid " << grid;
   }
 }
 

@@ -53,6 +53,7 @@ struct Config {
   bool split_kv = true;          // false: disable_split_kv
   int32_t fixed_split_tokens = 0;
   plan::PrefillKernel kernel = plan::PrefillKernel::kAuto;
+  int32_t max_persistent_ctas = 0;  // BatchPrefillArgs::max_persistent_ctas (Hopper grid)
   uint32_t seed = 1;
 
   std::string Name() const {
@@ -64,6 +65,7 @@ struct Config {
            (params.window_left >= 0 ? " window" + std::to_string(params.window_left) : "") +
            (fixed_split_tokens > 0 ? " split" + std::to_string(fixed_split_tokens) : "") +
            (deterministic ? " deterministic" : "") +
+           (max_persistent_ctas > 0 ? " grid" + std::to_string(max_persistent_ctas) : "") +
            (kernel != plan::PrefillKernel::kAuto ? std::string(" ") + plan::PrefillKernelName(kernel) : "");
   }
 };

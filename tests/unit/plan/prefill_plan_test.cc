@@ -124,7 +124,9 @@ TEST(PrefillPlanTest, HopperTakesTheLongRequestsWhenAvailable) {
   ASSERT_TRUE(plan.ok());
   ASSERT_EQ(plan->launches.size(), 1u);
   EXPECT_EQ(plan->launches[0].kernel, plan::PrefillKernel::kHopper);
-  EXPECT_EQ(plan->launches[0].num_items, 5);  // 1 + ceil(400 / 128)
+  EXPECT_TRUE(plan->launches[0].per_head);
+  EXPECT_EQ(plan->launches[0].num_items, 10);  // (1 + ceil(400 / 128)) x 2 KV heads
+  EXPECT_EQ(plan->NumCtas(), 10);
 
   // Without the Hopper kernel, auto stays on mma.sync and forcing it is an error.
   input.ctas_per_wave.hopper_tile128 = 0;
@@ -133,6 +135,115 @@ TEST(PrefillPlanTest, HopperTakesTheLongRequestsWhenAvailable) {
   plan = plan::PlanPrefill(input);
   ASSERT_TRUE(plan.ok());
   for (const auto& launch : plan->launches) EXPECT_EQ(launch.kernel, plan::PrefillKernel::kMmaSync);
+}
+
+// The estimated time of a Hopper work (as the planner counts it): 128-key tiles plus 1.5 at its
+// boundaries, doubled.
+int64_t HopperWorkTiles(const plan::PrefillWorkItem& item, std::span<const int32_t> qo_indptr,
+                        std::span<const int32_t> kv_lengths, int32_t group) {
+  const int32_t q_len = qo_indptr[item.request + 1] - qo_indptr[item.request];
+  const int32_t kv_len = kv_lengths[item.request];
+  const int32_t last_row = std::min(item.packed_row_start + 128, q_len * group) - 1;
+  const int64_t keys = std::clamp<int64_t>(kv_len - q_len + last_row / group + 1 - item.kv_chunk_start, 0,
+                                           item.kv_chunk_end - item.kv_chunk_start);
+  return (keys + 127) / 128;
+}
+
+TEST(PrefillPlanTest, HopperWorkIsBalancedOverItsPersistentGrid) {
+  // Causal 8 x 2048 and 1 x 8192 + 3 x 1000 (Hq 32, Hkv 8): every (query tile, KV head) once; CTA
+  // b of a 132-CTA grid takes items b, b + 132, ...; its estimated time is within one heaviest
+  // work of the mean.
+  for (const std::vector<int32_t>& q_lens : {std::vector<int32_t>(8, 2048), std::vector<int32_t>{8192, 1000, 1000, 1000}}) {
+    std::vector<int32_t> qo_indptr = {0};
+    for (int32_t q_len : q_lens) qo_indptr.push_back(qo_indptr.back() + q_len);
+    const std::vector<int32_t> kv_lengths = q_lens;
+    plan::PrefillPlanInput input = Input(qo_indptr, kv_lengths, 32, 8, 128);
+    constexpr int32_t kGrid = 132;
+    input.ctas_per_wave = {264, 264, 132, 132, kGrid};
+    auto plan = plan::PlanPrefill(input);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_EQ(plan->launches.size(), 1u);
+    const plan::PrefillLaunch& launch = plan->launches[0];
+    ASSERT_EQ(launch.kernel, plan::PrefillKernel::kHopper);
+    ASSERT_TRUE(launch.per_head);
+    EXPECT_EQ(launch.grid_ctas, kGrid);
+    EXPECT_EQ(launch.balanced_grid, kGrid);
+    EXPECT_FALSE(plan->split_kv());
+
+    // Every (request, tile, head) exactly once.
+    std::vector<std::vector<int32_t>> seen(q_lens.size());
+    for (size_t r = 0; r < q_lens.size(); ++r) seen[r].assign((q_lens[r] * 4 + 127) / 128 * 8, 0);
+    for (const plan::PrefillWorkItem& item : plan->items) {
+      ASSERT_GE(item.kv_head, 0);
+      ASSERT_LT(item.kv_head, 8);
+      ASSERT_EQ(item.packed_row_start % 128, 0);
+      ++seen[item.request].at(item.packed_row_start / 128 * 8 + item.kv_head);
+    }
+    for (const auto& request : seen) {
+      for (int32_t count : request) EXPECT_EQ(count, 1);
+    }
+    ASSERT_EQ(static_cast<int64_t>(plan->items.size()), plan->NumCtas());
+
+    std::vector<int64_t> load(kGrid, 0);
+    int64_t total = 0, heaviest = 0;
+    for (size_t i = 0; i < plan->items.size(); ++i) {
+      const int64_t cost = 2 * HopperWorkTiles(plan->items[i], qo_indptr, kv_lengths, 4) + 3;
+      load[i % kGrid] += cost;
+      total += cost;
+      heaviest = std::max(heaviest, cost);
+    }
+    EXPECT_LE(*std::max_element(load.begin(), load.end()), total / kGrid + heaviest);
+  }
+}
+
+TEST(PrefillPlanTest, HopperWorkSharesKvAcrossConcurrentCtas) {
+  // Causal 8 x 2048, Hq 32, Hkv 8: 64 (request, KV head) pairs, 64 MB of KV. A round of the grid
+  // (the works that run at once) of works longer than 4 tiles reads the KV of at most 4 pairs;
+  // the light works (the first 4 tiles of every pair: 16 MB) come last.
+  const std::vector<int32_t> q_lens(8, 2048);
+  std::vector<int32_t> qo_indptr = {0};
+  for (int32_t q_len : q_lens) qo_indptr.push_back(qo_indptr.back() + q_len);
+  plan::PrefillPlanInput input = Input(qo_indptr, q_lens, 32, 8, 128);
+  constexpr int32_t kGrid = 132;
+  input.ctas_per_wave = {264, 264, 132, 132, kGrid};
+  auto plan = plan::PlanPrefill(input);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  bool light_seen = false;
+  for (size_t round = 0; round * kGrid < plan->items.size(); ++round) {
+    std::vector<int32_t> pairs;
+    bool all_light = true;
+    for (size_t i = round * kGrid; i < std::min(plan->items.size(), (round + 1) * kGrid); ++i) {
+      const plan::PrefillWorkItem& item = plan->items[i];
+      const int64_t tiles = HopperWorkTiles(item, qo_indptr, q_lens, 4);
+      all_light &= tiles <= 4;
+      if (tiles > 4) {
+        EXPECT_FALSE(light_seen) << "round " << round << ": a heavy work after the light ones";
+        pairs.push_back(item.request * 8 + item.kv_head);
+      }
+    }
+    light_seen |= all_light;
+    std::sort(pairs.begin(), pairs.end());
+    EXPECT_LE(std::unique(pairs.begin(), pairs.end()) - pairs.begin(), 4) << "round " << round;
+  }
+  EXPECT_TRUE(light_seen);
+}
+
+TEST(PrefillPlanTest, HopperWorkBelowOneWaveKeepsItsOrder) {
+  // 2 tiles x 2 heads on a 132-CTA wave: one CTA per work, heaviest first.
+  const std::vector<int32_t> qo_indptr = {0, 64};
+  const std::vector<int32_t> kv_lengths = {1000};
+  plan::PrefillPlanInput input = Input(qo_indptr, kv_lengths, 8, 2, 128);
+  input.ctas_per_wave = {264, 264, 132, 132, 132};
+  input.disable_split_kv = true;
+  auto plan = plan::PlanPrefill(input);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->launches.size(), 1u);
+  EXPECT_EQ(plan->launches[0].balanced_grid, 4);
+  ASSERT_EQ(plan->items.size(), 4u);
+  EXPECT_EQ(plan->items[0].packed_row_start, 128);
+  EXPECT_EQ(plan->items[0].kv_head, 0);
+  EXPECT_EQ(plan->items[1].kv_head, 1);
+  EXPECT_EQ(plan->items[3].packed_row_start, 0);
 }
 
 TEST(PrefillPlanTest, RejectsInconsistentInputs) {
