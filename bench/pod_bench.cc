@@ -318,7 +318,16 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
   // The decode and the Hopper prefill over `ctas` persistent CTAs side by side, as the CUDA
   // backend runs a mixed step (CudaStep::EnqueueMhaKernels), into o_merged; checked against
   // fused, then timed.
+  // The prefill is planned for its share of the SMs, as the step planner plans it (its items laid
+  // out for that grid).
   auto time_side_by_side = [&](int32_t ctas) {
+    plan::PrefillPlanInput side_input = prefill_input(prefill_indptr, prefill_kv);
+    side_input.ctas_per_wave.hopper_tile128 = ctas;
+    auto side_plan = plan::PlanPrefill(side_input);
+    CHECK_OK(side_plan.status());
+    const int64_t side_bytes = cuda::BatchPrefillWorkspaceBytes(*side_plan);
+    void* side_workspace = workspace_of(side_bytes);
+    CHECK_OK(cuda::UploadBatchPrefillPlan(*side_plan, side_workspace, side_bytes, stream));
     cuda::BatchPrefillArgs split_args = prefill_args;
     split_args.max_persistent_ctas = ctas;
     split_args.o = {o_merged, kDtype, rows, kQoHeads, kHeadDim};
@@ -328,7 +337,7 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
     auto run_split = [&] {
       CHECK_CUDA(cudaEventRecord(fork, stream));
       CHECK_CUDA(cudaStreamWaitEvent(side, fork, 0));
-      CHECK_OK(cuda::BatchPrefill(*prefill_auto, split_args, auto_workspace, auto_bytes, side));
+      CHECK_OK(cuda::BatchPrefill(*side_plan, split_args, side_workspace, side_bytes, side));
       CHECK_OK(cuda::BatchDecode(split_decode, stream));
       CHECK_CUDA(cudaEventRecord(join, side));
       CHECK_CUDA(cudaStreamWaitEvent(stream, join, 0));
@@ -342,7 +351,10 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
                    shape.name.c_str(), page_size, ctas, error);
       std::exit(1);
     }
-    return TimeMs(run_split, stream);
+    const double ms = TimeMs(run_split, stream);
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    CHECK_CUDA(cudaFree(side_workspace));
+    return ms;
   };
   {
     // The planner's rule (plan::SideBySidePrefillCtas) on this step.

@@ -264,16 +264,24 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
   if (step.run_decode) {
     ASSIGN_OR_RETURN(step.decode, PlanDecodeRows(batch, context));
   }
+  // Side by side, the Hopper prefill gets its share of the SMs, and is planned for that grid (its
+  // items laid out for those CTAs, its split sized to them). Without a Hopper launch (no 128-row
+  // tile) the share changes nothing in the plan and is dropped.
+  if (step.run_decode && step.run_prefill && hopper_prefill) {
+    step.side_by_side_prefill_ctas =
+        SideBySidePrefillCtas(batch, g, context.prefill_ctas_per_wave.hopper_tile128);
+  }
   if (step.run_prefill) {
-    ASSIGN_OR_RETURN(step.prefill, PlanPrefillRows(batch, context, step.run_decode));
+    StepPlanContext prefill_context = context;
+    if (step.side_by_side_prefill_ctas > 0) {
+      prefill_context.prefill_ctas_per_wave.hopper_tile128 = step.side_by_side_prefill_ctas;
+    }
+    ASSIGN_OR_RETURN(step.prefill, PlanPrefillRows(batch, prefill_context, step.run_decode));
   }
   const bool hopper_launch =
       std::any_of(step.prefill.launches.begin(), step.prefill.launches.end(),
                   [](const PrefillLaunch& launch) { return launch.kernel == PrefillKernel::kHopper; });
-  if (step.run_decode && step.run_prefill && hopper_launch) {
-    step.side_by_side_prefill_ctas =
-        SideBySidePrefillCtas(batch, g, context.prefill_ctas_per_wave.hopper_tile128);
-  }
+  if (!hopper_launch) step.side_by_side_prefill_ctas = 0;
   step.offsets = LayOut(batch, step.run_decode ? step.decode.PackedWords() : 0, 0);
   return step;
 }

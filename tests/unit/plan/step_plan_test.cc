@@ -291,11 +291,16 @@ TEST(SideBySideStepPlanTest, MixedHopperStepsRunSideBySideWhenTheDecodeDominates
   auto larger_side = plan::PlanStep(*book.Plan(larger, options), context);
   ASSERT_TRUE(larger_side.ok()) << larger_side.status();
   EXPECT_EQ(larger_side->side_by_side_prefill_ctas, 73);
+  // The prefill is planned for its share: its items laid out for 56 CTAs.
+  bool hopper_launch = false;
   for (const plan::PrefillLaunch& launch : side->prefill.launches) {
     if (launch.kernel == plan::PrefillKernel::kHopper) {
-      EXPECT_EQ(launch.grid_ctas, 132);  // unchanged: the backend narrows it
+      hopper_launch = true;
+      EXPECT_EQ(launch.grid_ctas, 56);
+      EXPECT_EQ(launch.balanced_grid, std::min<int64_t>(56, launch.NumCtas(side->prefill.num_kv_heads)));
     }
   }
+  EXPECT_TRUE(hopper_launch);
 
   // One decode beside an 8192-token prompt: the prefill dominates, one after the other.
   const std::shared_ptr<StepBatch> heavy = book.Plan({{0, 1}, {101, 8192}}, options);
