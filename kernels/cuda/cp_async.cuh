@@ -19,6 +19,23 @@ __device__ __forceinline__ void CpAsync16(uint32_t shared_address, const void* g
                : "memory");
 }
 
+// An L2 policy under which the lines a copy brings in are evicted first: for data read once and
+// streamed through (the decode's keys and values), so that what others reuse stays in L2 (a
+// prefill running beside the decode, DESIGN's side-by-side mixed step).
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// CpAsync16 under an L2 policy (EvictFirstPolicy).
+__device__ __forceinline__ void CpAsync16(uint32_t shared_address, const void* global, bool valid, uint64_t policy) {
+  const int source_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(shared_address),
+               "l"(global), "r"(source_bytes), "l"(policy)
+               : "memory");
+}
+
 // The same copy to a generic pointer into shared memory.
 __device__ __forceinline__ void CpAsync16(void* shared, const void* global, bool valid) {
   CpAsync16(SharedAddress(shared), global, valid);

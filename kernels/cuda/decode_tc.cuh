@@ -200,6 +200,8 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
   // warp tile = row * kChunks + chunk, consecutive lanes on consecutive chunks of a row. Rows
   // past the item's end are zero-filled: their scores are masked, and a zero V row keeps
   // 0 * stale bytes from making NaN.
+  // The keys and values are read once: evicted from L2 first (EvictFirstPolicy).
+  const uint64_t stream_policy = EvictFirstPolicy();
   auto issue = [&](int tile, int32_t page) {
     const uint32_t k_stage = warp_stages + (tile % kStages) * Shape::kWarpStageBytes;
     const uint32_t v_stage = k_stage + Shape::kWarpTileBytes;
@@ -218,8 +220,8 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
       const uint8_t* k_source = valid ? k_pool + k_page * params.page_stride_bytes + entry_bytes : k_pool;
       const uint8_t* v_source = valid ? v_pool + v_page * params.page_stride_bytes + entry_bytes : v_pool;
       const uint32_t offset = row * kRowBytes + ((chunk ^ (row & 7)) << 4);
-      CpAsync16(k_stage + offset, k_source, valid);
-      CpAsync16(v_stage + offset, v_source, valid);
+      CpAsync16(k_stage + offset, k_source, valid, stream_policy);
+      CpAsync16(v_stage + offset, v_source, valid, stream_policy);
     }
   };
 
