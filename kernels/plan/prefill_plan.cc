@@ -146,7 +146,8 @@ int32_t BalancePersistentWork(std::span<const std::pair<int64_t, PrefillWorkItem
   std::vector<int32_t> cta_of(num_works);
   for (int64_t round_start = 0; round_start < num_works; round_start += grid) {
     for (int32_t v = 0; v < grid; ++v) order[v] = v;
-    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return load[a] != load[b] ? load[a] < load[b] : a < b; });
+    std::sort(order.begin(), order.end(),
+              [&](int32_t a, int32_t b) { return load[a] != load[b] ? load[a] < load[b] : a < b; });
     const int64_t round_end = std::min<int64_t>(num_works, round_start + grid);
     round_works.clear();
     for (int64_t w = round_start; w < round_end; ++w) round_works.push_back(w);

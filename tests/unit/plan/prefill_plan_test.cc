@@ -153,7 +153,8 @@ TEST(PrefillPlanTest, HopperWorkIsBalancedOverItsPersistentGrid) {
   // Causal 8 x 2048 and 1 x 8192 + 3 x 1000 (Hq 32, Hkv 8): every (query tile, KV head) once; CTA
   // b of a 132-CTA grid takes items b, b + 132, ...; its estimated time is within one heaviest
   // work of the mean.
-  for (const std::vector<int32_t>& q_lens : {std::vector<int32_t>(8, 2048), std::vector<int32_t>{8192, 1000, 1000, 1000}}) {
+  for (const std::vector<int32_t>& q_lens :
+       {std::vector<int32_t>(8, 2048), std::vector<int32_t>{8192, 1000, 1000, 1000}}) {
     std::vector<int32_t> qo_indptr = {0};
     for (int32_t q_len : q_lens) qo_indptr.push_back(qo_indptr.back() + q_len);
     const std::vector<int32_t> kv_lengths = q_lens;
