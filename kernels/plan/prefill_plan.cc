@@ -97,77 +97,102 @@ constexpr int64_t kLightKvBytes = int64_t{16} << 20;
 int32_t BalancePersistentWork(std::span<const std::pair<int64_t, PrefillWorkItem>> items, int32_t tile_rows,
                               int32_t num_kv_heads, int32_t head_dim, int32_t grid,
                               std::vector<PrefillWorkItem>& out) {
-  struct Work {
-    PrefillWorkItem item;
-    int64_t tiles;
-    int64_t group;  // (request, chunk) index x num_kv_heads + head: works that read the same KV
-  };
-  std::vector<Work> works;
-  works.reserve(items.size() * num_kv_heads);
-  // Items of one (request, chunk) share a group number (by first appearance).
-  std::map<std::pair<int32_t, int32_t>, int64_t> group_of;
-  int64_t max_tiles = 0;
-  for (const auto& [key_rows, item] : items) {
-    const int64_t tiles = CeilDiv(key_rows / tile_rows, 128);
-    max_tiles = std::max(max_tiles, tiles);
-    const auto [it, inserted] = group_of.try_emplace({item.request, item.kv_chunk_start}, int64_t{0});
-    if (inserted) it->second = static_cast<int64_t>(group_of.size()) - 1;
-    for (int32_t head = 0; head < num_kv_heads; ++head) {
-      works.push_back({item, tiles, it->second * num_kv_heads + head});
-      works.back().item.kv_head = head;
-    }
+  // Work w is item w / num_kv_heads on KV head w % num_kv_heads; its group (the works that read
+  // the same KV) is its item's (request, chunk) number, by first appearance, times the heads plus
+  // its head. Indices, not copies, are what gets ordered.
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t num_works = num_items * num_kv_heads;
+  std::vector<int32_t> item_tiles(num_items);
+  std::vector<int32_t> item_group(num_items);
+  std::map<std::pair<int32_t, int32_t>, int32_t> group_of;
+  int32_t max_tiles = 0;
+  for (int64_t i = 0; i < num_items; ++i) {
+    const auto& [key_rows, item] = items[i];
+    item_tiles[i] = static_cast<int32_t>(CeilDiv(key_rows / tile_rows, 128));
+    max_tiles = std::max(max_tiles, item_tiles[i]);
+    item_group[i] = group_of.try_emplace({item.request, item.kv_chunk_start}, static_cast<int32_t>(group_of.size()))
+                        .first->second;
   }
   const int64_t num_groups = static_cast<int64_t>(group_of.size()) * num_kv_heads;
-  const int64_t num_works = static_cast<int64_t>(works.size());
+  // Per work, without a division in the loops below.
+  std::vector<int32_t> work_tiles(num_works);
+  std::vector<int32_t> work_group(num_works);
+  for (int64_t i = 0, w = 0; i < num_items; ++i) {
+    for (int32_t head = 0; head < num_kv_heads; ++head, ++w) {
+      work_tiles[w] = item_tiles[i];
+      work_group[w] = item_group[i] * num_kv_heads + head;
+    }
+  }
+  auto tiles_of = [&](int64_t w) { return work_tiles[w]; };
+  auto group_of_work = [&](int64_t w) { return work_group[w]; };
+  auto emit = [&](int64_t position, int64_t w) {
+    PrefillWorkItem& item = out[position];
+    item = items[w / num_kv_heads].second;
+    item.kv_head = static_cast<int32_t>(w % num_kv_heads);
+  };
   const size_t base = out.size();
-  out.resize(base + works.size());
+  out.resize(base + num_works);
   if (grid <= 0 || num_works <= grid) {
-    for (int64_t w = 0; w < num_works; ++w) out[base + w] = works[w].item;
+    for (int64_t w = 0; w < num_works; ++w) emit(base + w, w);
     return grid <= 0 ? 0 : static_cast<int32_t>(num_works);
   }
 
-  // Light: works of at most light_tiles tiles (K and V, 16-bit), whose KV over every group fits.
+  // The order: heavy works by group (each group's heaviest first, as `items` are), then the light
+  // ones (at most light_tiles tiles, K and V in 16 bits, whose KV over every group fits), or
+  // heaviest first throughout when everything is light. A counting sort by group.
   const int64_t tile_bytes = int64_t{2} * 128 * head_dim * 2;
   const int64_t light_tiles = kLightKvBytes / (num_groups * tile_bytes);
+  std::vector<int32_t> order(num_works);
   if (light_tiles < max_tiles) {
-    // Heavy works by group (each group's heaviest first: `works` is heaviest first), then light.
-    std::stable_sort(works.begin(), works.end(), [&](const Work& a, const Work& b) {
-      const bool a_light = a.tiles <= light_tiles, b_light = b.tiles <= light_tiles;
-      if (a_light != b_light) return b_light;
-      return a_light ? false : a.group < b.group;
-    });
+    std::vector<int32_t> start(num_groups + 1, 0);
+    int64_t num_heavy = 0;
+    for (int64_t w = 0; w < num_works; ++w) {
+      if (tiles_of(w) > light_tiles) {
+        ++start[group_of_work(w) + 1];
+        ++num_heavy;
+      }
+    }
+    for (int64_t g = 0; g < num_groups; ++g) start[g + 1] += start[g];
+    int64_t next_light = num_heavy;
+    for (int64_t w = 0; w < num_works; ++w) {
+      order[tiles_of(w) > light_tiles ? start[group_of_work(w)]++ : next_light++] = static_cast<int32_t>(w);
+    }
+  } else {
+    for (int64_t w = 0; w < num_works; ++w) order[w] = static_cast<int32_t>(w);
   }
 
-  // Virtual CTA v takes a work per round; `cta_of[w]` is work w's. Ties go to the lower number,
-  // so the plan is a function of its input.
+  // Virtual CTA v takes a work per round; `cta_of[k]` is the k-th work's. Sorted as packed
+  // 64-bit keys (no comparator calls, no allocation per round): a round's works by tiles, heaviest
+  // first, then position; the CTAs by load, then number. Ties go to the lower number, so the plan
+  // is a function of its input.
   std::vector<int64_t> load(grid, 0);
-  std::vector<int32_t> order(grid);
-  std::vector<int64_t> round_works;
+  std::vector<int64_t> cta_keys(grid);
+  std::vector<int64_t> work_keys(grid);
   std::vector<int32_t> cta_of(num_works);
   for (int64_t round_start = 0; round_start < num_works; round_start += grid) {
-    for (int32_t v = 0; v < grid; ++v) order[v] = v;
-    std::sort(order.begin(), order.end(),
-              [&](int32_t a, int32_t b) { return load[a] != load[b] ? load[a] < load[b] : a < b; });
-    const int64_t round_end = std::min<int64_t>(num_works, round_start + grid);
-    round_works.clear();
-    for (int64_t w = round_start; w < round_end; ++w) round_works.push_back(w);
-    std::stable_sort(round_works.begin(), round_works.end(),
-                     [&](int64_t a, int64_t b) { return works[a].tiles > works[b].tiles; });
-    for (size_t i = 0; i < round_works.size(); ++i) {
-      const int64_t w = round_works[i];
-      cta_of[w] = order[i];
-      load[order[i]] += 2 * works[w].tiles + 3;
+    for (int32_t v = 0; v < grid; ++v) cta_keys[v] = load[v] << 20 | v;  // grid < 2^20, load < 2^43
+    std::sort(cta_keys.begin(), cta_keys.end());
+    const int32_t count = static_cast<int32_t>(std::min<int64_t>(grid, num_works - round_start));
+    for (int32_t j = 0; j < count; ++j) {
+      work_keys[j] = int64_t{max_tiles - tiles_of(order[round_start + j])} << 32 | j;
+    }
+    std::sort(work_keys.begin(), work_keys.begin() + count);
+    for (int32_t j = 0; j < count; ++j) {
+      const int64_t k = round_start + (work_keys[j] & 0xffffffff);
+      const int32_t v = static_cast<int32_t>(cta_keys[j] & 0xfffff);
+      cta_of[k] = v;
+      load[v] += 2 * tiles_of(order[k]) + 3;
     }
   }
-  // Physical numbers: the last round's CTAs first.
+  // Physical numbers: the last round's CTAs first, in the order of its works.
   const int64_t last_start = (num_works - 1) / grid * grid;
   std::vector<int32_t> physical(grid, -1);
   int32_t next = 0;
-  for (int64_t w = last_start; w < num_works; ++w) physical[cta_of[w]] = next++;
+  for (int64_t k = last_start; k < num_works; ++k) physical[cta_of[k]] = next++;
   for (int32_t v = 0; v < grid; ++v) {
     if (physical[v] < 0) physical[v] = next++;
   }
-  for (int64_t w = 0; w < num_works; ++w) out[base + w / grid * grid + physical[cta_of[w]]] = works[w].item;
+  for (int64_t k = 0; k < num_works; ++k) emit(base + k / grid * grid + physical[cta_of[k]], order[k]);
   return grid;
 }
 
