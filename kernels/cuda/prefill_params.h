@@ -38,7 +38,7 @@ struct KernelParams {
   const int32_t* k_page_ids;     // [page_indptr[batch]]
   const int32_t* v_page_ids;     // == k_page_ids for a SHARED table
   const int32_t* last_page_len;  // [batch]
-  const WorkItem* items;         // this launch's items, heavy first
+  const WorkItem* items;         // this launch's items (see PrefillPlan::items)
   float* partial_o;              // [num_partials][num_qo_heads][head_dim] fp32, split items only
   float* partial_lse;            // [num_partials][num_qo_heads] natural log
   int32_t kv_page_stride;   // elements between pages

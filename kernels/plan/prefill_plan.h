@@ -110,7 +110,9 @@ struct PrefillPlan {
   int32_t head_dim = 0;
   int64_t num_qo_rows = 0;  // qo_indptr[batch_size]
   std::vector<PrefillLaunch> launches;
-  std::vector<PrefillWorkItem> items;  // launch after launch, heaviest first within a launch
+  // Launch after launch: heaviest first within an mma.sync launch; a Hopper launch's one item per
+  // KV head, laid out for its persistent grid (PrefillLaunch::per_head).
+  std::vector<PrefillWorkItem> items;
   std::vector<int32_t> request_chunk_tokens;  // [batch_size]; 0: not split
   // Merge of split requests: output row r (a token) combines slots [merge_indptr[r],
   // merge_indptr[r + 1]) into row merge_out_rows[r] of o.
