@@ -123,8 +123,6 @@ int32_t BalancePersistentWork(std::span<const std::pair<int64_t, PrefillWorkItem
       work_group[w] = item_group[i] * num_kv_heads + head;
     }
   }
-  auto tiles_of = [&](int64_t w) { return work_tiles[w]; };
-  auto group_of_work = [&](int64_t w) { return work_group[w]; };
   auto emit = [&](int64_t position, int64_t w) {
     PrefillWorkItem& item = out[position];
     item = items[w / num_kv_heads].second;
@@ -147,15 +145,15 @@ int32_t BalancePersistentWork(std::span<const std::pair<int64_t, PrefillWorkItem
     std::vector<int32_t> start(num_groups + 1, 0);
     int64_t num_heavy = 0;
     for (int64_t w = 0; w < num_works; ++w) {
-      if (tiles_of(w) > light_tiles) {
-        ++start[group_of_work(w) + 1];
+      if (work_tiles[w] > light_tiles) {
+        ++start[work_group[w] + 1];
         ++num_heavy;
       }
     }
     for (int64_t g = 0; g < num_groups; ++g) start[g + 1] += start[g];
     int64_t next_light = num_heavy;
     for (int64_t w = 0; w < num_works; ++w) {
-      order[tiles_of(w) > light_tiles ? start[group_of_work(w)]++ : next_light++] = static_cast<int32_t>(w);
+      order[work_tiles[w] > light_tiles ? start[work_group[w]]++ : next_light++] = static_cast<int32_t>(w);
     }
   } else {
     for (int64_t w = 0; w < num_works; ++w) order[w] = static_cast<int32_t>(w);
@@ -174,14 +172,14 @@ int32_t BalancePersistentWork(std::span<const std::pair<int64_t, PrefillWorkItem
     std::sort(cta_keys.begin(), cta_keys.end());
     const int32_t count = static_cast<int32_t>(std::min<int64_t>(grid, num_works - round_start));
     for (int32_t j = 0; j < count; ++j) {
-      work_keys[j] = int64_t{max_tiles - tiles_of(order[round_start + j])} << 32 | j;
+      work_keys[j] = int64_t{max_tiles - work_tiles[order[round_start + j]]} << 32 | j;
     }
     std::sort(work_keys.begin(), work_keys.begin() + count);
     for (int32_t j = 0; j < count; ++j) {
       const int64_t k = round_start + (work_keys[j] & 0xffffffff);
       const int32_t v = static_cast<int32_t>(cta_keys[j] & 0xfffff);
       cta_of[k] = v;
-      load[v] += 2 * tiles_of(order[k]) + 3;
+      load[v] += 2 * work_tiles[order[k]] + 3;
     }
   }
   // Physical numbers: the last round's CTAs first, in the order of its works.

@@ -137,8 +137,7 @@ TEST(PrefillPlanTest, HopperTakesTheLongRequestsWhenAvailable) {
   for (const auto& launch : plan->launches) EXPECT_EQ(launch.kernel, plan::PrefillKernel::kMmaSync);
 }
 
-// The estimated time of a Hopper work (as the planner counts it): 128-key tiles plus 1.5 at its
-// boundaries, doubled.
+// The 128-key tiles a Hopper work visits (the planner estimates its time as twice that plus 3).
 int64_t HopperWorkTiles(const plan::PrefillWorkItem& item, std::span<const int32_t> qo_indptr,
                         std::span<const int32_t> kv_lengths, int32_t group) {
   const int32_t q_len = qo_indptr[item.request + 1] - qo_indptr[item.request];
