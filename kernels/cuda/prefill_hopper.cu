@@ -1,6 +1,7 @@
 // Batch prefill on Hopper (sm_90a): instantiations and the launcher of the warp-specialised wgmma
 // kernel (prefill_hopper_kernel.cuh). Built only for compute_90a/sm_90a (prefill.cmake), when 90
-// is among ATTND_CUDA_ARCHITECTURES; four kernels: head_dim 64 and 128 x bf16 and fp16.
+// is among ATTND_CUDA_ARCHITECTURES; eight kernels: head_dim 64 and 128 x bf16 and fp16 x with and
+// without a soft cap.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -19,7 +20,10 @@ template <int kHeadDim, typename T>
 cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, int32_t grid_ctas, cudaStream_t stream,
                              int* ctas_per_sm) {
   using Shape = hopper::HopperShape<kHeadDim, kStages>;
-  auto* kernel = &hopper::HopperPrefillKernel<Shape, T>;
+  // A launch with a soft cap runs the kernel compiled with it (its tile loop is ~700 instructions
+  // longer); the one without keeps the loop short for the instruction cache.
+  auto* kernel = params.soft_cap > 0.0f ? &hopper::HopperPrefillKernel<Shape, T, true>
+                                        : &hopper::HopperPrefillKernel<Shape, T, false>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
   if (error != cudaSuccess) return error;
   if (ctas_per_sm != nullptr) {

@@ -53,10 +53,15 @@ namespace attnd::cuda::prefill::hopper {
 // mask then overwrites the scores of keys a row does not see. A NaN left makes p, the row's sum
 // and o NaN (NaN in, NaN out, reported by the epilogue).
 // Soft cap, before the mask: capping after it would turn a masked -inf into -cap.
+// kSoftCap: the launch has a cap (sp.soft_cap); a kernel of its own, so that the kernels without
+// one carry none of its ~700 instructions in their tile loop.
+template <bool kSoftCap>
 __device__ __forceinline__ void SoftCap(float (&s)[64], const SoftmaxParams& sp) {
 #pragma unroll
   for (int i = 0; i < 64; ++i) s[i] = fmaf(s[i], 0.0f, s[i]);
-  if (sp.soft_cap) {
+  // (The kernel with a cap still tests it at run time: with the test gone, ptxas scheduled the cap
+  // into the loop differently and spilled 72 bytes.)
+  if (kSoftCap && sp.soft_cap) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) s[i] = SoftCapLog2(s[i], sp.cap_input_scale, sp.cap_log2);
   }
@@ -110,7 +115,7 @@ __device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], flo
 
 // `first`: as for ProduceKv. `next`: the launch's work `next_index` (the CTA's next), decoded
 // here where it exists.
-template <typename Shape, typename T>
+template <typename Shape, typename T, bool kSoftCap>
 __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWork& work, uint32_t smem,
                                         uint8_t* smem_generic, int first, int round,
                                         int next_index, CtaWork& next) {
@@ -217,19 +222,17 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
                                                       ((first + tile) % kStages) * Shape::kFlagBytes);
     if ((bad.x | bad.y | bad.z | bad.w) == 0) return;
     const uint32_t words[4] = {bad.x, bad.y, bad.z, bad.w};
+    // This thread's keys in word w (offsets 32w + 8i + 2t + e, i < 4, e < 2, t = lane % 4), and a
+    // row's visible ones [low, high) as a mask per word.
+    const uint32_t mine = 0x03030303u << (2 * (lane % 4));
+    auto below = [](int n) { return n <= 0 ? 0u : n >= 32 ? ~0u : (1u << n) - 1u; };  // bits [0, n)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const KeyRange row = VisibleKeys(params, work.kv_end, row_position[h], tile_start);
-      bool sees_bad_v = false;
+      uint32_t seen = 0;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int offset = 8 * j + 2 * (lane % 4) + e;  // bit offset % 32 of word j / 4
-          sees_bad_v |= ((words[j / 4] >> (offset % 32)) & 1u) != 0 && offset >= row.low && offset < row.high;
-        }
-      }
-      if (sees_bad_v) row_sum[h] = NAN;
+      for (int w = 0; w < 4; ++w) seen |= words[w] & mine & below(row.high - 32 * w) & ~below(row.low - 32 * w);
+      if (seen != 0) row_sum[h] = NAN;
     }
   };
   auto convert_p = [&] {
@@ -289,7 +292,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     WgmmaWait<0>();
     FenceRegisters(s);
     release(k_empty(0));
-    SoftCap(s, sp);
+    SoftCap<kSoftCap>(s, sp);
     mask(0);
     Softmax(s, row_max, row_sum, rescale, sp);
     convert_p();
@@ -308,7 +311,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
       WgmmaWait<1>();  // Q K_j^T has completed; P_{j-1} V_{j-1} may still run
       FenceRegisters(s);
       release(k_empty(tile));
-      SoftCap(s, sp);
+      SoftCap<kSoftCap>(s, sp);
       mask(tile);
       Softmax(s, row_max, row_sum, rescale, sp);
       WgmmaWait<0>();
@@ -427,7 +430,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
 }
 
 // T: the type of q, o and the cache (one 16-bit type).
-template <typename Shape, typename T>
+template <typename Shape, typename T, bool kSoftCap>
 __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_constant__ KernelParams params) {
   extern __shared__ __align__(1024) uint8_t shared_bytes[];
   // The swizzle phase follows address bits 7-9, so every block must sit on a 1024-byte boundary.
@@ -501,7 +504,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
       if (first == 0) wait_for_preceding_grid();
       CtaWork next{};
-      Consume<Shape, T>(params, work, smem, smem_generic, first, round, work_index(round + 1), next);
+      Consume<Shape, T, kSoftCap>(params, work, smem, smem_generic, first, round, work_index(round + 1), next);
       first += work.num_kv_tiles;
       work = next;
     }
