@@ -175,8 +175,11 @@ __device__ __forceinline__ void ProduceQ(const KernelParams& params, const CtaWo
 // sides.
 // `first` counts the tiles this CTA loaded for earlier work: tile t of this work is the CTA's
 // (first + t)-th, which fixes its stage and phase.
-template <typename Shape, typename T>
-__device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaWork& work, uint32_t smem, int first) {
+// kOnePage: a lane's 8 rows lie in one page (ProduceKv). A loop of its own for each case, so that
+// the common one carries none of the other's per-row lookups (instruction cache).
+template <typename Shape, typename T, bool kOnePage>
+__device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const CtaWork& work, uint32_t smem,
+                                               int first) {
   constexpr int kBlocks = Shape::kBlocks;
   constexpr int kRowsPerLane = 8;
   const int warp = (threadIdx.x / 32) % 4;
@@ -191,10 +194,6 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
   const int32_t* v_ids = params.v_page_ids + work.page_begin;
   const uint32_t barriers = smem + Shape::kBarrierOffset;
   const int64_t entry_stride = params.kv_entry_stride;
-  // A lane's 8 rows lie in one page when pages hold 8 keys or more and the work's first key sits
-  // on a multiple of 8 (tiles are 128 keys): one page lookup, then a stride per row. Otherwise
-  // (pages of 1-4 keys, a window's unaligned start) each row looks up its own page.
-  const bool one_page = params.page_size_log2 >= 3 && work.kv_begin % kRowsPerLane == 0;
 
   // `flags`: for V, this stage's row flags; null for K.
   auto load = [&](const T* pool, const int32_t* ids, int tile, uint32_t tile_smem, uint32_t empty, uint32_t full,
@@ -208,7 +207,7 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
     const int valid_rows = min(max(work.kv_end - token0, 0), kRowsPerLane);
     const T* source[kRowsPerLane];
     // Looked up before the wait, so the page ids' latency hides behind it.
-    if (one_page) {
+    if constexpr (kOnePage) {
       const int page = valid_rows > 0 ? __ldg(ids + (token0 >> params.page_size_log2)) : 0;
       const T* row = pool + static_cast<int64_t>(page) * params.kv_page_stride + (token0 & page_mask) * entry_stride;
 #pragma unroll
@@ -295,6 +294,18 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
     load_v(tile - 1);
   }
   if (n > 0) load_v(n - 1);
+}
+
+template <typename Shape, typename T>
+__device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaWork& work, uint32_t smem, int first) {
+  // A lane's 8 rows lie in one page when pages hold 8 keys or more and the work's first key sits
+  // on a multiple of 8 (tiles are 128 keys): one page lookup, then a stride per row. Otherwise
+  // (pages of 1-4 keys, a window's unaligned start) each row looks up its own page.
+  if (params.page_size_log2 >= 3 && work.kv_begin % 8 == 0) {
+    ProduceKvTiles<Shape, T, true>(params, work, smem, first);
+  } else {
+    ProduceKvTiles<Shape, T, false>(params, work, smem, first);
+  }
 }
 
 }  // namespace attnd::cuda::prefill::hopper
