@@ -22,8 +22,9 @@ cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, int32
   using Shape = hopper::HopperShape<kHeadDim, kStages>;
   // A launch with a soft cap runs the kernel compiled with it (its tile loop is ~700 instructions
   // longer); the one without keeps the loop short for the instruction cache.
-  auto* kernel = params.soft_cap > 0.0f ? &hopper::HopperPrefillKernel<Shape, T, true>
-                                        : &hopper::HopperPrefillKernel<Shape, T, false>;
+  const bool soft_cap = SoftmaxParams::Of(params.score_scale, params.soft_cap).soft_cap;  // the kernel's own rule
+  auto* kernel =
+      soft_cap ? &hopper::HopperPrefillKernel<Shape, T, true> : &hopper::HopperPrefillKernel<Shape, T, false>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
   if (error != cudaSuccess) return error;
   if (ctas_per_sm != nullptr) {

@@ -21,6 +21,8 @@ inline constexpr int kTileRows = 64 * kConsumers;
 inline constexpr int kTileKv = 128;
 inline constexpr int kProducerRegisters = 56;
 inline constexpr int kConsumerRegisters = 224;
+// The producer's lanes copy 8 consecutive rows of a KV tile each (ProduceKvTiles).
+inline constexpr int kRowsPerLane = 8;
 static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= 512, "65536 registers per SM");
 
 // Named barrier ids (0 is __syncthreads): the consumers' turn-taking pair, then one per consumer.
@@ -181,7 +183,6 @@ template <typename Shape, typename T, bool kOnePage>
 __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const CtaWork& work, uint32_t smem,
                                                int first) {
   constexpr int kBlocks = Shape::kBlocks;
-  constexpr int kRowsPerLane = 8;
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   const int chunk = lane % 8;
@@ -301,7 +302,8 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
   // A lane's 8 rows lie in one page when pages hold 8 keys or more and the work's first key sits
   // on a multiple of 8 (tiles are 128 keys): one page lookup, then a stride per row. Otherwise
   // (pages of 1-4 keys, a window's unaligned start) each row looks up its own page.
-  if (params.page_size_log2 >= 3 && work.kv_begin % 8 == 0) {
+  static_assert(kRowsPerLane == 1 << 3, "pages of 2^3 keys or more");
+  if (params.page_size_log2 >= 3 && work.kv_begin % kRowsPerLane == 0) {
     ProduceKvTiles<Shape, T, true>(params, work, smem, first);
   } else {
     ProduceKvTiles<Shape, T, false>(params, work, smem, first);
