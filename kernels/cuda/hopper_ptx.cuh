@@ -256,6 +256,18 @@ __device__ __forceinline__ void TmaLoad2d(uint32_t destination, const void* map,
       : "memory");
 }
 
+// The same box into the shared memory of every CTA of the cluster named in `cta_mask` (bit r:
+// cluster rank r), at `destination`'s offset in each, completing its bytes on the barrier at
+// `barrier`'s offset in each.
+__device__ __forceinline__ void TmaLoad2dMulticast(uint32_t destination, const void* map, int x, int y,
+                                                   uint32_t barrier, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(destination),
+      "l"(map), "r"(x), "r"(y), "r"(barrier), "h"(cta_mask)
+      : "memory");
+}
+
 // One arrival on `barrier` once every cp.async this thread issued so far has landed. noinc: the
 // arrival counts against the barrier's expected count (one per producer thread).
 __device__ __forceinline__ void CpAsyncArriveNoinc(uint32_t barrier) {
@@ -267,6 +279,33 @@ __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_a
 // Shared memory written through the generic proxy (stores, cp.async) and read next by wgmma
 // (the async proxy) needs this fence in between, in the thread that observed the writes.
 __device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// --- Clusters --------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t ClusterCtaRank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+
+// One arrival on the barrier at `barrier`'s offset in the shared memory of cluster rank `cta`.
+// Default (CTA-scope) release: it signals that this thread's reads of a stage completed (wgmma
+// waited on), not data for the other CTA to read; a cluster-scope release would fence this
+// thread's every earlier write on the consumers' path.
+__device__ __forceinline__ void MbarrierArriveRemote(uint32_t barrier, uint32_t cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(barrier),
+      "r"(cta)
+      : "memory");
+}
+
+// Every thread of every CTA of the cluster arrives, then waits for all: release/acquire at
+// cluster scope.
+__device__ __forceinline__ void ClusterArrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 
 // --- Named barriers and registers -------------------------------------------------------------
 

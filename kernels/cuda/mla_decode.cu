@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -134,6 +135,18 @@ bool SetUpTma(const MlaDecodeArgs& args, mla::MlaParams* params) {
          EncodePoolMap(kpe.data, kpe_rows, mla::kRopeDim, &params->kpe_map);
 }
 
+// Whether the wide-tile kernel (with TMA) runs in clusters of two CTAs sharing their tiles: where
+// a token's rows are whole pairs of 64-row units (num_heads % 128 == 0, so the planner's units
+// pair up as consecutive even/odd CTAs), unless ATTND_MLA_CLUSTER=0 (for measurement).
+bool ClusterPairs(const MlaDecodeArgs& args) {
+  static const bool enabled = [] {
+    const char* value = std::getenv("ATTND_MLA_CLUSTER");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  return enabled && args.allow_cluster && args.q_nope.num_heads % (2 * plan::kMlaRowsPerCta) == 0 &&
+         args.work.num_units % 2 == 0;
+}
+
 cudaError_t Launch(const mla::MlaParams& params, const MlaDecodeConfig& config, MlaKernel kernel,
                    int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
 #if ATTND_MLA_HOPPER
@@ -245,7 +258,17 @@ absl::StatusOr<int32_t> MlaDecodeCtasPerWave(const MlaDecodeConfig& config) {
   if (ctas_per_sm <= 0) {
     return absl::InternalError("MLA decode: the kernel does not fit on an SM of this device");
   }
-  return ctas_per_sm * num_sms;
+  int32_t ctas = ctas_per_sm * num_sms;
+  if (kernel == MlaKernel::kHopperWide && Is16Bit(config.kv_dtype)) {
+    // Caches of 128+ heads launch it in clusters of two, which need two free SMs of one GPC: the
+    // wave is the clusters the device holds at once, where those are fewer.
+    mla::MlaParams clustered{};
+    clustered.cluster_pairs = true;
+    int clusters = 0;
+    CUDA_RETURN_IF_ERROR(Launch(clustered, config, kernel, 0, nullptr, &clusters));
+    if (clusters > 0) ctas = std::min(ctas, 2 * clusters);
+  }
+  return ctas;
 }
 
 int64_t MlaDecodeWorkspaceBytes(int32_t num_partials, int32_t num_heads, int32_t kv_lora_rank) {
@@ -300,6 +323,7 @@ absl::Status MlaDecode(const MlaDecodeArgs& args, cudaStream_t stream) {
   const MlaDecodeConfig config{args.q_nope.dtype, ckv.dtype, rank, args.kpe_cache.head_dim, args.kernel};
   ASSIGN_OR_RETURN(const MlaKernel kernel, ResolveKernel(config, attention.k_scale == attention.v_scale));
   params.tma = kernel == MlaKernel::kHopperWide && SetUpTma(args, &params);
+  params.cluster_pairs = params.tma && ClusterPairs(args);
   CUDA_RETURN_IF_ERROR(Launch(params, config, kernel, args.work.num_units, stream, nullptr));
   if (args.work.num_merge_rows == 0) return absl::OkStatus();
 

@@ -100,17 +100,15 @@ struct HopperWork {
   int page_begin;
 };
 
-// Decodes this CTA's unit (plan::MlaWorkUnit) for tiles of kTileKeys keys, with the causal and
-// window limits applied to the key range; false for a placeholder unit (nothing to do). Shared
-// by the Hopper kernels (mla_decode_hopper_wide.cuh too), so they cut units the same way.
 // Both Hopper MLA kernels: thread 0 sets up each stage's full barrier (the 128 producer
-// threads arrive) and empty barrier (the 8 consumer warps arrive), then the CTA syncs.
+// threads arrive) and empty barrier (the consumer warps arrive: this CTA's 8, or 16 where a
+// cluster pair shares the stages), then the CTA syncs.
 template <int kStages>
-__device__ __forceinline__ void InitStageBarriers(uint32_t barriers) {
+__device__ __forceinline__ void InitStageBarriers(uint32_t barriers, uint32_t empty_arrivals = 8) {
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < kStages; ++stage) {
-      MbarrierInit(barriers + 8 * stage, 128);            // full: producer threads
-      MbarrierInit(barriers + 8 * (kStages + stage), 8);  // empty: consumer warps
+      MbarrierInit(barriers + 8 * stage, 128);                         // full: producer threads
+      MbarrierInit(barriers + 8 * (kStages + stage), empty_arrivals);  // empty: consumer warps
     }
     FenceMbarrierInit();
   }
@@ -132,9 +130,13 @@ cudaError_t LaunchOrMeasure(Kernel* kernel, int threads, int smem_bytes, const M
   return cudaGetLastError();
 }
 
+// Decodes plan unit `unit` (plan::MlaWorkUnit; a CTA's own is blockIdx.x) for tiles of kTileKeys
+// keys, with the causal and window limits applied to the key range; false for a placeholder unit
+// (nothing to do). Shared by the Hopper kernels (mla_decode_hopper_wide.cuh too), so they cut
+// units the same way.
 template <int kTileKeys>
-__device__ __forceinline__ bool LoadHopperWork(const MlaParams& params, HopperWork* work) {
-  const int4* const unit_words = reinterpret_cast<const int4*>(params.units + blockIdx.x);
+__device__ __forceinline__ bool LoadHopperWork(const MlaParams& params, int unit, HopperWork* work) {
+  const int4* const unit_words = reinterpret_cast<const int4*>(params.units + unit);
   const int4 w0 = unit_words[0];
   const int4 w1 = unit_words[1];
   const int4 w2 = unit_words[2];
@@ -530,7 +532,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) MlaDecodeHopperKernel(const
   using Shape = HopperShape<kRank>;
   extern __shared__ __align__(1024) uint8_t shared_bytes[];
   HopperWork work;
-  if (!LoadHopperWork<kTile>(params, &work)) return;  // a placeholder unit: nothing to do
+  if (!LoadHopperWork<kTile>(params, blockIdx.x, &work)) return;  // a placeholder unit: nothing to do
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif

@@ -19,6 +19,10 @@
 // Consumer c (scorer 0, helper 1) owns output columns [c * rank / 2, (c + 1) * rank / 2) of all
 // 64 rows (128 fp32 per thread at rank 512; m64n128 at rank 256).
 //
+// A request of 128 heads has two such CTAs per chunk, which read the same keys. Launched in
+// clusters of two (MlaParams::cluster_pairs), such a pair fetches each TMA tile once: each
+// producer loads half of the tile's boxes into the stages of both CTAs (ClusterPeer).
+//
 // Order of one tile j in the scorer: wait for stage j, issue Q K_j^T behind the still running
 // P_{j-1} V_0; wait_group 1 (P_{j-1} V_0 done: release stage j-1, so the producer refills it
 // while tile j is computed; where tile j has not landed yet, the release comes before that
@@ -35,6 +39,8 @@
 //   inverses [64] float: after the last tile, o_scale / sum (apart from the factors, so that the
 //            helper's last read of the factors and these writes share no address)
 //   mbarriers: full, empty per stage.
+//   peer     4 bytes: 1 where the CTA shares its tiles with the other CTA of its cluster (read by
+//            the consumers there rather than kept in their registers).
 // Rank 512: 72 + 2 x 72 + 8 KB (+ 1 KB alignment slack) = 225.3 KB of the 227 KB an SM offers.
 #pragma once
 
@@ -82,7 +88,8 @@ struct WideShape {
   static constexpr int kFactorOffset = kPOffset + kBlockBytes;
   static constexpr int kInverseOffset = kFactorOffset + kRows * 4;
   static constexpr int kBarrierOffset = kInverseOffset + kRows * 4;
-  static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8 + 1024;  // + alignment slack
+  static constexpr int kPeerOffset = kBarrierOffset + 2 * kStages * 8;
+  static constexpr int kSmemBytes = kPeerOffset + 8 + 1024;  // + alignment slack
   // fp8 caches: a tile's raw bytes, [kBlocks][64 rows][64 B], in the upper half of its stage.
   static constexpr int kRawBlockBytes = kRows * 64;
   static constexpr int kRawOffset = kKvBytes - kBlocks * kRawBlockBytes;
@@ -112,6 +119,18 @@ template <typename Shape>
 __device__ __forceinline__ uint32_t StagePhase(int tile) {
   return static_cast<uint32_t>((tile / Shape::kStages) & 1);
 }
+
+// A CTA's place in a cluster pair (MlaParams::cluster_pairs): `shared` where this CTA and the
+// other of its cluster (rank ^ 1) compute the two 64-row halves of one request's rows over the
+// same keys. Then each tile loaded by TMA is fetched once for both: each CTA's producer loads its
+// share of the tile's 8 KB boxes into both CTAs' stage (multicast), every full barrier waits for
+// the whole tile's bytes, and a stage is empty once the consumers of both CTAs released it (16
+// arrivals), since the other CTA's producer writes it too. Tiles loaded by cp.async are each
+// CTA's own.
+struct ClusterPeer {
+  bool shared = false;
+  uint32_t rank = 0;  // this CTA's rank in the cluster
+};
 
 // fp8: expands a stage's raw tile (column-block-major at kRawOffset, see ProduceWide) into T in
 // place as its commit groups land: group g < kRank / 128 is ckv line g (raw blocks 2g, 2g + 1),
@@ -169,7 +188,8 @@ __device__ __forceinline__ void ExpandFp8Stage(uint32_t stage) {
 // and 2L + 1; kpe is the last), and the producer expands them in place into T (ExpandFp8Stage).
 // HBM then reads one byte a value.
 template <typename Shape, typename T, typename Stored>
-__device__ __forceinline__ void ProduceWide(const MlaParams& params, const HopperWork& work, uint32_t smem) {
+__device__ __forceinline__ void ProduceWide(const MlaParams& params, const HopperWork& work, const ClusterPeer& peer,
+                                            uint32_t smem) {
   constexpr int kStages = Shape::kStages;
   constexpr int kStoredBytes = sizeof(Stored);
   constexpr bool kFp8 = kStoredBytes == 1;
@@ -193,9 +213,9 @@ __device__ __forceinline__ void ProduceWide(const MlaParams& params, const Hoppe
     const bool one_page =
         (tile_start >> params.page_size_log2) == ((tile_start + kWideTile - 1) >> params.page_size_log2);
     if constexpr (!kFp8) {
-      // A whole tile inside one page: one thread loads it with TMA (nine 8 KB boxes), the others
-      // only arrive. Tiles that end past the chunk (rows to zero-fill) or span pages take the
-      // copies below.
+      // A whole tile inside one page: one thread loads it with TMA (nine 8 KB boxes at rank 512,
+      // or its share of them into both CTAs of a shared pair), the others only arrive. Tiles that
+      // end past the chunk (rows to zero-fill) or span pages take the copies below.
       if (params.tma && one_page && tile_start + kWideTile <= work.kv_end) {
         const int slot = work.page_begin + (tile_start >> params.page_size_log2);
         const int entry = tile_start & page_mask;
@@ -205,12 +225,21 @@ __device__ __forceinline__ void ProduceWide(const MlaParams& params, const Hoppe
         const uint32_t full = FullBarrier<Shape>(smem, tile);
         if (thread == 0) {
           const uint32_t stage_base = smem + Shape::kKvOffset + stage * Shape::kKvBytes;
-          MbarrierArriveExpectTx(full, Shape::kKvBytes);
+          MbarrierArriveExpectTx(full, Shape::kKvBytes);  // the whole tile, whoever loads it
+          // Rank 0 of a shared pair loads boxes [0, kShareSplit), rank 1 the rest.
+          constexpr int kShareSplit = (Shape::kBlocks + 1) / 2;
 #pragma unroll
-          for (int b = 0; b < kRankBlocks; ++b) {
-            TmaLoad2d(stage_base + b * Shape::kBlockBytes, &params.ckv_map, 64 * b, ckv_row, full);
+          for (int b = 0; b < Shape::kBlocks; ++b) {
+            const void* map = b < kRankBlocks ? &params.ckv_map : &params.kpe_map;
+            const int x = b < kRankBlocks ? 64 * b : 0;
+            const int y = b < kRankBlocks ? ckv_row : kpe_row;
+            const uint32_t box = stage_base + b * Shape::kBlockBytes;
+            if (!peer.shared) {
+              TmaLoad2d(box, map, x, y, full);
+            } else if ((b < kShareSplit) == (peer.rank == 0)) {
+              TmaLoad2dMulticast(box, map, x, y, full, 0b11);
+            }
           }
-          TmaLoad2d(stage_base + kRankBlocks * Shape::kBlockBytes, &params.kpe_map, 0, kpe_row, full);
         } else {
           MbarrierArrive(full);
         }
@@ -391,11 +420,24 @@ __device__ __forceinline__ void ZeroNonFiniteV(const MlaParams& params, const Ho
   NamedBarrierSync(kWarpgroupBarrier + consumer, 128);
 }
 
-// Releases a stage once this warp's wgmma reads of it completed (8 arrivals empty it).
+// ClusterPeer::shared, as the kernel's start stored it in shared memory.
+template <typename Shape>
+__device__ __forceinline__ bool SharesTiles(uint32_t smem) {
+  uint32_t shared;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(shared) : "r"(smem + Shape::kPeerOffset) : "memory");
+  return shared != 0;
+}
+
+// Releases a stage once this warp's wgmma reads of it completed (8 arrivals empty it), in the
+// other CTA of a shared pair too (whose producer writes this CTA's stage as well).
 template <typename Shape>
 __device__ __forceinline__ void Release(uint32_t smem, int tile) {
   __syncwarp();
-  if (threadIdx.x % 32 == 0) MbarrierArrive(EmptyBarrier<Shape>(smem, tile));
+  if (threadIdx.x % 32 == 0) {
+    const uint32_t empty = EmptyBarrier<Shape>(smem, tile);
+    MbarrierArrive(empty);
+    if (SharesTiles<Shape>(smem)) MbarrierArriveRemote(empty, ClusterCtaRank() ^ 1);
+  }
 }
 
 template <typename Shape>
@@ -725,7 +767,20 @@ __global__ void __launch_bounds__(kWideThreads, 1) MlaDecodeHopperWideKernel(con
   using Shape = WideShape<kRank>;
   extern __shared__ __align__(1024) uint8_t shared_bytes[];
   HopperWork work;
-  if (!hopper::LoadHopperWork<kWideTile>(params, &work)) return;  // a placeholder unit: nothing to do
+  const bool active = hopper::LoadHopperWork<kWideTile>(params, blockIdx.x, &work);
+  // Launched in clusters of two (ranks blockIdx.x % 2): the pair shares its tiles where both
+  // units cover the same keys of one request. Both CTAs decide from the same two units.
+  ClusterPeer peer;
+  if constexpr (std::is_same_v<Stored, T>) {
+    if (params.cluster_pairs) {
+      HopperWork other;
+      const bool other_active = hopper::LoadHopperWork<kWideTile>(params, blockIdx.x ^ 1, &other);
+      peer.shared = active && other_active && work.num_tiles > 0 && other.request == work.request &&
+                    other.kv_begin == work.kv_begin && other.kv_end == work.kv_end;
+      peer.rank = ClusterCtaRank();
+    }
+  }
+  if (!active) return;  // a placeholder unit: nothing to do (its partner does not share)
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -734,25 +789,55 @@ __global__ void __launch_bounds__(kWideThreads, 1) MlaDecodeHopperWideKernel(con
   const uint32_t raw = SharedAddress(shared_bytes);
   const uint32_t smem = (raw + 1023) & ~1023u;
   uint8_t* smem_generic = shared_bytes + (smem - raw);
-  hopper::InitStageBarriers<Shape::kStages>(smem + Shape::kBarrierOffset);
+  if (threadIdx.x == 0) *reinterpret_cast<uint32_t*>(smem_generic + Shape::kPeerOffset) = peer.shared ? 1 : 0;
+  hopper::InitStageBarriers<Shape::kStages>(smem + Shape::kBarrierOffset, peer.shared ? 16 : 8);
+  if (peer.shared) {  // the other CTA's barriers are set up before any multicast or remote arrival
+    ClusterArrive();
+    ClusterWait();
+  }
   // The role is uniform per warpgroup; the shuffle lets the compiler see that.
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
     ReleaseRegisters<kWideProducerRegisters>();
     static_assert(std::is_same_v<Stored, T> || std::is_same_v<Stored, __nv_fp8_e4m3>, "caches of q's type or fp8");
-    ProduceWide<Shape, T, Stored>(params, work, smem);
+    ProduceWide<Shape, T, Stored>(params, work, peer, smem);
     CpAsyncWaitAll();
   } else {
     ClaimRegisters<kWideConsumerRegisters>();
     ConsumeWide<Shape, T>(params, work, smem, smem_generic);
   }
+  // Neither CTA of a shared pair exits while the other may still arrive on its barriers.
+  if (SharesTiles<Shape>(smem)) {
+    ClusterArrive();
+    ClusterWait();
+  }
 }
 
+// params.cluster_pairs (16-bit caches only): launched in clusters of two CTAs (num_ctas even),
+// and with ctas_per_sm non-null, *ctas_per_sm is set to the clusters the device runs at once.
 template <int kRank, typename T, typename Stored>
 cudaError_t LaunchMlaHopperWide(const MlaParams& params, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
-  return hopper::LaunchOrMeasure(&MlaDecodeHopperWideKernel<kRank, T, Stored>, kWideThreads,
-                                 WideShape<kRank>::kSmemBytes, params, num_ctas, stream,
-                                 ctas_per_sm);
+  auto* const kernel = &MlaDecodeHopperWideKernel<kRank, T, Stored>;
+  constexpr int kSmemBytes = WideShape<kRank>::kSmemBytes;
+  if (!params.cluster_pairs || !std::is_same_v<Stored, T>) {
+    return hopper::LaunchOrMeasure(kernel, kWideThreads, kSmemBytes, params, num_ctas, stream, ctas_per_sm);
+  }
+  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (error != cudaSuccess) return error;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(ctas_per_sm != nullptr ? 2 : num_ctas);
+  config.blockDim = dim3(kWideThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  if (ctas_per_sm != nullptr) return cudaOccupancyMaxActiveClusters(ctas_per_sm, kernel, &config);
+  return cudaLaunchKernelEx(&config, kernel, params);
 }
 
 // The rank (512 or 256) and q's type (bf16 when `bf16`, else fp16) of one cache type: Fp8 =

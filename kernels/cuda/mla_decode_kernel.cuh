@@ -77,6 +77,10 @@ struct MlaParams {
   // tensor [pages x page_size rows][rank or 64 columns], boxes of 64 x 64 with the 128-byte
   // swizzle of its shared-memory tiles. tma false: cp.async only.
   bool tma;
+  // The wide-tile kernel (16-bit caches, with tma) launched in clusters of two CTAs: the two
+  // 64-row halves of a request's rows over one chunk (consecutive units) fetch each TMA tile once
+  // for both. Set where every token's rows are whole pairs of units (num_heads % 128 == 0).
+  bool cluster_pairs;
   CUtensorMap ckv_map;
   CUtensorMap kpe_map;
 };

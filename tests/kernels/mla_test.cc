@@ -65,6 +65,7 @@ struct MlaCase {
   std::vector<int64_t> lengths;  // empty: the standard mix
   cuda::MlaKernel kernel = cuda::MlaKernel::kAuto;  // Hopper on an H100 where it applies
   bool allow_tma = true;  // MlaDecodeArgs::allow_tma
+  bool allow_cluster = true;  // MlaDecodeArgs::allow_cluster
   uint32_t seed = 1;
 };
 
@@ -229,6 +230,7 @@ bool RunGpu(const MlaProblem& problem, const plan::MlaPlan& plan, MlaOutput* out
   args.workspace_bytes = workspace_bytes;
   args.kernel = c.kernel;
   args.allow_tma = c.allow_tma;
+  args.allow_cluster = c.allow_cluster;
   const absl::Status status = cuda::MlaDecode(args, nullptr);
   EXPECT_TRUE(status.ok()) << status;
   if (!status.ok()) return false;
@@ -780,6 +782,77 @@ std::vector<MlaCase> TmaCases() {
 
 INSTANTIATE_TEST_SUITE_P(Tma, MlaTmaTest, ::testing::ValuesIn(TmaCases()),
                          [](const ::testing::TestParamInfo<MlaCase>& info) { return CaseName(info.param); });
+
+// The wide-tile kernel in clusters of two (128+ heads: the CTA pairs of a token's heads fetch each
+// TMA tile once, into both) against each CTA loading its own tiles: o and lse bitwise equal, and
+// right. Chunks pinned mid-tile give pairs tiles of both kinds, a window moves their first key,
+// and placeholder units slipped into the plan leave pairs whose units differ (which must not
+// share) next to pairs that do.
+struct ClusterCase {
+  MlaCase mla;
+  int extra_units = 0;  // placeholder units inserted into the plan (an even count keeps clusters)
+};
+
+class MlaClusterTest : public ::testing::TestWithParam<ClusterCase> {};
+
+TEST_P(MlaClusterTest, SharedTilesMatchOwnLoadsBitwise) {
+  ATTND_SKIP_WITHOUT_GPU();
+  const ClusterCase& param = GetParam();
+  if (!KernelAvailable(param.mla)) GTEST_SKIP() << "no " << CaseName(param.mla) << " kernel on this device";
+  MlaProblem problem = MakeProblem(param.mla);
+  auto plan = PlanFor(problem);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  MlaOutput clustered, own;
+  ASSERT_TRUE(RunGpu(problem, *plan, &clustered, param.extra_units));
+  problem.config.allow_cluster = false;
+  ASSERT_TRUE(RunGpu(problem, *plan, &own, param.extra_units));
+  EXPECT_EQ(clustered.o, own.o) << "o differs between shared and own tiles";
+  EXPECT_EQ(std::memcmp(clustered.lse.data(), own.lse.data(), own.lse.size() * sizeof(float)), 0)
+      << "lse differs between shared and own tiles";
+  ExpectMatchesReference(problem, clustered, RunReference(problem));
+}
+
+std::vector<ClusterCase> ClusterCases() {
+  std::vector<ClusterCase> cases;
+  MlaCase c;
+  c.kernel = cuda::MlaKernel::kHopperWide;
+  c.num_heads = 128;
+  c.q_lens = {1, 2};
+  c.lengths = {0, 1, 63, 64, 65, 300, 4100, 9000};
+  c.seed = 2100;
+  cases.push_back({c});  // page 64, auto split
+  c.page_size = 128;
+  c.separate_kv = true;
+  c.fixed_split_tokens = 37;
+  c.seed = 2101;
+  cases.push_back({c, 2});  // tiles across pages and past chunk ends; two placeholders
+  c.q_dtype = DType::kFloat16;
+  c.kv_dtype = DType::kFloat16;
+  c.rank = 256;
+  c.num_heads = 256;
+  c.q_lens = {1, 3};
+  c.fixed_split_tokens = 0;
+  c.window_left = 100;
+  c.seed = 2102;
+  cases.push_back({c});
+  c.rank = 512;
+  c.num_heads = 128;
+  c.q_dtype = DType::kBFloat16;
+  c.kv_dtype = DType::kBFloat16;
+  c.window_left = -1;
+  c.soft_cap = 30.0f;
+  c.page_size = 64;
+  c.separate_kv = false;
+  c.min_tokens_per_cta = 256;  // many chunks
+  c.seed = 2103;
+  cases.push_back({c, 4});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cluster, MlaClusterTest, ::testing::ValuesIn(ClusterCases()),
+                         [](const ::testing::TestParamInfo<ClusterCase>& info) {
+                           return CaseName(info.param.mla) + "_extra" + std::to_string(info.param.extra_units);
+                         });
 
 // A small sweep for compute-sanitizer (run with --gtest_filter='SanitizerMla*').
 class SanitizerMlaTest : public ::testing::TestWithParam<MlaCase> {};

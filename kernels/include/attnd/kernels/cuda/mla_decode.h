@@ -52,7 +52,9 @@ struct MlaDecodeConfig {
 bool MlaDecodeSupports(const MlaDecodeConfig& config);
 
 // CTAs of the kernel for `config` the current device runs at once (occupancy x SMs, measured
-// with cudaOccupancyMaxActiveBlocksPerMultiprocessor). Feed it to plan::MlaPlanOptions.
+// with cudaOccupancyMaxActiveBlocksPerMultiprocessor; for the wide-tile kernel on 16-bit caches
+// at most twice the clusters of two that cudaOccupancyMaxActiveClusters counts). Feed it to
+// plan::MlaPlanOptions.
 absl::StatusOr<int32_t> MlaDecodeCtasPerWave(const MlaDecodeConfig& config);
 
 // Device workspace for a plan with `num_partials` partial slots (0 when nothing splits):
@@ -79,6 +81,10 @@ struct MlaDecodeArgs {
   // The wide-tile kernel loads whole 64-key tiles of 16-bit caches with pages of 64+ keys by TMA
   // (false, or ATTND_MLA_TMA=0 in the environment: cp.async for every tile; same results).
   bool allow_tma = true;
+  // With TMA and num_heads a multiple of 128, the wide-tile kernel runs in clusters of two CTAs
+  // that fetch each tile once for both halves of a token's heads (false, or ATTND_MLA_CLUSTER=0
+  // in the environment: each CTA loads its own; same results).
+  bool allow_cluster = true;
 };
 
 // Launches the decode, then MergeStates when the plan splits, on `stream`. Allocates nothing,
