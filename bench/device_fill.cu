@@ -53,7 +53,29 @@ __global__ void CopyKernel(uint4* __restrict__ target, const uint4* __restrict__
   for (; i < count; i += stride) target[i] = source[i];
 }
 
+__global__ void OccupyKernel(uint64_t nanoseconds) {
+  extern __shared__ uint8_t held[];  // only holds the SM
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < nanoseconds);
+  if (threadIdx.x == 0 && now == 0) held[0] = 0;
+}
+
 }  // namespace
+
+cudaError_t OccupySms(int ctas, int microseconds, cudaStream_t stream) {
+  if (ctas <= 0) return cudaSuccess;
+  int device = 0, smem = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  cudaError_t error = cudaFuncSetAttribute(OccupyKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (error != cudaSuccess) return error;
+  OccupyKernel<<<ctas, 32, smem, stream>>>(uint64_t{1000} * microseconds);
+  return cudaGetLastError();
+}
 
 cudaError_t CopyWithKernel(void* target, const void* source, size_t bytes, cudaStream_t stream) {
   int device = 0, sms = 0;

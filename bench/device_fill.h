@@ -19,4 +19,8 @@ cudaError_t FillRandom(void* data, DType dtype, int64_t count, uint64_t seed, fl
 // stores, four in flight per thread.
 cudaError_t CopyWithKernel(void* target, const void* source, size_t bytes, cudaStream_t stream);
 
+// Holds `ctas` SMs (one CTA each: all of an SM's shared memory) for about `microseconds`, then
+// exits: a diagnostic of how a kernel launched beside it runs on the SMs left.
+cudaError_t OccupySms(int ctas, int microseconds, cudaStream_t stream);
+
 }  // namespace attnd::bench

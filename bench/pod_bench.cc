@@ -18,9 +18,11 @@
 // and < 1). torch is not run here.
 //
 // Usage: pod_bench [--only=SUBSTRING] [--page=1|16] [--warm_ms=N]   (whole run ~20-40 s on an H100)
+//                  [--split=P1,P2,...] [--occupy=N1,N2,...] [--contiguous] [--verbose]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -29,6 +31,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "attnd/kernels/cuda/decode.h"
@@ -104,6 +107,7 @@ struct Row {
   float decode_ms = 0, prefill_ms = 0;           // --split: each half alone
   std::string decode_kernel;
   std::vector<std::pair<int32_t, float>> split;  // --split: (prefill CTAs, ms) side by side
+  std::vector<std::pair<int32_t, float>> occupied;  // --occupy: (SMs held, decode ms)
 };
 
 // --split=P1,P2,...: a diagnostic of an SM-partitioned POD. The decode kernel and the Hopper
@@ -112,6 +116,10 @@ struct Row {
 // against b2b's outputs, then timed. --contiguous: each request's pages in order (FlashInfer's
 // benchmark), instead of shuffled.
 std::vector<int32_t> g_splits;
+// --occupy=N1,N2,...: a diagnostic of the decode side by side. The decode alone while a spinning
+// kernel holds N SMs (bench::OccupySms, launched first on another stream), as the side-by-side
+// prefill's persistent CTAs hold them.
+std::vector<int32_t> g_occupy;
 bool g_contiguous = false;
 
 Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
@@ -382,6 +390,29 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
         stream);
     for (int32_t ctas : g_splits) row.split.push_back({ctas, time_side_by_side(ctas)});
   }
+  for (int32_t sms : g_occupy) {
+    // Median of 15: the SMs held for 3 ms, the decode launched 50 us later on the other stream
+    // (its CTAs take the SMs left), timed by events around it.
+    cudaEvent_t begin, end;
+    CHECK_CUDA(cudaEventCreate(&begin));
+    CHECK_CUDA(cudaEventCreate(&end));
+    std::vector<float> times;
+    for (int rep = 0; rep < 18; ++rep) {
+      CHECK_CUDA(bench::OccupySms(sms, 3000, side));
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      CHECK_CUDA(cudaEventRecord(begin, stream));
+      CHECK_OK(cuda::BatchDecode(decode_args, stream));
+      CHECK_CUDA(cudaEventRecord(end, stream));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, begin, end));
+      if (rep >= 3) times.push_back(ms);
+    }
+    std::sort(times.begin(), times.end());
+    row.occupied.push_back({sms, times[times.size() / 2]});
+    CHECK_CUDA(cudaEventDestroy(begin));
+    CHECK_CUDA(cudaEventDestroy(end));
+  }
   CHECK_CUDA(cudaEventDestroy(fork));
   CHECK_CUDA(cudaEventDestroy(join));
   CHECK_CUDA(cudaStreamDestroy(side));
@@ -409,6 +440,13 @@ int main(int argc, char** argv) {
     if (std::strncmp(argv[i], "--page=", 7) == 0) page_sizes = {std::atoi(argv[i] + 7)};
     if (std::strcmp(argv[i], "--verbose") == 0) verbose = true;
     if (std::strcmp(argv[i], "--contiguous") == 0) g_contiguous = true;
+    if (std::strncmp(argv[i], "--occupy=", 9) == 0) {
+      for (const char* p = argv[i] + 9; *p != '\0';) {
+        g_occupy.push_back(std::atoi(p));
+        while (*p != '\0' && *p != ',') ++p;
+        if (*p == ',') ++p;
+      }
+    }
     if (std::strncmp(argv[i], "--split=", 8) == 0) {
       for (const char* p = argv[i] + 8; *p != '\0';) {
         g_splits.push_back(std::atoi(p));
@@ -457,6 +495,11 @@ int main(int argc, char** argv) {
         std::printf("  decode alone %.4f (%s), prefill alone %.4f; side by side:", row.decode_ms, row.decode_kernel.c_str(),
                     row.prefill_ms);
         for (const auto& [ctas, ms] : row.split) std::printf(" P=%d %.4f (%.3f of b2b)", ctas, ms, ms / row.b2b_ms);
+        std::printf("\n");
+      }
+      if (!row.occupied.empty()) {
+        std::printf("  decode with SMs held:");
+        for (const auto& [sms, ms] : row.occupied) std::printf(" %d held %.4f", sms, ms);
         std::printf("\n");
       }
       std::fflush(stdout);
