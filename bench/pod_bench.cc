@@ -107,7 +107,12 @@ struct Row {
   float decode_ms = 0, prefill_ms = 0;           // --split: each half alone
   std::string decode_kernel;
   std::vector<std::pair<int32_t, float>> split;  // --split: (prefill CTAs, ms) side by side
-  std::vector<std::pair<int32_t, float>> occupied;  // --occupy: (SMs held, decode ms)
+  struct Occupied {
+    int32_t sms;      // held
+    float decode_ms;  // the decode beside them
+    double copy_tbps;  // the copy kernel beside them, read + write
+  };
+  std::vector<Occupied> occupied;  // --occupy
 };
 
 // --split=P1,P2,...: a diagnostic of an SM-partitioned POD. The decode kernel and the Hopper
@@ -390,29 +395,44 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
         stream);
     for (int32_t ctas : g_splits) row.split.push_back({ctas, time_side_by_side(ctas)});
   }
-  for (int32_t sms : g_occupy) {
-    // Median of 15: the SMs held for 3 ms, the decode launched 50 us later on the other stream
-    // (its CTAs take the SMs left), timed by events around it.
+  if (!g_occupy.empty()) {
+    // Median of 15: the SMs held for 3 ms, `launch` issued 50 us later on the other stream (its
+    // CTAs take the SMs left), timed by events around it.
     cudaEvent_t begin, end;
     CHECK_CUDA(cudaEventCreate(&begin));
     CHECK_CUDA(cudaEventCreate(&end));
-    std::vector<float> times;
-    for (int rep = 0; rep < 18; ++rep) {
-      CHECK_CUDA(bench::OccupySms(sms, 3000, side));
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-      CHECK_CUDA(cudaEventRecord(begin, stream));
-      CHECK_OK(cuda::BatchDecode(decode_args, stream));
-      CHECK_CUDA(cudaEventRecord(end, stream));
-      CHECK_CUDA(cudaDeviceSynchronize());
-      float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, begin, end));
-      if (rep >= 3) times.push_back(ms);
+    auto time_beside_held = [&](int32_t sms, auto&& launch) {
+      std::vector<float> times;
+      for (int rep = 0; rep < 18; ++rep) {
+        CHECK_CUDA(bench::OccupySms(sms, 3000, side));
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+        CHECK_CUDA(cudaEventRecord(begin, stream));
+        launch();
+        CHECK_CUDA(cudaEventRecord(end, stream));
+        CHECK_CUDA(cudaDeviceSynchronize());
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, begin, end));
+        if (rep >= 3) times.push_back(ms);
+      }
+      std::sort(times.begin(), times.end());
+      return times[times.size() / 2];
+    };
+    // The copy kernel over 256 MB of the K pool, beside the same held SMs: what plain 16-byte
+    // loads and stores reach per SM.
+    constexpr size_t kCopyBytes = size_t{256} << 20;
+    void* copy_target = nullptr;
+    CHECK_CUDA(cudaMalloc(&copy_target, kCopyBytes));
+    for (int32_t sms : g_occupy) {
+      const float decode_ms = time_beside_held(sms, [&] { CHECK_OK(cuda::BatchDecode(decode_args, stream)); });
+      const float copy_ms =
+          time_beside_held(sms, [&] { CHECK_CUDA(bench::CopyWithKernel(copy_target, k_pool, kCopyBytes, stream)); });
+      row.occupied.push_back({sms, decode_ms, 2.0 * kCopyBytes / (copy_ms * 1e9)});
     }
-    std::sort(times.begin(), times.end());
-    row.occupied.push_back({sms, times[times.size() / 2]});
+    CHECK_CUDA(cudaFree(copy_target));
     CHECK_CUDA(cudaEventDestroy(begin));
     CHECK_CUDA(cudaEventDestroy(end));
   }
+
   CHECK_CUDA(cudaEventDestroy(fork));
   CHECK_CUDA(cudaEventDestroy(join));
   CHECK_CUDA(cudaStreamDestroy(side));
@@ -499,7 +519,7 @@ int main(int argc, char** argv) {
       }
       if (!row.occupied.empty()) {
         std::printf("  decode with SMs held:");
-        for (const auto& [sms, ms] : row.occupied) std::printf(" %d held %.4f", sms, ms);
+        for (const auto& [sms, ms, tbps] : row.occupied) std::printf(" %d held %.4f (copy %.2f TB/s)", sms, ms, tbps);
         std::printf("\n");
       }
       std::fflush(stdout);
