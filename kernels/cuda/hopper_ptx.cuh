@@ -316,6 +316,18 @@ __device__ __forceinline__ void NamedBarrierArrive(uint32_t id, uint32_t threads
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// bar.sync that also ANDs `value` over the `threads` arriving: the same answer in every one of
+// them (for choices that must not diverge across a warpgroup, such as which wgmma comes next).
+__device__ __forceinline__ bool NamedBarrierAll(uint32_t id, uint32_t threads, bool value) {
+  uint32_t all;
+  asm volatile(
+      "{\n.reg .pred in, out;\nsetp.ne.u32 in, %1, 0;\nbar.red.and.pred out, %2, %3, in;\nselp.u32 %0, 1, 0, out;\n}\n"
+      : "=r"(all)
+      : "r"(static_cast<uint32_t>(value)), "r"(id), "r"(threads)
+      : "memory");
+  return all != 0;
+}
+
 template <int kRegisters>
 __device__ __forceinline__ void ReleaseRegisters() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));

@@ -69,6 +69,7 @@ inline constexpr uint32_t kPFullBarrier = 2;   // scorer arrives, helper syncs: 
 inline constexpr uint32_t kPEmptyBarrier = 3;  // helper arrives, scorer syncs: P_j was read
 inline constexpr uint32_t kWarpgroupBarrier = 4;  // + consumer index: one consumer's 128 threads
 inline constexpr uint32_t kProducerBarrier = 6;   // the producer's 128 threads (fp8 caches)
+inline constexpr uint32_t kScorerBarrier = 7;     // the scorer's 128 threads: one choice for all
 
 template <int kRankArg>
 struct WideShape {
@@ -593,7 +594,11 @@ __device__ __forceinline__ void Score(const MlaParams& params, const HopperWork&
       // Stage j - 1 goes back to the producer once P_{j-1} V_0 completed. Where tile j has landed,
       // Q K_j^T is issued first and queues behind that product. Where it has not, the release
       // comes first: held until tile j lands, it would delay the load of tile j + 1 by as long.
-      if (tile > 0 && !MbarrierTest(FullBarrier<Shape>(smem, tile), StagePhase<Shape>(tile))) {
+      // The four warps take one branch (a barrier's vote: landed for all of them), since a wgmma
+      // instruction must be the same one in every warp of the warpgroup (synccheck flagged warps
+      // that had seen the tile land at different times).
+      if (tile > 0 && !NamedBarrierAll(kScorerBarrier, 128, MbarrierTest(FullBarrier<Shape>(smem, tile),
+                                                                         StagePhase<Shape>(tile)))) {
         WgmmaWait<0>();
         release_previous(tile);
         WaitFull<Shape>(smem, tile);
