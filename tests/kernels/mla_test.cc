@@ -738,20 +738,28 @@ INSTANTIATE_TEST_SUITE_P(KvDtypes, MlaDeterminismTest,
 // tiles of both kinds in one launch (a window moves a chunk's first key off the tile grid).
 class MlaTmaTest : public ::testing::TestWithParam<MlaCase> {};
 
-TEST_P(MlaTmaTest, TmaLoadsMatchCopiesBitwise) {
-  ATTND_SKIP_WITHOUT_GPU();
-  if (!KernelAvailable(GetParam())) GTEST_SKIP() << "no " << CaseName(GetParam()) << " kernel on this device";
-  MlaProblem problem = MakeProblem(GetParam());
+// Runs `c` with its plan as it is, then with `turn_off` applied to the case (the same plan, with
+// `extra_units` placeholders): o and lse bitwise equal between the two, and the first right
+// against the float64 reference. `what` names the two ways in a failure.
+template <typename TurnOff>
+void ExpectSameBitsWithout(const MlaCase& c, int extra_units, TurnOff turn_off, const char* what) {
+  if (!KernelAvailable(c)) GTEST_SKIP() << "no " << CaseName(c) << " kernel on this device";
+  MlaProblem problem = MakeProblem(c);
   auto plan = PlanFor(problem);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  MlaOutput tma, copies;
-  ASSERT_TRUE(RunGpu(problem, *plan, &tma));
-  problem.config.allow_tma = false;
-  ASSERT_TRUE(RunGpu(problem, *plan, &copies));
-  EXPECT_EQ(tma.o, copies.o) << "o differs between TMA and cp.async loads";
-  EXPECT_EQ(std::memcmp(tma.lse.data(), copies.lse.data(), tma.lse.size() * sizeof(float)), 0)
-      << "lse differs between TMA and cp.async loads";
-  ExpectMatchesReference(problem, tma, RunReference(problem));
+  MlaOutput on, off;
+  ASSERT_TRUE(RunGpu(problem, *plan, &on, extra_units));
+  turn_off(problem.config);
+  ASSERT_TRUE(RunGpu(problem, *plan, &off, extra_units));
+  EXPECT_EQ(on.o, off.o) << "o differs between " << what;
+  EXPECT_EQ(std::memcmp(on.lse.data(), off.lse.data(), on.lse.size() * sizeof(float)), 0)
+      << "lse differs between " << what;
+  ExpectMatchesReference(problem, on, RunReference(problem));
+}
+
+TEST_P(MlaTmaTest, TmaLoadsMatchCopiesBitwise) {
+  ATTND_SKIP_WITHOUT_GPU();
+  ExpectSameBitsWithout(GetParam(), 0, [](MlaCase& c) { c.allow_tma = false; }, "TMA and cp.async loads");
 }
 
 std::vector<MlaCase> TmaCases() {
@@ -793,23 +801,16 @@ struct ClusterCase {
   int extra_units = 0;  // placeholder units inserted into the plan (an even count keeps clusters)
 };
 
+void PrintTo(const ClusterCase& c, std::ostream* os) {
+  *os << CaseName(c.mla) << " + " << c.extra_units << " placeholder units";
+}
+
 class MlaClusterTest : public ::testing::TestWithParam<ClusterCase> {};
 
 TEST_P(MlaClusterTest, SharedTilesMatchOwnLoadsBitwise) {
   ATTND_SKIP_WITHOUT_GPU();
-  const ClusterCase& param = GetParam();
-  if (!KernelAvailable(param.mla)) GTEST_SKIP() << "no " << CaseName(param.mla) << " kernel on this device";
-  MlaProblem problem = MakeProblem(param.mla);
-  auto plan = PlanFor(problem);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  MlaOutput clustered, own;
-  ASSERT_TRUE(RunGpu(problem, *plan, &clustered, param.extra_units));
-  problem.config.allow_cluster = false;
-  ASSERT_TRUE(RunGpu(problem, *plan, &own, param.extra_units));
-  EXPECT_EQ(clustered.o, own.o) << "o differs between shared and own tiles";
-  EXPECT_EQ(std::memcmp(clustered.lse.data(), own.lse.data(), own.lse.size() * sizeof(float)), 0)
-      << "lse differs between shared and own tiles";
-  ExpectMatchesReference(problem, clustered, RunReference(problem));
+  ExpectSameBitsWithout(GetParam().mla, GetParam().extra_units, [](MlaCase& c) { c.allow_cluster = false; },
+                        "shared and own tiles");
 }
 
 std::vector<ClusterCase> ClusterCases() {
