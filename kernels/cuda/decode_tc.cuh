@@ -149,10 +149,11 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
   const int kv_head = blockIdx.x - item * params.num_kv_heads;
   // Lets a following merge grid be scheduled once every CTA of this one runs; it still waits
   // (griddepcontrol.wait) for this grid's results. Launched itself as a programmatic dependent
-  // of the append that wrote q and the new keys: wait for that grid before reading anything.
+  // of the kernel before it (the append that wrote q and the new keys): the plan's work item and
+  // the page table, which were uploaded before that kernel ran and which no kernel writes, are
+  // read while it finishes; q and the cache only after griddepcontrol.wait below.
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -165,22 +166,6 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
   const int group = params.group_size;
   const int64_t first_head_row = static_cast<int64_t>(q_row) * params.num_qo_heads +
                                  static_cast<int64_t>(kv_head) * group;
-
-  // --- Q: the group's rows; rows past the group are zero (never stored).
-  {
-    const T* q = static_cast<const T*>(params.q);
-    constexpr int kQLoads = kRows * kChunks / kThreads;
-#pragma unroll
-    for (int l = 0; l < kQLoads; ++l) {
-      const int id = tid + l * kThreads;
-      const int row = id / kChunks;
-      const int chunk = id % kChunks;
-      const bool valid = row < group;
-      const T* source = valid ? q + (first_head_row + row) * kHeadDim + chunk * 8 : q;
-      CpAsync16(SharedAddress(q_tile + row * kRowBytes + ((chunk ^ (row & 7)) << 4)), source, valid);
-    }
-    CpAsyncCommit();
-  }
 
   // --- This warp's key stream: tile j holds keys [warp_first + 64 j, + 16).
   const int warp_first = kv_begin + warp * kWarpKeys;
@@ -225,13 +210,36 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
     }
   };
 
-  int32_t page = fetch_page(0);
+  // The first tiles' page ids: page-table reads, so before the wait.
+  int32_t first_pages[kStages];
+#pragma unroll
+  for (int tile = 0; tile < kStages; ++tile) first_pages[tile] = fetch_page(tile);
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+
+  // --- Q: the group's rows; rows past the group are zero (never stored).
+  {
+    const T* q = static_cast<const T*>(params.q);
+    constexpr int kQLoads = kRows * kChunks / kThreads;
+#pragma unroll
+    for (int l = 0; l < kQLoads; ++l) {
+      const int id = tid + l * kThreads;
+      const int row = id / kChunks;
+      const int chunk = id % kChunks;
+      const bool valid = row < group;
+      const T* source = valid ? q + (first_head_row + row) * kHeadDim + chunk * 8 : q;
+      CpAsync16(SharedAddress(q_tile + row * kRowBytes + ((chunk ^ (row & 7)) << 4)), source, valid);
+    }
+    CpAsyncCommit();
+  }
+
 #pragma unroll
   for (int tile = 0; tile < kStages - 1; ++tile) {
-    if (tile < num_tiles) issue(tile, page);
+    if (tile < num_tiles) issue(tile, first_pages[tile]);
     CpAsyncCommit();  // empty groups keep the wait counts uniform
-    page = fetch_page(tile + 1);
   }
+  int32_t page = first_pages[kStages - 1];
   // Q (the oldest group) has landed for every thread; the barrier makes it visible to all.
   CpAsyncWait<kStages - 1>();
   __syncthreads();

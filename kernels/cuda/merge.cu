@@ -45,8 +45,12 @@ __global__ void __launch_bounds__(kMergeThreads) MergeStatesKernel(const MergePa
   __shared__ float group_denominators[kMergeThreads];
   __shared__ float warp_maxima[kMergeThreads / 32];
 
-  // Launched as a programmatic dependent of the kernel that wrote the partials: wait for it.
+  // Launched as a programmatic dependent of the kernel that wrote the partials: wait for it. The
+  // kernel after this one (the next layer's decode or prefill, programmatic dependents too) may
+  // be scheduled at once: it reads its plan and page table while this grid runs, and waits for
+  // it before reading anything a kernel writes.
 #if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const int row = blockIdx.x;
