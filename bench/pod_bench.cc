@@ -121,11 +121,22 @@ struct Row {
 // against b2b's outputs, then timed. --contiguous: each request's pages in order (FlashInfer's
 // benchmark), instead of shuffled.
 std::vector<int32_t> g_splits;
-// --occupy=N1,N2,...: a diagnostic of the decode side by side. The decode alone while a spinning
-// kernel holds N SMs (bench::OccupySms, launched first on another stream), as the side-by-side
-// prefill's persistent CTAs hold them.
+// --occupy=N1,N2,...: a diagnostic of the decode side by side. The decode alone, and the copy
+// kernel, while a spinning kernel holds N SMs (bench::OccupySms, launched first on another
+// stream), as the side-by-side prefill's persistent CTAs hold them.
 std::vector<int32_t> g_occupy;
 bool g_contiguous = false;
+
+// "1,22,333" -> {1, 22, 333}.
+std::vector<int32_t> IntList(const char* text) {
+  std::vector<int32_t> values;
+  for (const char* p = text; *p != '\0';) {
+    values.push_back(std::atoi(p));
+    while (*p != '\0' && *p != ',') ++p;
+    if (*p == ',') ++p;
+  }
+  return values;
+}
 
 Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
   const int32_t batch = shape.num_prefills + kNumDecodes;
@@ -417,16 +428,16 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
       std::sort(times.begin(), times.end());
       return times[times.size() / 2];
     };
-    // The copy kernel over 256 MB of the K pool, beside the same held SMs: what plain 16-byte
-    // loads and stores reach per SM.
-    constexpr size_t kCopyBytes = size_t{256} << 20;
+    // The copy kernel over (up to) 256 MB of the K pool, beside the same held SMs: what plain
+    // 16-byte loads and stores reach per SM.
+    const size_t copy_bytes = std::min<size_t>(size_t{256} << 20, pool_elements * 2 / 16 * 16);
     void* copy_target = nullptr;
-    CHECK_CUDA(cudaMalloc(&copy_target, kCopyBytes));
+    CHECK_CUDA(cudaMalloc(&copy_target, copy_bytes));
     for (int32_t sms : g_occupy) {
       const float decode_ms = time_beside_held(sms, [&] { CHECK_OK(cuda::BatchDecode(decode_args, stream)); });
       const float copy_ms =
-          time_beside_held(sms, [&] { CHECK_CUDA(bench::CopyWithKernel(copy_target, k_pool, kCopyBytes, stream)); });
-      row.occupied.push_back({sms, decode_ms, 2.0 * kCopyBytes / (copy_ms * 1e9)});
+          time_beside_held(sms, [&] { CHECK_CUDA(bench::CopyWithKernel(copy_target, k_pool, copy_bytes, stream)); });
+      row.occupied.push_back({sms, decode_ms, 2.0 * copy_bytes / (copy_ms * 1e9)});
     }
     CHECK_CUDA(cudaFree(copy_target));
     CHECK_CUDA(cudaEventDestroy(begin));
@@ -460,20 +471,8 @@ int main(int argc, char** argv) {
     if (std::strncmp(argv[i], "--page=", 7) == 0) page_sizes = {std::atoi(argv[i] + 7)};
     if (std::strcmp(argv[i], "--verbose") == 0) verbose = true;
     if (std::strcmp(argv[i], "--contiguous") == 0) g_contiguous = true;
-    if (std::strncmp(argv[i], "--occupy=", 9) == 0) {
-      for (const char* p = argv[i] + 9; *p != '\0';) {
-        g_occupy.push_back(std::atoi(p));
-        while (*p != '\0' && *p != ',') ++p;
-        if (*p == ',') ++p;
-      }
-    }
-    if (std::strncmp(argv[i], "--split=", 8) == 0) {
-      for (const char* p = argv[i] + 8; *p != '\0';) {
-        g_splits.push_back(std::atoi(p));
-        while (*p != '\0' && *p != ',') ++p;
-        if (*p == ',') ++p;
-      }
-    }
+    if (std::strncmp(argv[i], "--occupy=", 9) == 0) g_occupy = IntList(argv[i] + 9);
+    if (std::strncmp(argv[i], "--split=", 8) == 0) g_splits = IntList(argv[i] + 8);
     bench::ParseWarmFlag(argv[i]);
   }
   int device = 0;
