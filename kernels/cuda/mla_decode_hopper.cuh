@@ -116,18 +116,35 @@ __device__ __forceinline__ void InitStageBarriers(uint32_t barriers, uint32_t em
 }
 
 // Both Hopper MLA kernels' launchers: sets the kernel's dynamic shared memory, then reports its
-// occupancy (ctas_per_sm non-null) or launches it.
+// occupancy (ctas_per_sm non-null) or launches it. pairs: in clusters of two CTAs (num_ctas
+// even); the occupancy reported is then the clusters of two the device holds at once.
 template <typename Kernel>
 cudaError_t LaunchOrMeasure(Kernel* kernel, int threads, int smem_bytes, const MlaParams& params,
-                            int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
+                            int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm, bool pairs = false) {
   cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (error != cudaSuccess) return error;
-  if (ctas_per_sm != nullptr) {
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, threads, smem_bytes);
+  if (!pairs) {
+    if (ctas_per_sm != nullptr) {
+      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, threads, smem_bytes);
+    }
+    kernel<<<num_ctas, threads, smem_bytes, stream>>>(params);
+    return cudaGetLastError();
   }
-  kernel<<<num_ctas, threads, smem_bytes, stream>>>(params);
-  return cudaGetLastError();
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(ctas_per_sm != nullptr ? 2 : num_ctas);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  if (ctas_per_sm != nullptr) return cudaOccupancyMaxActiveClusters(ctas_per_sm, kernel, &config);
+  return cudaLaunchKernelEx(&config, kernel, params);
 }
 
 // Decodes plan unit `unit` (plan::MlaWorkUnit; a CTA's own is blockIdx.x) for tiles of kTileKeys

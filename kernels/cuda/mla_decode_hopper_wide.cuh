@@ -822,27 +822,9 @@ __global__ void __launch_bounds__(kWideThreads, 1) MlaDecodeHopperWideKernel(con
 // and with ctas_per_sm non-null, *ctas_per_sm is set to the clusters the device runs at once.
 template <int kRank, typename T, typename Stored>
 cudaError_t LaunchMlaHopperWide(const MlaParams& params, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm) {
-  auto* const kernel = &MlaDecodeHopperWideKernel<kRank, T, Stored>;
-  constexpr int kSmemBytes = WideShape<kRank>::kSmemBytes;
-  if (!params.cluster_pairs || !std::is_same_v<Stored, T>) {
-    return hopper::LaunchOrMeasure(kernel, kWideThreads, kSmemBytes, params, num_ctas, stream, ctas_per_sm);
-  }
-  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (error != cudaSuccess) return error;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(ctas_per_sm != nullptr ? 2 : num_ctas);
-  config.blockDim = dim3(kWideThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  if (ctas_per_sm != nullptr) return cudaOccupancyMaxActiveClusters(ctas_per_sm, kernel, &config);
-  return cudaLaunchKernelEx(&config, kernel, params);
+  return hopper::LaunchOrMeasure(&MlaDecodeHopperWideKernel<kRank, T, Stored>, kWideThreads,
+                                 WideShape<kRank>::kSmemBytes, params, num_ctas, stream, ctas_per_sm,
+                                 params.cluster_pairs && std::is_same_v<Stored, T>);
 }
 
 // The rank (512 or 256) and q's type (bf16 when `bf16`, else fp16) of one cache type: Fp8 =

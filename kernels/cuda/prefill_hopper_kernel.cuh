@@ -462,8 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
   // caller's max_persistent_ctas, or items the step planner dropped) the layout's rounds are
   // heaviest first by and large, and odd rounds run backwards (CTA b takes the (G-1-b)-th of the
   // round): a plain stride would hand CTA 0 the heaviest of every round; snaking pairs heavy with
-  // light. Every work item runs the same code
-  // wherever it lands, so the order changes no bits.
+  // light. Every work item runs the same code wherever it lands, so the order changes no bits.
   const bool snake = static_cast<int>(gridDim.x) != params.balanced_grid;
   auto work_index = [&](int round) {
     const int b = snake && (round & 1) ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)
