@@ -8,7 +8,8 @@
 //
 //   attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14] [--e2e] [--contiguous-pages]
 //               [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH] [--tc-max-chunk=N]
-//               [--warm_ms=N]
+//               [--warm_ms=N] [--qo_heads=N] [--kv_heads=N] [--head_dim=N] [--page_size=N]
+//               [--decode_cases=BATCHxLENGTH,...]
 // (no case flag: both). --quick runs a reduced sweep; --variants adds decode cases with pinned
 // chunk sizes next to the planner's choice; --issue14 runs only the decode shapes of issue 14's
 // table; --e2e only short-context batches (the e2e shape's decode layers). --decode-kernel forces the decode kernel (default auto: the planner's choice); "all"
@@ -58,11 +59,12 @@ constexpr int kMaxSets = 64;
 constexpr double kTargetGraphSeconds = 3e-3;
 constexpr int kReplays = 15;
 
-// Standard shapes (PERFORMANCE.md).
-constexpr int32_t kQoHeads = 32;
-constexpr int32_t kKvHeads = 8;
-constexpr int32_t kHeadDim = 128;
-constexpr int32_t kPageSize = 16;
+// The shape: PERFORMANCE.md's standard one unless --qo_heads, --kv_heads, --head_dim or
+// --page_size say otherwise (every decode and append case).
+int32_t g_qo_heads = 32;
+int32_t g_kv_heads = 8;
+int32_t g_head_dim = 128;
+int32_t g_page_size = 16;
 
 int SetsFor(int64_t bytes_per_set) {
   return static_cast<int>(std::clamp<int64_t>((kRotationBytes + bytes_per_set - 1) / bytes_per_set, 1, kMaxSets));
@@ -117,8 +119,8 @@ double CheckDecode(const std::vector<int64_t>& lengths, const std::vector<int32_
                    const AttentionParams& params) {
   const int32_t batch = static_cast<int32_t>(lengths.size());
   const std::vector<int32_t> picks = batch > 1 ? std::vector<int32_t>{0, batch - 1} : std::vector<int32_t>{0};
-  const int64_t page_bytes = int64_t{kPageSize} * kKvHeads * kHeadDim * 2;
-  const int64_t row_elements = int64_t{kQoHeads} * kHeadDim;
+  const int64_t page_bytes = int64_t{g_page_size} * g_kv_heads * g_head_dim * 2;
+  const int64_t row_elements = int64_t{g_qo_heads} * g_head_dim;
   std::vector<int32_t> host_indptr = {0}, host_pages, last_page_len;
   std::vector<uint8_t> host_k, host_v, host_q, gpu_o;
   for (int32_t b : picks) {
@@ -133,7 +135,7 @@ double CheckDecode(const std::vector<int64_t>& lengths, const std::vector<int32_
       host_pages.push_back(static_cast<int32_t>(host_pages.size()));
     }
     host_indptr.push_back(static_cast<int32_t>(host_pages.size()));
-    last_page_len.push_back(pages == 0 ? 0 : static_cast<int32_t>(lengths[b] - int64_t{pages - 1} * kPageSize));
+    last_page_len.push_back(pages == 0 ? 0 : static_cast<int32_t>(lengths[b] - int64_t{pages - 1} * g_page_size));
     const size_t at = host_q.size();
     host_q.resize(at + row_elements * 2);
     gpu_o.resize(at + row_elements * 2);
@@ -145,15 +147,15 @@ double CheckDecode(const std::vector<int64_t>& lengths, const std::vector<int32_
   std::iota(qo_indptr.begin(), qo_indptr.end(), 0);
   std::vector<float> ref_o(rows * row_elements);
   reference::BatchAttentionArgs args;
-  args.q = TokenHeadsView{host_q.data(), DType::kBFloat16, rows, kQoHeads, kHeadDim};
+  args.q = TokenHeadsView{host_q.data(), DType::kBFloat16, rows, g_qo_heads, g_head_dim};
   args.qo_indptr = qo_indptr.data();
-  args.pages = PageTableView{rows, kPageSize, host_indptr.data(), host_pages.data(), host_pages.data(), last_page_len.data()};
+  args.pages = PageTableView{rows, g_page_size, host_indptr.data(), host_pages.data(), host_pages.data(), last_page_len.data()};
   args.k_cache = PagedKvView{host_k.data(), DType::kBFloat16, KvLayout::kNHD,
-                             static_cast<int64_t>(host_pages.size()), kPageSize, kKvHeads, kHeadDim};
+                             static_cast<int64_t>(host_pages.size()), g_page_size, g_kv_heads, g_head_dim};
   args.v_cache = args.k_cache;
   args.v_cache.data = host_v.data();
   args.params = params;
-  args.o = TokenHeadsView{ref_o.data(), DType::kFloat32, rows, kQoHeads, kHeadDim};
+  args.o = TokenHeadsView{ref_o.data(), DType::kFloat32, rows, g_qo_heads, g_head_dim};
   args.accumulation = reference::Accumulation::kFloat64;
   reference::BatchAttention(args);
   double diff = 0, norm = 0;
@@ -176,14 +178,14 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   int64_t total_tokens = 0, pages_per_set = 0;
   for (int64_t length : spec.lengths) {
     total_tokens += length;
-    pages_per_set += (length + kPageSize - 1) / kPageSize;
+    pages_per_set += (length + g_page_size - 1) / g_page_size;
   }
   result.kv_len = total_tokens / batch;
   result.max_kv_len = *std::max_element(spec.lengths.begin(), spec.lengths.end());
-  const int64_t page_bytes = int64_t{kPageSize} * kKvHeads * kHeadDim * 2;
-  const int64_t row_bytes = int64_t{kQoHeads} * kHeadDim * 2;
+  const int64_t page_bytes = int64_t{g_page_size} * g_kv_heads * g_head_dim * 2;
+  const int64_t row_bytes = int64_t{g_qo_heads} * g_head_dim * 2;
   // Bytes a decode must move: every K and V byte once, q read once, o written once.
-  const int64_t bytes = total_tokens * kKvHeads * kHeadDim * 2 * 2 + 2 * batch * row_bytes;
+  const int64_t bytes = total_tokens * g_kv_heads * g_head_dim * 2 * 2 + 2 * batch * row_bytes;
   result.bytes = static_cast<double>(bytes);
   const int sets = SetsFor(bytes);
   const size_t pool_bytes = static_cast<size_t>(sets * pages_per_set * page_bytes);
@@ -201,7 +203,7 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   // order with --contiguous-pages, as FlashInfer's figures in issue 14 were measured).
   std::mt19937 rng(17);
   std::vector<int32_t> indptr = {0};
-  for (int64_t length : spec.lengths) indptr.push_back(indptr.back() + static_cast<int32_t>((length + kPageSize - 1) / kPageSize));
+  for (int64_t length : spec.lengths) indptr.push_back(indptr.back() + static_cast<int32_t>((length + g_page_size - 1) / g_page_size));
   std::vector<std::vector<int32_t>> k_indices(sets);
   DeviceMemory indptr_device(indptr.size() * 4), indices_device(sets * pages_per_set * 4);
   CopyToDevice(indptr_device.get(), indptr);
@@ -215,9 +217,9 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   std::vector<int32_t> qo_indptr(batch + 1);
   std::iota(qo_indptr.begin(), qo_indptr.end(), 0);
   plan::DecodePlanOptions options;
-  options.num_kv_heads = kKvHeads;
+  options.num_kv_heads = g_kv_heads;
   options.ctas_per_wave = waves.cuda_core;
-  options.tensor_core_supported = true;
+  options.tensor_core_supported = waves.tensor_core > 0;  // (none for this shape: 0)
   options.tensor_core_ctas_per_wave = waves.tensor_core;
   options.kernel_choice = spec.kernel;
   options.fixed_split_tokens = spec.fixed_split_tokens;
@@ -227,24 +229,24 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   const std::vector<int32_t> packed = plan->Pack();
   DeviceMemory packed_device(packed.size() * 4);
   CopyToDevice(packed_device.get(), packed);
-  const int64_t workspace_bytes = cuda::BatchDecodeWorkspaceBytes(plan->num_partials, kQoHeads, kHeadDim);
+  const int64_t workspace_bytes = cuda::BatchDecodeWorkspaceBytes(plan->num_partials, g_qo_heads, g_head_dim);
   DeviceMemory workspace(workspace_bytes);
 
   AttentionParams params;
-  params.sm_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  params.sm_scale = 1.0f / std::sqrt(static_cast<float>(g_head_dim));
   std::vector<cuda::BatchDecodeArgs> args(sets);
   for (int s = 0; s < sets; ++s) {
     cuda::BatchDecodeArgs& a = args[s];
-    a.q = TokenHeadsView{q.get<uint8_t>() + s * batch * row_bytes, DType::kBFloat16, batch, kQoHeads, kHeadDim};
-    a.pages = PageTableView{batch, kPageSize, indptr_device.get<int32_t>(),
+    a.q = TokenHeadsView{q.get<uint8_t>() + s * batch * row_bytes, DType::kBFloat16, batch, g_qo_heads, g_head_dim};
+    a.pages = PageTableView{batch, g_page_size, indptr_device.get<int32_t>(),
                             indices_device.get<int32_t>() + s * pages_per_set,
                             indices_device.get<int32_t>() + s * pages_per_set, nullptr};
-    a.k_cache = PagedKvView{k_pool.get(), DType::kBFloat16, KvLayout::kNHD, sets * pages_per_set, kPageSize, kKvHeads, kHeadDim};
+    a.k_cache = PagedKvView{k_pool.get(), DType::kBFloat16, KvLayout::kNHD, sets * pages_per_set, g_page_size, g_kv_heads, g_head_dim};
     a.v_cache = a.k_cache;
     a.v_cache.data = v_pool.get();
     a.params = params;
     a.work = plan->View(packed_device.get<int32_t>());
-    a.o = TokenHeadsView{o.get<uint8_t>() + s * batch * row_bytes, DType::kBFloat16, batch, kQoHeads, kHeadDim};
+    a.o = TokenHeadsView{o.get<uint8_t>() + s * batch * row_bytes, DType::kBFloat16, batch, g_qo_heads, g_head_dim};
     a.workspace = workspace.get();
     a.workspace_bytes = workspace_bytes;
   }
@@ -334,6 +336,24 @@ std::vector<DecodeSpec> E2eDecodeSpecs() {
   return specs;
 }
 
+// --decode_cases=1x4096,16x1024,...: uniform batches (batch x kv length), named as the sweep names
+// them (b1_kv4096). Empty on a malformed list.
+std::vector<DecodeSpec> ListedDecodeSpecs(const std::string& list) {
+  std::vector<DecodeSpec> specs;
+  for (size_t start = 0; start < list.size();) {
+    size_t end = list.find(',', start);
+    if (end == std::string::npos) end = list.size();
+    const std::string item = list.substr(start, end - start);
+    start = end + 1;
+    int batch = 0;
+    long long length = 0;
+    if (std::sscanf(item.c_str(), "%dx%lld", &batch, &length) != 2 || batch <= 0 || length <= 0) return {};
+    specs.push_back({"b" + std::to_string(batch) + "_kv" + std::to_string(length),
+                     std::vector<int64_t>(batch, length)});
+  }
+  return specs;
+}
+
 std::vector<DecodeSpec> DecodeSpecs(bool quick) {
   std::vector<DecodeSpec> specs;
   const std::vector<int32_t> batches = quick ? std::vector<int32_t>{1, 16, 64, 256} : std::vector<int32_t>{1, 16, 64, 128, 256};
@@ -380,18 +400,18 @@ Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
   std::vector<int64_t> prior(batch), total(batch);
   std::vector<int32_t> indptr = {0};
   for (int32_t b = 0; b < batch; ++b) {
-    prior[b] = (b * 7) % kPageSize;
+    prior[b] = (b * 7) % g_page_size;
     total[b] = prior[b] + per_request;
-    indptr.push_back(indptr.back() + static_cast<int32_t>((total[b] + kPageSize - 1) / kPageSize));
+    indptr.push_back(indptr.back() + static_cast<int32_t>((total[b] + g_page_size - 1) / g_page_size));
   }
   const int64_t pages_per_set = indptr.back();
-  const int64_t q_bytes = tokens * kQoHeads * kHeadDim * 2;
-  const int64_t kv_in_bytes = tokens * kKvHeads * kHeadDim * 2;
+  const int64_t q_bytes = tokens * g_qo_heads * g_head_dim * 2;
+  const int64_t kv_in_bytes = tokens * g_kv_heads * g_head_dim * 2;
   // q read and written, k and v read, k and v stored at the cache dtype.
-  const int64_t bytes = 2 * q_bytes + 2 * kv_in_bytes + 2 * tokens * kKvHeads * kHeadDim * cache_bytes;
+  const int64_t bytes = 2 * q_bytes + 2 * kv_in_bytes + 2 * tokens * g_kv_heads * g_head_dim * cache_bytes;
   result.bytes = static_cast<double>(bytes);
   const int sets = SetsFor(bytes);
-  const int64_t page_bytes = int64_t{kPageSize} * kKvHeads * kHeadDim * cache_bytes;
+  const int64_t page_bytes = int64_t{g_page_size} * g_kv_heads * g_head_dim * cache_bytes;
   DeviceMemory q_in(sets * q_bytes), q_out(sets * q_bytes), k_in(sets * kv_in_bytes), v_in(sets * kv_in_bytes);
   DeviceMemory k_pool(sets * pages_per_set * page_bytes), v_pool(sets * pages_per_set * page_bytes);
   CHECK_CUDA(FillRandom(q_in.get(), spec.in_dtype, sets * q_bytes / 2, 21, 4.0f, stream));
@@ -422,7 +442,7 @@ Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
   }
   RopeConfig rope;
   rope.style = spec.rope ? RopeStyle::kNeox : RopeStyle::kNone;
-  rope.rotary_dim = kHeadDim;
+  rope.rotary_dim = g_head_dim;
   rope.theta = 500000.0;
   const std::vector<float> inv_freq = RopeInverseFrequencies(rope);
   DeviceMemory inv_freq_device(inv_freq.size() * 4);
@@ -435,15 +455,15 @@ Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
     cuda::AppendKvArgs& a = args[s];
     a.tokens = AppendIndexView{tokens, batch_device.get<int32_t>(), positions_device.get<int32_t>()};
     const int32_t* ids = pages_device.get<int32_t>() + s * pages_per_set;
-    a.pages = PageTableView{batch, kPageSize, indptr_device.get<int32_t>(), ids, ids, nullptr};
+    a.pages = PageTableView{batch, g_page_size, indptr_device.get<int32_t>(), ids, ids, nullptr};
     a.rope_style = rope.style;
     a.rope_inv_freq = inv_freq_device.get<float>();
-    a.rotary_dim = spec.rope ? kHeadDim : 0;
-    a.q_in = TokenHeadsView{q_in.get<uint8_t>() + s * q_bytes, spec.in_dtype, tokens, kQoHeads, kHeadDim};
-    a.q_out = TokenHeadsView{q_out.get<uint8_t>() + s * q_bytes, spec.in_dtype, tokens, kQoHeads, kHeadDim};
-    a.k_in = TokenHeadsView{k_in.get<uint8_t>() + s * kv_in_bytes, spec.in_dtype, tokens, kKvHeads, kHeadDim};
-    a.v_in = TokenHeadsView{v_in.get<uint8_t>() + s * kv_in_bytes, spec.in_dtype, tokens, kKvHeads, kHeadDim};
-    a.k_cache = PagedKvView{k_pool.get(), spec.cache_dtype, KvLayout::kNHD, sets * pages_per_set, kPageSize, kKvHeads, kHeadDim};
+    a.rotary_dim = spec.rope ? g_head_dim : 0;
+    a.q_in = TokenHeadsView{q_in.get<uint8_t>() + s * q_bytes, spec.in_dtype, tokens, g_qo_heads, g_head_dim};
+    a.q_out = TokenHeadsView{q_out.get<uint8_t>() + s * q_bytes, spec.in_dtype, tokens, g_qo_heads, g_head_dim};
+    a.k_in = TokenHeadsView{k_in.get<uint8_t>() + s * kv_in_bytes, spec.in_dtype, tokens, g_kv_heads, g_head_dim};
+    a.v_in = TokenHeadsView{v_in.get<uint8_t>() + s * kv_in_bytes, spec.in_dtype, tokens, g_kv_heads, g_head_dim};
+    a.k_cache = PagedKvView{k_pool.get(), spec.cache_dtype, KvLayout::kNHD, sets * pages_per_set, g_page_size, g_kv_heads, g_head_dim};
     a.v_cache = a.k_cache;
     a.v_cache.data = v_pool.get();
     a.k_scale = k_scale;
@@ -466,14 +486,14 @@ Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
   std::vector<uint8_t> ref_q(q_bytes, 0xff), ref_k(set_pool_bytes, 0), ref_v(set_pool_bytes, 0);
   reference::AppendArgs ref;
   ref.tokens = AppendIndexView{tokens, batch_indices.data(), positions.data()};
-  ref.pages = PageTableView{batch, kPageSize, indptr.data(), page_ids[0].data(), page_ids[0].data(), nullptr};
+  ref.pages = PageTableView{batch, g_page_size, indptr.data(), page_ids[0].data(), page_ids[0].data(), nullptr};
   ref.rope_style = rope.style;
   ref.rope_inv_freq = inv_freq;
-  ref.q_in = TokenHeadsView{host_q.data(), spec.in_dtype, tokens, kQoHeads, kHeadDim};
-  ref.q_out = TokenHeadsView{ref_q.data(), spec.in_dtype, tokens, kQoHeads, kHeadDim};
-  ref.k_in = TokenHeadsView{host_k.data(), spec.in_dtype, tokens, kKvHeads, kHeadDim};
-  ref.v_in = TokenHeadsView{host_v.data(), spec.in_dtype, tokens, kKvHeads, kHeadDim};
-  ref.k_cache = PagedKvView{ref_k.data(), spec.cache_dtype, KvLayout::kNHD, pages_per_set, kPageSize, kKvHeads, kHeadDim};
+  ref.q_in = TokenHeadsView{host_q.data(), spec.in_dtype, tokens, g_qo_heads, g_head_dim};
+  ref.q_out = TokenHeadsView{ref_q.data(), spec.in_dtype, tokens, g_qo_heads, g_head_dim};
+  ref.k_in = TokenHeadsView{host_k.data(), spec.in_dtype, tokens, g_kv_heads, g_head_dim};
+  ref.v_in = TokenHeadsView{host_v.data(), spec.in_dtype, tokens, g_kv_heads, g_head_dim};
+  ref.k_cache = PagedKvView{ref_k.data(), spec.cache_dtype, KvLayout::kNHD, pages_per_set, g_page_size, g_kv_heads, g_head_dim};
   ref.v_cache = ref.k_cache;
   ref.v_cache.data = ref_v.data();
   ref.k_scale = k_scale;
@@ -539,6 +559,7 @@ int Main(int argc, char** argv) {
   bool decode = false, append = false, quick = false, variants = false, issue14 = false, e2e = false;
   std::vector<plan::DecodeKernelChoice> kernels = {plan::DecodeKernelChoice::kAuto};
   std::string csv_path;
+  std::string decode_cases;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--decode") {
@@ -570,13 +591,31 @@ int Main(int argc, char** argv) {
       g_tc_max_chunk = std::atoi(arg.c_str() + 15);
     } else if (arg.rfind("--csv=", 0) == 0) {
       csv_path = arg.substr(6);
+    } else if (arg.rfind("--decode_cases=", 0) == 0) {
+      decode_cases = arg.substr(15);
+      decode = true;
+    } else if (arg.rfind("--qo_heads=", 0) == 0) {
+      g_qo_heads = std::atoi(arg.c_str() + 11);
+    } else if (arg.rfind("--kv_heads=", 0) == 0) {
+      g_kv_heads = std::atoi(arg.c_str() + 11);
+    } else if (arg.rfind("--head_dim=", 0) == 0) {
+      g_head_dim = std::atoi(arg.c_str() + 11);
+    } else if (arg.rfind("--page_size=", 0) == 0) {
+      g_page_size = std::atoi(arg.c_str() + 12);
     } else if (!ParseWarmFlag(arg.c_str())) {
       std::fprintf(stderr,
                    "usage: attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14] [--e2e]\n"
                    "                   [--contiguous-pages] [--tc-max-chunk=N] [--warm_ms=N]\n"
-                   "                   [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH]\n");
+                   "                   [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH]\n"
+                   "                   [--qo_heads=N] [--kv_heads=N] [--head_dim=N] [--page_size=N]\n"
+                   "                   [--decode_cases=BATCHxLENGTH,...]\n");
       return 2;
     }
+  }
+  if (g_qo_heads <= 0 || g_kv_heads <= 0 || g_qo_heads % g_kv_heads != 0 || g_page_size <= 0 ||
+      (g_head_dim != 64 && g_head_dim != 128 && g_head_dim != 256)) {
+    std::fprintf(stderr, "attnd_bench: qo_heads must be a multiple of kv_heads, head_dim 64, 128 or 256\n");
+    return 2;
   }
   if (!decode && !append) decode = append = true;
   int count = 0;
@@ -604,16 +643,23 @@ int Main(int argc, char** argv) {
     results.push_back(r);
   };
   if (decode) {
-    const cuda::DecodeKernelConfig config{DType::kBFloat16, DType::kBFloat16, kHeadDim, kQoHeads / kKvHeads};
+    const cuda::DecodeKernelConfig config{DType::kBFloat16, DType::kBFloat16, g_head_dim, g_qo_heads / g_kv_heads};
     auto ctas = cuda::DecodeCtasPerWave(config);
     CHECK_OK(ctas.status());
+    // No tensor-core kernel for some shapes (group < 4, say): the CUDA-core kernel alone.
     auto tensor_ctas = cuda::TensorCoreDecodeCtasPerWave(config);
-    CHECK_OK(tensor_ctas.status());
-    const DecodeWaves waves{*ctas, *tensor_ctas};
+    const DecodeWaves waves{*ctas, tensor_ctas.ok() ? *tensor_ctas : 0};
     std::printf("decode: Hq %d Hkv %d D %d bf16 NHD page %d; CTAs per wave (measured occupancy x SMs): "
                 "CUDA-core kernel %d, tensor-core kernel %d\n",
-                kQoHeads, kKvHeads, kHeadDim, kPageSize, waves.cuda_core, waves.tensor_core);
-    const std::vector<DecodeSpec> specs = issue14 ? Issue14DecodeSpecs() : e2e ? E2eDecodeSpecs() : DecodeSpecs(quick);
+                g_qo_heads, g_kv_heads, g_head_dim, g_page_size, waves.cuda_core, waves.tensor_core);
+    const std::vector<DecodeSpec> specs = !decode_cases.empty() ? ListedDecodeSpecs(decode_cases)
+                                          : issue14                ? Issue14DecodeSpecs()
+                                          : e2e                    ? E2eDecodeSpecs()
+                                                                   : DecodeSpecs(quick);
+    if (specs.empty()) {
+      std::fprintf(stderr, "attnd_bench: --decode_cases wants BATCHxLENGTH,...\n");
+      return 2;
+    }
     for (const DecodeSpec& spec : WithKernels(specs, kernels)) report(RunDecode(spec, waves, stream));
     if (variants) {
       for (const DecodeSpec& spec : WithKernels(DecodeVariants(specs), kernels)) {
@@ -622,8 +668,8 @@ int Main(int argc, char** argv) {
     }
   }
   if (append) {
-    std::printf("append: Hq %d Hkv %d D %d, neox RoPE, NHD page %d (q rotated into q_out)\n", kQoHeads,
-                kKvHeads, kHeadDim, kPageSize);
+    std::printf("append: Hq %d Hkv %d D %d, neox RoPE, NHD page %d (q rotated into q_out)\n", g_qo_heads,
+                g_kv_heads, g_head_dim, g_page_size);
     const std::vector<int64_t> token_counts = quick ? std::vector<int64_t>{1, 1024, 16384}
                                                     : std::vector<int64_t>{1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
     for (const auto& [in_dtype, cache_dtype] : {std::pair{DType::kFloat16, DType::kFloat8E4M3},

@@ -12,6 +12,8 @@
 // Hopper kernel on sm_90 for these shapes). Output: a human table on stdout and, with
 // --csv=PATH, one line per case for tests/bench/torch_prefill_baseline.py to join with the torch
 // times. --warm_ms=N runs N ms of each case's launches before timing it (bench_util.h, WarmUp).
+// --qo_heads=N --kv_heads=N --head_dim=N --page_size=N change the shape (every case);
+// --cases=c1x2048,n8x512,... replaces the case list (c causal, n not; batch x length).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -37,10 +39,12 @@ namespace {
 
 using bench::MedianMs;
 
-constexpr int32_t kQoHeads = 32;
-constexpr int32_t kKvHeads = 8;
-constexpr int32_t kHeadDim = 128;
-constexpr int32_t kPageSize = 16;
+// The shape (PERFORMANCE.md's standard one by default; --qo_heads, --kv_heads, --head_dim and
+// --page_size for the general case).
+int32_t g_qo_heads = 32;
+int32_t g_kv_heads = 8;
+int32_t g_head_dim = 128;
+int32_t g_page_size = 16;
 constexpr int64_t kL2RotationBytes = 200ll << 20;  // 4x the H100's 50 MB L2
 constexpr int32_t kCheckedTokens = 64;
 
@@ -106,16 +110,16 @@ struct DeviceSet {
 Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t stream) {
   const int32_t batch = shape.batch, length = shape.length;
   const int64_t rows = int64_t{batch} * length;
-  const int32_t pages_per_request = (length + kPageSize - 1) / kPageSize;
+  const int32_t pages_per_request = (length + g_page_size - 1) / g_page_size;
   const int64_t num_pages = int64_t{batch} * pages_per_request;
-  const int64_t q_elements = rows * kQoHeads * kHeadDim;
-  const int64_t pool_elements = num_pages * kPageSize * kKvHeads * kHeadDim;
+  const int64_t q_elements = rows * g_qo_heads * g_head_dim;
+  const int64_t pool_elements = num_pages * g_page_size * g_kv_heads * g_head_dim;
   const int64_t set_bytes = (2 * q_elements + 2 * pool_elements) * 2;
   const int num_sets = static_cast<int>(std::max<int64_t>(1, (kL2RotationBytes + set_bytes - 1) / set_bytes));
 
   std::mt19937 rng(static_cast<uint32_t>(length * 131 + batch));
   std::vector<int32_t> qo_indptr(batch + 1), kv_lengths(batch, length), page_indptr(batch + 1),
-      last_page_len(batch, length - (pages_per_request - 1) * kPageSize), page_ids(num_pages);
+      last_page_len(batch, length - (pages_per_request - 1) * g_page_size), page_ids(num_pages);
   for (int32_t b = 0; b <= batch; ++b) {
     qo_indptr[b] = b * length;
     page_indptr[b] = b * pages_per_request;
@@ -149,14 +153,14 @@ Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t strea
   const int32_t* d_page_ids = upload(page_ids);
   const int32_t* d_last = upload(last_page_len);
 
-  auto waves = cuda::BatchPrefillCtasPerWave(kHeadDim, DType::kBFloat16, DType::kBFloat16);
+  auto waves = cuda::BatchPrefillCtasPerWave(g_head_dim, DType::kBFloat16, DType::kBFloat16);
   CHECK_OK(waves.status());
   plan::PrefillPlanInput input;
   input.qo_indptr = qo_indptr;
   input.kv_lengths = kv_lengths;
-  input.num_qo_heads = kQoHeads;
-  input.num_kv_heads = kKvHeads;
-  input.head_dim = kHeadDim;
+  input.num_qo_heads = g_qo_heads;
+  input.num_kv_heads = g_kv_heads;
+  input.head_dim = g_head_dim;
   input.causal = shape.causal;
   input.ctas_per_wave = *waves;
   input.kernel = kernel;
@@ -170,14 +174,14 @@ Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t strea
 
   cuda::BatchPrefillArgs args;
   args.qo_indptr = d_qo_indptr;
-  args.pages = {batch, kPageSize, d_page_indptr, d_page_ids, d_page_ids, d_last};
+  args.pages = {batch, g_page_size, d_page_indptr, d_page_ids, d_page_ids, d_last};
   args.params.causal = shape.causal;
-  args.params.sm_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  args.params.sm_scale = 1.0f / std::sqrt(static_cast<float>(g_head_dim));
   auto set_views = [&](const DeviceSet& set) {
-    args.q = {set.q, DType::kBFloat16, rows, kQoHeads, kHeadDim};
-    args.o = {set.o, DType::kBFloat16, rows, kQoHeads, kHeadDim};
-    args.k_cache = {set.k_pool, DType::kBFloat16, KvLayout::kNHD, num_pages, kPageSize, kKvHeads, kHeadDim};
-    args.v_cache = {set.v_pool, DType::kBFloat16, KvLayout::kNHD, num_pages, kPageSize, kKvHeads, kHeadDim};
+    args.q = {set.q, DType::kBFloat16, rows, g_qo_heads, g_head_dim};
+    args.o = {set.o, DType::kBFloat16, rows, g_qo_heads, g_head_dim};
+    args.k_cache = {set.k_pool, DType::kBFloat16, KvLayout::kNHD, num_pages, g_page_size, g_kv_heads, g_head_dim};
+    args.v_cache = {set.v_pool, DType::kBFloat16, KvLayout::kNHD, num_pages, g_page_size, g_kv_heads, g_head_dim};
   };
 
   // Check: the last kCheckedTokens tokens of every request against the float64 reference.
@@ -188,8 +192,8 @@ Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t strea
   CHECK_CUDA(cudaMemcpy(o_host.data(), sets[0].o, q_elements * 2, cudaMemcpyDeviceToHost));
   const int32_t checked = std::min(kCheckedTokens, length);
   std::vector<int32_t> check_indptr(batch + 1);
-  std::vector<uint16_t> check_q(int64_t{batch} * checked * kQoHeads * kHeadDim);
-  const int64_t row_elements = int64_t{kQoHeads} * kHeadDim;
+  std::vector<uint16_t> check_q(int64_t{batch} * checked * g_qo_heads * g_head_dim);
+  const int64_t row_elements = int64_t{g_qo_heads} * g_head_dim;
   for (int32_t b = 0; b < batch; ++b) {
     check_indptr[b + 1] = (b + 1) * checked;
     std::memcpy(check_q.data() + int64_t{b} * checked * row_elements,
@@ -198,13 +202,13 @@ Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t strea
   }
   std::vector<float> want(check_q.size());
   reference::BatchAttentionArgs ref;
-  ref.q = {check_q.data(), DType::kBFloat16, int64_t{batch} * checked, kQoHeads, kHeadDim};
+  ref.q = {check_q.data(), DType::kBFloat16, int64_t{batch} * checked, g_qo_heads, g_head_dim};
   ref.qo_indptr = check_indptr.data();
-  ref.pages = {batch, kPageSize, page_indptr.data(), page_ids.data(), page_ids.data(), last_page_len.data()};
-  ref.k_cache = {k_host.data(), DType::kBFloat16, KvLayout::kNHD, num_pages, kPageSize, kKvHeads, kHeadDim};
-  ref.v_cache = {v_host.data(), DType::kBFloat16, KvLayout::kNHD, num_pages, kPageSize, kKvHeads, kHeadDim};
+  ref.pages = {batch, g_page_size, page_indptr.data(), page_ids.data(), page_ids.data(), last_page_len.data()};
+  ref.k_cache = {k_host.data(), DType::kBFloat16, KvLayout::kNHD, num_pages, g_page_size, g_kv_heads, g_head_dim};
+  ref.v_cache = {v_host.data(), DType::kBFloat16, KvLayout::kNHD, num_pages, g_page_size, g_kv_heads, g_head_dim};
   ref.params = args.params;
-  ref.o = {want.data(), DType::kFloat32, int64_t{batch} * checked, kQoHeads, kHeadDim};
+  ref.o = {want.data(), DType::kFloat32, int64_t{batch} * checked, g_qo_heads, g_head_dim};
   ref.accumulation = reference::Accumulation::kFloat64;
   reference::BatchAttention(ref);
   double error_sq = 0, norm_sq = 0;
@@ -235,7 +239,7 @@ Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t strea
   const float ms = MedianMs(15, inner, launch, stream);
   CHECK_CUDA(cudaGetLastError());
 
-  const double flops = 4.0 * rows * static_cast<double>(length) * kHeadDim * kQoHeads * (shape.causal ? 0.5 : 1.0);
+  const double flops = 4.0 * rows * static_cast<double>(length) * g_head_dim * g_qo_heads * (shape.causal ? 0.5 : 1.0);
   Result result{shape, ms, flops / (ms * 1e-3) / 1e12, relative_error};
 
   for (DeviceSet& set : sets) {
@@ -256,13 +260,28 @@ int main(int argc, char** argv) {
   using namespace attnd;
   std::string csv_path;
   std::string only;
+  std::string case_list;
   plan::PrefillKernel kernel = plan::PrefillKernel::kAuto;
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--csv=", 6) == 0) csv_path = argv[i] + 6;
     if (std::strncmp(argv[i], "--only=", 7) == 0) only = argv[i] + 7;
     if (std::strcmp(argv[i], "--kernel=mma") == 0) kernel = plan::PrefillKernel::kMmaSync;
     if (std::strcmp(argv[i], "--kernel=hopper") == 0) kernel = plan::PrefillKernel::kHopper;
+    if (std::strncmp(argv[i], "--cases=", 8) == 0) case_list = argv[i] + 8;
+    auto int_flag = [&](const char* name, int32_t& value) {
+      const size_t n = std::strlen(name);
+      if (std::strncmp(argv[i], name, n) == 0) value = std::atoi(argv[i] + n);
+    };
+    int_flag("--qo_heads=", g_qo_heads);
+    int_flag("--kv_heads=", g_kv_heads);
+    int_flag("--head_dim=", g_head_dim);
+    int_flag("--page_size=", g_page_size);
     bench::ParseWarmFlag(argv[i]);
+  }
+  if (g_qo_heads <= 0 || g_kv_heads <= 0 || g_qo_heads % g_kv_heads != 0 || g_page_size <= 0 ||
+      (g_head_dim != 64 && g_head_dim != 128 && g_head_dim != 256)) {
+    std::fprintf(stderr, "prefill_bench: qo_heads must be a multiple of kv_heads, head_dim 64, 128 or 256\n");
+    return 2;
   }
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
@@ -277,15 +296,36 @@ int main(int argc, char** argv) {
   bench::PrintWarmUp();
 
   const double peak = MatmulPeakTflops(stream);
-  std::printf("cuBLAS bf16 8192^3: %.1f TFLOP/s (the peak below); kernel: %s\n", peak,
-              plan::PrefillKernelName(kernel));
-  const std::vector<Case> cases = {
+  std::printf("cuBLAS bf16 8192^3: %.1f TFLOP/s (the peak below); kernel: %s; Hq %d, Hkv %d, D %d, page %d\n",
+              peak, plan::PrefillKernelName(kernel), g_qo_heads, g_kv_heads, g_head_dim, g_page_size);
+  std::vector<Case> cases = {
       {"causal 1x512", 1, 512, true},       {"causal 1x2048", 1, 2048, true},
       {"causal 1x8192", 1, 8192, true},     {"causal 8x2048", 8, 2048, true},
       {"noncausal 1x2048", 1, 2048, false}, {"noncausal 1x8192", 1, 8192, false},
   };
+  if (!case_list.empty()) {
+    cases.clear();
+    for (size_t start = 0; start < case_list.size();) {
+      size_t end = case_list.find(',', start);
+      if (end == std::string::npos) end = case_list.size();
+      const std::string item = case_list.substr(start, end - start);
+      start = end + 1;
+      int batch = 0, length = 0;
+      if (item.size() < 4 || (item[0] != 'c' && item[0] != 'n') ||
+          std::sscanf(item.c_str() + 1, "%dx%d", &batch, &length) != 2 || batch <= 0 || length <= 0) {
+        std::fprintf(stderr, "prefill_bench: --cases item '%s' is not c|n BATCHxLENGTH\n", item.c_str());
+        return 2;
+      }
+      const bool causal = item[0] == 'c';
+      cases.push_back({std::string(causal ? "causal " : "noncausal ") + std::to_string(batch) + "x" +
+                           std::to_string(length),
+                       batch, length, causal});
+    }
+  }
   std::FILE* csv = csv_path.empty() ? nullptr : std::fopen(csv_path.c_str(), "w");
-  if (csv != nullptr) std::fprintf(csv, "case,batch,length,causal,ms,tflops,peak_tflops,relative_error\n");
+  if (csv != nullptr) {
+    std::fprintf(csv, "case,batch,length,causal,ms,tflops,peak_tflops,relative_error,qo_heads,kv_heads,head_dim\n");
+  }
   std::printf("%-18s %10s %10s %8s %10s\n", "case", "ms", "TFLOP/s", "%peak", "rel.err");
   for (const Case& shape : cases) {
     if (!only.empty() && shape.name.find(only) == std::string::npos) continue;
@@ -294,8 +334,9 @@ int main(int argc, char** argv) {
                 100.0 * result.tflops / peak, result.relative_error);
     std::fflush(stdout);
     if (csv != nullptr) {
-      std::fprintf(csv, "%s,%d,%d,%d,%.6f,%.3f,%.3f,%.3e\n", shape.name.c_str(), shape.batch, shape.length,
-                   shape.causal ? 1 : 0, result.ms, result.tflops, peak, result.relative_error);
+      std::fprintf(csv, "%s,%d,%d,%d,%.6f,%.3f,%.3f,%.3e,%d,%d,%d\n", shape.name.c_str(), shape.batch,
+                   shape.length, shape.causal ? 1 : 0, result.ms, result.tflops, peak, result.relative_error,
+                   g_qo_heads, g_kv_heads, g_head_dim);
     }
   }
   if (csv != nullptr) std::fclose(csv);

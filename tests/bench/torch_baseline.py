@@ -9,6 +9,7 @@ enough input sets to exceed the L2, median of replays over N. Prints torch's tim
 of the copy bandwidth, and, given attnd_bench's CSV, ours/torch per case.
 
     python3 tests/bench/torch_baseline.py [--ours attnd_bench.csv] [--quick] [--csv out.csv]
+        [--qo_heads N --kv_heads N --head_dim N]   (the shape attnd_bench ran with)
 """
 import argparse
 import csv
@@ -115,11 +116,18 @@ def run_decode(batch, max_len, mean_len):
 
 
 def main():
+    global HQ, HKV, D
     parser = argparse.ArgumentParser()
     parser.add_argument("--ours", help="attnd_bench --csv output, for ours/torch ratios")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--csv", help="write torch's results here")
+    parser.add_argument("--only_ours", action="store_true",
+                        help="time only the cases in the --ours CSV")
+    parser.add_argument("--qo_heads", type=int, default=HQ, help="as attnd_bench --qo_heads")
+    parser.add_argument("--kv_heads", type=int, default=HKV, help="as attnd_bench --kv_heads")
+    parser.add_argument("--head_dim", type=int, default=D, help="as attnd_bench --head_dim")
     args = parser.parse_args()
+    HQ, HKV, D = args.qo_heads, args.kv_heads, args.head_dim
 
     ours = {}
     cases = decode_cases(args.quick)
@@ -133,9 +141,11 @@ def main():
         for name, row in ours.items():
             if name.startswith("mixed") and "_fix" not in name:
                 cases.append((name, int(row["batch"]), int(row["max_kv_len"]), int(row["kv_len"])))
+        if args.only_ours:
+            cases = [case for case in cases if case[0] in ours]
 
     props = torch.cuda.get_device_properties(0)
-    print(f"torch {torch.__version__} on {props.name}, {props.multi_processor_count} SMs")
+    print(f"torch {torch.__version__} on {props.name}, {props.multi_processor_count} SMs; Hq {HQ}, Hkv {HKV}, D {D}")
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (torch copy_, read + write): {bandwidth / 1e12:.3f} TB/s")
     print(f"{'case':<22} {'torch us':>10} {'torch %copy':>11} {'ours us':>10} {'ours %copy':>10} {'ours/torch':>10}")

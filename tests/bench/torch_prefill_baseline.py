@@ -3,7 +3,8 @@
 
 Times torch.nn.functional.scaled_dot_product_attention on dense tensors at the same shapes
 (Hq 32, Hkv 8 via enable_gqa, D 128, bf16): one request of q = kv = 512, 2048, 8192 and a batch
-of 8 x 2048, causal, plus non-causal 2048 and 8192. Median of CUDA-event timings after warm-up,
+of 8 x 2048, causal, plus non-causal 2048 and 8192. With --ours, the cases and their shapes
+(heads, head_dim) are the first CSV's rows instead. Median of CUDA-event timings after warm-up,
 rotating input copies past L2. With --ours=CSV (written by prefill_bench --csv; repeat the flag
 for several kernels, e.g. mma.sync and Hopper) it prints our time over torch's for every case.
 """
@@ -26,15 +27,15 @@ CASES = [
 L2_ROTATION_BYTES = 200 << 20
 
 
-def time_case(batch, length, causal):
-    set_bytes = 2 * batch * length * D * (2 * HQ + 2 * HKV)
+def time_case(batch, length, causal, hq=HQ, hkv=HKV, d=D):
+    set_bytes = 2 * batch * length * d * (2 * hq + 2 * hkv)
     num_sets = max(1, -(-L2_ROTATION_BYTES // set_bytes))
     gen = torch.Generator(device="cuda").manual_seed(length * 131 + batch)
     sets = []
     for _ in range(num_sets):
-        q = torch.randn(batch, HQ, length, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(batch, HKV, length, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        v = torch.randn(batch, HKV, length, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(batch, hq, length, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(batch, hkv, length, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(batch, hkv, length, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         sets.append((q, k, v))
 
     def run(i):
@@ -59,7 +60,7 @@ def time_case(batch, length, causal):
         stop.synchronize()
         times.append(start.elapsed_time(stop) / inner)
     ms = statistics.median(times)
-    flops = 4.0 * batch * length * length * D * HQ * (0.5 if causal else 1.0)
+    flops = 4.0 * batch * length * length * d * hq * (0.5 if causal else 1.0)
     return ms, flops / (ms * 1e-3) / 1e12
 
 
@@ -76,8 +77,14 @@ def main():
     for path, _ in ours:
         header += f" | {path:>10} {'TFLOP/s':>9} {'%peak':>7} {'ours/torch':>10}"
     print(header)
-    for name, batch, length, causal in CASES:
-        ms, tflops = time_case(batch, length, causal)
+    # The cases: the first CSV's rows, shapes included (prefill_bench --head_dim etc.), else CASES.
+    cases = [(name, batch, length, causal, HQ, HKV, D) for name, batch, length, causal in CASES]
+    if ours:
+        cases = [(name, int(row["batch"]), int(row["length"]), row["causal"] == "1",
+                  int(row.get("qo_heads") or HQ), int(row.get("kv_heads") or HKV), int(row.get("head_dim") or D))
+                 for name, row in ours[0][1].items()]
+    for name, batch, length, causal, hq, hkv, d in cases:
+        ms, tflops = time_case(batch, length, causal, hq, hkv, d)
         line = f"{name:18} {ms:10.4f} {tflops:9.1f}"
         for _, rows in ours:
             if name in rows:
