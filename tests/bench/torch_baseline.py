@@ -141,8 +141,9 @@ def main():
         for name, row in ours.items():
             if name.startswith("mixed") and "_fix" not in name:
                 cases.append((name, int(row["batch"]), int(row["max_kv_len"]), int(row["kv_len"])))
-        if args.only_ours:
-            cases = [case for case in cases if case[0] in ours]
+        if args.only_ours:  # exactly the CSV's cases (attnd_bench --decode_cases among them)
+            cases = [(name, int(row["batch"]), int(row["max_kv_len"]), int(row["kv_len"]))
+                     for name, row in ours.items() if "_fix" not in name]
 
     props = torch.cuda.get_device_properties(0)
     print(f"torch {torch.__version__} on {props.name}, {props.multi_processor_count} SMs; Hq {HQ}, Hkv {HKV}, D {D}")
