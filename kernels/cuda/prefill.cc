@@ -253,8 +253,8 @@ absl::Status LaunchPlanned(const plan::PrefillPlan& plan, const plan::PrefillLau
   cudaError_t error = cudaErrorInvalidValue;
   if (launch.kernel == plan::PrefillKernel::kHopper) {
     if (!HopperPrefillSupports(plan.head_dim, args.q.dtype, k_cache.dtype) || launch.tile_rows != kHopperTileRows) {
-      return Invalid("the plan chose the Hopper kernel, which needs q and KV of one 16-bit type, head_dim 64 or "
-                     "128 and 128-row tiles");
+      return Invalid("the plan chose the Hopper kernel, which needs q and KV of one 16-bit type, head_dim 64, "
+                     "128 or 256 and 128-row tiles");
     }
     if (!launch.per_head) return Invalid("the plan's Hopper launch needs one item per KV head");
     params.balanced_grid = launch.balanced_grid;

@@ -1,7 +1,7 @@
 // Batch prefill on Hopper (sm_90a): instantiations and the launcher of the warp-specialised wgmma
 // kernel (prefill_hopper_kernel.cuh). Built only for compute_90a/sm_90a (prefill.cmake), when 90
-// is among ATTND_CUDA_ARCHITECTURES; eight kernels: head_dim 64 and 128 x bf16 and fp16 x with and
-// without a soft cap.
+// is among ATTND_CUDA_ARCHITECTURES; twelve kernels: head_dim 64, 128 and 256 x bf16 and fp16 x
+// with and without a soft cap.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -12,8 +12,8 @@
 namespace attnd::cuda::prefill {
 namespace {
 
-// Two stages each of K and V: with two Q buffers, 192 KB of shared memory at head_dim 128, one CTA
-// per SM.
+// Two stages each of K and V: with two Q buffers, 192 KB of shared memory at head_dim 128 (one Q
+// buffer and 64-key tiles at 256: 192 KB too), one CTA per SM.
 constexpr int kStages = 2;
 
 template <int kHeadDim, typename T>
@@ -58,6 +58,10 @@ cudaError_t LaunchPrefillHopper(const KernelParams& params, int32_t head_dim, DT
   if (head_dim == 128) {
     return bf16 ? LaunchHopperTile<128, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm)
                 : LaunchHopperTile<128, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm);
+  }
+  if (head_dim == 256) {
+    return bf16 ? LaunchHopperTile<256, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm)
+                : LaunchHopperTile<256, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm);
   }
   return bf16 ? LaunchHopperTile<64, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm)
               : LaunchHopperTile<64, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm);

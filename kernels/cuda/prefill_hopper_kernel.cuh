@@ -1,7 +1,8 @@
 // Batch prefill attention over the paged KV cache on Hopper (sm_90a), DESIGN 4.3: the kernel
 // template. Same work items, masks, outputs and partials as the mma.sync kernel
 // (prefill_kernel.cuh); a CTA computes 128 packed query rows (token, head-in-group) of one
-// request against one KV head, streaming the keys in tiles of 128.
+// request against one KV head, streaming the keys in tiles of 128 (64 at head_dim 256:
+// HopperShape::kTileKv; N below).
 //
 // Warp specialisation, three warpgroups:
 //   producer (warpgroup 0, 56 registers after setmaxnreg; at 40 its address math spilled):
@@ -13,7 +14,7 @@
 //     CTA's second work on it also loads each work's Q rows, into the Q buffer the consumers
 //     left two works before, while they finish the work before (Q full / Q empty mbarriers).
 //   consumers (warpgroups 1 and 2, 224 registers): 64 query rows each. Per KV tile j:
-//     S = Q K_j^T (wgmma m64n128k16, Q and K from shared memory), online softmax in registers
+//     S = Q K_j^T (wgmma m64nNk16, Q and K from shared memory), online softmax in registers
 //     (log2 domain), O += P_{j-1} V_{j-1} (wgmma m64nDk16, P from registers, V transposed from
 //     shared memory).
 // Overlap: inside a warpgroup, Q K_j^T is issued together with P_{j-1} V_{j-1}, so the softmax of
@@ -23,9 +24,9 @@
 //
 // Shared memory (1024-byte aligned blocks, 128-byte swizzle, see hopper_ptx.cuh; shapes
 // and the producer in prefill_hopper_pipeline.cuh):
-//   Q  [2 buffers][2 consumers][D/64 blocks][64 rows][128 B]  (work k of a CTA: buffer k % 2)
-//   K  [kStages][D/64 blocks][128 rows][128 B]
-//   V  [kStages][D/64 blocks][128 rows][128 B]
+//   Q  [2 buffers (1 at D256)][2 consumers][D/64 blocks][64 rows][128 B]  (work k: buffer k % 2)
+//   K  [kStages][D/64 blocks][N rows][128 B]
+//   V  [kStages][D/64 blocks][N rows][128 B]
 //   mbarriers: K full, K empty, V full, V empty, one per stage each; Q full, Q empty per buffer.
 // O goes from the accumulators to global memory directly (a transpose within each quad gives
 // every thread whole 16-byte chunks), so the epilogue needs no barrier and no shared memory.
@@ -55,34 +56,36 @@ namespace attnd::cuda::prefill::hopper {
 // Soft cap, before the mask: capping after it would turn a masked -inf into -cap.
 // kSoftCap: the launch has a cap (sp.soft_cap); a kernel of its own, so that the kernels without
 // one carry none of its ~700 instructions in their tile loop.
-template <bool kSoftCap>
-__device__ __forceinline__ void SoftCap(float (&s)[64], const SoftmaxParams& sp) {
+template <bool kSoftCap, int kN>
+__device__ __forceinline__ void SoftCap(float (&s)[kN], const SoftmaxParams& sp) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) s[i] = fmaf(s[i], 0.0f, s[i]);
+  for (int i = 0; i < kN; ++i) s[i] = fmaf(s[i], 0.0f, s[i]);
   // (The kernel with a cap still tests it at run time: with the test gone, ptxas scheduled the cap
   // into the loop differently and spilled 72 bytes.)
   if (kSoftCap && sp.soft_cap) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) s[i] = SoftCapLog2(s[i], sp.cap_input_scale, sp.cap_log2);
+    for (int i = 0; i < kN; ++i) s[i] = SoftCapLog2(s[i], sp.cap_input_scale, sp.cap_log2);
   }
 }
 
-// Online softmax over one S tile (64 fp32 per thread: rows g and g + 8 of the warp's 16, keys
-// 8j + 2t + e), already capped and masked: updates the running max and sum (log2 domain), turns
-// S into P in place and returns the factor the accumulated O must be scaled by.
-__device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
+// Online softmax over one S tile (kN = N / 2 fp32 per thread: rows g and g + 8 of the warp's 16,
+// keys 8j + 2t + e), already capped and masked: updates the running max and sum (log2 domain),
+// turns S into P in place and returns the factor the accumulated O must be scaled by.
+template <int kN>
+__device__ __forceinline__ void Softmax(float (&s)[kN], float (&row_max)[2], float (&row_sum)[2], float (&rescale)[2],
                                         const SoftmaxParams& sp) {
+  constexpr int kKeyBlocks = kN / 4;  // 8-key blocks of the tile
   float subtract[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     // Tree-shaped maximum: short dependency chains.
-    float block_max[16];
+    float block_max[kKeyBlocks];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) block_max[j] = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+    for (int j = 0; j < kKeyBlocks; ++j) block_max[j] = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
 #pragma unroll
-    for (int stride = 1; stride < 16; stride *= 2) {
+    for (int stride = 1; stride < kKeyBlocks; stride *= 2) {
 #pragma unroll
-      for (int j = 0; j + stride < 16; j += 2 * stride) block_max[j] = fmaxf(block_max[j], block_max[j + stride]);
+      for (int j = 0; j + stride < kKeyBlocks; j += 2 * stride) block_max[j] = fmaxf(block_max[j], block_max[j + stride]);
     }
     float tile_max = block_max[0];
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
@@ -95,9 +98,9 @@ __device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], flo
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float block_sum[16];
+    float block_sum[kKeyBlocks];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < kKeyBlocks; ++j) {
       const float p0 = FastExp2(fmaf(s[4 * j + 2 * h], sp.scale_log2, -subtract[h]));
       const float p1 = FastExp2(fmaf(s[4 * j + 2 * h + 1], sp.scale_log2, -subtract[h]));
       s[4 * j + 2 * h] = p0;
@@ -105,9 +108,9 @@ __device__ __forceinline__ void Softmax(float (&s)[64], float (&row_max)[2], flo
       block_sum[j] = p0 + p1;
     }
 #pragma unroll
-    for (int stride = 1; stride < 16; stride *= 2) {
+    for (int stride = 1; stride < kKeyBlocks; stride *= 2) {
 #pragma unroll
-      for (int j = 0; j + stride < 16; j += 2 * stride) block_sum[j] += block_sum[j + stride];
+      for (int j = 0; j + stride < kKeyBlocks; j += 2 * stride) block_sum[j] += block_sum[j + stride];
     }
     row_sum[h] = row_sum[h] * rescale[h] + block_sum[0];
   }
@@ -121,7 +124,9 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
                                         int next_index, CtaWork& next) {
   constexpr int kHeadDim = Shape::kHeadDim;
   constexpr int kStages = Shape::kStages;
+  constexpr int kTileKv = Shape::kTileKv;
   constexpr int kOut = kHeadDim / 2;  // O accumulators per thread
+  constexpr int kScores = kTileKv / 2;  // S accumulators per thread
   const int consumer = threadIdx.x / 128 - 1;
   const int thread = threadIdx.x % 128;
   const int warp = thread / 32;
@@ -161,10 +166,10 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};
   float rescale[2] = {1.0f, 1.0f};
-  float s[64];  // the first k-step of every Q K^T overwrites it; zeroed so it is never undefined
+  float s[kScores];  // the first k-step of every Q K^T overwrites it; zeroed so it is never undefined
 #pragma unroll
-  for (int i = 0; i < 64; ++i) s[i] = 0.0f;
-  uint32_t p[8][4];  // P of the previous tile as the A operand of m64nDk16, 16 keys per step
+  for (int i = 0; i < kScores; ++i) s[i] = 0.0f;
+  uint32_t p[kTileKv / 16][4];  // P of the previous tile as the A operand of m64nDk16, 16 keys per step
 
   const uint64_t q_descriptor = MatrixDescriptor(q_smem, 16, 1024);
   auto issue_qk = [&](int stage) {
@@ -174,8 +179,8 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     for (int step = 0; step < kHeadDim / 16; ++step) {
       const uint32_t q_bytes = (step / 4) * Shape::kQBlockBytes + (step % 4) * 32;
       const uint32_t k_bytes = (step / 4) * Shape::kKvBlockBytes + (step % 4) * 32;
-      WgmmaSS<128, T>(s, AdvanceDescriptor(q_descriptor, q_bytes), AdvanceDescriptor(k_descriptor, k_bytes),
-                      step > 0 ? 1 : 0);
+      WgmmaSS<kTileKv, T>(s, AdvanceDescriptor(q_descriptor, q_bytes), AdvanceDescriptor(k_descriptor, k_bytes),
+                          step > 0 ? 1 : 0);
     }
     WgmmaCommit();
   };
@@ -202,7 +207,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     const KeyRange rows[2] = {VisibleKeys(params, work.kv_end, row_position[0], base),
                               VisibleKeys(params, work.kv_end, row_position[1], base)};
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < kTileKv / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int offset = 8 * j + (e % 2);
@@ -212,16 +217,29 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   };
   // After V of `tile` is full: in a tile that hides keys the producer zeroed V's non-finite
   // values and set their rows' bits (ProduceKv); a row that sees a flagged key gets a NaN sum.
-  // Almost always no bit is set: one 16-byte read.
+  // Almost always no bit is set: one 16-byte read (8 bytes with 64-key tiles).
   auto mark_bad_v = [&](int tile) {
     const int tile_start = work.kv_begin + tile * kTileKv;
     const bool hides_keys = (params.causal && min(tile_start + kTileKv, work.kv_end) - 1 > work.first_position) ||
                             (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
     if (!hides_keys) return;
-    const uint4 bad = *reinterpret_cast<const uint4*>(smem_generic + Shape::kFlagOffset +
-                                                      ((first + tile) % kStages) * Shape::kFlagBytes);
-    if ((bad.x | bad.y | bad.z | bad.w) == 0) return;
-    const uint32_t words[4] = {bad.x, bad.y, bad.z, bad.w};
+    constexpr int kWords = kTileKv / 32;
+    const uint8_t* flag_bytes = smem_generic + Shape::kFlagOffset + ((first + tile) % kStages) * Shape::kFlagBytes;
+    uint32_t words[kWords];
+    if constexpr (kWords == 4) {
+      const uint4 bad = *reinterpret_cast<const uint4*>(flag_bytes);
+      if ((bad.x | bad.y | bad.z | bad.w) == 0) return;
+      words[0] = bad.x;
+      words[1] = bad.y;
+      words[2] = bad.z;
+      words[3] = bad.w;
+    } else {
+      static_assert(kWords == 2, "flag words");
+      const uint2 bad = *reinterpret_cast<const uint2*>(flag_bytes);
+      if ((bad.x | bad.y) == 0) return;
+      words[0] = bad.x;
+      words[1] = bad.y;
+    }
     // This thread's keys in word w (offsets 32w + 8i + 2t + e, i < 4, e < 2, t = lane % 4), and a
     // row's visible ones [low, high) as a mask per word.
     const uint32_t mine = 0x03030303u << (2 * (lane % 4));
@@ -231,20 +249,20 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
       const KeyRange row = VisibleKeys(params, work.kv_end, row_position[h], tile_start);
       uint32_t seen = 0;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) seen |= words[w] & mine & below(row.high - 32 * w) & ~below(row.low - 32 * w);
+      for (int w = 0; w < kWords; ++w) seen |= words[w] & mine & below(row.high - 32 * w) & ~below(row.low - 32 * w);
       if (seen != 0) row_sum[h] = NAN;
     }
   };
   auto convert_p = [&] {
 #pragma unroll
-    for (int step = 0; step < 8; ++step) {
+    for (int step = 0; step < kTileKv / 16; ++step) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) p[step][i] = PackFloat2<T>(s[8 * step + 2 * i], s[8 * step + 2 * i + 1]);
     }
   };
   auto fence_p = [&] {
 #pragma unroll
-    for (int step = 0; step < 8; ++step) {
+    for (int step = 0; step < kTileKv / 16; ++step) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) FenceRegister(p[step][i]);
     }
@@ -333,7 +351,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   }
   // This warp's Q K^T products have completed: the producer may load work round + 2's rows here.
   release(QEmpty<Shape>(smem, buffer));
-  if (next_index < params.num_work) next = DecodeWork(params, next_index);
+  if (next_index < params.num_work) next = DecodeWork<Shape>(params, next_index);
 
   // A split item writes fp32 partials (normalised by its own sum) for MergeStates. Read after
   // the loop (no register holds it there), before the row sums, which hide its latency.
@@ -488,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     ReleaseRegisters<kProducerRegisters>();
     int first = 0;
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
-      const CtaWork work = DecodeWork(params, index);
+      const CtaWork work = DecodeWork<Shape>(params, index);
       if (first == 0) wait_for_preceding_grid();
       if (round > 0) ProduceQ<Shape, T>(params, work, smem, round);
       ProduceKv<Shape, T>(params, work, smem, first);
@@ -500,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     // Each later work is decoded by Consume as the work before ends (its reads' latency hides
     // behind that work's epilogue).
     int first = 0;
-    CtaWork work = work_index(0) < params.num_work ? DecodeWork(params, work_index(0)) : CtaWork{};
+    CtaWork work = work_index(0) < params.num_work ? DecodeWork<Shape>(params, work_index(0)) : CtaWork{};
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
       if (first == 0) wait_for_preceding_grid();
       CtaWork next{};

@@ -18,22 +18,35 @@ namespace attnd::cuda::prefill::hopper {
 inline constexpr int kConsumers = 2;
 inline constexpr int kThreads = 128 * (1 + kConsumers);
 inline constexpr int kTileRows = 64 * kConsumers;
-inline constexpr int kTileKv = 128;
+// Registers a thread after setmaxnreg (the producer at 40 spilled its address math). The CTA
+// starts with 168 a thread (65536 / 384, in steps of 8) and setmaxnreg only moves registers
+// between its warpgroups: the consumers' increase waits for the producer's decrease and blocks
+// forever past the CTA's own 3 x 168 (64 / 224 hung the head_dim 256 kernel on an H200). At
+// head_dim 256 a consumer holds O (128), S (32) and P (16) at once: ptxas spills ~140 bytes
+// there (two values a KV tile in the loop, the rest in the prologue and epilogue; 40 / 232
+// spills more).
 inline constexpr int kProducerRegisters = 56;
 inline constexpr int kConsumerRegisters = 224;
-// The producer's lanes copy 8 consecutive rows of a KV tile each (ProduceKvTiles).
-inline constexpr int kRowsPerLane = 8;
-static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= 512, "65536 registers per SM");
+inline constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;
+static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * kLaunchRegisters,
+              "setmaxnreg moves registers within the CTA's launch allocation");
 
 // Named barrier ids (0 is __syncthreads): the consumers' turn-taking pair, then one per consumer.
 inline constexpr uint32_t kTurnBarrier = 1;       // + consumer index
 inline constexpr uint32_t kConsumerBarrier = 3;   // + consumer index
 
 
+// Head dims 64 and 128 take KV tiles of 128 keys and two Q buffers (192 KB of shared memory at 128);
+// head_dim 256 tiles of 64 keys, so that a consumer thread's O (128 floats), S and P fit its
+// registers, and one Q buffer (192 KB: Q 64, K and V 64 each).
 template <int kHeadDimArg, int kStagesArg>
 struct HopperShape {
   static constexpr int kHeadDim = kHeadDimArg;
   static constexpr int kStages = kStagesArg;
+  static constexpr int kTileKv = kHeadDim <= 128 ? 128 : 64;  // keys per K/V tile
+  // The producer's lanes copy kRowsPerLane consecutive rows of a KV tile each (ProduceKvTiles):
+  // 4 warps x 4 lane groups cover a tile.
+  static constexpr int kRowsPerLane = kTileKv / 16;
   static constexpr int kBlocks = kHeadDim / 64;      // 128-byte column blocks per row
   static constexpr int kChunks = kHeadDim / 8;       // 16-byte chunks per row
   static constexpr int kQBlockBytes = 64 * 128;      // one column block of one consumer's Q
@@ -41,8 +54,10 @@ struct HopperShape {
   static constexpr int kKvBlockBytes = kTileKv * 128;
   static constexpr int kKvBytes = kBlocks * kKvBlockBytes;
   // Two Q buffers: work k of a CTA reads buffer k % 2, so the producer loads a work's rows while
-  // the consumers finish the one before.
-  static constexpr int kQBuffers = 2;
+  // the consumers finish the one before. With one (head_dim 256) it loads them once the
+  // consumers' last Q K^T of the work before completed.
+  static constexpr int kQBuffers = kHeadDim <= 128 ? 2 : 1;
+
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQOffset + kQBuffers * kConsumers * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvBytes;
@@ -53,7 +68,8 @@ struct HopperShape {
   static constexpr int kFlagOffset = kQBarrierOffset + 2 * kQBuffers * 8;
   static constexpr int kFlagBytes = kTileKv / 8;
   static constexpr int kSmemBytes = kFlagOffset + kStages * kFlagBytes + 1024;  // + alignment slack
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
 // Q buffer `buffer`'s rows of consumer `consumer`, and the buffer's mbarriers: full (the
@@ -99,7 +115,9 @@ __device__ __forceinline__ int DivideByGroup(const KernelParams& params, int n) 
   return FastDivider(params.group_size, params.group_multiplier).Divide(n);
 }
 
+template <typename Shape>
 __device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params, int index) {
+  constexpr int kTileKv = Shape::kTileKv;
   CtaWork work;
   work.index = index;
   const WorkItem item = params.items[index];
@@ -174,7 +192,8 @@ __device__ __forceinline__ void ProduceQ(const KernelParams& params, const CtaWo
 // its throughput with the tensor pipe at 51%, non-causal 1x8192 on an H100.) A lane looks up the
 // pages of its 8 rows itself (one lookup where they share a page); the swizzled chunk
 // c ^ (row % 8) is c ^ i, one XOR per row, and the column block is an immediate offset on both
-// sides.
+// sides. (With 64-key tiles, head_dim 256: 16 rows a warp, 4 a lane group, and row % 8 is
+// (row0 % 8) + i, row0 % 8 being 0 or 4.)
 // `first` counts the tiles this CTA loaded for earlier work: tile t of this work is the CTA's
 // (first + t)-th, which fixes its stage and phase.
 // kOnePage: a lane's 8 rows lie in one page (ProduceKv). A loop of its own for each case, so that
@@ -183,10 +202,12 @@ template <typename Shape, typename T, bool kOnePage>
 __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const CtaWork& work, uint32_t smem,
                                                int first) {
   constexpr int kBlocks = Shape::kBlocks;
+  constexpr int kTileKv = Shape::kTileKv;
+  constexpr int kRowsPerLane = Shape::kRowsPerLane;
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   const int chunk = lane % 8;
-  const int row0 = 32 * warp + kRowsPerLane * (lane / 8);  // a multiple of 8: row % 8 is i
+  const int row0 = (kTileKv / 4) * warp + kRowsPerLane * (lane / 8);  // 8 rows a lane: row % 8 is i
   const int page_mask = (1 << params.page_size_log2) - 1;
   const int64_t head_offset = static_cast<int64_t>(work.kv_head) * params.kv_head_stride + chunk * 8;
   const T* k_pool = static_cast<const T*>(params.k_pool) + head_offset;
@@ -221,8 +242,10 @@ __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const
         source[i] = pool + static_cast<int64_t>(page) * params.kv_page_stride + (token & page_mask) * entry_stride;
       }
     }
-    // Chunk c of row row0 + i sits at 16 * (c ^ i) in the row's 128 bytes of each column block.
-    const uint32_t lane_smem = tile_smem + row0 * 128 + (chunk << 4);
+    // Chunk c of row row0 + i sits at 16 * (c ^ i) in the row's 128 bytes of each column block
+    // (16 * (c ^ (row0 % 8) ^ i) with 4 rows a lane).
+    uint32_t lane_smem = tile_smem + row0 * 128 + (chunk << 4);
+    if constexpr (kRowsPerLane < 8) lane_smem ^= (row0 % 8) << 4;
     MbarrierWait(empty, empty_parity);
 #pragma unroll
     for (int i = 0; i < kRowsPerLane; ++i) {
@@ -248,7 +271,7 @@ __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const
     }
     CpAsyncWaitAll();
     constexpr uint32_t kExponent = kNonFiniteExponent2<T>;
-    uint32_t warp_bits = 0;  // bit r: row 32 * warp + r held a non-finite value
+    uint32_t warp_bits = 0;  // bit r: row (kTileKv / 4) * warp + r held a non-finite value
 #pragma unroll
     for (int i = 0; i < kRowsPerLane; ++i) {
       uint32_t found = 0;
@@ -263,13 +286,23 @@ __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const
         if (any != 0) *bytes = make_uint4(bits.x & ~bad[0], bits.y & ~bad[1], bits.z & ~bad[2], bits.w & ~bad[3]);
         found |= any;
       }
-      // Lane group g (lanes 8g..8g+7) holds row 8g + i: bit 8g + i is set if any of its lanes
-      // found a non-finite value.
+      // Lane group g (lanes 8g..8g+7) holds row kRowsPerLane * g + i of the warp's: that bit is
+      // set if any of its lanes found a non-finite value.
       const uint32_t votes = __ballot_sync(0xffffffffu, found != 0);
 #pragma unroll
-      for (int g = 0; g < 4; ++g) warp_bits |= ((votes >> (8 * g)) & 0xffu) != 0 ? 1u << (8 * g + i) : 0u;
+      for (int g = 0; g < 4; ++g) {
+        warp_bits |= ((votes >> (8 * g)) & 0xffu) != 0 ? 1u << (kRowsPerLane * g + i) : 0u;
+      }
     }
-    if (lane == 0) *static_cast<uint32_t*>(__cvta_shared_to_generic(flags + 4 * warp)) = warp_bits;
+    // A warp's rows are kTileKv / 4 consecutive bits of the stage's flags.
+    if (lane == 0) {
+      if constexpr (kTileKv == 128) {
+        *static_cast<uint32_t*>(__cvta_shared_to_generic(flags + 4 * warp)) = warp_bits;
+      } else {
+        static_assert(kTileKv == 64, "flag words");
+        *static_cast<uint16_t*>(__cvta_shared_to_generic(flags + 2 * warp)) = static_cast<uint16_t>(warp_bits);
+      }
+    }
     FenceProxyAsync();  // generic-proxy writes, read next by wgmma (the async proxy)
     MbarrierArrive(full);
   };
@@ -299,11 +332,14 @@ __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const
 
 template <typename Shape, typename T>
 __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaWork& work, uint32_t smem, int first) {
-  // A lane's 8 rows lie in one page when pages hold 8 keys or more and the work's first key sits
-  // on a multiple of 8 (tiles are 128 keys): one page lookup, then a stride per row. Otherwise
-  // (pages of 1-4 keys, a window's unaligned start) each row looks up its own page.
-  static_assert(kRowsPerLane == 1 << 3, "pages of 2^3 keys or more");
-  if (params.page_size_log2 >= 3 && work.kv_begin % kRowsPerLane == 0) {
+  // A lane's 8 rows (4 with 64-key tiles) lie in one page when pages hold that many keys or more
+  // and the work's first key sits on a multiple of it (tiles are a multiple too): one page
+  // lookup, then a stride per row. Otherwise (smaller pages, a window's unaligned start) each
+  // row looks up its own page.
+  constexpr int kRowsPerLane = Shape::kRowsPerLane;
+  constexpr int kLog2 = kRowsPerLane == 8 ? 3 : 2;
+  static_assert(kRowsPerLane == 1 << kLog2, "pages of 2^kLog2 keys or more");
+  if (params.page_size_log2 >= kLog2 && work.kv_begin % kRowsPerLane == 0) {
     ProduceKvTiles<Shape, T, true>(params, work, smem, first);
   } else {
     ProduceKvTiles<Shape, T, false>(params, work, smem, first);

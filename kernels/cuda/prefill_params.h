@@ -74,9 +74,9 @@ cudaError_t LaunchPrefillD256(const KernelParams& params, int32_t tile_rows, DTy
                               DType kv_dtype, int32_t num_ctas, cudaStream_t stream, int* ctas_per_sm);
 
 // The Hopper kernel (prefill_hopper.cu, sm_90a only): 128 packed query rows per CTA, q, o and
-// the cache of one 16-bit type, head_dim 64 or 128, any page size and layout.
+// the cache of one 16-bit type, head_dim 64, 128 or 256, any page size and layout.
 constexpr bool HopperPrefillSupports(int32_t head_dim, DType q_dtype, DType kv_dtype) {
-  return (head_dim == 64 || head_dim == 128) && q_dtype == kv_dtype &&
+  return (head_dim == 64 || head_dim == 128 || head_dim == 256) && q_dtype == kv_dtype &&
          (q_dtype == DType::kBFloat16 || q_dtype == DType::kFloat16);
 }
 inline constexpr int32_t kHopperTileRows = 128;

@@ -259,11 +259,10 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
   // The Hopper kernel takes the 128-row tiles (every tile when forced); the split below then
   // sizes chunks against its wave.
   const bool force_hopper = input.kernel == PrefillKernel::kHopper;
-  if (force_hopper && (input.ctas_per_wave.hopper_tile128 <= 0 || input.head_dim == 256)) {
+  if (force_hopper && input.ctas_per_wave.hopper_tile128 <= 0) {
     return absl::FailedPreconditionError(
-        "kernel: the Hopper prefill kernel needs an sm_90 device, q and KV of one 16-bit type and head_dim 64 or "
-        "128 (ctas_per_wave.hopper_tile128 is " + std::to_string(input.ctas_per_wave.hopper_tile128) +
-        ", head_dim " + std::to_string(input.head_dim) + ")");
+        "kernel: the Hopper prefill kernel needs an sm_90 device and q and KV of one 16-bit type "
+        "(ctas_per_wave.hopper_tile128 is " + std::to_string(input.ctas_per_wave.hopper_tile128) + ")");
   }
   const bool hopper = force_hopper || (input.kernel == PrefillKernel::kAuto && input.ctas_per_wave.hopper_tile128 > 0);
   const PrefillKernel tile128_kernel = hopper ? PrefillKernel::kHopper : PrefillKernel::kMmaSync;
@@ -288,7 +287,11 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
     if (q_len == 0) continue;
     const int64_t packed_rows = int64_t{q_len} * group;
     if (packed_rows > INT32_MAX) return absl::InvalidArgumentError("q_len * group_size exceeds 2^31");
-    const int32_t tile_rows = force_hopper ? 128 : PrefillQueryTileRows(packed_rows, input.head_dim);
+    // The Hopper kernel's 128-row tiles at every head_dim (the mma.sync kernel's stop at 64 rows
+    // for head_dim 256).
+    const int32_t tile_rows = force_hopper                ? 128
+                              : hopper && packed_rows > 64 ? 128
+                                                           : PrefillQueryTileRows(packed_rows, input.head_dim);
     const size_t slot = std::find(kTileRows.begin(), kTileRows.end(), tile_rows) - kTileRows.begin();
     by_tile[slot].push_back({static_cast<int32_t>(b), q_len, kv_len, CeilDiv(packed_rows, tile_rows)});
   }

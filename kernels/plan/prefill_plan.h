@@ -65,7 +65,7 @@ struct PrefillPlanInput {
   int32_t num_colocated_ctas = 0;
   // kAuto in production. kMmaSync / kHopper force every request onto one kernel (tests,
   // benchmarks); kHopper then runs even short requests in 128-row tiles, and needs
-  // ctas_per_wave.hopper_tile128 > 0 and a head_dim of 64 or 128.
+  // ctas_per_wave.hopper_tile128 > 0 (any head_dim: 64, 128 and 256).
   PrefillKernel kernel = PrefillKernel::kAuto;
 };
 
@@ -127,7 +127,8 @@ struct PrefillPlan {
 };
 
 // Packed query rows per CTA for a request with `packed_rows` = q_len * group rows: the smallest
-// tile that is not mostly padding. head_dim 256 stops at 64 (registers).
+// tile that is not mostly padding. head_dim 256 stops at 64 (the mma.sync kernel's registers; the
+// planner gives the Hopper kernel, where it runs, 128 rows at every head_dim).
 int32_t PrefillQueryTileRows(int64_t packed_rows, int32_t head_dim);
 
 // Plans one CTA per (request, query tile, KV chunk, KV head). Requests with no query rows

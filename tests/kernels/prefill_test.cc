@@ -333,13 +333,20 @@ TEST(BatchPrefillHopperTest, AutoPicksHopperForLongRequestsOnSm90) {
   ASSERT_TRUE(out.ok);
   EXPECT_TRUE(out.hopper);
   ExpectMatches(batch, out, RunReference(batch));
+  config.head_dim = 256;  // the Hopper kernel at every head_dim
+  const Batch wide = MakeBatch(config, {300, 3}, {300, 50});
+  const Output wide_out = RunGpu(wide);
+  ASSERT_TRUE(wide_out.ok);
+  EXPECT_TRUE(wide_out.hopper);
+  ExpectMatches(wide, wide_out, RunReference(wide));
 }
 
 TEST(BatchPrefillHopperTest, MatchesReferenceAcrossDtypesHeadDimsPagesAndLayouts) {
   SKIP_WITHOUT_HOPPER();
   uint32_t seed = 700;
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
-    for (int32_t head_dim : {64, 128}) {
+    // 256: 64-key tiles, one Q buffer, 4 rows a producer lane (HopperShape).
+    for (int32_t head_dim : {64, 128, 256}) {
       // Pages of 8 keys and more: the producer looks up one page per lane and tile; 1 and 4: a
       // page per row.
       for (int32_t page_size : {1, 4, 8, 16, 128}) {
@@ -427,21 +434,26 @@ TEST(BatchPrefillHopperTest, MatchesReferenceOnLongAndMixedBatches) {
 // also give the same bits.
 TEST(BatchPrefillHopperTest, ManyOneTileWorksPerCtaFinishAndAgree) {
   SKIP_WITHOUT_HOPPER();
-  Config config;
-  config.kernel = plan::PrefillKernel::kHopper;
-  config.num_qo_heads = 8;
-  config.num_kv_heads = 2;
-  config.split_kv = false;
-  const std::vector<int32_t> lens(256, 64);
-  const Batch batch = MakeBatch(config, lens, lens);
-  const Output first = RunGpu(batch);
-  ASSERT_TRUE(first.ok);
-  ASSERT_TRUE(first.hopper);
-  ExpectMatches(batch, first, RunReference(batch));
-  for (int launch = 0; launch < 40; ++launch) {
-    const Output again = RunGpu(batch);
-    ASSERT_TRUE(again.ok) << "launch " << launch;
-    ASSERT_EQ(again.o, first.o) << "launch " << launch;
+  // head_dim 256 too: one Q buffer, so every work's Q waits for the work before to release it.
+  for (int32_t head_dim : {128, 256}) {
+    SCOPED_TRACE(head_dim);
+    Config config;
+    config.kernel = plan::PrefillKernel::kHopper;
+    config.head_dim = head_dim;
+    config.num_qo_heads = 8;
+    config.num_kv_heads = 2;
+    config.split_kv = false;
+    const std::vector<int32_t> lens(256, 64);
+    const Batch batch = MakeBatch(config, lens, lens);
+    const Output first = RunGpu(batch);
+    ASSERT_TRUE(first.ok);
+    ASSERT_TRUE(first.hopper);
+    ExpectMatches(batch, first, RunReference(batch));
+    for (int launch = 0; launch < 40; ++launch) {
+      const Output again = RunGpu(batch);
+      ASSERT_TRUE(again.ok) << "launch " << launch;
+      ASSERT_EQ(again.o, first.o) << "launch " << launch;
+    }
   }
 }
 
@@ -481,7 +493,7 @@ TEST(BatchPrefillHopperTest, EveryGridRunsEveryWorkWithTheSameBits) {
 TEST(BatchPrefillHopperTest, SplitKvMatchesReference) {
   SKIP_WITHOUT_HOPPER();
   uint32_t seed = 900;
-  for (int32_t head_dim : {64, 128}) {
+  for (int32_t head_dim : {64, 128, 256}) {
     for (bool causal : {true, false}) {
       Config config;
       config.kernel = plan::PrefillKernel::kHopper;
@@ -507,7 +519,7 @@ TEST(BatchPrefillHopperTest, OutputIsBitwiseIndependentOfTheBatch) {
 TEST(BatchPrefillHopperTest, SanitizerSweep) {
   SKIP_WITHOUT_HOPPER();
   uint32_t seed = 950;
-  for (int32_t head_dim : {64, 128}) {
+  for (int32_t head_dim : {64, 128, 256}) {
     for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
       Config config;
       config.kernel = plan::PrefillKernel::kHopper;
@@ -554,7 +566,6 @@ std::vector<Config> NonFiniteConfigs(plan::PrefillKernel kernel) {
   for (const auto& [q_dtype, kv_dtype] : dtypes) {
     if (kernel == plan::PrefillKernel::kHopper && q_dtype != kv_dtype) continue;
     for (int32_t head_dim : {64, 128, 256}) {
-      if (kernel == plan::PrefillKernel::kHopper && head_dim == 256) continue;
       Config config;
       config.kernel = kernel;
       config.q_dtype = q_dtype;
@@ -642,6 +653,10 @@ std::vector<Config> SeenTileNonFiniteConfigs(plan::PrefillKernel kernel) {
   half.head_dim = 64;
   half.seed = 1601;
   configs.push_back(half);
+  Config wide = base;  // head_dim 256: the Hopper kernel's 64-key tiles
+  wide.head_dim = 256;
+  wide.seed = 1602;
+  configs.push_back(wide);
   Config capped = base;  // tanh(+-inf) is finite: checked before the cap
   capped.params.logits_soft_cap = 30.0f;
   configs.push_back(capped);

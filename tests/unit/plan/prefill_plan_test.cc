@@ -137,6 +137,34 @@ TEST(PrefillPlanTest, HopperTakesTheLongRequestsWhenAvailable) {
   for (const auto& launch : plan->launches) EXPECT_EQ(launch.kernel, plan::PrefillKernel::kMmaSync);
 }
 
+TEST(PrefillPlanTest, HeadDim256TakesHopperTilesOf128RowsWhereTheKernelRuns) {
+  // head_dim 256: the mma.sync kernel stops at 64-row tiles, the Hopper kernel takes 128.
+  const std::vector<int32_t> qo_indptr = {0, 2, 102};
+  const std::vector<int32_t> kv_lengths = {50, 100};
+  plan::PrefillPlanInput input = Input(qo_indptr, kv_lengths, 8, 2, 256);
+  input.ctas_per_wave = {264, 264, 264, 132, 132};
+  auto plan = plan::PlanPrefill(input);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->launches.size(), 2u);
+  EXPECT_EQ(plan->launches[0].kernel, plan::PrefillKernel::kHopper);
+  EXPECT_EQ(plan->launches[0].tile_rows, 128);
+  EXPECT_EQ(plan->launches[1].kernel, plan::PrefillKernel::kMmaSync);
+  EXPECT_EQ(plan->launches[1].tile_rows, 16);
+  input.kernel = plan::PrefillKernel::kHopper;
+  EXPECT_TRUE(plan::PlanPrefill(input).ok());
+
+  // Without it, 64-row tiles on mma.sync, and forcing it is an error.
+  input.ctas_per_wave.hopper_tile128 = 0;
+  EXPECT_EQ(plan::PlanPrefill(input).status().code(), absl::StatusCode::kFailedPrecondition);
+  input.kernel = plan::PrefillKernel::kAuto;
+  plan = plan::PlanPrefill(input);
+  ASSERT_TRUE(plan.ok());
+  for (const auto& launch : plan->launches) {
+    EXPECT_EQ(launch.kernel, plan::PrefillKernel::kMmaSync);
+    EXPECT_LE(launch.tile_rows, 64);
+  }
+}
+
 // The 128-key tiles a Hopper work visits (the planner estimates its time as twice that plus 3).
 int64_t HopperWorkTiles(const plan::PrefillWorkItem& item, std::span<const int32_t> qo_indptr,
                         std::span<const int32_t> kv_lengths, int32_t group) {
