@@ -1,5 +1,5 @@
-# The "pack" half of the device scripts (scripts/issue14-device-run.sh, issue15-device-run.sh).
-# Sourced, not run.
+# The "pack" half of the device scripts (scripts/issue14-device-run.sh, issue15-device-run.sh,
+# shapes-device-run.sh), and the unpacking their "run" half starts with. Sourced, not run.
 #
 #   device_pack NAME BINARY...
 #       bundles the binaries with their shared libraries (/work/shared/tools/gpu-bundle; cuBLAS
@@ -7,6 +7,11 @@
 #       .gpu-pack/NAME.tar.xz, and the commit they were built from (+dirty when the tree differs)
 #       into .gpu-pack/NAME.commit. On the device the bundle unpacks to /tmp/NAME; run a program
 #       as /tmp/NAME/run PROGRAM ARGS.
+
+#   device_unpack NAME SUMMARY
+#       on the device: unpacks .gpu-pack/NAME.tar.xz into /tmp/NAME, puts the device's cuBLAS on
+#       LD_LIBRARY_PATH (the bundle leaves it out) and appends "commit ... on GPU, driver" to
+#       SUMMARY (and stdout); returns 1 when the bundle does not unpack.
 
 #   device_xz NAME OUT
 #       tars .gpu-pack/NAME into OUT, xz-compressed with a 192 MiB dictionary in one thread: the
@@ -27,4 +32,14 @@ device_pack() {
   echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-pack' || echo '+dirty')" \
     > ".gpu-pack/$name.commit"
   ls -la ".gpu-pack/$name.tar.xz"
+}
+
+device_unpack() {
+  local name=$1 summary=$2 cublas
+  timeout -k 10 120 tar -C /tmp -xJf ".gpu-pack/$name.tar.xz" || return 1
+  cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.1*' 2>/dev/null | head -1)
+  export LD_LIBRARY_PATH=${cublas:+$(dirname "$cublas")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  echo "commit $(cat ".gpu-pack/$name.commit" 2>/dev/null) on" \
+    "$(timeout -k 2 20 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)" |
+    tee -a "$summary"
 }

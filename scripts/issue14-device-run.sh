@@ -25,13 +25,10 @@ case ${1:-} in
   run)
     OUT=${OUT:-/tmp/issue14-out}
     mkdir -p "$OUT"
-    timeout -k 10 120 tar -C /tmp -xJf .gpu-pack/issue14.tar.xz || exit 1
+    source scripts/device_pack.sh
+    : > "$OUT/summary.txt"
+    device_unpack issue14 "$OUT/summary.txt" || exit 1
     B=/tmp/issue14
-    cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.1*' 2>/dev/null | head -1)
-    export LD_LIBRARY_PATH=${cublas:+$(dirname "$cublas")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    echo "commit $(cat .gpu-pack/issue14.commit 2>/dev/null) on" \
-      "$(timeout -k 2 20 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)" |
-      tee "$OUT/summary.txt"
     source scripts/device_clocks.sh
     clocks_start "$OUT/dmon.log"
     echo "== decode: attnd (issue 14's shapes, pages in order), then torch" | tee -a "$OUT/summary.txt"

@@ -26,10 +26,9 @@ case ${1:-} in
     OUT=${OUT:-/tmp/issue15-out}
     mkdir -p "$OUT"
     say() { echo "$*" | tee -a "$OUT/summary.txt"; }
-    timeout -k 10 120 tar -C /tmp -xJf .gpu-pack/issue15.tar.xz || exit 1
+    source scripts/device_pack.sh
+    device_unpack issue15 "$OUT/summary.txt" || exit 1
     B=/tmp/issue15
-    say "commit $(cat .gpu-pack/issue15.commit 2>/dev/null) on" \
-      "$(timeout -k 2 20 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
     source scripts/device_clocks.sh
     clocks_start "$OUT/dmon.log"
     failed=0

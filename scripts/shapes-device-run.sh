@@ -23,13 +23,10 @@ case ${1:-} in
   run)
     OUT=${OUT:-/tmp/shapes-out}
     mkdir -p "$OUT"
-    timeout -k 10 120 tar -C /tmp -xJf .gpu-pack/shapes.tar.xz || exit 1
+    source scripts/device_pack.sh
+    : > "$OUT/summary.txt"
+    device_unpack shapes "$OUT/summary.txt" || exit 1
     B=/tmp/shapes
-    cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.1*' 2>/dev/null | head -1)
-    export LD_LIBRARY_PATH=${cublas:+$(dirname "$cublas")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    echo "commit $(cat .gpu-pack/shapes.commit 2>/dev/null) on" \
-      "$(timeout -k 2 20 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)" |
-      tee "$OUT/summary.txt"
     # Llama-3 8B's shape first (the reference), then head_dim 64, Gemma-2's 256, Llama-3 70B's
     # group of 8, Qwen2-7B's group of 7, and MHA (Llama-2 7B).
     shapes=${ATTND_SHAPES:-"32:8:128 32:8:64 16:8:256 64:8:128 28:4:128 32:32:128"}
@@ -67,7 +64,9 @@ case ${1:-} in
         grep -E '^b[0-9]' "$OUT/torch_decode_$tag.log" | tee -a "$OUT/summary.txt"
       fi
     done
-    (cd "$OUT" && tar -czf logs.tgz ./*.log ./*.csv 2>/dev/null && rm -f ./*.log ./*.csv)
+    # At most 8 files come back from a device call: the logs and CSVs travel as one archive.
+    (cd "$OUT" && shopt -s nullglob && files=(./*.log ./*.csv) && tar -czf logs.tgz "${files[@]}" &&
+      rm -f "${files[@]}")
     ;;
   *)
     echo "usage: $0 pack | run" >&2
