@@ -349,7 +349,8 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
     fence_p();
     release(v_empty(n - 1));
   }
-  // This warp's Q K^T products have completed: the producer may load work round + 2's rows here.
+  // This warp's Q K^T products have completed: the producer may load work round + kQBuffers's rows
+  // here.
   release(QEmpty<Shape>(smem, buffer));
   if (next_index < params.num_work) next = DecodeWork<Shape>(params, next_index);
 

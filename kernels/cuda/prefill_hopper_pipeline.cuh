@@ -57,7 +57,6 @@ struct HopperShape {
   // the consumers finish the one before. With one (head_dim 256) it loads them once the
   // consumers' last Q K^T of the work before completed.
   static constexpr int kQBuffers = kHeadDim <= 128 ? 2 : 1;
-
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQOffset + kQBuffers * kConsumers * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvBytes;
