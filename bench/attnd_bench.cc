@@ -59,12 +59,8 @@ constexpr int kMaxSets = 64;
 constexpr double kTargetGraphSeconds = 3e-3;
 constexpr int kReplays = 15;
 
-// The shape: PERFORMANCE.md's standard one unless --qo_heads, --kv_heads, --head_dim or
-// --page_size say otherwise (every decode and append case).
-int32_t g_qo_heads = 32;
-int32_t g_kv_heads = 8;
-int32_t g_head_dim = 128;
-int32_t g_page_size = 16;
+// The shape of every decode and append case (--qo_heads, --kv_heads, --head_dim, --page_size).
+Shape g_shape;
 
 int SetsFor(int64_t bytes_per_set) {
   return static_cast<int>(std::clamp<int64_t>((kRotationBytes + bytes_per_set - 1) / bytes_per_set, 1, kMaxSets));
@@ -119,8 +115,8 @@ double CheckDecode(const std::vector<int64_t>& lengths, const std::vector<int32_
                    const AttentionParams& params) {
   const int32_t batch = static_cast<int32_t>(lengths.size());
   const std::vector<int32_t> picks = batch > 1 ? std::vector<int32_t>{0, batch - 1} : std::vector<int32_t>{0};
-  const int64_t page_bytes = int64_t{g_page_size} * g_kv_heads * g_head_dim * 2;
-  const int64_t row_elements = int64_t{g_qo_heads} * g_head_dim;
+  const int64_t page_bytes = int64_t{g_shape.page_size} * g_shape.kv_heads * g_shape.head_dim * 2;
+  const int64_t row_elements = int64_t{g_shape.qo_heads} * g_shape.head_dim;
   std::vector<int32_t> host_indptr = {0}, host_pages, last_page_len;
   std::vector<uint8_t> host_k, host_v, host_q, gpu_o;
   for (int32_t b : picks) {
@@ -135,7 +131,7 @@ double CheckDecode(const std::vector<int64_t>& lengths, const std::vector<int32_
       host_pages.push_back(static_cast<int32_t>(host_pages.size()));
     }
     host_indptr.push_back(static_cast<int32_t>(host_pages.size()));
-    last_page_len.push_back(pages == 0 ? 0 : static_cast<int32_t>(lengths[b] - int64_t{pages - 1} * g_page_size));
+    last_page_len.push_back(pages == 0 ? 0 : static_cast<int32_t>(lengths[b] - int64_t{pages - 1} * g_shape.page_size));
     const size_t at = host_q.size();
     host_q.resize(at + row_elements * 2);
     gpu_o.resize(at + row_elements * 2);
@@ -147,15 +143,15 @@ double CheckDecode(const std::vector<int64_t>& lengths, const std::vector<int32_
   std::iota(qo_indptr.begin(), qo_indptr.end(), 0);
   std::vector<float> ref_o(rows * row_elements);
   reference::BatchAttentionArgs args;
-  args.q = TokenHeadsView{host_q.data(), DType::kBFloat16, rows, g_qo_heads, g_head_dim};
+  args.q = TokenHeadsView{host_q.data(), DType::kBFloat16, rows, g_shape.qo_heads, g_shape.head_dim};
   args.qo_indptr = qo_indptr.data();
-  args.pages = PageTableView{rows, g_page_size, host_indptr.data(), host_pages.data(), host_pages.data(), last_page_len.data()};
+  args.pages = PageTableView{rows, g_shape.page_size, host_indptr.data(), host_pages.data(), host_pages.data(), last_page_len.data()};
   args.k_cache = PagedKvView{host_k.data(), DType::kBFloat16, KvLayout::kNHD,
-                             static_cast<int64_t>(host_pages.size()), g_page_size, g_kv_heads, g_head_dim};
+                             static_cast<int64_t>(host_pages.size()), g_shape.page_size, g_shape.kv_heads, g_shape.head_dim};
   args.v_cache = args.k_cache;
   args.v_cache.data = host_v.data();
   args.params = params;
-  args.o = TokenHeadsView{ref_o.data(), DType::kFloat32, rows, g_qo_heads, g_head_dim};
+  args.o = TokenHeadsView{ref_o.data(), DType::kFloat32, rows, g_shape.qo_heads, g_shape.head_dim};
   args.accumulation = reference::Accumulation::kFloat64;
   reference::BatchAttention(args);
   double diff = 0, norm = 0;
@@ -178,14 +174,14 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   int64_t total_tokens = 0, pages_per_set = 0;
   for (int64_t length : spec.lengths) {
     total_tokens += length;
-    pages_per_set += (length + g_page_size - 1) / g_page_size;
+    pages_per_set += (length + g_shape.page_size - 1) / g_shape.page_size;
   }
   result.kv_len = total_tokens / batch;
   result.max_kv_len = *std::max_element(spec.lengths.begin(), spec.lengths.end());
-  const int64_t page_bytes = int64_t{g_page_size} * g_kv_heads * g_head_dim * 2;
-  const int64_t row_bytes = int64_t{g_qo_heads} * g_head_dim * 2;
+  const int64_t page_bytes = int64_t{g_shape.page_size} * g_shape.kv_heads * g_shape.head_dim * 2;
+  const int64_t row_bytes = int64_t{g_shape.qo_heads} * g_shape.head_dim * 2;
   // Bytes a decode must move: every K and V byte once, q read once, o written once.
-  const int64_t bytes = total_tokens * g_kv_heads * g_head_dim * 2 * 2 + 2 * batch * row_bytes;
+  const int64_t bytes = total_tokens * g_shape.kv_heads * g_shape.head_dim * 2 * 2 + 2 * batch * row_bytes;
   result.bytes = static_cast<double>(bytes);
   const int sets = SetsFor(bytes);
   const size_t pool_bytes = static_cast<size_t>(sets * pages_per_set * page_bytes);
@@ -203,7 +199,7 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   // order with --contiguous-pages, as FlashInfer's figures in issue 14 were measured).
   std::mt19937 rng(17);
   std::vector<int32_t> indptr = {0};
-  for (int64_t length : spec.lengths) indptr.push_back(indptr.back() + static_cast<int32_t>((length + g_page_size - 1) / g_page_size));
+  for (int64_t length : spec.lengths) indptr.push_back(indptr.back() + static_cast<int32_t>((length + g_shape.page_size - 1) / g_shape.page_size));
   std::vector<std::vector<int32_t>> k_indices(sets);
   DeviceMemory indptr_device(indptr.size() * 4), indices_device(sets * pages_per_set * 4);
   CopyToDevice(indptr_device.get(), indptr);
@@ -217,7 +213,7 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   std::vector<int32_t> qo_indptr(batch + 1);
   std::iota(qo_indptr.begin(), qo_indptr.end(), 0);
   plan::DecodePlanOptions options;
-  options.num_kv_heads = g_kv_heads;
+  options.num_kv_heads = g_shape.kv_heads;
   options.ctas_per_wave = waves.cuda_core;
   options.tensor_core_supported = waves.tensor_core > 0;  // (none for this shape: 0)
   options.tensor_core_ctas_per_wave = waves.tensor_core;
@@ -229,24 +225,24 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   const std::vector<int32_t> packed = plan->Pack();
   DeviceMemory packed_device(packed.size() * 4);
   CopyToDevice(packed_device.get(), packed);
-  const int64_t workspace_bytes = cuda::BatchDecodeWorkspaceBytes(plan->num_partials, g_qo_heads, g_head_dim);
+  const int64_t workspace_bytes = cuda::BatchDecodeWorkspaceBytes(plan->num_partials, g_shape.qo_heads, g_shape.head_dim);
   DeviceMemory workspace(workspace_bytes);
 
   AttentionParams params;
-  params.sm_scale = 1.0f / std::sqrt(static_cast<float>(g_head_dim));
+  params.sm_scale = 1.0f / std::sqrt(static_cast<float>(g_shape.head_dim));
   std::vector<cuda::BatchDecodeArgs> args(sets);
   for (int s = 0; s < sets; ++s) {
     cuda::BatchDecodeArgs& a = args[s];
-    a.q = TokenHeadsView{q.get<uint8_t>() + s * batch * row_bytes, DType::kBFloat16, batch, g_qo_heads, g_head_dim};
-    a.pages = PageTableView{batch, g_page_size, indptr_device.get<int32_t>(),
+    a.q = TokenHeadsView{q.get<uint8_t>() + s * batch * row_bytes, DType::kBFloat16, batch, g_shape.qo_heads, g_shape.head_dim};
+    a.pages = PageTableView{batch, g_shape.page_size, indptr_device.get<int32_t>(),
                             indices_device.get<int32_t>() + s * pages_per_set,
                             indices_device.get<int32_t>() + s * pages_per_set, nullptr};
-    a.k_cache = PagedKvView{k_pool.get(), DType::kBFloat16, KvLayout::kNHD, sets * pages_per_set, g_page_size, g_kv_heads, g_head_dim};
+    a.k_cache = PagedKvView{k_pool.get(), DType::kBFloat16, KvLayout::kNHD, sets * pages_per_set, g_shape.page_size, g_shape.kv_heads, g_shape.head_dim};
     a.v_cache = a.k_cache;
     a.v_cache.data = v_pool.get();
     a.params = params;
     a.work = plan->View(packed_device.get<int32_t>());
-    a.o = TokenHeadsView{o.get<uint8_t>() + s * batch * row_bytes, DType::kBFloat16, batch, g_qo_heads, g_head_dim};
+    a.o = TokenHeadsView{o.get<uint8_t>() + s * batch * row_bytes, DType::kBFloat16, batch, g_shape.qo_heads, g_shape.head_dim};
     a.workspace = workspace.get();
     a.workspace_bytes = workspace_bytes;
   }
@@ -340,11 +336,7 @@ std::vector<DecodeSpec> E2eDecodeSpecs() {
 // them (b1_kv4096). Empty on a malformed list.
 std::vector<DecodeSpec> ListedDecodeSpecs(const std::string& list) {
   std::vector<DecodeSpec> specs;
-  for (size_t start = 0; start < list.size();) {
-    size_t end = list.find(',', start);
-    if (end == std::string::npos) end = list.size();
-    const std::string item = list.substr(start, end - start);
-    start = end + 1;
+  for (const std::string& item : SplitList(list)) {
     int batch = 0;
     long long length = 0;
     if (std::sscanf(item.c_str(), "%dx%lld", &batch, &length) != 2 || batch <= 0 || length <= 0) return {};
@@ -400,18 +392,18 @@ Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
   std::vector<int64_t> prior(batch), total(batch);
   std::vector<int32_t> indptr = {0};
   for (int32_t b = 0; b < batch; ++b) {
-    prior[b] = (b * 7) % g_page_size;
+    prior[b] = (b * 7) % g_shape.page_size;
     total[b] = prior[b] + per_request;
-    indptr.push_back(indptr.back() + static_cast<int32_t>((total[b] + g_page_size - 1) / g_page_size));
+    indptr.push_back(indptr.back() + static_cast<int32_t>((total[b] + g_shape.page_size - 1) / g_shape.page_size));
   }
   const int64_t pages_per_set = indptr.back();
-  const int64_t q_bytes = tokens * g_qo_heads * g_head_dim * 2;
-  const int64_t kv_in_bytes = tokens * g_kv_heads * g_head_dim * 2;
+  const int64_t q_bytes = tokens * g_shape.qo_heads * g_shape.head_dim * 2;
+  const int64_t kv_in_bytes = tokens * g_shape.kv_heads * g_shape.head_dim * 2;
   // q read and written, k and v read, k and v stored at the cache dtype.
-  const int64_t bytes = 2 * q_bytes + 2 * kv_in_bytes + 2 * tokens * g_kv_heads * g_head_dim * cache_bytes;
+  const int64_t bytes = 2 * q_bytes + 2 * kv_in_bytes + 2 * tokens * g_shape.kv_heads * g_shape.head_dim * cache_bytes;
   result.bytes = static_cast<double>(bytes);
   const int sets = SetsFor(bytes);
-  const int64_t page_bytes = int64_t{g_page_size} * g_kv_heads * g_head_dim * cache_bytes;
+  const int64_t page_bytes = int64_t{g_shape.page_size} * g_shape.kv_heads * g_shape.head_dim * cache_bytes;
   DeviceMemory q_in(sets * q_bytes), q_out(sets * q_bytes), k_in(sets * kv_in_bytes), v_in(sets * kv_in_bytes);
   DeviceMemory k_pool(sets * pages_per_set * page_bytes), v_pool(sets * pages_per_set * page_bytes);
   CHECK_CUDA(FillRandom(q_in.get(), spec.in_dtype, sets * q_bytes / 2, 21, 4.0f, stream));
@@ -442,7 +434,7 @@ Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
   }
   RopeConfig rope;
   rope.style = spec.rope ? RopeStyle::kNeox : RopeStyle::kNone;
-  rope.rotary_dim = g_head_dim;
+  rope.rotary_dim = g_shape.head_dim;
   rope.theta = 500000.0;
   const std::vector<float> inv_freq = RopeInverseFrequencies(rope);
   DeviceMemory inv_freq_device(inv_freq.size() * 4);
@@ -455,15 +447,15 @@ Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
     cuda::AppendKvArgs& a = args[s];
     a.tokens = AppendIndexView{tokens, batch_device.get<int32_t>(), positions_device.get<int32_t>()};
     const int32_t* ids = pages_device.get<int32_t>() + s * pages_per_set;
-    a.pages = PageTableView{batch, g_page_size, indptr_device.get<int32_t>(), ids, ids, nullptr};
+    a.pages = PageTableView{batch, g_shape.page_size, indptr_device.get<int32_t>(), ids, ids, nullptr};
     a.rope_style = rope.style;
     a.rope_inv_freq = inv_freq_device.get<float>();
-    a.rotary_dim = spec.rope ? g_head_dim : 0;
-    a.q_in = TokenHeadsView{q_in.get<uint8_t>() + s * q_bytes, spec.in_dtype, tokens, g_qo_heads, g_head_dim};
-    a.q_out = TokenHeadsView{q_out.get<uint8_t>() + s * q_bytes, spec.in_dtype, tokens, g_qo_heads, g_head_dim};
-    a.k_in = TokenHeadsView{k_in.get<uint8_t>() + s * kv_in_bytes, spec.in_dtype, tokens, g_kv_heads, g_head_dim};
-    a.v_in = TokenHeadsView{v_in.get<uint8_t>() + s * kv_in_bytes, spec.in_dtype, tokens, g_kv_heads, g_head_dim};
-    a.k_cache = PagedKvView{k_pool.get(), spec.cache_dtype, KvLayout::kNHD, sets * pages_per_set, g_page_size, g_kv_heads, g_head_dim};
+    a.rotary_dim = spec.rope ? g_shape.head_dim : 0;
+    a.q_in = TokenHeadsView{q_in.get<uint8_t>() + s * q_bytes, spec.in_dtype, tokens, g_shape.qo_heads, g_shape.head_dim};
+    a.q_out = TokenHeadsView{q_out.get<uint8_t>() + s * q_bytes, spec.in_dtype, tokens, g_shape.qo_heads, g_shape.head_dim};
+    a.k_in = TokenHeadsView{k_in.get<uint8_t>() + s * kv_in_bytes, spec.in_dtype, tokens, g_shape.kv_heads, g_shape.head_dim};
+    a.v_in = TokenHeadsView{v_in.get<uint8_t>() + s * kv_in_bytes, spec.in_dtype, tokens, g_shape.kv_heads, g_shape.head_dim};
+    a.k_cache = PagedKvView{k_pool.get(), spec.cache_dtype, KvLayout::kNHD, sets * pages_per_set, g_shape.page_size, g_shape.kv_heads, g_shape.head_dim};
     a.v_cache = a.k_cache;
     a.v_cache.data = v_pool.get();
     a.k_scale = k_scale;
@@ -486,14 +478,14 @@ Result RunAppend(const AppendSpec& spec, cudaStream_t stream) {
   std::vector<uint8_t> ref_q(q_bytes, 0xff), ref_k(set_pool_bytes, 0), ref_v(set_pool_bytes, 0);
   reference::AppendArgs ref;
   ref.tokens = AppendIndexView{tokens, batch_indices.data(), positions.data()};
-  ref.pages = PageTableView{batch, g_page_size, indptr.data(), page_ids[0].data(), page_ids[0].data(), nullptr};
+  ref.pages = PageTableView{batch, g_shape.page_size, indptr.data(), page_ids[0].data(), page_ids[0].data(), nullptr};
   ref.rope_style = rope.style;
   ref.rope_inv_freq = inv_freq;
-  ref.q_in = TokenHeadsView{host_q.data(), spec.in_dtype, tokens, g_qo_heads, g_head_dim};
-  ref.q_out = TokenHeadsView{ref_q.data(), spec.in_dtype, tokens, g_qo_heads, g_head_dim};
-  ref.k_in = TokenHeadsView{host_k.data(), spec.in_dtype, tokens, g_kv_heads, g_head_dim};
-  ref.v_in = TokenHeadsView{host_v.data(), spec.in_dtype, tokens, g_kv_heads, g_head_dim};
-  ref.k_cache = PagedKvView{ref_k.data(), spec.cache_dtype, KvLayout::kNHD, pages_per_set, g_page_size, g_kv_heads, g_head_dim};
+  ref.q_in = TokenHeadsView{host_q.data(), spec.in_dtype, tokens, g_shape.qo_heads, g_shape.head_dim};
+  ref.q_out = TokenHeadsView{ref_q.data(), spec.in_dtype, tokens, g_shape.qo_heads, g_shape.head_dim};
+  ref.k_in = TokenHeadsView{host_k.data(), spec.in_dtype, tokens, g_shape.kv_heads, g_shape.head_dim};
+  ref.v_in = TokenHeadsView{host_v.data(), spec.in_dtype, tokens, g_shape.kv_heads, g_shape.head_dim};
+  ref.k_cache = PagedKvView{ref_k.data(), spec.cache_dtype, KvLayout::kNHD, pages_per_set, g_shape.page_size, g_shape.kv_heads, g_shape.head_dim};
   ref.v_cache = ref.k_cache;
   ref.v_cache.data = ref_v.data();
   ref.k_scale = k_scale;
@@ -594,15 +586,7 @@ int Main(int argc, char** argv) {
     } else if (arg.rfind("--decode_cases=", 0) == 0) {
       decode_cases = arg.substr(15);
       decode = true;
-    } else if (arg.rfind("--qo_heads=", 0) == 0) {
-      g_qo_heads = std::atoi(arg.c_str() + 11);
-    } else if (arg.rfind("--kv_heads=", 0) == 0) {
-      g_kv_heads = std::atoi(arg.c_str() + 11);
-    } else if (arg.rfind("--head_dim=", 0) == 0) {
-      g_head_dim = std::atoi(arg.c_str() + 11);
-    } else if (arg.rfind("--page_size=", 0) == 0) {
-      g_page_size = std::atoi(arg.c_str() + 12);
-    } else if (!ParseWarmFlag(arg.c_str())) {
+    } else if (!ParseShapeFlag(arg.c_str(), g_shape) && !ParseWarmFlag(arg.c_str())) {
       std::fprintf(stderr,
                    "usage: attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14] [--e2e]\n"
                    "                   [--contiguous-pages] [--tc-max-chunk=N] [--warm_ms=N]\n"
@@ -612,11 +596,7 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  if (g_qo_heads <= 0 || g_kv_heads <= 0 || g_qo_heads % g_kv_heads != 0 || g_page_size <= 0 ||
-      (g_head_dim != 64 && g_head_dim != 128 && g_head_dim != 256)) {
-    std::fprintf(stderr, "attnd_bench: qo_heads must be a multiple of kv_heads, head_dim 64, 128 or 256\n");
-    return 2;
-  }
+  if (!CheckShape(g_shape, "attnd_bench")) return 2;
   if (!decode && !append) decode = append = true;
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
@@ -643,7 +623,7 @@ int Main(int argc, char** argv) {
     results.push_back(r);
   };
   if (decode) {
-    const cuda::DecodeKernelConfig config{DType::kBFloat16, DType::kBFloat16, g_head_dim, g_qo_heads / g_kv_heads};
+    const cuda::DecodeKernelConfig config{DType::kBFloat16, DType::kBFloat16, g_shape.head_dim, g_shape.qo_heads / g_shape.kv_heads};
     auto ctas = cuda::DecodeCtasPerWave(config);
     CHECK_OK(ctas.status());
     // No tensor-core kernel for some shapes (group < 4, say): the CUDA-core kernel alone.
@@ -651,7 +631,7 @@ int Main(int argc, char** argv) {
     const DecodeWaves waves{*ctas, tensor_ctas.ok() ? *tensor_ctas : 0};
     std::printf("decode: Hq %d Hkv %d D %d bf16 NHD page %d; CTAs per wave (measured occupancy x SMs): "
                 "CUDA-core kernel %d, tensor-core kernel %d\n",
-                g_qo_heads, g_kv_heads, g_head_dim, g_page_size, waves.cuda_core, waves.tensor_core);
+                g_shape.qo_heads, g_shape.kv_heads, g_shape.head_dim, g_shape.page_size, waves.cuda_core, waves.tensor_core);
     const std::vector<DecodeSpec> specs = !decode_cases.empty() ? ListedDecodeSpecs(decode_cases)
                                           : issue14                ? Issue14DecodeSpecs()
                                           : e2e                    ? E2eDecodeSpecs()
@@ -668,8 +648,8 @@ int Main(int argc, char** argv) {
     }
   }
   if (append) {
-    std::printf("append: Hq %d Hkv %d D %d, neox RoPE, NHD page %d (q rotated into q_out)\n", g_qo_heads,
-                g_kv_heads, g_head_dim, g_page_size);
+    std::printf("append: Hq %d Hkv %d D %d, neox RoPE, NHD page %d (q rotated into q_out)\n", g_shape.qo_heads,
+                g_shape.kv_heads, g_shape.head_dim, g_shape.page_size);
     const std::vector<int64_t> token_counts = quick ? std::vector<int64_t>{1, 1024, 16384}
                                                     : std::vector<int64_t>{1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
     for (const auto& [in_dtype, cache_dtype] : {std::pair{DType::kFloat16, DType::kFloat8E4M3},

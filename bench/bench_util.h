@@ -6,10 +6,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -86,6 +89,50 @@ inline bool ParseWarmFlag(const char* arg) {
   if (std::strncmp(arg, "--warm_ms=", 10) != 0) return false;
   g_warm_seconds = std::max(0.0, std::atof(arg + 10) * 1e-3);
   return true;
+}
+
+// The attention shape of a benchmark run: PERFORMANCE.md's standard one unless --qo_heads,
+// --kv_heads, --head_dim or --page_size say otherwise (prefill_bench, attnd_bench).
+struct Shape {
+  int32_t qo_heads = 32;
+  int32_t kv_heads = 8;
+  int32_t head_dim = 128;
+  int32_t page_size = 16;
+};
+
+// Reads one of the shape's flags into `shape`; false when `arg` is none of them.
+inline bool ParseShapeFlag(const char* arg, Shape& shape) {
+  for (const auto& [name, value] : {std::pair{"--qo_heads=", &shape.qo_heads}, std::pair{"--kv_heads=", &shape.kv_heads},
+                                    std::pair{"--head_dim=", &shape.head_dim}, std::pair{"--page_size=", &shape.page_size}}) {
+    const size_t length = std::strlen(name);
+    if (std::strncmp(arg, name, length) == 0) {
+      *value = std::atoi(arg + length);
+      return true;
+    }
+  }
+  return false;
+}
+
+// Whether the kernels take `shape`; says why not on stderr, naming `program`.
+inline bool CheckShape(const Shape& shape, const char* program) {
+  if (shape.qo_heads > 0 && shape.kv_heads > 0 && shape.qo_heads % shape.kv_heads == 0 && shape.page_size > 0 &&
+      (shape.head_dim == 64 || shape.head_dim == 128 || shape.head_dim == 256)) {
+    return true;
+  }
+  std::fprintf(stderr, "%s: qo_heads must be a positive multiple of kv_heads, page_size positive, head_dim 64, 128 or 256\n",
+               program);
+  return false;
+}
+
+// The items of a comma-separated list ("a,b,c"; empty items kept).
+inline std::vector<std::string> SplitList(const std::string& list) {
+  std::vector<std::string> items;
+  for (size_t start = 0; start <= list.size();) {
+    const size_t end = std::min(list.find(',', start), list.size());
+    items.push_back(list.substr(start, end - start));
+    start = end + 1;
+  }
+  return items;
 }
 
 // Says so in the output when --warm_ms was given.

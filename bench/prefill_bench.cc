@@ -39,12 +39,7 @@ namespace {
 
 using bench::MedianMs;
 
-// The shape (PERFORMANCE.md's standard one by default; --qo_heads, --kv_heads, --head_dim and
-// --page_size for the general case).
-int32_t g_qo_heads = 32;
-int32_t g_kv_heads = 8;
-int32_t g_head_dim = 128;
-int32_t g_page_size = 16;
+bench::Shape g_shape;  // --qo_heads, --kv_heads, --head_dim, --page_size
 constexpr int64_t kL2RotationBytes = 200ll << 20;  // 4x the H100's 50 MB L2
 constexpr int32_t kCheckedTokens = 64;
 
@@ -110,16 +105,16 @@ struct DeviceSet {
 Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t stream) {
   const int32_t batch = shape.batch, length = shape.length;
   const int64_t rows = int64_t{batch} * length;
-  const int32_t pages_per_request = (length + g_page_size - 1) / g_page_size;
+  const int32_t pages_per_request = (length + g_shape.page_size - 1) / g_shape.page_size;
   const int64_t num_pages = int64_t{batch} * pages_per_request;
-  const int64_t q_elements = rows * g_qo_heads * g_head_dim;
-  const int64_t pool_elements = num_pages * g_page_size * g_kv_heads * g_head_dim;
+  const int64_t q_elements = rows * g_shape.qo_heads * g_shape.head_dim;
+  const int64_t pool_elements = num_pages * g_shape.page_size * g_shape.kv_heads * g_shape.head_dim;
   const int64_t set_bytes = (2 * q_elements + 2 * pool_elements) * 2;
   const int num_sets = static_cast<int>(std::max<int64_t>(1, (kL2RotationBytes + set_bytes - 1) / set_bytes));
 
   std::mt19937 rng(static_cast<uint32_t>(length * 131 + batch));
   std::vector<int32_t> qo_indptr(batch + 1), kv_lengths(batch, length), page_indptr(batch + 1),
-      last_page_len(batch, length - (pages_per_request - 1) * g_page_size), page_ids(num_pages);
+      last_page_len(batch, length - (pages_per_request - 1) * g_shape.page_size), page_ids(num_pages);
   for (int32_t b = 0; b <= batch; ++b) {
     qo_indptr[b] = b * length;
     page_indptr[b] = b * pages_per_request;
@@ -153,14 +148,14 @@ Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t strea
   const int32_t* d_page_ids = upload(page_ids);
   const int32_t* d_last = upload(last_page_len);
 
-  auto waves = cuda::BatchPrefillCtasPerWave(g_head_dim, DType::kBFloat16, DType::kBFloat16);
+  auto waves = cuda::BatchPrefillCtasPerWave(g_shape.head_dim, DType::kBFloat16, DType::kBFloat16);
   CHECK_OK(waves.status());
   plan::PrefillPlanInput input;
   input.qo_indptr = qo_indptr;
   input.kv_lengths = kv_lengths;
-  input.num_qo_heads = g_qo_heads;
-  input.num_kv_heads = g_kv_heads;
-  input.head_dim = g_head_dim;
+  input.num_qo_heads = g_shape.qo_heads;
+  input.num_kv_heads = g_shape.kv_heads;
+  input.head_dim = g_shape.head_dim;
   input.causal = shape.causal;
   input.ctas_per_wave = *waves;
   input.kernel = kernel;
@@ -174,14 +169,14 @@ Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t strea
 
   cuda::BatchPrefillArgs args;
   args.qo_indptr = d_qo_indptr;
-  args.pages = {batch, g_page_size, d_page_indptr, d_page_ids, d_page_ids, d_last};
+  args.pages = {batch, g_shape.page_size, d_page_indptr, d_page_ids, d_page_ids, d_last};
   args.params.causal = shape.causal;
-  args.params.sm_scale = 1.0f / std::sqrt(static_cast<float>(g_head_dim));
+  args.params.sm_scale = 1.0f / std::sqrt(static_cast<float>(g_shape.head_dim));
   auto set_views = [&](const DeviceSet& set) {
-    args.q = {set.q, DType::kBFloat16, rows, g_qo_heads, g_head_dim};
-    args.o = {set.o, DType::kBFloat16, rows, g_qo_heads, g_head_dim};
-    args.k_cache = {set.k_pool, DType::kBFloat16, KvLayout::kNHD, num_pages, g_page_size, g_kv_heads, g_head_dim};
-    args.v_cache = {set.v_pool, DType::kBFloat16, KvLayout::kNHD, num_pages, g_page_size, g_kv_heads, g_head_dim};
+    args.q = {set.q, DType::kBFloat16, rows, g_shape.qo_heads, g_shape.head_dim};
+    args.o = {set.o, DType::kBFloat16, rows, g_shape.qo_heads, g_shape.head_dim};
+    args.k_cache = {set.k_pool, DType::kBFloat16, KvLayout::kNHD, num_pages, g_shape.page_size, g_shape.kv_heads, g_shape.head_dim};
+    args.v_cache = {set.v_pool, DType::kBFloat16, KvLayout::kNHD, num_pages, g_shape.page_size, g_shape.kv_heads, g_shape.head_dim};
   };
 
   // Check: the last kCheckedTokens tokens of every request against the float64 reference.
@@ -192,8 +187,8 @@ Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t strea
   CHECK_CUDA(cudaMemcpy(o_host.data(), sets[0].o, q_elements * 2, cudaMemcpyDeviceToHost));
   const int32_t checked = std::min(kCheckedTokens, length);
   std::vector<int32_t> check_indptr(batch + 1);
-  std::vector<uint16_t> check_q(int64_t{batch} * checked * g_qo_heads * g_head_dim);
-  const int64_t row_elements = int64_t{g_qo_heads} * g_head_dim;
+  std::vector<uint16_t> check_q(int64_t{batch} * checked * g_shape.qo_heads * g_shape.head_dim);
+  const int64_t row_elements = int64_t{g_shape.qo_heads} * g_shape.head_dim;
   for (int32_t b = 0; b < batch; ++b) {
     check_indptr[b + 1] = (b + 1) * checked;
     std::memcpy(check_q.data() + int64_t{b} * checked * row_elements,
@@ -202,13 +197,13 @@ Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t strea
   }
   std::vector<float> want(check_q.size());
   reference::BatchAttentionArgs ref;
-  ref.q = {check_q.data(), DType::kBFloat16, int64_t{batch} * checked, g_qo_heads, g_head_dim};
+  ref.q = {check_q.data(), DType::kBFloat16, int64_t{batch} * checked, g_shape.qo_heads, g_shape.head_dim};
   ref.qo_indptr = check_indptr.data();
-  ref.pages = {batch, g_page_size, page_indptr.data(), page_ids.data(), page_ids.data(), last_page_len.data()};
-  ref.k_cache = {k_host.data(), DType::kBFloat16, KvLayout::kNHD, num_pages, g_page_size, g_kv_heads, g_head_dim};
-  ref.v_cache = {v_host.data(), DType::kBFloat16, KvLayout::kNHD, num_pages, g_page_size, g_kv_heads, g_head_dim};
+  ref.pages = {batch, g_shape.page_size, page_indptr.data(), page_ids.data(), page_ids.data(), last_page_len.data()};
+  ref.k_cache = {k_host.data(), DType::kBFloat16, KvLayout::kNHD, num_pages, g_shape.page_size, g_shape.kv_heads, g_shape.head_dim};
+  ref.v_cache = {v_host.data(), DType::kBFloat16, KvLayout::kNHD, num_pages, g_shape.page_size, g_shape.kv_heads, g_shape.head_dim};
   ref.params = args.params;
-  ref.o = {want.data(), DType::kFloat32, int64_t{batch} * checked, g_qo_heads, g_head_dim};
+  ref.o = {want.data(), DType::kFloat32, int64_t{batch} * checked, g_shape.qo_heads, g_shape.head_dim};
   ref.accumulation = reference::Accumulation::kFloat64;
   reference::BatchAttention(ref);
   double error_sq = 0, norm_sq = 0;
@@ -239,7 +234,7 @@ Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t strea
   const float ms = MedianMs(15, inner, launch, stream);
   CHECK_CUDA(cudaGetLastError());
 
-  const double flops = 4.0 * rows * static_cast<double>(length) * g_head_dim * g_qo_heads * (shape.causal ? 0.5 : 1.0);
+  const double flops = 4.0 * rows * static_cast<double>(length) * g_shape.head_dim * g_shape.qo_heads * (shape.causal ? 0.5 : 1.0);
   Result result{shape, ms, flops / (ms * 1e-3) / 1e12, relative_error};
 
   for (DeviceSet& set : sets) {
@@ -268,21 +263,10 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--kernel=mma") == 0) kernel = plan::PrefillKernel::kMmaSync;
     if (std::strcmp(argv[i], "--kernel=hopper") == 0) kernel = plan::PrefillKernel::kHopper;
     if (std::strncmp(argv[i], "--cases=", 8) == 0) case_list = argv[i] + 8;
-    auto int_flag = [&](const char* name, int32_t& value) {
-      const size_t n = std::strlen(name);
-      if (std::strncmp(argv[i], name, n) == 0) value = std::atoi(argv[i] + n);
-    };
-    int_flag("--qo_heads=", g_qo_heads);
-    int_flag("--kv_heads=", g_kv_heads);
-    int_flag("--head_dim=", g_head_dim);
-    int_flag("--page_size=", g_page_size);
+    bench::ParseShapeFlag(argv[i], g_shape);
     bench::ParseWarmFlag(argv[i]);
   }
-  if (g_qo_heads <= 0 || g_kv_heads <= 0 || g_qo_heads % g_kv_heads != 0 || g_page_size <= 0 ||
-      (g_head_dim != 64 && g_head_dim != 128 && g_head_dim != 256)) {
-    std::fprintf(stderr, "prefill_bench: qo_heads must be a multiple of kv_heads, head_dim 64, 128 or 256\n");
-    return 2;
-  }
+  if (!bench::CheckShape(g_shape, "prefill_bench")) return 2;
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
   cudaDeviceProp prop;
@@ -297,7 +281,7 @@ int main(int argc, char** argv) {
 
   const double peak = MatmulPeakTflops(stream);
   std::printf("cuBLAS bf16 8192^3: %.1f TFLOP/s (the peak below); kernel: %s; Hq %d, Hkv %d, D %d, page %d\n",
-              peak, plan::PrefillKernelName(kernel), g_qo_heads, g_kv_heads, g_head_dim, g_page_size);
+              peak, plan::PrefillKernelName(kernel), g_shape.qo_heads, g_shape.kv_heads, g_shape.head_dim, g_shape.page_size);
   std::vector<Case> cases = {
       {"causal 1x512", 1, 512, true},       {"causal 1x2048", 1, 2048, true},
       {"causal 1x8192", 1, 8192, true},     {"causal 8x2048", 8, 2048, true},
@@ -305,11 +289,7 @@ int main(int argc, char** argv) {
   };
   if (!case_list.empty()) {
     cases.clear();
-    for (size_t start = 0; start < case_list.size();) {
-      size_t end = case_list.find(',', start);
-      if (end == std::string::npos) end = case_list.size();
-      const std::string item = case_list.substr(start, end - start);
-      start = end + 1;
+    for (const std::string& item : bench::SplitList(case_list)) {
       int batch = 0, length = 0;
       if (item.size() < 4 || (item[0] != 'c' && item[0] != 'n') ||
           std::sscanf(item.c_str() + 1, "%dx%d", &batch, &length) != 2 || batch <= 0 || length <= 0) {
@@ -336,7 +316,7 @@ int main(int argc, char** argv) {
     if (csv != nullptr) {
       std::fprintf(csv, "%s,%d,%d,%d,%.6f,%.3f,%.3f,%.3e,%d,%d,%d\n", shape.name.c_str(), shape.batch,
                    shape.length, shape.causal ? 1 : 0, result.ms, result.tflops, peak, result.relative_error,
-                   g_qo_heads, g_kv_heads, g_head_dim);
+                   g_shape.qo_heads, g_shape.kv_heads, g_shape.head_dim);
     }
   }
   if (csv != nullptr) std::fclose(csv);
