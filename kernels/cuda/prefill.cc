@@ -150,7 +150,8 @@ absl::StatusOr<plan::PrefillWaveSizes> BatchPrefillCtasPerWave(int32_t head_dim,
   plan::PrefillWaveSizes waves;
   waves.num_sms = num_sms;
   for (int32_t tile_rows : {16, 64, 128}) {
-    const int32_t planned = plan::PrefillQueryTileRows(tile_rows, head_dim);  // 128 -> 64 at D256
+    // The mma.sync kernels' tile (128 -> 64 at D256).
+    const int32_t planned = plan::PrefillQueryTileRows(tile_rows, head_dim, /*hopper=*/false);
     int ctas_per_sm = 0;
     const prefill::KernelParams unused{};
     cudaError_t error = cudaErrorInvalidValue;

@@ -196,8 +196,8 @@ int32_t BalancePersistentWork(std::span<const std::pair<int64_t, PrefillWorkItem
 
 }  // namespace
 
-int32_t PrefillQueryTileRows(int64_t packed_rows, int32_t head_dim) {
-  if (packed_rows > 64 && head_dim < 256) return 128;
+int32_t PrefillQueryTileRows(int64_t packed_rows, int32_t head_dim, bool hopper) {
+  if (packed_rows > 64 && (head_dim < 256 || hopper)) return 128;
   if (packed_rows > 16) return 64;
   return 16;
 }
@@ -287,11 +287,7 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
     if (q_len == 0) continue;
     const int64_t packed_rows = int64_t{q_len} * group;
     if (packed_rows > INT32_MAX) return absl::InvalidArgumentError("q_len * group_size exceeds 2^31");
-    // The Hopper kernel's 128-row tiles at every head_dim (the mma.sync kernel's stop at 64 rows
-    // for head_dim 256).
-    const int32_t tile_rows = force_hopper                ? 128
-                              : hopper && packed_rows > 64 ? 128
-                                                           : PrefillQueryTileRows(packed_rows, input.head_dim);
+    const int32_t tile_rows = force_hopper ? 128 : PrefillQueryTileRows(packed_rows, input.head_dim, hopper);
     const size_t slot = std::find(kTileRows.begin(), kTileRows.end(), tile_rows) - kTileRows.begin();
     by_tile[slot].push_back({static_cast<int32_t>(b), q_len, kv_len, CeilDiv(packed_rows, tile_rows)});
   }

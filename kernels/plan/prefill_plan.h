@@ -127,9 +127,9 @@ struct PrefillPlan {
 };
 
 // Packed query rows per CTA for a request with `packed_rows` = q_len * group rows: the smallest
-// tile that is not mostly padding. head_dim 256 stops at 64 (the mma.sync kernel's registers; the
-// planner gives the Hopper kernel, where it runs, 128 rows at every head_dim).
-int32_t PrefillQueryTileRows(int64_t packed_rows, int32_t head_dim);
+// tile that is not mostly padding. `hopper`: the Hopper kernel takes the 128-row tiles, at every
+// head_dim; the mma.sync kernel's stop at 64 for head_dim 256 (its registers).
+int32_t PrefillQueryTileRows(int64_t packed_rows, int32_t head_dim, bool hopper);
 
 // Plans one CTA per (request, query tile, KV chunk, KV head). Requests with no query rows
 // (padding slots) get no CTA. A request's kernel, tile and chunk follow from the request alone

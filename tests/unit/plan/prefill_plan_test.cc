@@ -17,12 +17,14 @@ namespace {
 using testing::Input;
 
 TEST(PrefillPlanTest, PicksTheQueryTilePerRequestFromItsOwnLength) {
-  EXPECT_EQ(plan::PrefillQueryTileRows(1, 128), 16);
-  EXPECT_EQ(plan::PrefillQueryTileRows(16, 128), 16);
-  EXPECT_EQ(plan::PrefillQueryTileRows(17, 128), 64);
-  EXPECT_EQ(plan::PrefillQueryTileRows(64, 128), 64);
-  EXPECT_EQ(plan::PrefillQueryTileRows(65, 128), 128);
-  EXPECT_EQ(plan::PrefillQueryTileRows(65, 256), 64);
+  EXPECT_EQ(plan::PrefillQueryTileRows(1, 128, false), 16);
+  EXPECT_EQ(plan::PrefillQueryTileRows(16, 128, false), 16);
+  EXPECT_EQ(plan::PrefillQueryTileRows(17, 128, false), 64);
+  EXPECT_EQ(plan::PrefillQueryTileRows(64, 128, false), 64);
+  EXPECT_EQ(plan::PrefillQueryTileRows(65, 128, false), 128);
+  EXPECT_EQ(plan::PrefillQueryTileRows(65, 256, false), 64);
+  EXPECT_EQ(plan::PrefillQueryTileRows(65, 256, true), 128);  // the Hopper kernel: 128 at every head_dim
+  EXPECT_EQ(plan::PrefillQueryTileRows(64, 256, true), 64);
 
   // Group 4: 2 tokens -> 8 packed rows (tile 16); 100 tokens -> 400 rows (tile 128).
   const std::vector<int32_t> qo_indptr = {0, 2, 102, 102};
@@ -98,70 +100,52 @@ TEST(PrefillPlanTest, DeterministicChunkDependsOnTheRequestAlone) {
 }
 
 TEST(PrefillPlanTest, HopperTakesTheLongRequestsWhenAvailable) {
-  // Group 4: 2 tokens -> 8 packed rows (tile 16, mma.sync); 100 tokens -> 400 rows (Hopper).
-  const std::vector<int32_t> qo_indptr = {0, 2, 102};
-  const std::vector<int32_t> kv_lengths = {50, 100};
-  plan::PrefillPlanInput input = Input(qo_indptr, kv_lengths, 8, 2, 128);
-  input.ctas_per_wave = {264, 264, 264, 132, 132};
-  auto plan = plan::PlanPrefill(input);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  ASSERT_EQ(plan->launches.size(), 2u);
-  EXPECT_EQ(plan->launches[0].kernel, plan::PrefillKernel::kHopper);
-  EXPECT_EQ(plan->launches[0].tile_rows, 128);
-  EXPECT_EQ(plan->launches[0].grid_ctas, 132);  // persistent: one wave
-  EXPECT_EQ(plan->launches[1].kernel, plan::PrefillKernel::kMmaSync);
-  EXPECT_EQ(plan->launches[1].grid_ctas, 0);
-  EXPECT_EQ(plan->launches[1].tile_rows, 16);
+  // Group 4: 2 tokens -> 8 packed rows (tile 16, mma.sync); 100 tokens -> 400 rows (Hopper, in
+  // 128-row tiles at head_dim 256 too, where the mma.sync kernel stops at 64).
+  for (int32_t head_dim : {128, 256}) {
+    SCOPED_TRACE(head_dim);
+    const std::vector<int32_t> qo_indptr = {0, 2, 102};
+    const std::vector<int32_t> kv_lengths = {50, 100};
+    plan::PrefillPlanInput input = Input(qo_indptr, kv_lengths, 8, 2, head_dim);
+    input.ctas_per_wave = {264, 264, 264, 132, 132};
+    auto plan = plan::PlanPrefill(input);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_EQ(plan->launches.size(), 2u);
+    EXPECT_EQ(plan->launches[0].kernel, plan::PrefillKernel::kHopper);
+    EXPECT_EQ(plan->launches[0].tile_rows, 128);
+    EXPECT_EQ(plan->launches[0].grid_ctas, 132);  // persistent: one wave
+    EXPECT_EQ(plan->launches[1].kernel, plan::PrefillKernel::kMmaSync);
+    EXPECT_EQ(plan->launches[1].grid_ctas, 0);
+    EXPECT_EQ(plan->launches[1].tile_rows, 16);
 
-  input.kernel = plan::PrefillKernel::kMmaSync;
-  plan = plan::PlanPrefill(input);
-  ASSERT_TRUE(plan.ok());
-  for (const auto& launch : plan->launches) EXPECT_EQ(launch.kernel, plan::PrefillKernel::kMmaSync);
+    input.kernel = plan::PrefillKernel::kMmaSync;
+    plan = plan::PlanPrefill(input);
+    ASSERT_TRUE(plan.ok());
+    for (const auto& launch : plan->launches) EXPECT_EQ(launch.kernel, plan::PrefillKernel::kMmaSync);
 
-  // Forced: every request in 128-row tiles on the Hopper kernel.
-  input.kernel = plan::PrefillKernel::kHopper;
-  plan = plan::PlanPrefill(input);
-  ASSERT_TRUE(plan.ok());
-  ASSERT_EQ(plan->launches.size(), 1u);
-  EXPECT_EQ(plan->launches[0].kernel, plan::PrefillKernel::kHopper);
-  EXPECT_TRUE(plan->launches[0].per_head);
-  EXPECT_EQ(plan->launches[0].num_items, 10);  // (1 + ceil(400 / 128)) x 2 KV heads
-  EXPECT_EQ(plan->NumCtas(), 10);
+    // Forced: every request in 128-row tiles on the Hopper kernel.
+    input.kernel = plan::PrefillKernel::kHopper;
+    plan = plan::PlanPrefill(input);
+    ASSERT_TRUE(plan.ok());
+    ASSERT_EQ(plan->launches.size(), 1u);
+    EXPECT_EQ(plan->launches[0].kernel, plan::PrefillKernel::kHopper);
+    EXPECT_TRUE(plan->launches[0].per_head);
+    EXPECT_EQ(plan->launches[0].num_items, 10);  // (1 + ceil(400 / 128)) x 2 KV heads
+    EXPECT_EQ(plan->NumCtas(), 10);
 
-  // Without the Hopper kernel, auto stays on mma.sync and forcing it is an error.
-  input.ctas_per_wave.hopper_tile128 = 0;
-  EXPECT_EQ(plan::PlanPrefill(input).status().code(), absl::StatusCode::kFailedPrecondition);
-  input.kernel = plan::PrefillKernel::kAuto;
-  plan = plan::PlanPrefill(input);
-  ASSERT_TRUE(plan.ok());
-  for (const auto& launch : plan->launches) EXPECT_EQ(launch.kernel, plan::PrefillKernel::kMmaSync);
-}
-
-TEST(PrefillPlanTest, HeadDim256TakesHopperTilesOf128RowsWhereTheKernelRuns) {
-  // head_dim 256: the mma.sync kernel stops at 64-row tiles, the Hopper kernel takes 128.
-  const std::vector<int32_t> qo_indptr = {0, 2, 102};
-  const std::vector<int32_t> kv_lengths = {50, 100};
-  plan::PrefillPlanInput input = Input(qo_indptr, kv_lengths, 8, 2, 256);
-  input.ctas_per_wave = {264, 264, 264, 132, 132};
-  auto plan = plan::PlanPrefill(input);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  ASSERT_EQ(plan->launches.size(), 2u);
-  EXPECT_EQ(plan->launches[0].kernel, plan::PrefillKernel::kHopper);
-  EXPECT_EQ(plan->launches[0].tile_rows, 128);
-  EXPECT_EQ(plan->launches[1].kernel, plan::PrefillKernel::kMmaSync);
-  EXPECT_EQ(plan->launches[1].tile_rows, 16);
-  input.kernel = plan::PrefillKernel::kHopper;
-  EXPECT_TRUE(plan::PlanPrefill(input).ok());
-
-  // Without it, 64-row tiles on mma.sync, and forcing it is an error.
-  input.ctas_per_wave.hopper_tile128 = 0;
-  EXPECT_EQ(plan::PlanPrefill(input).status().code(), absl::StatusCode::kFailedPrecondition);
-  input.kernel = plan::PrefillKernel::kAuto;
-  plan = plan::PlanPrefill(input);
-  ASSERT_TRUE(plan.ok());
-  for (const auto& launch : plan->launches) {
-    EXPECT_EQ(launch.kernel, plan::PrefillKernel::kMmaSync);
-    EXPECT_LE(launch.tile_rows, 64);
+    // Without the Hopper kernel, auto stays on mma.sync (64-row tiles at most at head_dim 256) and
+    // forcing it is an error.
+    input.ctas_per_wave.hopper_tile128 = 0;
+    EXPECT_EQ(plan::PlanPrefill(input).status().code(), absl::StatusCode::kFailedPrecondition);
+    input.kernel = plan::PrefillKernel::kAuto;
+    plan = plan::PlanPrefill(input);
+    ASSERT_TRUE(plan.ok());
+    for (const auto& launch : plan->launches) {
+      EXPECT_EQ(launch.kernel, plan::PrefillKernel::kMmaSync);
+      if (head_dim == 256) {
+        EXPECT_LE(launch.tile_rows, 64);
+      }
+    }
   }
 }
 
