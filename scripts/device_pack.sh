@@ -10,8 +10,8 @@
 
 #   device_unpack NAME SUMMARY
 #       on the device: unpacks .gpu-pack/NAME.tar.xz into /tmp/NAME, puts the device's cuBLAS on
-#       LD_LIBRARY_PATH (the bundle leaves it out) and appends "commit ... on GPU, driver" to
-#       SUMMARY (and stdout); returns 1 when the bundle does not unpack.
+#       LD_LIBRARY_PATH (the bundle leaves it out) and starts SUMMARY with "commit ... on GPU,
+#       driver" (also on stdout); returns 1 when the bundle does not unpack.
 
 #   device_xz NAME OUT
 #       tars .gpu-pack/NAME into OUT, xz-compressed with a 192 MiB dictionary in one thread: the
@@ -41,5 +41,5 @@ device_unpack() {
   export LD_LIBRARY_PATH=${cublas:+$(dirname "$cublas")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   echo "commit $(cat ".gpu-pack/$name.commit" 2>/dev/null) on" \
     "$(timeout -k 2 20 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)" |
-    tee -a "$summary"
+    tee "$summary"
 }

@@ -26,7 +26,6 @@ case ${1:-} in
     OUT=${OUT:-/tmp/issue14-out}
     mkdir -p "$OUT"
     source scripts/device_pack.sh
-    : > "$OUT/summary.txt"
     device_unpack issue14 "$OUT/summary.txt" || exit 1
     B=/tmp/issue14
     source scripts/device_clocks.sh

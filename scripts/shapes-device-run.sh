@@ -24,7 +24,6 @@ case ${1:-} in
     OUT=${OUT:-/tmp/shapes-out}
     mkdir -p "$OUT"
     source scripts/device_pack.sh
-    : > "$OUT/summary.txt"
     device_unpack shapes "$OUT/summary.txt" || exit 1
     B=/tmp/shapes
     # Llama-3 8B's shape first (the reference), then head_dim 64, Gemma-2's 256, Llama-3 70B's
