@@ -1,6 +1,7 @@
 // Batch decode on tensor cores (issue 14): the instantiations of decode_tc.cuh and their
-// launcher. Six kernels: head_dim 64/128/256 x fp16/bf16 (q and cache of one type); the group
-// (1..16, padded to 16 rows) and the output type are runtime parameters.
+// launcher. Twelve kernels: head_dim 64/128/256 x fp16/bf16 (q and cache of one type) x with or
+// without a soft cap; the group (1..16, padded to 16 rows) and the output type are runtime
+// parameters.
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
@@ -26,28 +27,34 @@ struct Kernel {
 };
 
 template <int kHeadDim>
-Kernel PickType(DType dtype) {
+Kernel PickType(DType dtype, bool soft_cap) {
   const int smem = TcShape<kHeadDim>::kSmemBytes;
   switch (dtype) {
     case DType::kFloat16:
-      return {&decode_tc::TensorCoreDecodeKernel<kHeadDim, __half>, smem};
+      return {soft_cap ? &decode_tc::TensorCoreDecodeKernel<kHeadDim, __half, true>
+                       : &decode_tc::TensorCoreDecodeKernel<kHeadDim, __half, false>,
+              smem};
     case DType::kBFloat16:
-      return {&decode_tc::TensorCoreDecodeKernel<kHeadDim, __nv_bfloat16>, smem};
+      return {soft_cap ? &decode_tc::TensorCoreDecodeKernel<kHeadDim, __nv_bfloat16, true>
+                       : &decode_tc::TensorCoreDecodeKernel<kHeadDim, __nv_bfloat16, false>,
+              smem};
     default:
       return {};
   }
 }
 
-Kernel PickKernel(const DecodeKernelConfig& config) {
+// The kernel of `config` (with or without the soft cap's code: both have the same shared memory
+// and occupancy, so the occupancy query may take either).
+Kernel PickKernel(const DecodeKernelConfig& config, bool soft_cap = false) {
   if (config.q_dtype != config.kv_dtype) return {};
   if (config.group_size < kMinGroup || config.group_size > decode_tc::kMaxGroup) return {};
   switch (config.head_dim) {
     case 64:
-      return PickType<64>(config.kv_dtype);
+      return PickType<64>(config.kv_dtype, soft_cap);
     case 128:
-      return PickType<128>(config.kv_dtype);
+      return PickType<128>(config.kv_dtype, soft_cap);
     case 256:
-      return PickType<256>(config.kv_dtype);
+      return PickType<256>(config.kv_dtype, soft_cap);
   }
   return {};
 }
@@ -95,7 +102,10 @@ absl::Status LaunchTensorCoreDecode(const BatchDecodeArgs& args, int32_t log2_pa
   const PagedKvView& k = args.k_cache;
   const DecodeKernelConfig config{args.q.dtype, k.dtype, args.q.head_dim,
                                   args.q.num_heads / k.num_heads};
-  const Kernel kernel = PickKernel(config);
+  // The one scaling and soft-cap rule (softmax.cuh); cap_log2 stays 0 without a cap.
+  const float score_scale = args.params.sm_scale * args.params.k_scale;
+  const SoftmaxParams softmax = SoftmaxParams::Of(score_scale, args.params.logits_soft_cap);
+  const Kernel kernel = PickKernel(config, softmax.soft_cap);
   if (kernel.function == nullptr) return Unsupported(config);
 
   const int64_t element_bytes = DTypeBytes(k.dtype);
@@ -123,9 +133,6 @@ absl::Status LaunchTensorCoreDecode(const BatchDecodeArgs& args, int32_t log2_pa
   params.num_kv_heads = k.num_heads;
   params.group_size = config.group_size;
   params.log2_page_size = log2_page_size;
-  // The one scaling and soft-cap rule (softmax.cuh); cap_log2 stays 0 without a cap.
-  const float score_scale = args.params.sm_scale * args.params.k_scale;
-  const SoftmaxParams softmax = SoftmaxParams::Of(score_scale, args.params.logits_soft_cap);
   params.score_scale_log2 = score_scale * kLog2e;
   params.cap_input_scale = softmax.cap_input_scale;
   params.cap_log2 = softmax.soft_cap ? softmax.cap_log2 : 0.0f;
