@@ -7,7 +7,7 @@
 //                stages in flight, completing on an mbarrier per stage
 // Each CTA reads its own slice of a 3 GiB buffer (no L2 reuse); every launch then checks bytes
 // of the last stage it loaded against the buffer's fill pattern, so a variant that loaded
-// nothing cannot report a rate. Median of 5 event-timed launches.
+// nothing cannot report a rate. Median of 5 event-timed launches (bench::MedianMs).
 //
 // Usage: sm_intake_probe   (CSV on stdout: variant,sms,total_GBps,per_sm_GBps; ~3 s on an H200)
 #include <cuda_runtime.h>
@@ -15,7 +15,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <vector>
+
+#include "bench_util.h"
 
 namespace {
 
@@ -111,73 +112,50 @@ __global__ void __launch_bounds__(128, 1) BulkRead(const uint8_t* source, int64_
 #endif
 }
 
-bool Ok(cudaError_t error, const char* what) {
-  if (error == cudaSuccess) return true;
-  std::fprintf(stderr, "sm_intake_probe: %s: %s\n", what, cudaGetErrorString(error));
-  return false;
-}
-
 }  // namespace
 
 int main() {
+  using attnd::bench::DeviceMemory;
   const int64_t total = int64_t{3} << 30;
-  uint8_t* buffer = nullptr;
-  int* errors = nullptr;
-  if (!Ok(cudaMalloc(&buffer, total), "cudaMalloc") || !Ok(cudaMalloc(&errors, sizeof(int)), "cudaMalloc") ||
-      !Ok(cudaMemset(buffer, kPattern, total), "cudaMemset")) {
-    return 1;
-  }
+  DeviceMemory buffer(total);
+  DeviceMemory errors(sizeof(int));
+  CHECK_CUDA(cudaMemset(buffer.get(), kPattern, total));
   for (const void* kernel : {reinterpret_cast<const void*>(LsuRead<4, 4>), reinterpret_cast<const void*>(LsuRead<8, 4>),
                              reinterpret_cast<const void*>(LsuRead<4, 12>), reinterpret_cast<const void*>(BulkRead)}) {
-    if (!Ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), "smem")) return 1;
+    CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   }
-  cudaEvent_t begin, end;
-  cudaEventCreate(&begin);
-  cudaEventCreate(&end);
-  // Median of 5 launches after one warm-up; -1 when a launch failed or loaded the wrong bytes.
-  auto time_ms = [&](auto launch) -> float {
-    std::vector<float> times;
-    for (int rep = 0; rep < 6; ++rep) {
-      cudaMemset(errors, 0, sizeof(int));
-      cudaEventRecord(begin);
-      launch();
-      cudaEventRecord(end);
-      int bad = 0;
-      if (!Ok(cudaEventSynchronize(end), "launch") ||
-          !Ok(cudaMemcpy(&bad, errors, sizeof(int), cudaMemcpyDeviceToHost), "check")) {
-        return -1;
-      }
-      if (bad != 0) {
-        std::fprintf(stderr, "sm_intake_probe: %d bytes differ from the buffer\n", bad);
-        return -1;
-      }
-      float ms = 0;
-      cudaEventElapsedTime(&ms, begin, end);
-      if (rep > 0) times.push_back(ms);
-    }
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-  };
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreate(&stream));
+  const uint8_t* source = buffer.get<uint8_t>();
+  int* bad = errors.get<int>();
   std::printf("variant,sms,total_GBps,per_sm_GBps\n");
   bool ok = true;
   for (int sms : {8, 16, 32, 56, 76, 100, 132}) {
     const int64_t per_cta = std::min<int64_t>(int64_t{96} << 20, (total / sms) & ~int64_t{(1 << 20) - 1});
-    auto report = [&](const char* name, float ms) {
-      if (ms <= 0) {
+    // Median of 5 launches; every launch's loaded bytes checked (the count is over all five).
+    auto report = [&](const char* name, auto launch) {
+      CHECK_CUDA(cudaMemset(bad, 0, sizeof(int)));
+      const float ms = attnd::bench::MedianMs(5, 1, [&](int) { launch(); }, stream);
+      CHECK_CUDA(cudaGetLastError());
+      int wrong = 0;
+      CHECK_CUDA(cudaMemcpy(&wrong, bad, sizeof(int), cudaMemcpyDeviceToHost));
+      if (wrong != 0) {
+        std::fprintf(stderr, "sm_intake_probe: %s on %d SMs: %d bytes differ from the buffer\n", name, sms, wrong);
         ok = false;
         return;
       }
       const double gbps = static_cast<double>(per_cta) * sms / (ms * 1e-3) / 1e9;
       std::printf("%s,%d,%.1f,%.1f\n", name, sms, gbps, gbps / sms);
     };
-    report("lsu_64KB", time_ms([&] { LsuRead<4, 4><<<sms, 256, kSmemBytes>>>(buffer, per_cta, errors); }));
-    report("lsu_128KB", time_ms([&] { LsuRead<8, 4><<<sms, 256, kSmemBytes>>>(buffer, per_cta, errors); }));
-    report("lsu_192KB", time_ms([&] { LsuRead<4, 12><<<sms, 256, kSmemBytes>>>(buffer, per_cta, errors); }));
+    report("lsu_64KB", [&] { LsuRead<4, 4><<<sms, 256, kSmemBytes, stream>>>(source, per_cta, bad); });
+    report("lsu_128KB", [&] { LsuRead<8, 4><<<sms, 256, kSmemBytes, stream>>>(source, per_cta, bad); });
+    report("lsu_192KB", [&] { LsuRead<4, 12><<<sms, 256, kSmemBytes, stream>>>(source, per_cta, bad); });
     for (int chunk : {32768, 4096, 256}) {
       const int issuers = chunk >= 4096 ? 1 : 128;
       const char* name = chunk == 32768 ? "bulk_32768" : chunk == 4096 ? "bulk_4096" : "bulk_256";
-      report(name, time_ms([&] { BulkRead<<<sms, 128, kSmemBytes>>>(buffer, per_cta, chunk, issuers, errors); }));
+      report(name, [&] { BulkRead<<<sms, 128, kSmemBytes, stream>>>(source, per_cta, chunk, issuers, bad); });
     }
   }
+  CHECK_CUDA(cudaStreamDestroy(stream));
   return ok ? 0 : 1;
 }

@@ -198,13 +198,14 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
   constexpr int kRowStep = 32 / kChunks;
   static_assert(32 % kChunks == 0, "a lane's chunk is the same in every copy");
   const int lane_row = lane / kChunks;
-  const uint8_t* const k_lane_pool = k_pool + (lane % kChunks) * 16;
-  const uint8_t* const v_lane_pool = v_pool + (lane % kChunks) * 16;
+  const int lane_chunk = lane % kChunks;
+  const uint8_t* const k_lane_pool = k_pool + lane_chunk * 16;
+  const uint8_t* const v_lane_pool = v_pool + lane_chunk * 16;
   uint32_t stage_offset[Shape::kLoadsPerLane];  // of this lane's copy l in a stage (swizzled)
 #pragma unroll
   for (int l = 0; l < Shape::kLoadsPerLane; ++l) {
     const int row = lane_row + kRowStep * l;
-    stage_offset[l] = row * kRowBytes + (((lane % kChunks) ^ (row & 7)) << 4);
+    stage_offset[l] = row * kRowBytes + ((lane_chunk ^ (row & 7)) << 4);
   }
   // One page per warp tile: pages of 16+ keys (a power of two) and an item that starts on a
   // multiple of 16 (every split the planner makes; a window's cut start may not) put each warp
@@ -213,12 +214,6 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
   const bool one_page = params.log2_page_size >= 4 && (kv_begin & (kWarpKeys - 1)) == 0;
   const int64_t lane_entry_bytes = static_cast<int64_t>(lane_row) * params.entry_stride_bytes;
   const int64_t row_step_bytes = static_cast<int64_t>(kRowStep) * params.entry_stride_bytes;
-  auto shuffle64 = [](int64_t value, int source) {
-    const uint64_t bits = static_cast<uint64_t>(value);
-    const uint32_t low = __shfl_sync(0xffffffffu, static_cast<uint32_t>(bits), source);
-    const uint32_t high = __shfl_sync(0xffffffffu, static_cast<uint32_t>(bits >> 32), source);
-    return static_cast<int64_t>((static_cast<uint64_t>(high) << 32) | low);
-  };
   auto issue = [&](int tile, int32_t page, auto one_page_constant) {
     const uint32_t k_stage = warp_stages + (tile % kStages) * Shape::kWarpStageBytes;
     const uint32_t v_stage = k_stage + Shape::kWarpTileBytes;
@@ -230,8 +225,8 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
                                  static_cast<int64_t>(my_entry) * params.entry_stride_bytes;
     const int rows_left = kv_end - tile_first - lane_row;  // copy l is valid if l * kRowStep < it
     if constexpr (decltype(one_page_constant)::value) {
-      const uint8_t* k_source = k_lane_pool + shuffle64(my_row_bytes, 0) + lane_entry_bytes;
-      const uint8_t* v_source = v_lane_pool + shuffle64(my_row_bytes, 16) + lane_entry_bytes;
+      const uint8_t* k_source = k_lane_pool + __shfl_sync(0xffffffffu, my_row_bytes, 0) + lane_entry_bytes;
+      const uint8_t* v_source = v_lane_pool + __shfl_sync(0xffffffffu, my_row_bytes, 16) + lane_entry_bytes;
 #pragma unroll
       for (int l = 0; l < Shape::kLoadsPerLane; ++l) {
         const bool valid = kRowStep * l < rows_left;
@@ -245,8 +240,10 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
       for (int l = 0; l < Shape::kLoadsPerLane; ++l) {
         const int row = lane_row + kRowStep * l;
         const bool valid = kRowStep * l < rows_left;
-        CpAsync16(k_stage + stage_offset[l], k_lane_pool + shuffle64(my_row_bytes, row), valid, stream_policy);
-        CpAsync16(v_stage + stage_offset[l], v_lane_pool + shuffle64(my_row_bytes, 16 + row), valid, stream_policy);
+        const uint8_t* k_source = k_lane_pool + __shfl_sync(0xffffffffu, my_row_bytes, row);
+        const uint8_t* v_source = v_lane_pool + __shfl_sync(0xffffffffu, my_row_bytes, 16 + row);
+        CpAsync16(k_stage + stage_offset[l], k_source, valid, stream_policy);
+        CpAsync16(v_stage + stage_offset[l], v_source, valid, stream_policy);
       }
     }
   };
