@@ -9,13 +9,14 @@
 //   attnd_bench [--decode] [--append] [--quick] [--variants] [--issue14] [--e2e] [--contiguous-pages]
 //               [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH] [--tc-max-chunk=N]
 //               [--warm_ms=N] [--qo_heads=N] [--kv_heads=N] [--head_dim=N] [--page_size=N]
-//               [--decode_cases=BATCHxLENGTH,...]
+//               [--decode_cases=BATCHxLENGTH,...] [--kv_dtype=bf16|f16|fp8]
 // (no case flag: both). --quick runs a reduced sweep; --variants adds decode cases with pinned
 // chunk sizes next to the planner's choice; --issue14 runs only the decode shapes of issue 14's
 // table; --e2e only short-context batches (the e2e shape's decode layers). --decode-kernel forces the decode kernel (default auto: the planner's choice); "all"
 // runs every case with each of auto, cuda_core and tensor_core (names suffixed _auto, _cc, _tc).
 // --contiguous-pages gives each request's decode pages in order (FlashInfer's measurement in
-// issue 14 used contiguous page ids) instead of shuffled.
+// issue 14 used contiguous page ids) instead of shuffled. --kv_dtype sets the decode cache's
+// dtype (q and o stay bf16).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -46,6 +47,9 @@ namespace {
 bool g_contiguous_pages = false;
 // --tc-max-chunk=N: the planner's tensor-core chunk cap (0: none); -1 keeps its default.
 int32_t g_tc_max_chunk = -1;
+// --kv_dtype=bf16|f16|fp8: the decode cases' cache dtype (q and o stay bf16; the tensor-core
+// kernel needs the cache in q's type, so other caches run the CUDA-core kernel).
+DType g_kv_dtype = DType::kBFloat16;
 
 using bench::DeviceMemory;
 using bench::CopyToDevice;
@@ -115,7 +119,7 @@ double CheckDecode(const std::vector<int64_t>& lengths, const std::vector<int32_
                    const AttentionParams& params) {
   const int32_t batch = static_cast<int32_t>(lengths.size());
   const std::vector<int32_t> picks = batch > 1 ? std::vector<int32_t>{0, batch - 1} : std::vector<int32_t>{0};
-  const int64_t page_bytes = int64_t{g_shape.page_size} * g_shape.kv_heads * g_shape.head_dim * 2;
+  const int64_t page_bytes = int64_t{g_shape.page_size} * g_shape.kv_heads * g_shape.head_dim * DTypeBytes(g_kv_dtype);
   const int64_t row_elements = int64_t{g_shape.qo_heads} * g_shape.head_dim;
   std::vector<int32_t> host_indptr = {0}, host_pages, last_page_len;
   std::vector<uint8_t> host_k, host_v, host_q, gpu_o;
@@ -146,7 +150,7 @@ double CheckDecode(const std::vector<int64_t>& lengths, const std::vector<int32_
   args.q = TokenHeadsView{host_q.data(), DType::kBFloat16, rows, g_shape.qo_heads, g_shape.head_dim};
   args.qo_indptr = qo_indptr.data();
   args.pages = PageTableView{rows, g_shape.page_size, host_indptr.data(), host_pages.data(), host_pages.data(), last_page_len.data()};
-  args.k_cache = PagedKvView{host_k.data(), DType::kBFloat16, KvLayout::kNHD,
+  args.k_cache = PagedKvView{host_k.data(), g_kv_dtype, KvLayout::kNHD,
                              static_cast<int64_t>(host_pages.size()), g_shape.page_size, g_shape.kv_heads, g_shape.head_dim};
   args.v_cache = args.k_cache;
   args.v_cache.data = host_v.data();
@@ -178,10 +182,12 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   }
   result.kv_len = total_tokens / batch;
   result.max_kv_len = *std::max_element(spec.lengths.begin(), spec.lengths.end());
-  const int64_t page_bytes = int64_t{g_shape.page_size} * g_shape.kv_heads * g_shape.head_dim * 2;
+  const int kv_bytes = DTypeBytes(g_kv_dtype);
+  const int64_t page_bytes = int64_t{g_shape.page_size} * g_shape.kv_heads * g_shape.head_dim * kv_bytes;
   const int64_t row_bytes = int64_t{g_shape.qo_heads} * g_shape.head_dim * 2;
-  // Bytes a decode must move: every K and V byte once, q read once, o written once.
-  const int64_t bytes = total_tokens * g_shape.kv_heads * g_shape.head_dim * 2 * 2 + 2 * batch * row_bytes;
+  // Bytes a decode must move: every K and V byte once (at the cache dtype), q read once, o
+  // written once.
+  const int64_t bytes = total_tokens * g_shape.kv_heads * g_shape.head_dim * kv_bytes * 2 + 2 * batch * row_bytes;
   result.bytes = static_cast<double>(bytes);
   const int sets = SetsFor(bytes);
   const size_t pool_bytes = static_cast<size_t>(sets * pages_per_set * page_bytes);
@@ -191,8 +197,8 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
   }
   DeviceMemory k_pool(pool_bytes), v_pool(pool_bytes);
   DeviceMemory q(sets * batch * row_bytes), o(sets * batch * row_bytes);
-  CHECK_CUDA(FillRandom(k_pool.get(), DType::kBFloat16, pool_bytes / 2, 11, 1.0f, stream));
-  CHECK_CUDA(FillRandom(v_pool.get(), DType::kBFloat16, pool_bytes / 2, 12, 1.0f, stream));
+  CHECK_CUDA(FillRandom(k_pool.get(), g_kv_dtype, pool_bytes / kv_bytes, 11, 1.0f, stream));
+  CHECK_CUDA(FillRandom(v_pool.get(), g_kv_dtype, pool_bytes / kv_bytes, 12, 1.0f, stream));
   CHECK_CUDA(FillRandom(q.get(), DType::kBFloat16, sets * batch * row_bytes / 2, 13, 3.0f, stream));
 
   // Page tables: set s owns pages [s * pages_per_set, (s + 1) * pages_per_set), shuffled (in
@@ -237,7 +243,7 @@ Result RunDecode(const DecodeSpec& spec, const DecodeWaves& waves, cudaStream_t 
     a.pages = PageTableView{batch, g_shape.page_size, indptr_device.get<int32_t>(),
                             indices_device.get<int32_t>() + s * pages_per_set,
                             indices_device.get<int32_t>() + s * pages_per_set, nullptr};
-    a.k_cache = PagedKvView{k_pool.get(), DType::kBFloat16, KvLayout::kNHD, sets * pages_per_set, g_shape.page_size, g_shape.kv_heads, g_shape.head_dim};
+    a.k_cache = PagedKvView{k_pool.get(), g_kv_dtype, KvLayout::kNHD, sets * pages_per_set, g_shape.page_size, g_shape.kv_heads, g_shape.head_dim};
     a.v_cache = a.k_cache;
     a.v_cache.data = v_pool.get();
     a.params = params;
@@ -581,6 +587,10 @@ int Main(int argc, char** argv) {
                  plan::DecodeKernelChoice::kTensorCore};
     } else if (arg.rfind("--tc-max-chunk=", 0) == 0) {
       g_tc_max_chunk = std::atoi(arg.c_str() + 15);
+    } else if (arg == "--kv_dtype=bf16" || arg == "--kv_dtype=f16" || arg == "--kv_dtype=fp8") {
+      g_kv_dtype = arg == "--kv_dtype=bf16" ? DType::kBFloat16
+                   : arg == "--kv_dtype=f16" ? DType::kFloat16
+                                             : DType::kFloat8E4M3;
     } else if (arg.rfind("--csv=", 0) == 0) {
       csv_path = arg.substr(6);
     } else if (arg.rfind("--decode_cases=", 0) == 0) {
@@ -592,7 +602,7 @@ int Main(int argc, char** argv) {
                    "                   [--contiguous-pages] [--tc-max-chunk=N] [--warm_ms=N]\n"
                    "                   [--decode-kernel=auto|cuda_core|tensor_core|all] [--csv=PATH]\n"
                    "                   [--qo_heads=N] [--kv_heads=N] [--head_dim=N] [--page_size=N]\n"
-                   "                   [--decode_cases=BATCHxLENGTH,...]\n");
+                   "                   [--decode_cases=BATCHxLENGTH,...] [--kv_dtype=bf16|f16|fp8]\n");
       return 2;
     }
   }
@@ -623,15 +633,16 @@ int Main(int argc, char** argv) {
     results.push_back(r);
   };
   if (decode) {
-    const cuda::DecodeKernelConfig config{DType::kBFloat16, DType::kBFloat16, g_shape.head_dim, g_shape.qo_heads / g_shape.kv_heads};
+    const cuda::DecodeKernelConfig config{DType::kBFloat16, g_kv_dtype, g_shape.head_dim, g_shape.qo_heads / g_shape.kv_heads};
     auto ctas = cuda::DecodeCtasPerWave(config);
     CHECK_OK(ctas.status());
     // No tensor-core kernel for some shapes (group < 4, say): the CUDA-core kernel alone.
     auto tensor_ctas = cuda::TensorCoreDecodeCtasPerWave(config);
     const DecodeWaves waves{*ctas, tensor_ctas.ok() ? *tensor_ctas : 0};
-    std::printf("decode: Hq %d Hkv %d D %d bf16 NHD page %d; CTAs per wave (measured occupancy x SMs): "
+    std::printf("decode: Hq %d Hkv %d D %d, q bf16, cache %s NHD page %d; CTAs per wave (measured occupancy x SMs): "
                 "CUDA-core kernel %d, tensor-core kernel %d\n",
-                g_shape.qo_heads, g_shape.kv_heads, g_shape.head_dim, g_shape.page_size, waves.cuda_core, waves.tensor_core);
+                g_shape.qo_heads, g_shape.kv_heads, g_shape.head_dim, DTypeName(g_kv_dtype), g_shape.page_size,
+                waves.cuda_core, waves.tensor_core);
     const std::vector<DecodeSpec> specs = !decode_cases.empty() ? ListedDecodeSpecs(decode_cases)
                                           : issue14                ? Issue14DecodeSpecs()
                                           : e2e                    ? E2eDecodeSpecs()
