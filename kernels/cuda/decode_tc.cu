@@ -1,7 +1,7 @@
 // Batch decode on tensor cores (issue 14): the instantiations of decode_tc.cuh and their
-// launcher. Twelve kernels: head_dim 64/128/256 x fp16/bf16 (q and cache of one type) x with or
-// without a soft cap; the group (1..16, padded to 16 rows) and the output type are runtime
-// parameters.
+// launcher. Twenty kernels: head_dim 64/128/256 x fp16/bf16 (q and cache of one type), and
+// head_dim 128/256 x fp16/bf16 q over an fp8 e4m3 cache, each with or without a soft cap; the
+// group (1..16, padded to 16 rows) and the output type are runtime parameters.
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
@@ -26,18 +26,30 @@ struct Kernel {
   int smem_bytes = 0;
 };
 
+template <int kHeadDim, typename T, typename KvT>
+Kernel Instance(bool soft_cap) {
+  return {soft_cap ? &decode_tc::TensorCoreDecodeKernel<kHeadDim, T, KvT, true>
+                   : &decode_tc::TensorCoreDecodeKernel<kHeadDim, T, KvT, false>,
+          TcShape<kHeadDim, sizeof(KvT)>::kSmemBytes};
+}
+
+// q's type T over a cache of T itself or, from head_dim 128 (8+ chunks a row), of fp8.
+template <int kHeadDim, typename T>
+Kernel PickCache(DType kv_dtype, DType q_dtype, bool soft_cap) {
+  if (kv_dtype == q_dtype) return Instance<kHeadDim, T, T>(soft_cap);
+  if constexpr (kHeadDim >= 128) {
+    if (kv_dtype == DType::kFloat8E4M3) return Instance<kHeadDim, T, __nv_fp8_e4m3>(soft_cap);
+  }
+  return {};
+}
+
 template <int kHeadDim>
-Kernel PickType(DType dtype, bool soft_cap) {
-  const int smem = TcShape<kHeadDim>::kSmemBytes;
-  switch (dtype) {
+Kernel PickType(const DecodeKernelConfig& config, bool soft_cap) {
+  switch (config.q_dtype) {
     case DType::kFloat16:
-      return {soft_cap ? &decode_tc::TensorCoreDecodeKernel<kHeadDim, __half, true>
-                       : &decode_tc::TensorCoreDecodeKernel<kHeadDim, __half, false>,
-              smem};
+      return PickCache<kHeadDim, __half>(config.kv_dtype, config.q_dtype, soft_cap);
     case DType::kBFloat16:
-      return {soft_cap ? &decode_tc::TensorCoreDecodeKernel<kHeadDim, __nv_bfloat16, true>
-                       : &decode_tc::TensorCoreDecodeKernel<kHeadDim, __nv_bfloat16, false>,
-              smem};
+      return PickCache<kHeadDim, __nv_bfloat16>(config.kv_dtype, config.q_dtype, soft_cap);
     default:
       return {};
   }
@@ -46,15 +58,14 @@ Kernel PickType(DType dtype, bool soft_cap) {
 // The kernel of `config` (with or without the soft cap's code: both have the same shared memory
 // and occupancy, so the occupancy query may take either).
 Kernel PickKernel(const DecodeKernelConfig& config, bool soft_cap = false) {
-  if (config.q_dtype != config.kv_dtype) return {};
   if (config.group_size < kMinGroup || config.group_size > decode_tc::kMaxGroup) return {};
   switch (config.head_dim) {
     case 64:
-      return PickType<64>(config.kv_dtype, soft_cap);
+      return PickType<64>(config, soft_cap);
     case 128:
-      return PickType<128>(config.kv_dtype, soft_cap);
+      return PickType<128>(config, soft_cap);
     case 256:
-      return PickType<256>(config.kv_dtype, soft_cap);
+      return PickType<256>(config, soft_cap);
   }
   return {};
 }
@@ -63,7 +74,8 @@ absl::Status Unsupported(const DecodeKernelConfig& config) {
   return absl::InvalidArgumentError(absl::StrCat(
       "tensor-core decode: no kernel for q ", DTypeName(config.q_dtype), ", kv ",
       DTypeName(config.kv_dtype), ", head_dim ", config.head_dim, ", group ", config.group_size,
-      " (q and cache both fp16 or both bf16, head_dim 64/128/256, group 4..16)"));
+      " (q fp16 or bf16 with a cache of q's type at head_dim 64/128/256, or of fp8 e4m3 at "
+      "head_dim 128/256; group 4..16)"));
 }
 
 // Opts the kernel into its dynamic shared memory (above the 48 KB default); idempotent.

@@ -37,16 +37,28 @@
 //     o[db][4..7] dims 16db + 8 + 2t (+1), rows as in C.
 // Tiles keep 16-byte chunk c of row r at c ^ (r % 8), so the 8 addresses of every ldmatrix phase
 // and of every cp.async wave fall in distinct banks (SwizzledStepBytes folds the XOR).
+//
+// fp8 (e4m3) caches (head_dim 128 and 256: 8+ chunks a row): the tiles land as bytes, half the
+// copies, and become fp16 in registers on their way to the MMAs (e4m3 -> fp16 is exact), so the
+// MMAs are fp16 whatever q's type: Q is converted once per CTA (ConvertQToHalf: a power of two per
+// row, and its dims permuted within each 16-dim k-step). Both K and V take plain ldmatrix.x4
+// (V's bytes cannot take .trans): lane (g, t) receives fp8 dims 4t..4t+3 of key g, g + 8 of two
+// chunks. For Q K^T those are (b0, b1) of the chunk's k-step, Q's dims permuted to match; for P V
+// the two converted pairs (dims 4t, 4t+1 and 4t+2, 4t+3 of keys 0-7, and of 8-15) are 8 x 8 fp16
+// matrices, and movmatrix.trans turns each into the B fragment over keys of an n8 block whose
+// dims are 16c + {0,1,4,5,8,9,12,13} or + {2,3,6,7,...}; the epilogue stores o's dims accordingly.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 #include "cp_async.cuh"
+#include "fp8.cuh"
 #include "math.cuh"
 #include "mma.cuh"
 #include "plan/decode_work.h"
@@ -96,34 +108,50 @@ struct TcDecodeParams {
   bool o_bf16;
 };
 
-template <int kHeadDimArg>
+// kKvBytes: bytes of a cached value (2: fp16/bf16; 1: fp8 e4m3, converted to fp16 as it leaves
+// shared memory, see the fp8 section above).
+template <int kHeadDimArg, int kKvBytesArg = 2>
 struct TcShape {
   static constexpr int kHeadDim = kHeadDimArg;
-  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-  static constexpr int kRowBytes = 2 * kHeadDim;
+  static constexpr int kKvBytes = kKvBytesArg;
+  static constexpr int kRowBytes = kKvBytes * kHeadDim;  // a cached K or V row
+  static constexpr int kChunks = kRowBytes / 16;         // 16-byte chunks per cached row
+  static constexpr int kQRowBytes = 2 * kHeadDim;        // a Q row (16-bit) in shared memory
+  static constexpr int kQChunks = kHeadDim / 8;
   static constexpr int kMmaD = kHeadDim / 16;   // k-steps of Q K^T, n-pairs of P V
   // Stages per warp pipeline: (kStages - 1) warp tiles of K and V in flight per warp. With the
-  // CTAs per SM below that is 96-128 KB in flight per SM.
-  static constexpr int kStages = kHeadDim == 64 ? 4 : 3;
+  // CTAs per SM below that is 96-144 KB in flight per SM.
+  static constexpr int kStages = kHeadDim == 64 || (kKvBytes == 1 && kHeadDim == 128) ? 4 : 3;
   static constexpr int kWarpTileBytes = kWarpKeys * kRowBytes;  // K (or V) of a warp tile
   static constexpr int kWarpStageBytes = 2 * kWarpTileBytes;    // K, then V
   static constexpr int kPipelineBytes = kWarps * kStages * kWarpStageBytes;
-  static constexpr int kQBytes = kRows * kRowBytes;
+  static constexpr int kQBytes = kRows * kQRowBytes;
+  // fp8: the power of two each Q row was scaled by into fp16's range, [16] fp32 (padded).
+  static constexpr int kQScaleBytes = kKvBytes == 1 ? 128 : 0;
   static constexpr int kLoadsPerLane = kWarpKeys * kChunks / 32;  // of K (and of V) per tile
   // Epilogue, over the pipeline: o [warp][16][kMergeStride] fp32 (padded against bank
   // conflicts), then m and d [warp][16].
   static constexpr int kMergeStride = kHeadDim + 8;
   static constexpr int kMergeBytes = 4 * (kWarps * kRows * kMergeStride + 2 * kWarps * kRows);
   static constexpr int kSmemBytes =
-      kQBytes + (kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes);
+      kQBytes + kQScaleBytes + (kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes);
   // Resident CTAs per SM the shared memory allows (228 KB per H100 SM): the register cap.
-  static constexpr int kMinCtasPerSm = kHeadDim == 64 ? 3 : (kHeadDim == 128 ? 2 : 1);
+  static constexpr int kMinCtasPerSm =
+      kKvBytes == 1 ? (kHeadDim == 128 ? 3 : 2) : (kHeadDim == 64 ? 3 : (kHeadDim == 128 ? 2 : 1));
 
-  static_assert(kHeadDim >= 64, "the swizzle needs at least 8 chunks per row");
+  static_assert(kChunks >= 8, "the swizzle needs at least 8 chunks per cached row");
   static_assert(kLoadsPerLane * 32 == kWarpKeys * kChunks, "whole copies per lane");
-  static_assert(kRows * kChunks % kThreads == 0, "whole Q copies per thread");
+  static_assert(kRows * kQChunks % kThreads == 0, "whole Q copies per thread");
   static_assert(kSmemBytes <= 227 * 1024, "dynamic shared memory per CTA");
 };
+
+// m8n8 transpose of a 16-bit matrix held one register per lane (row lane / 4, columns
+// 2 (lane % 4), + 1): afterwards lane holds (rows 2 (lane % 4), + 1; column lane / 4).
+__device__ __forceinline__ uint32_t TransposeMatrix(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
 
 // Eight fp32 values of o rounded to fp16 or bf16, as one 16-byte chunk.
 __device__ __forceinline__ uint4 PackOut8(const float* v, bool bf16) {
@@ -135,20 +163,87 @@ __device__ __forceinline__ uint4 PackOut8(const float* v, bool bf16) {
                     PackFloat2<__half>(v[4], v[5]), PackFloat2<__half>(v[6], v[7]));
 }
 
-// T: the MMA type, q's and the cache's (fp16 or bf16). kSoftCap: the launch has a soft cap; a
-// kernel of its own, so that the kernels without one carry none of its code in their tile loop.
-template <int kHeadDim, typename T, bool kSoftCap>
-__global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
+// fp8 caches: Q (T, in q_tile as it landed) to fp16 in place, each row scaled by a power of two
+// 2^-s that puts its largest magnitude in [2^14, 2^15), which q_scale[row] then holds as 2^s for
+// the scores. Every element within 2^28 of its row's largest converts exactly (fp16 keeps bf16's
+// 8-bit mantissas and 11 of its own); smaller ones lose bits as fp16 subnormals (their share of a
+// score is below 2^-28 of the largest term's). A row with a non-finite or zero maximum keeps
+// s = 0: inf and NaN stay inf and NaN (NaN in, NaN out), as do values past fp16's range beside
+// an inf. Within each 16-dim k-step the dims are stored permuted, 4t, 4t+1 at columns 2t, 2t+1
+// and 4t+2, 4t+3 at 8+2t, 9+2t (t < 4), so that ldmatrix hands Q K^T the A fragments matching
+// the 4 consecutive fp8 dims each lane takes from K. Eight threads a row, 16 dims at a time.
+template <typename T, typename Shape>
+__device__ __forceinline__ void ConvertQToHalf(uint8_t* q_tile, float* q_scale, int tid) {
+  constexpr int kSteps = Shape::kHeadDim / 16;           // 16-dim k-steps per row
+  constexpr int kStepsPerThread = kRows * kSteps / kThreads;
+  static_assert(kThreads == 8 * kRows && kStepsPerThread >= 1, "eight threads a row");
+  const int row = tid / 8;
+  uint4 chunk[kStepsPerThread][2];
+  float max_abs = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kStepsPerThread; ++i) {
+    const int step = tid % 8 + 8 * i;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int c = 2 * step + half;
+      chunk[i][half] = *reinterpret_cast<const uint4*>(q_tile + row * Shape::kQRowBytes + ((c ^ (row & 7)) << 4));
+      float values[8];
+      Raw8ToFloat<T>(chunk[i][half], values);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) max_abs = fmaxf(max_abs, fabsf(values[e]));  // NaN ignored here
+    }
+  }
+  max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, 1));
+  max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, 2));
+  max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, 4));
+  // max_abs in [2^(E - 127), 2^(E - 126)) for its exponent field E: s = E - 141, at least -126 so
+  // that 2^-s stays a normal float.
+  const int exponent = static_cast<int>(__float_as_uint(max_abs) >> 23);
+  const int s = max_abs > 0.0f && exponent < 255 ? max(exponent - 141, -126) : 0;
+  const float scale = __uint_as_float(static_cast<uint32_t>(127 - s) << 23);
+  if (tid % 8 == 0) q_scale[row] = __uint_as_float(static_cast<uint32_t>(127 + s) << 23);
+#pragma unroll
+  for (int i = 0; i < kStepsPerThread; ++i) {
+    const int step = tid % 8 + 8 * i;
+    uint32_t pairs[8];  // pairs[j]: dims 2j, 2j + 1 of the k-step, as fp16
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float values[8];
+      Raw8ToFloat<T>(chunk[i][half], values);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        pairs[4 * half + j] = PackFloat2<__half>(values[2 * j] * scale, values[2 * j + 1] * scale);
+      }
+    }
+    // Column pairs 0-3 take dims (0,1), (4,5), (8,9), (12,13); 4-7 take (2,3), (6,7), ...
+    const uint4 low = make_uint4(pairs[0], pairs[2], pairs[4], pairs[6]);
+    const uint4 high = make_uint4(pairs[1], pairs[3], pairs[5], pairs[7]);
+    *reinterpret_cast<uint4*>(q_tile + row * Shape::kQRowBytes + (((2 * step) ^ (row & 7)) << 4)) = low;
+    *reinterpret_cast<uint4*>(q_tile + row * Shape::kQRowBytes + (((2 * step + 1) ^ (row & 7)) << 4)) = high;
+  }
+}
+
+// T: q's type (fp16 or bf16). KvT: the cache's, T itself (the MMA type then) or fp8 e4m3 (fp16
+// MMAs, see the fp8 section above). kSoftCap: the launch has a soft cap; a kernel of its own, so
+// that the kernels without one carry none of its code in their tile loop.
+template <int kHeadDim, typename T, typename KvT, bool kSoftCap>
+__global__ void __launch_bounds__(kThreads, (TcShape<kHeadDim, sizeof(KvT)>::kMinCtasPerSm))
     TensorCoreDecodeKernel(const __grid_constant__ TcDecodeParams params) {
-  using Shape = TcShape<kHeadDim>;
+  constexpr bool kFp8 = std::is_same_v<KvT, __nv_fp8_e4m3>;
+  static_assert(kFp8 || std::is_same_v<KvT, T>, "a 16-bit cache has q's type");
+  using MmaT = std::conditional_t<kFp8, __half, T>;
+  using Shape = TcShape<kHeadDim, sizeof(KvT)>;
   constexpr int kChunks = Shape::kChunks;
   constexpr int kRowBytes = Shape::kRowBytes;
+  constexpr int kQRowBytes = Shape::kQRowBytes;
   constexpr int kMmaD = Shape::kMmaD;
   constexpr int kStages = Shape::kStages;
 
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* const q_tile = smem;                     // [16][D] of T, swizzled
-  uint8_t* const pipeline = smem + Shape::kQBytes;  // [warp][stage][K, V][16][D] of T, swizzled
+  uint8_t* const q_tile = smem;  // [16][D] 16-bit (T; fp16 once converted, with fp8), swizzled
+  float* const q_scale = reinterpret_cast<float*>(smem + Shape::kQBytes);  // fp8: [16]
+  // [warp][stage][K, V][16][D] of KvT, swizzled
+  uint8_t* const pipeline = smem + Shape::kQBytes + Shape::kQScaleBytes;
 
   // The KV heads of an item are adjacent CTAs: they run together and read the same pages.
   const int item = blockIdx.x / params.num_kv_heads;
@@ -259,15 +354,15 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
   // --- Q: the group's rows; rows past the group are zero (never stored).
   {
     const T* q = static_cast<const T*>(params.q);
-    constexpr int kQLoads = kRows * kChunks / kThreads;
+    constexpr int kQLoads = kRows * Shape::kQChunks / kThreads;
 #pragma unroll
     for (int l = 0; l < kQLoads; ++l) {
       const int id = tid + l * kThreads;
-      const int row = id / kChunks;
-      const int chunk = id % kChunks;
+      const int row = id / Shape::kQChunks;
+      const int chunk = id % Shape::kQChunks;
       const bool valid = row < group;
       const T* source = valid ? q + (first_head_row + row) * kHeadDim + chunk * 8 : q;
-      CpAsync16(SharedAddress(q_tile + row * kRowBytes + ((chunk ^ (row & 7)) << 4)), source, valid);
+      CpAsync16(SharedAddress(q_tile + row * kQRowBytes + ((chunk ^ (row & 7)) << 4)), source, valid);
     }
     CpAsyncCommit();
   }
@@ -295,14 +390,31 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
     // Q (the oldest group) has landed for every thread; the barrier makes it visible to all.
     CpAsyncWait<kStages - 1>();
     __syncthreads();
+    if constexpr (kFp8) {
+      ConvertQToHalf<T, Shape>(q_tile, q_scale, tid);
+      __syncthreads();
+    }
+    // Per row (g and g + 8 of the thread's fragments): the factor from a raw score to the log2
+    // domain (or to the cap's input), times the power of two fp8's Q conversion divided out.
+    float score_scale[2] = {scale_log2, scale_log2};
+    float cap_scale[2] = {params.cap_input_scale, params.cap_input_scale};
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float unscale = q_scale[8 * h + (lane >> 2)];
+        score_scale[h] *= unscale;
+        cap_scale[h] *= unscale;
+      }
+    }
 
     // ldmatrix lane addresses and swizzle bits (see the layouts above). Row bases are multiples
     // of 8, so a lane's row % 8 is lane % 8.
-    const uint32_t q_lane = SharedAddress(q_tile) + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kRowBytes;
+    const uint32_t q_lane = SharedAddress(q_tile) + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kQRowBytes;
     const uint32_t a_z = (lane >> 4) ^ (lane & 7);  // Q and V: chunk + lane / 16
-    const uint32_t k_lane_offset = ((lane & 7) + 8 * (lane >> 4)) * kRowBytes;
-    const uint32_t k_z = ((lane >> 3) & 1) ^ (lane & 7);
     const uint32_t v_lane_offset = ((lane & 7) + 8 * ((lane >> 3) & 1)) * kRowBytes;
+    // fp8 K tiles take V's plain x4 (keys 0-7 / 8-15 at chunks +0 / +0 / +1 / +1).
+    const uint32_t k_lane_offset = kFp8 ? v_lane_offset : ((lane & 7) + 8 * (lane >> 4)) * kRowBytes;
+    const uint32_t k_z = kFp8 ? a_z : ((lane >> 3) & 1) ^ (lane & 7);
 
     for (int tile = 0; tile < num_tiles; ++tile) {
       CpAsyncWait<kStages - 2>();  // this lane's copies of the tile have landed
@@ -320,14 +432,35 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
       float s[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) s[e] = 0.0f;
-      StaticFor<kMmaD>([&](auto step_constant) {
-        constexpr int step = decltype(step_constant)::value;
-        uint32_t qa[4], kb[4];
-        LdMatrixX4(q_lane + SwizzledStepBytes<step>(a_z), qa);
-        LdMatrixX4(k_stage + k_lane_offset + SwizzledStepBytes<step>(k_z), kb);
-        Mma16816<T>(s, qa, kb[0], kb[1]);
-        Mma16816<T>(s + 4, qa, kb[2], kb[3]);
-      });
+      if constexpr (kFp8) {
+        // One ldmatrix.x4 gives 4 fp8 of each of two chunks (16 dims each) of keys 0-7 and 8-15:
+        // lane (g, t) dims 4t..4t+3 of its key, which are k 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1)
+        // of that chunk's k-step in Q's permuted order.
+        StaticFor<kMmaD / 2>([&](auto pair_constant) {
+          constexpr int pair = decltype(pair_constant)::value;
+          uint32_t kr[4];  // keys 0-7 / 8-15 of chunk 2 pair, then of chunk 2 pair + 1
+          LdMatrixX4(k_stage + k_lane_offset + SwizzledStepBytes<pair>(k_z), kr);
+          StaticFor<2>([&](auto half_constant) {
+            constexpr int half = decltype(half_constant)::value;
+            uint32_t qa[4];
+            LdMatrixX4(q_lane + SwizzledStepBytes<2 * pair + half>(a_z), qa);
+            const uint32_t keys_0_7 = kr[2 * half], keys_8_15 = kr[2 * half + 1];
+            Mma16816<MmaT>(s, qa, ConvertPair<__half, __nv_fp8_e4m3>(keys_0_7 & 0xffffu),
+                           ConvertPair<__half, __nv_fp8_e4m3>(keys_0_7 >> 16));
+            Mma16816<MmaT>(s + 4, qa, ConvertPair<__half, __nv_fp8_e4m3>(keys_8_15 & 0xffffu),
+                           ConvertPair<__half, __nv_fp8_e4m3>(keys_8_15 >> 16));
+          });
+        });
+      } else {
+        StaticFor<kMmaD>([&](auto step_constant) {
+          constexpr int step = decltype(step_constant)::value;
+          uint32_t qa[4], kb[4];
+          LdMatrixX4(q_lane + SwizzledStepBytes<step>(a_z), qa);
+          LdMatrixX4(k_stage + k_lane_offset + SwizzledStepBytes<step>(k_z), kb);
+          Mma16816<MmaT>(s, qa, kb[0], kb[1]);
+          Mma16816<MmaT>(s + 4, qa, kb[2], kb[3]);
+        });
+      }
 
       // Scores in the log2 domain; keys past the item's end are masked (the plan already cut the
       // item to the sliding window, and one query row has nothing causal to mask).
@@ -338,8 +471,8 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
         // Non-finite scores (NaN or inf in q or K) become NaN before the cap (tanh(inf) is
         // finite), so they reach the row's sum and o: NaN in, NaN out (one FFMA).
         const float raw = s[e] * 0.0f + s[e];
-        const float score = soft_cap ? SoftCapLog2(raw, params.cap_input_scale, params.cap_log2)
-                                     : raw * scale_log2;
+        const int h = (e / 2) % 2;
+        const float score = soft_cap ? SoftCapLog2(raw, cap_scale[h], params.cap_log2) : raw * score_scale[h];
         s[e] = key < valid_keys ? score : -INFINITY;
       }
 
@@ -376,17 +509,39 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
         row_sum[0] += (p[0] + p[1]) + (p[4] + p[5]);
         row_sum[1] += (p[2] + p[3]) + (p[6] + p[7]);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) p_frag[i] = PackFloat2<T>(p[2 * i], p[2 * i + 1]);
+        for (int i = 0; i < 4; ++i) p_frag[i] = PackFloat2<MmaT>(p[2 * i], p[2 * i + 1]);
       }
 
       // O += P V.
-      StaticFor<kMmaD>([&](auto db_constant) {
-        constexpr int db = decltype(db_constant)::value;
-        uint32_t vb[4];
-        LdMatrixX4Trans(v_stage + v_lane_offset + SwizzledStepBytes<db>(a_z), vb);
-        Mma16816<T>(o[db], p_frag, vb[0], vb[1]);
-        Mma16816<T>(o[db] + 4, p_frag, vb[2], vb[3]);
-      });
+      if constexpr (kFp8) {
+        // V as it landed (no .trans for bytes): lane (g, t) gets dims 4t..4t+3 of key g (and
+        // 8 + g); converted, dims (4t, 4t+1) and (4t+2, 4t+3) are two 8 x 8 fp16 matrices whose
+        // transposes are B fragments over keys: o[c][0..3] then holds dims 16c + 4t, + 1 and
+        // o[c][4..7] dims 16c + 4t + 2, + 3 (rows as in C; the epilogue maps them back).
+        StaticFor<kMmaD / 2>([&](auto pair_constant) {
+          constexpr int pair = decltype(pair_constant)::value;
+          uint32_t vr[4];  // keys 0-7 / 8-15 of chunk 2 pair, then of chunk 2 pair + 1
+          LdMatrixX4(v_stage + v_lane_offset + SwizzledStepBytes<pair>(a_z), vr);
+          StaticFor<2>([&](auto half_constant) {
+            constexpr int half = decltype(half_constant)::value;
+            constexpr int c = 2 * pair + half;
+            const uint32_t keys_0_7 = vr[2 * half], keys_8_15 = vr[2 * half + 1];
+            auto b = [](uint32_t pair_bits) {
+              return TransposeMatrix(ConvertPair<__half, __nv_fp8_e4m3>(pair_bits));
+            };
+            Mma16816<MmaT>(o[c], p_frag, b(keys_0_7 & 0xffffu), b(keys_8_15 & 0xffffu));
+            Mma16816<MmaT>(o[c] + 4, p_frag, b(keys_0_7 >> 16), b(keys_8_15 >> 16));
+          });
+        });
+      } else {
+        StaticFor<kMmaD>([&](auto db_constant) {
+          constexpr int db = decltype(db_constant)::value;
+          uint32_t vb[4];
+          LdMatrixX4Trans(v_stage + v_lane_offset + SwizzledStepBytes<db>(a_z), vb);
+          Mma16816<MmaT>(o[db], p_frag, vb[0], vb[1]);
+          Mma16816<MmaT>(o[db] + 4, p_frag, vb[2], vb[3]);
+        });
+      }
     }
   };
   if (one_page) {
@@ -418,7 +573,7 @@ __global__ void __launch_bounds__(kThreads, TcShape<kHeadDim>::kMinCtasPerSm)
     for (int db = 0; db < kMmaD; ++db) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int dim = 16 * db + 8 * half + 2 * (lane & 3);
+        const int dim = kFp8 ? 16 * db + 4 * (lane & 3) + 2 * half : 16 * db + 8 * half + 2 * (lane & 3);
         *reinterpret_cast<float2*>(merge_o + (warp * kRows + row) * kStride + dim) =
             make_float2(o[db][4 * half + 2 * h], o[db][4 * half + 2 * h + 1]);
       }

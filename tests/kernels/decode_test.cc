@@ -54,6 +54,9 @@ struct DecodeCase {
   int32_t fixed_split_tokens = 37;  // odd on purpose: chunks end mid-page and mid-tile
   std::vector<int64_t> lengths;     // empty: the standard mix for the page size
   uint32_t seed = 1;
+  // q is uniform in [-q_range, q_range); sm_scale is scaled by 3 / q_range, so the scores keep the
+  // same spread whatever the range (the fp8 tensor-core path rescales q rows into fp16's range).
+  float q_range = 3.0f;
   // kAuto: the planner picks among the kernels the launcher has for the config, as the backend
   // lets it; otherwise forced.
   DecodeKernelChoice kernel = DecodeKernelChoice::kAuto;
@@ -71,6 +74,8 @@ std::string CaseName(const DecodeCase& c) {
   if (!c.lengths.empty()) name += "_b" + std::to_string(c.lengths.size());
   if (c.soft_cap > 0) name += "_cap";
   if (c.window_left >= 0) name += "_win" + std::to_string(c.window_left);
+  if (c.q_range > 1e3f) name += "_qlarge";
+  if (c.q_range < 1e-3f) name += "_qtiny";
   switch (c.split) {
     case Split::kAuto:
       break;
@@ -125,7 +130,7 @@ DecodeProblem MakeProblem(const DecodeCase& c) {
   }
   problem.num_rows = problem.qo_indptr.back();
   problem.q = kernel_test::RandomElements(
-      c.q_dtype, int64_t{problem.num_rows} * problem.num_qo_heads * c.head_dim, 3.0f, rng);
+      c.q_dtype, int64_t{problem.num_rows} * problem.num_qo_heads * c.head_dim, c.q_range, rng);
 
   // Every slot starts as NaN; only the slots of real tokens get values.
   const int64_t pool_elements =
@@ -150,7 +155,7 @@ DecodeProblem MakeProblem(const DecodeCase& c) {
     }
   }
   problem.params.causal = true;
-  problem.params.sm_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  problem.params.sm_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)) * (3.0f / c.q_range);
   problem.params.logits_soft_cap = c.soft_cap;
   problem.params.window_left = c.window_left;
   if (c.kv_dtype == DType::kFloat8E4M3) {
@@ -519,13 +524,20 @@ std::vector<DecodeCase> TensorCoreCases() {
   std::vector<DecodeCase> cases;
   uint32_t seed = 1000;
   const Split splits[] = {Split::kAuto, Split::kFixed, Split::kDisabled};
-  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+  // q / cache types: one 16-bit type, or an fp8 cache (head_dim 128 and 256).
+  const std::pair<DType, DType> dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
+                                            {DType::kFloat16, DType::kFloat16},
+                                            {DType::kBFloat16, DType::kFloat8E4M3},
+                                            {DType::kFloat16, DType::kFloat8E4M3}};
+  for (const auto& [q_dtype, kv_dtype] : dtypes) {
     for (int32_t head_dim : {64, 128, 256}) {
+      if (kv_dtype == DType::kFloat8E4M3 && head_dim == 64) continue;
       for (int32_t page_size : {1, 16, 64}) {
         for (int32_t group : {4, 8, 16}) {
           DecodeCase c;
           c.kernel = DecodeKernelChoice::kTensorCore;
-          c.q_dtype = c.kv_dtype = dtype;
+          c.q_dtype = q_dtype;
+          c.kv_dtype = kv_dtype;
           c.head_dim = head_dim;
           c.page_size = page_size;
           c.group = group;
@@ -581,11 +593,39 @@ std::vector<DecodeCase> TensorCoreCases() {
     cases.push_back(window_fixed);
   }
   // Long sequences beside short ones.
-  {
+  for (DType kv_dtype : {DType::kBFloat16, DType::kFloat8E4M3}) {
     DecodeCase c;
     c.kernel = DecodeKernelChoice::kTensorCore;
+    c.kv_dtype = kv_dtype;
     c.group = 8;
     c.lengths = {32768, 1, 32771, 4096};
+    c.seed = seed++;
+    cases.push_back(c);
+  }
+  // fp8 caches: q past fp16's range (bf16 only) and q in fp16's subnormals, which the kernel's
+  // per-row power of two brings into range; a soft cap and a window over fp8; odd groups.
+  for (const auto& [q_dtype, q_range] : {std::pair{DType::kBFloat16, 3.0e6f}, std::pair{DType::kBFloat16, 2.0e-6f},
+                                         std::pair{DType::kFloat16, 2.0e-6f}}) {
+    for (int32_t head_dim : {128, 256}) {
+      DecodeCase c;
+      c.kernel = DecodeKernelChoice::kTensorCore;
+      c.q_dtype = q_dtype;
+      c.kv_dtype = DType::kFloat8E4M3;
+      c.head_dim = head_dim;
+      c.q_range = q_range;
+      c.seed = seed++;
+      cases.push_back(c);
+    }
+  }
+  for (int32_t group : {5, 12}) {
+    DecodeCase c;
+    c.kernel = DecodeKernelChoice::kTensorCore;
+    c.kv_dtype = DType::kFloat8E4M3;
+    c.group = group;
+    c.num_kv_heads = 3;
+    c.soft_cap = group == 5 ? 5.0f : 0.0f;
+    c.window_left = group == 12 ? 100 : -1;
+    c.layout = group == 5 ? KvLayout::kHND : KvLayout::kNHD;
     c.seed = seed++;
     cases.push_back(c);
   }
@@ -610,6 +650,11 @@ std::vector<DecodeCase> TensorCoreCases() {
     short_kv.expect_kernel = DecodeKernel::kTensorCore;
     short_kv.seed = seed++;
     cases.push_back(short_kv);
+    DecodeCase fp8 = large;  // fp8 caches take tensor cores too
+    fp8.kv_dtype = DType::kFloat8E4M3;
+    fp8.expect_kernel = DecodeKernel::kTensorCore;
+    fp8.seed = seed++;
+    cases.push_back(fp8);
     DecodeCase group16 = large;
     group16.group = 16;
     group16.num_kv_heads = 2;
@@ -698,12 +743,13 @@ std::vector<DecodeCase> NonFiniteCases() {
   capped.group = 8;
   capped.lengths = {300, 1029, 45, 7};
   cases.push_back(capped);
-  // The tensor-core kernel (16-bit caches), split and not, capped.
-  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+  // The tensor-core kernel (16-bit and fp8 caches), split and not, capped.
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3}) {
     for (Split split : {Split::kFixed, Split::kDisabled}) {
       DecodeCase c;
       c.kernel = DecodeKernelChoice::kTensorCore;
-      c.q_dtype = c.kv_dtype = dtype;
+      c.q_dtype = dtype == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
+      c.kv_dtype = dtype;
       c.split = split;
       c.lengths = {300, 1029, 45, 7};
       c.seed = seed++;
@@ -767,6 +813,11 @@ std::vector<DecodeCase> SanitizerCases() {
       c.lengths = {0, 1, 17, 300};
       c.seed = seed++;
       cases.push_back(c);
+      if (head_dim >= 128) {  // the fp8 cache's kernel
+        c.kv_dtype = DType::kFloat8E4M3;
+        c.seed = seed++;
+        cases.push_back(c);
+      }
     }
   }
   return cases;
@@ -782,13 +833,16 @@ TEST(DecodeArgsTest, RejectsUnsupportedConfigs) {
   EXPECT_FALSE(cuda::DecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 9}));
   EXPECT_FALSE(cuda::DecodeSupports({DType::kFloat8E4M3, DType::kBFloat16, 128, 1}));
   EXPECT_TRUE(cuda::DecodeSupports({DType::kFloat16, DType::kFloat8E4M3, 256, 7}));
-  // Tensor cores: one 16-bit type for q and cache, groups 4..16; fp8 stays on CUDA cores.
+  // Tensor cores: q fp16/bf16 over a cache of q's type or (head_dim 128, 256) of fp8; groups 4..16.
   EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 4}));
   EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kFloat16, DType::kFloat16, 256, 16}));
   EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 64, 7}));
   EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 2}));
   EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 17}));
-  EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kFloat8E4M3, 128, 8}));
+  EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kFloat8E4M3, 128, 8}));
+  EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kFloat16, DType::kFloat8E4M3, 256, 16}));
+  EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kFloat8E4M3, 64, 8}));
+  EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kFloat8E4M3, 128, 2}));
   EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kFloat16, DType::kBFloat16, 128, 8}));
   EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 96, 8}));
   EXPECT_EQ(cuda::BatchDecodeWorkspaceBytes(0, 32, 128), 0);
