@@ -19,7 +19,6 @@ using decode_tc::TcDecodeParams;
 using decode_tc::TcShape;
 using KernelFn = void (*)(TcDecodeParams);
 
-constexpr int32_t kMinGroup = 4;  // below, the CUDA-core kernel wastes less (issue 14)
 
 struct Kernel {
   KernelFn function = nullptr;
@@ -58,7 +57,11 @@ Kernel PickType(const DecodeKernelConfig& config, bool soft_cap) {
 // The kernel of `config` (with or without the soft cap's code: both have the same shared memory
 // and occupancy, so the occupancy query may take either).
 Kernel PickKernel(const DecodeKernelConfig& config, bool soft_cap = false) {
-  if (config.group_size < kMinGroup || config.group_size > decode_tc::kMaxGroup) return {};
+  // Every group, down to 1 (MHA): most of the MMA's 16 rows are padding there, but the kernel's
+  // loads are what bound it, and on an H200 (2026-12-02, docs/benchmarks.md) it beat the CUDA-core
+  // kernel at groups 1 and 2 too (e.g. Hq 32 / Hkv 32 / D 128, 16 x 1024 keys: 64.0 against
+  // 88.4 us; Hq 16 / Hkv 8 / D 256, 16 x 4096: 124.9 against 143.7).
+  if (config.group_size < 1 || config.group_size > decode_tc::kMaxGroup) return {};
   switch (config.head_dim) {
     case 64:
       return PickType<64>(config, soft_cap);
@@ -75,7 +78,7 @@ absl::Status Unsupported(const DecodeKernelConfig& config) {
       "tensor-core decode: no kernel for q ", DTypeName(config.q_dtype), ", kv ",
       DTypeName(config.kv_dtype), ", head_dim ", config.head_dim, ", group ", config.group_size,
       " (q fp16 or bf16 with a cache of q's type at head_dim 64/128/256, or of fp8 e4m3 at "
-      "head_dim 128/256; group 4..16)"));
+      "head_dim 128/256; group 1..16)"));
 }
 
 // Opts the kernel into its dynamic shared memory (above the 48 KB default); idempotent.

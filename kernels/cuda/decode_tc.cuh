@@ -2,7 +2,7 @@
 // run it; the CUDA-core kernel (decode.cu) runs the rest.
 //
 // One CTA (4 warps) per (plan work item, KV head), like the CUDA-core kernel. The group's query
-// heads (4..16, zero-padded to 16) are the M of mma.sync m16n8k16, keys the N of S = Q K^T and
+// heads (1..16, zero-padded to 16) are the M of mma.sync m16n8k16, keys the N of S = Q K^T and
 // the K of O += P V, head_dim the K of Q K^T and the N of P V; fp32 accumulators, online
 // softmax in registers (log2 domain), P rounded to the MMA type.
 //
@@ -99,7 +99,7 @@ struct TcDecodeParams {
   float* partial_lse;  // [num_partials][num_qo_heads]
   int32_t num_qo_heads;
   int32_t num_kv_heads;
-  int32_t group_size;  // 1..16 (the planner routes 4..16 here)
+  int32_t group_size;  // 1..16
   int32_t log2_page_size;
   float score_scale_log2;  // sm_scale * k_scale * log2(e), without soft cap
   float cap_input_scale;   // sm_scale * k_scale / soft_cap

@@ -87,10 +87,40 @@ int64_t ChooseChunkTokens(std::span<const int64_t> active_lengths, const DecodeP
   return std::min(chunk, max_length);
 }
 
+// Equal lengths whose unsplit CTAs fill more than half the tensor-core wave: the chunk of 1, 2, 4
+// or 8 pieces per request (at most `cap` keys, at least `min_chunk` when split) that a wave model
+// says finishes first: ceil(CTAs / wave) waves, each as long as a chunk plus a CTA's fixed cost,
+// plus the merge when split; a finer split is taken only where the model says it is 3% faster.
+// The CTAs of a memory-bound decode run in waves closely enough for this: on an H200 (2026-12-02,
+// docs/benchmarks.md) unsplit 48 x 4096 keys (1.45 waves of the bf16 kernel) took 212 us against
+// 190 in chunks of 2048, and 64 x 4096 over fp8 (1.29 waves) 169 us against 145, while 64 x 4096
+// bf16 (1.94 waves) was fastest unsplit.
+int64_t UniformChunkTokens(std::span<const int64_t> active_lengths, int32_t num_kv_heads,
+                           int32_t wave, int64_t cap, int64_t min_chunk) {
+  constexpr int64_t kCtaCostTokens = 64;     // a CTA's fixed cost (Q, pipeline fill, epilogue)
+  constexpr int64_t kMergeCostTokens = 128;  // the partials' write and the merge launch
+  const int64_t longest = *std::max_element(active_lengths.begin(), active_lengths.end());
+  const int64_t granularity = kChunkGranularityTokens;
+  const int64_t first = cap > 0 ? std::max<int64_t>(1, CeilDiv(longest, cap)) : 1;
+  int64_t best_chunk = 0;
+  int64_t best_cost = 0;
+  for (int64_t pieces = first; pieces <= 8 * first; pieces *= 2) {
+    const int64_t chunk = CeilDiv(CeilDiv(longest, pieces), granularity) * granularity;
+    if (best_chunk > 0 && chunk < min_chunk) break;
+    const int64_t waves = CeilDiv(CountCtas(active_lengths, chunk, num_kv_heads), wave);
+    const int64_t cost = waves * (std::min(chunk, longest) + kCtaCostTokens) + (pieces > 1 ? kMergeCostTokens : 0);
+    if (best_chunk == 0 || cost * 100 < best_cost * 97) {
+      best_chunk = chunk;
+      best_cost = cost;
+    }
+  }
+  return std::min(best_chunk, longest);
+}
+
 // The chunk search's inputs for the tensor-core kernel (DecodePlanOptions::tensor_core_*): its
-// wave divided by tensor_core_wave_divisor, and its own cap, the uniform one when the active
-// requests' lengths are within 25% of each other and unsplit (one CTA per request and KV
-// head) they already fill its wave.
+// wave divided by tensor_core_wave_divisor, and its own cap; for equal lengths (within 25% of
+// each other) whose unsplit CTAs fill more than half its wave, the chunk UniformChunkTokens
+// picks, at most tensor_core_uniform_max_chunk_tokens.
 DecodePlanOptions TensorCoreSizing(const DecodePlanOptions& options,
                                    std::span<const int64_t> active_lengths) {
   DecodePlanOptions sized = options;
@@ -104,8 +134,12 @@ DecodePlanOptions TensorCoreSizing(const DecodePlanOptions& options,
     const bool uniform = *longest * 4 <= *shortest * 5;
     const int64_t unsplit_ctas =
         static_cast<int64_t>(active_lengths.size()) * options.num_kv_heads;
-    if (uniform && unsplit_ctas > wave) {
-      sized.max_chunk_tokens = options.tensor_core_uniform_max_chunk_tokens;
+    if (uniform && unsplit_ctas * 2 > wave) {
+      // As a cap: the chunk search below takes it (the CTAs of any chunk up to it exceed half
+      // the wave).
+      sized.max_chunk_tokens = static_cast<int32_t>(UniformChunkTokens(
+          active_lengths, options.num_kv_heads, wave, options.tensor_core_uniform_max_chunk_tokens,
+          std::max<int64_t>(options.min_chunk_tokens, 1)));
     }
   }
   return sized;

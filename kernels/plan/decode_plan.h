@@ -46,11 +46,14 @@ struct DecodePlanOptions {
   // 359.2 (2048) against 364.9 (1024).
   int32_t tensor_core_wave_divisor = 2;
   int32_t tensor_core_max_chunk_tokens = 2048;
-  // ... and this cap instead when the requests' lengths are within 25% of each other and the
-  // batch fills the tensor-core wave unsplit: the cap is there to balance mixed lengths, and
-  // equal ones stream faster in longer chunks (same H100 run: 64 x 4096 357.2 us against 364.7
-  // at 2048, 128 x 32768 5584 against 5633, 256 x 32768 11146 against 11246; mixed lengths
-  // 1..8192 x 64 requests 354 us at 2048 against 387 at 8192).
+  // ... and, when the requests' lengths are within 25% of each other and unsplit they fill more
+  // than half the tensor-core wave, a chunk of 1, 2, 4 or 8 pieces per request chosen by a model
+  // of the wave's quantisation (decode_plan.cc, UniformChunkTokens), at most this cap: the 2048
+  // cap is there to balance mixed lengths, and equal ones stream faster in longer chunks unless
+  // their last wave is mostly empty (same H100 run: 64 x 4096 357.2 us against 364.7 at 2048,
+  // 128 x 32768 5584 against 5633, 256 x 32768 11146 against 11246; mixed lengths 1..8192 x 64
+  // requests 354 us at 2048 against 387 at 8192; the H200's figures for the model are in
+  // docs/benchmarks.md).
   int32_t tensor_core_uniform_max_chunk_tokens = 8192;
   DecodeKernelChoice kernel_choice = DecodeKernelChoice::kAuto;
   // kAuto picks the tensor-core kernel (when both exist) for batches of at least this many

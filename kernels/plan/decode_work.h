@@ -12,7 +12,7 @@ enum class DecodeKernel : int32_t {
   // fp16/bf16/fp8 caches, any q/KV type pair).
   kCudaCore = 0,
   // Tensor cores: the group's query heads, padded to 16, are the M of mma.sync m16n8k16
-  // (groups 4..16, q and cache of one 16-bit type). kernels/cuda/decode_tc.cuh.
+  // (groups 1..16; q and cache of one 16-bit type, or an fp8 cache). kernels/cuda/decode_tc.cuh.
   kTensorCore = 1,
 };
 

@@ -493,11 +493,12 @@ INSTANTIATE_TEST_SUITE_P(KvDtypes, DecodeDeterminismTest,
                            return std::string(kernel_test::ShortName(info.param));
                          });
 
-// The tensor-core kernel (issue 14): forced over q/KV 16-bit types x head dims x page sizes
-// 1/16/64 x groups 4/8/16 (layouts, tables and split modes rotating), the standard length mix
-// (0, 1, page boundaries, lengths that are no multiple of its 64-key tile); then batches of
-// 1..256 with random lengths, odd groups (padded rows), soft cap, sliding window; and batches the
-// planner itself routes to it (or keeps on CUDA cores).
+// The tensor-core kernel (issue 14): forced over q/KV types (one 16-bit type, or an fp8 cache) x
+// head dims x page sizes 1/16/64 x groups 4/8/16 (layouts, tables and split modes rotating), and
+// groups 1-3, over the standard length mix (0, 1, page boundaries, lengths that are no multiple of
+// its 64-key tile); then batches of 1..256 with random lengths, odd groups (padded rows), soft
+// cap, sliding window, q past fp16's range or in its subnormals over fp8; and batches the planner
+// itself routes to it (or keeps on CUDA cores).
 class TensorCoreDecodeSweepTest : public ::testing::TestWithParam<DecodeCase> {};
 
 TEST_P(TensorCoreDecodeSweepTest, MatchesFloat64Reference) {
@@ -561,6 +562,27 @@ std::vector<DecodeCase> TensorCoreCases() {
       c.lengths = RandomLengths(batch, batch >= 64 ? 700 : 3000, c.page_size, seed);
       c.seed = seed++;
       cases.push_back(c);
+    }
+  }
+  // Groups below 4 (MHA among them): every dtype pair and head dim, pages of 1 and 16.
+  for (const auto& [q_dtype, kv_dtype] : dtypes) {
+    for (int32_t head_dim : {64, 128, 256}) {
+      if (kv_dtype == DType::kFloat8E4M3 && head_dim == 64) continue;
+      for (int32_t group : {1, 2, 3}) {
+        DecodeCase c;
+        c.kernel = DecodeKernelChoice::kTensorCore;
+        c.q_dtype = q_dtype;
+        c.kv_dtype = kv_dtype;
+        c.head_dim = head_dim;
+        c.group = group;
+        c.num_kv_heads = group == 1 ? 4 : 2;
+        c.page_size = group == 2 ? 1 : 16;
+        c.layout = seed % 2 == 0 ? KvLayout::kNHD : KvLayout::kHND;
+        c.separate_kv = seed % 3 == 0;
+        c.split = splits[(seed / 2) % 3];
+        c.seed = seed++;
+        cases.push_back(c);
+      }
     }
   }
   // Odd groups: rows padded to 16 inside the kernel.
@@ -655,6 +677,11 @@ std::vector<DecodeCase> TensorCoreCases() {
     fp8.expect_kernel = DecodeKernel::kTensorCore;
     fp8.seed = seed++;
     cases.push_back(fp8);
+    DecodeCase mha = large;  // and groups below 4, MHA among them
+    mha.group = 1;
+    mha.expect_kernel = DecodeKernel::kTensorCore;
+    mha.seed = seed++;
+    cases.push_back(mha);
     DecodeCase group16 = large;
     group16.group = 16;
     group16.num_kv_heads = 2;
@@ -820,6 +847,17 @@ std::vector<DecodeCase> SanitizerCases() {
       }
     }
   }
+  // MHA (group 1: 15 of the MMA's 16 rows padding), 16-bit and fp8.
+  for (DType kv_dtype : {DType::kBFloat16, DType::kFloat8E4M3}) {
+    DecodeCase c;
+    c.kernel = DecodeKernelChoice::kTensorCore;
+    c.kv_dtype = kv_dtype;
+    c.group = 1;
+    c.num_kv_heads = 4;
+    c.lengths = {0, 1, 17, 300};
+    c.seed = seed++;
+    cases.push_back(c);
+  }
   return cases;
 }
 
@@ -833,16 +871,17 @@ TEST(DecodeArgsTest, RejectsUnsupportedConfigs) {
   EXPECT_FALSE(cuda::DecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 9}));
   EXPECT_FALSE(cuda::DecodeSupports({DType::kFloat8E4M3, DType::kBFloat16, 128, 1}));
   EXPECT_TRUE(cuda::DecodeSupports({DType::kFloat16, DType::kFloat8E4M3, 256, 7}));
-  // Tensor cores: q fp16/bf16 over a cache of q's type or (head_dim 128, 256) of fp8; groups 4..16.
+  // Tensor cores: q fp16/bf16 over a cache of q's type or (head_dim 128, 256) of fp8; groups 1..16.
   EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 4}));
   EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kFloat16, DType::kFloat16, 256, 16}));
   EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 64, 7}));
-  EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 2}));
+  EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 2}));
+  EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kFloat16, DType::kFloat16, 64, 1}));
   EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 128, 17}));
   EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kFloat8E4M3, 128, 8}));
   EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kFloat16, DType::kFloat8E4M3, 256, 16}));
   EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kFloat8E4M3, 64, 8}));
-  EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kFloat8E4M3, 128, 2}));
+  EXPECT_TRUE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kFloat8E4M3, 128, 1}));
   EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kFloat16, DType::kBFloat16, 128, 8}));
   EXPECT_FALSE(cuda::TensorCoreDecodeSupports({DType::kBFloat16, DType::kBFloat16, 96, 8}));
   EXPECT_EQ(cuda::BatchDecodeWorkspaceBytes(0, 32, 128), 0);

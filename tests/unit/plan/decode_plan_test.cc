@@ -267,8 +267,9 @@ TEST(PlanBatchDecodeTest, ChunksBySizeOfTheChosenKernelsWave) {
   EXPECT_LT(cuda_core->kv_chunk_tokens, tensor->kv_chunk_tokens);
 }
 
-// The tensor-core kernel's chunks fill half its wave, at most 2048 keys, or 8192 for equal
-// lengths that fill the wave unsplit (measured on an H100, docs/benchmarks.md).
+// The tensor-core kernel's chunks fill half its wave, at most 2048 keys; equal lengths that fill
+// more than half of it unsplit take the chunk the wave model picks, at most 8192 (measured on an
+// H100 and an H200, docs/benchmarks.md).
 TEST(PlanBatchDecodeTest, TensorCoreChunksFillHalfItsWaveUpToTheirCap) {
   const DecodePlanOptions options = BothKernels(8);
   auto plan_of = [&](int32_t batch, int64_t keys) {
@@ -283,9 +284,28 @@ TEST(PlanBatchDecodeTest, TensorCoreChunksFillHalfItsWaveUpToTheirCap) {
   EXPECT_EQ(plan_of(1, 8192).kv_chunk_tokens, 512);
   EXPECT_EQ(plan_of(16, 1024).kv_chunk_tokens, 1024);  // no split: 128 CTAs already
   EXPECT_EQ(plan_of(16, 4096).kv_chunk_tokens, 2048);  // the cap (no split would fit)
-  // Equal lengths filling the wave unsplit: the uniform cap, 8192.
+  // Equal lengths filling more than half the wave unsplit: as few pieces as the wave's
+  // quantisation allows, at most the uniform cap (8192). 64 x 4096: 512 CTAs, 1.94 waves.
   EXPECT_EQ(plan_of(64, 4096).kv_chunk_tokens, 4096);
   EXPECT_EQ(plan_of(256, 32768).kv_chunk_tokens, 8192);
+  EXPECT_EQ(plan_of(128, 4096).kv_chunk_tokens, 4096);  // 3.88 waves
+  // 48 x 4096: 384 CTAs would leave the second wave 45% full; halves make 2.9 waves.
+  EXPECT_EQ(plan_of(48, 4096).kv_chunk_tokens, 2048);
+  // 40 x 4096: 320 CTAs (1.21 waves); quarters make 4.85.
+  EXPECT_EQ(plan_of(40, 4096).kv_chunk_tokens, 1024);
+  // Short keys are not cut below the floor (64): 128 x 65 stays whole.
+  EXPECT_EQ(plan_of(128, 65).kv_chunk_tokens, 65);
+  // A wider wave (the fp8 kernel's 396 CTAs): 64 x 4096 is 1.29 waves unsplit, 2.59 in halves;
+  // 48 x 4096 fits one wave whole.
+  DecodePlanOptions wide = options;
+  wide.tensor_core_ctas_per_wave = 396;
+  auto wide_plan = [&](int32_t batch) {
+    auto plan = PlanBatchDecode(DecodeRows(batch), std::vector<int64_t>(batch, 4096), wide);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    return plan->kv_chunk_tokens;
+  };
+  EXPECT_EQ(wide_plan(64), 2048);
+  EXPECT_EQ(wide_plan(48), 4096);
   // Mixed lengths keep 2048, for balance.
   std::vector<int64_t> mixed;
   for (int b = 0; b < 64; ++b) mixed.push_back(1 + (b * 127) % 8192);

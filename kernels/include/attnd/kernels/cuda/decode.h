@@ -41,7 +41,7 @@ absl::StatusOr<int32_t> DecodeCtasPerWave(const DecodeKernelConfig& config);
 
 // The tensor-core kernel (plans with kernel kTensorCore): q fp16 or bf16 over a cache of q's type
 // (head_dim 64/128/256) or of fp8 e4m3 (head_dim 128/256; fp16 MMAs, each q row scaled by a power
-// of two into fp16's range), group_size 4..16. Other mixed-type caches, and fp8 at head_dim 64,
+// of two into fp16's range), group_size 1..16. Other mixed-type caches, and fp8 at head_dim 64,
 // stay on the CUDA-core kernel. Its wave goes to plan::DecodePlanOptions::tensor_core_ctas_per_wave; it is 0
 // where the device cannot hold one of its CTAs (head_dim 256 needs 200 KB of shared memory, more
 // than an A100 gives): then the kernel is not to be used there.
