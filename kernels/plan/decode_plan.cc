@@ -87,16 +87,15 @@ int64_t ChooseChunkTokens(std::span<const int64_t> active_lengths, const DecodeP
   return std::min(chunk, max_length);
 }
 
-// Equal lengths whose unsplit CTAs fill more than half the tensor-core wave: the chunk of 1, 2, 4
-// or 8 pieces per request (at most `cap` keys, at least `min_chunk` when split) that a wave model
-// says finishes first: ceil(CTAs / wave) waves, each as long as a chunk plus a CTA's fixed cost,
-// plus the merge when split; a finer split is taken only where the model says it is 3% faster.
-// The CTAs of a memory-bound decode run in waves closely enough for this: on an H200 (2026-12-02,
-// docs/benchmarks.md) unsplit 48 x 4096 keys (1.45 waves of the bf16 kernel) took 212 us against
-// 190 in chunks of 2048, and 64 x 4096 over fp8 (1.29 waves) 169 us against 145, while 64 x 4096
-// bf16 (1.94 waves) was fastest unsplit.
+// Equal lengths: the chunk of 1, 2, 4, ... `max_pieces` pieces per request (at most `cap` keys,
+// at least `min_chunk` when split) that a wave model says finishes first: ceil(CTAs / wave) waves,
+// each as long as a chunk plus a CTA's fixed cost, plus the merge when split; a finer split is
+// taken only where the model says it is 3% faster. The CTAs of a memory-bound decode run in waves
+// closely enough for this: on an H200 (2026-12-02, docs/benchmarks.md) unsplit 48 x 4096 keys
+// (1.45 waves of the bf16 kernel) took 212 us against 190 in chunks of 2048, and 64 x 4096 over
+// fp8 (1.29 waves) 169 us against 145, while 64 x 4096 bf16 (1.94 waves) was fastest unsplit.
 int64_t UniformChunkTokens(std::span<const int64_t> active_lengths, int32_t num_kv_heads,
-                           int32_t wave, int64_t cap, int64_t min_chunk) {
+                           int32_t wave, int64_t cap, int64_t min_chunk, int64_t max_pieces) {
   constexpr int64_t kCtaCostTokens = 64;     // a CTA's fixed cost (Q, pipeline fill, epilogue)
   constexpr int64_t kMergeCostTokens = 128;  // the partials' write and the merge launch
   const int64_t longest = *std::max_element(active_lengths.begin(), active_lengths.end());
@@ -104,7 +103,7 @@ int64_t UniformChunkTokens(std::span<const int64_t> active_lengths, int32_t num_
   const int64_t first = cap > 0 ? std::max<int64_t>(1, CeilDiv(longest, cap)) : 1;
   int64_t best_chunk = 0;
   int64_t best_cost = 0;
-  for (int64_t pieces = first; pieces <= 8 * first; pieces *= 2) {
+  for (int64_t pieces = first; pieces <= max_pieces * first; pieces *= 2) {
     const int64_t chunk = CeilDiv(CeilDiv(longest, pieces), granularity) * granularity;
     if (best_chunk > 0 && chunk < min_chunk) break;
     const int64_t waves = CeilDiv(CountCtas(active_lengths, chunk, num_kv_heads), wave);
@@ -118,9 +117,15 @@ int64_t UniformChunkTokens(std::span<const int64_t> active_lengths, int32_t num_
 }
 
 // The chunk search's inputs for the tensor-core kernel (DecodePlanOptions::tensor_core_*): its
-// wave divided by tensor_core_wave_divisor, and its own cap; for equal lengths (within 25% of
-// each other) whose unsplit CTAs fill more than half its wave, the chunk UniformChunkTokens
-// picks, at most tensor_core_uniform_max_chunk_tokens.
+// wave divided by tensor_core_wave_divisor, and its own cap. For equal lengths (within 25% of
+// each other), the chunk UniformChunkTokens picks instead: where the unsplit CTAs fill more than
+// half the wave, any of 1-8 pieces per request, at most tensor_core_uniform_max_chunk_tokens; where
+// they fill 1/16 to 1/2 of it, pieces of at least 1024 keys (up to 16 per request), taken only
+// when split. A CTA of this kernel alone on an SM (4 warps) is bound by its own latency, so half
+// a wave of long chunks leaves HBM idle: 8 x 4096 keys (Hq 32 / Hkv 8) took 53.0 us in 128 CTAs of
+// 2048 keys against 36.3 in 256 of 1024 on an H200, Hq 28 / Hkv 4 at 16 x 4096 43.1 against
+// 38.0; shorter pieces were no faster where the unsplit CTAs already stream well (16 x 1024:
+// 19.9 us whole, 21.7 in halves).
 DecodePlanOptions TensorCoreSizing(const DecodePlanOptions& options,
                                    std::span<const int64_t> active_lengths) {
   DecodePlanOptions sized = options;
@@ -134,12 +139,18 @@ DecodePlanOptions TensorCoreSizing(const DecodePlanOptions& options,
     const bool uniform = *longest * 4 <= *shortest * 5;
     const int64_t unsplit_ctas =
         static_cast<int64_t>(active_lengths.size()) * options.num_kv_heads;
+    // As a cap: the chunk search below takes it (the CTAs of any chunk up to it exceed half the
+    // wave, or the smallest chunk within half the wave is this one).
     if (uniform && unsplit_ctas * 2 > wave) {
-      // As a cap: the chunk search below takes it (the CTAs of any chunk up to it exceed half
-      // the wave).
       sized.max_chunk_tokens = static_cast<int32_t>(UniformChunkTokens(
           active_lengths, options.num_kv_heads, wave, options.tensor_core_uniform_max_chunk_tokens,
-          std::max<int64_t>(options.min_chunk_tokens, 1)));
+          std::max<int64_t>(options.min_chunk_tokens, 1), 8));
+    } else if (uniform && unsplit_ctas * 16 >= wave) {
+      constexpr int64_t kSmallBatchMinChunk = 1024;
+      const int64_t chunk = UniformChunkTokens(active_lengths, options.num_kv_heads, wave,
+                                               options.tensor_core_uniform_max_chunk_tokens,
+                                               kSmallBatchMinChunk, 16);
+      if (chunk < *longest) sized.max_chunk_tokens = static_cast<int32_t>(chunk);
     }
   }
   return sized;

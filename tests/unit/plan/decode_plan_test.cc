@@ -306,6 +306,16 @@ TEST(PlanBatchDecodeTest, TensorCoreChunksFillHalfItsWaveUpToTheirCap) {
   };
   EXPECT_EQ(wide_plan(64), 2048);
   EXPECT_EQ(wide_plan(48), 4096);
+  // Smaller batches of long equal lengths fill the wave in pieces of 1024+ keys: 8 x 4096 in 256
+  // CTAs of 1024, not 128 of 2048 (the search's half wave); with 4 KV heads 16 x 4096 the same.
+  EXPECT_EQ(plan_of(8, 4096).kv_chunk_tokens, 1024);
+  DecodePlanOptions four_heads = BothKernels(4);
+  auto four = PlanBatchDecode(DecodeRows(16), std::vector<int64_t>(16, 4096), four_heads);
+  ASSERT_TRUE(four.ok());
+  EXPECT_EQ(four->kv_chunk_tokens, 1024);
+  // ... and where no piece of 1024+ helps, the search's choice stands (16 x 1024 whole, above;
+  // 8 x 256 in chunks of 128).
+  EXPECT_EQ(plan_of(8, 256).kv_chunk_tokens, 128);
   // Mixed lengths keep 2048, for balance.
   std::vector<int64_t> mixed;
   for (int b = 0; b < 64; ++b) mixed.push_back(1 + (b * 127) % 8192);
