@@ -415,6 +415,20 @@ __global__ void __launch_bounds__(kThreads, (TcShape<kHeadDim, sizeof(KvT)>::kMi
     // fp8 K tiles take V's plain x4 (keys 0-7 / 8-15 at chunks +0 / +0 / +1 / +1).
     const uint32_t k_lane_offset = kFp8 ? v_lane_offset : ((lane & 7) + 8 * (lane >> 4)) * kRowBytes;
     const uint32_t k_z = kFp8 ? a_z : ((lane >> 3) & 1) ^ (lane & 7);
+    // fp8 tiles, K or V at `lane_address` (the stage plus this lane's x4 row; z its swizzle
+    // bits): f(c, keys_0_7, keys_8_15) for every 16-byte chunk c of the rows (16 dims), with lane
+    // (g, t)'s 4 fp8 of dims 16c + 4t..4t+3 of keys g and 8 + g; one ldmatrix.x4 serves two chunks.
+    auto for_each_fp8_chunk = [&](uint32_t lane_address, uint32_t z, auto&& f) {
+      StaticFor<kMmaD / 2>([&](auto pair_constant) {
+        constexpr int pair = decltype(pair_constant)::value;
+        uint32_t r[4];  // keys 0-7 / 8-15 of chunk 2 pair, then of chunk 2 pair + 1
+        LdMatrixX4(lane_address + SwizzledStepBytes<pair>(z), r);
+        StaticFor<2>([&](auto half_constant) {
+          constexpr int half = decltype(half_constant)::value;
+          f(std::integral_constant<int, 2 * pair + half>{}, r[2 * half], r[2 * half + 1]);
+        });
+      });
+    };
 
     for (int tile = 0; tile < num_tiles; ++tile) {
       CpAsyncWait<kStages - 2>();  // this lane's copies of the tile have landed
@@ -433,23 +447,16 @@ __global__ void __launch_bounds__(kThreads, (TcShape<kHeadDim, sizeof(KvT)>::kMi
 #pragma unroll
       for (int e = 0; e < 8; ++e) s[e] = 0.0f;
       if constexpr (kFp8) {
-        // One ldmatrix.x4 gives 4 fp8 of each of two chunks (16 dims each) of keys 0-7 and 8-15:
-        // lane (g, t) dims 4t..4t+3 of its key, which are k 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1)
-        // of that chunk's k-step in Q's permuted order.
-        StaticFor<kMmaD / 2>([&](auto pair_constant) {
-          constexpr int pair = decltype(pair_constant)::value;
-          uint32_t kr[4];  // keys 0-7 / 8-15 of chunk 2 pair, then of chunk 2 pair + 1
-          LdMatrixX4(k_stage + k_lane_offset + SwizzledStepBytes<pair>(k_z), kr);
-          StaticFor<2>([&](auto half_constant) {
-            constexpr int half = decltype(half_constant)::value;
-            uint32_t qa[4];
-            LdMatrixX4(q_lane + SwizzledStepBytes<2 * pair + half>(a_z), qa);
-            const uint32_t keys_0_7 = kr[2 * half], keys_8_15 = kr[2 * half + 1];
-            Mma16816<MmaT>(s, qa, ConvertPair<__half, __nv_fp8_e4m3>(keys_0_7 & 0xffffu),
-                           ConvertPair<__half, __nv_fp8_e4m3>(keys_0_7 >> 16));
-            Mma16816<MmaT>(s + 4, qa, ConvertPair<__half, __nv_fp8_e4m3>(keys_8_15 & 0xffffu),
-                           ConvertPair<__half, __nv_fp8_e4m3>(keys_8_15 >> 16));
-          });
+        // Lane (g, t)'s dims 4t..4t+3 of a key are k 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1) of the
+        // chunk's k-step in Q's permuted order.
+        for_each_fp8_chunk(k_stage + k_lane_offset, k_z, [&](auto c_constant, uint32_t keys_0_7, uint32_t keys_8_15) {
+          constexpr int c = decltype(c_constant)::value;
+          uint32_t qa[4];
+          LdMatrixX4(q_lane + SwizzledStepBytes<c>(a_z), qa);
+          Mma16816<MmaT>(s, qa, ConvertPair<__half, __nv_fp8_e4m3>(keys_0_7 & 0xffffu),
+                         ConvertPair<__half, __nv_fp8_e4m3>(keys_0_7 >> 16));
+          Mma16816<MmaT>(s + 4, qa, ConvertPair<__half, __nv_fp8_e4m3>(keys_8_15 & 0xffffu),
+                         ConvertPair<__half, __nv_fp8_e4m3>(keys_8_15 >> 16));
         });
       } else {
         StaticFor<kMmaD>([&](auto step_constant) {
@@ -514,24 +521,15 @@ __global__ void __launch_bounds__(kThreads, (TcShape<kHeadDim, sizeof(KvT)>::kMi
 
       // O += P V.
       if constexpr (kFp8) {
-        // V as it landed (no .trans for bytes): lane (g, t) gets dims 4t..4t+3 of key g (and
-        // 8 + g); converted, dims (4t, 4t+1) and (4t+2, 4t+3) are two 8 x 8 fp16 matrices whose
-        // transposes are B fragments over keys: o[c][0..3] then holds dims 16c + 4t, + 1 and
-        // o[c][4..7] dims 16c + 4t + 2, + 3 (rows as in C; the epilogue maps them back).
-        StaticFor<kMmaD / 2>([&](auto pair_constant) {
-          constexpr int pair = decltype(pair_constant)::value;
-          uint32_t vr[4];  // keys 0-7 / 8-15 of chunk 2 pair, then of chunk 2 pair + 1
-          LdMatrixX4(v_stage + v_lane_offset + SwizzledStepBytes<pair>(a_z), vr);
-          StaticFor<2>([&](auto half_constant) {
-            constexpr int half = decltype(half_constant)::value;
-            constexpr int c = 2 * pair + half;
-            const uint32_t keys_0_7 = vr[2 * half], keys_8_15 = vr[2 * half + 1];
-            auto b = [](uint32_t pair_bits) {
-              return TransposeMatrix(ConvertPair<__half, __nv_fp8_e4m3>(pair_bits));
-            };
-            Mma16816<MmaT>(o[c], p_frag, b(keys_0_7 & 0xffffu), b(keys_8_15 & 0xffffu));
-            Mma16816<MmaT>(o[c] + 4, p_frag, b(keys_0_7 >> 16), b(keys_8_15 >> 16));
-          });
+        // V as it landed (no .trans for bytes): converted, lane (g, t)'s dims (4t, 4t+1) and
+        // (4t+2, 4t+3) of keys 0-7 (and 8-15) are two 8 x 8 fp16 matrices whose transposes are B
+        // fragments over keys: o[c][0..3] then holds dims 16c + 4t, + 1 and o[c][4..7] dims
+        // 16c + 4t + 2, + 3 (rows as in C; the epilogue maps them back).
+        auto b = [](uint32_t pair_bits) { return TransposeMatrix(ConvertPair<__half, __nv_fp8_e4m3>(pair_bits)); };
+        for_each_fp8_chunk(v_stage + v_lane_offset, a_z, [&](auto c_constant, uint32_t keys_0_7, uint32_t keys_8_15) {
+          constexpr int c = decltype(c_constant)::value;
+          Mma16816<MmaT>(o[c], p_frag, b(keys_0_7 & 0xffffu), b(keys_8_15 & 0xffffu));
+          Mma16816<MmaT>(o[c] + 4, p_frag, b(keys_0_7 >> 16), b(keys_8_15 >> 16));
         });
       } else {
         StaticFor<kMmaD>([&](auto db_constant) {
