@@ -1,7 +1,8 @@
 // Batch decode on tensor cores (issue 14): the instantiations of decode_tc.cuh and their
-// launcher. Twenty kernels: head_dim 64/128/256 x fp16/bf16 (q and cache of one type), and
-// head_dim 128/256 x fp16/bf16 q over an fp8 e4m3 cache, each with or without a soft cap; the
-// group (1..16, padded to 16 rows) and the output type are runtime parameters.
+// launcher. Twenty-four kernels: head_dim 64/128/256 x fp16/bf16 (q and cache of one type), and
+// fp16/bf16 q over an fp8 e4m3 cache at head_dim 128 (two pipelines) and 256, each with or
+// without a soft cap; the group (1..16, padded to 16 rows) and the output type are runtime
+// parameters.
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
@@ -25,38 +26,44 @@ struct Kernel {
   int smem_bytes = 0;
 };
 
-template <int kHeadDim, typename T, typename KvT>
+template <int kHeadDim, typename T, typename KvT, bool kShallow = false>
 Kernel Instance(bool soft_cap) {
-  return {soft_cap ? &decode_tc::TensorCoreDecodeKernel<kHeadDim, T, KvT, true>
-                   : &decode_tc::TensorCoreDecodeKernel<kHeadDim, T, KvT, false>,
-          TcShape<kHeadDim, sizeof(KvT)>::kSmemBytes};
+  return {soft_cap ? &decode_tc::TensorCoreDecodeKernel<kHeadDim, T, KvT, true, kShallow>
+                   : &decode_tc::TensorCoreDecodeKernel<kHeadDim, T, KvT, false, kShallow>,
+          TcShape<kHeadDim, sizeof(KvT), kShallow>::kSmemBytes};
 }
 
-// q's type T over a cache of T itself or, from head_dim 128 (8+ chunks a row), of fp8.
+// q's type T over a cache of T itself or, from head_dim 128 (8+ chunks a row), of fp8 (at 128,
+// `shallow` picks its 4-stage pipeline).
 template <int kHeadDim, typename T>
-Kernel PickCache(DType kv_dtype, DType q_dtype, bool soft_cap) {
+Kernel PickCache(DType kv_dtype, DType q_dtype, bool soft_cap, bool shallow) {
   if (kv_dtype == q_dtype) return Instance<kHeadDim, T, T>(soft_cap);
-  if constexpr (kHeadDim >= 128) {
+  if constexpr (kHeadDim == 128) {
+    if (kv_dtype == DType::kFloat8E4M3) {
+      return shallow ? Instance<kHeadDim, T, __nv_fp8_e4m3, true>(soft_cap)
+                     : Instance<kHeadDim, T, __nv_fp8_e4m3>(soft_cap);
+    }
+  } else if constexpr (kHeadDim > 128) {
     if (kv_dtype == DType::kFloat8E4M3) return Instance<kHeadDim, T, __nv_fp8_e4m3>(soft_cap);
   }
   return {};
 }
 
 template <int kHeadDim>
-Kernel PickType(const DecodeKernelConfig& config, bool soft_cap) {
+Kernel PickType(const DecodeKernelConfig& config, bool soft_cap, bool shallow) {
   switch (config.q_dtype) {
     case DType::kFloat16:
-      return PickCache<kHeadDim, __half>(config.kv_dtype, config.q_dtype, soft_cap);
+      return PickCache<kHeadDim, __half>(config.kv_dtype, config.q_dtype, soft_cap, shallow);
     case DType::kBFloat16:
-      return PickCache<kHeadDim, __nv_bfloat16>(config.kv_dtype, config.q_dtype, soft_cap);
+      return PickCache<kHeadDim, __nv_bfloat16>(config.kv_dtype, config.q_dtype, soft_cap, shallow);
     default:
       return {};
   }
 }
 
 // The kernel of `config` (with or without the soft cap's code: both have the same shared memory
-// and occupancy, so the occupancy query may take either).
-Kernel PickKernel(const DecodeKernelConfig& config, bool soft_cap = false) {
+// and occupancy, so the occupancy query may take either; the wave is the default pipeline's).
+Kernel PickKernel(const DecodeKernelConfig& config, bool soft_cap = false, bool shallow = false) {
   // Every group, down to 1 (MHA): most of the MMA's 16 rows are padding there, but the kernel's
   // loads are what bound it, and on an H200 (2026-12-02, docs/benchmarks.md) it beat the CUDA-core
   // kernel at groups 1 and 2 too (e.g. Hq 32 / Hkv 32 / D 128, 16 x 1024 keys: 64.0 against
@@ -64,11 +71,11 @@ Kernel PickKernel(const DecodeKernelConfig& config, bool soft_cap = false) {
   if (config.group_size < 1 || config.group_size > decode_tc::kMaxGroup) return {};
   switch (config.head_dim) {
     case 64:
-      return PickType<64>(config, soft_cap);
+      return PickType<64>(config, soft_cap, shallow);
     case 128:
-      return PickType<128>(config, soft_cap);
+      return PickType<128>(config, soft_cap, shallow);
     case 256:
-      return PickType<256>(config, soft_cap);
+      return PickType<256>(config, soft_cap, shallow);
   }
   return {};
 }
@@ -120,7 +127,21 @@ absl::Status LaunchTensorCoreDecode(const BatchDecodeArgs& args, int32_t log2_pa
   // The one scaling and soft-cap rule (softmax.cuh); cap_log2 stays 0 without a cap.
   const float score_scale = args.params.sm_scale * args.params.k_scale;
   const SoftmaxParams softmax = SoftmaxParams::Of(score_scale, args.params.logits_soft_cap);
-  const Kernel kernel = PickKernel(config, softmax.soft_cap);
+  // fp8 at head_dim 128 has two pipelines: 5 stages at 2 CTAs an SM (its wave, the planner's),
+  // and 4 stages at 3, which pays only for launches of more CTAs than the first's wave with chunks
+  // under 1024 keys. On an H200 (2026-12-02, docs/benchmarks.md) the deep one took 1 x 4096 keys in
+  // 8.2 us against 10.9, 16 x 1024 in 17.5 against 22.2 and 256 x 4096 in 524 against 543; the
+  // shallow one 128 x 512 in 42.7 against 48.0 and 128 x 65 in 16.4 against 19.2.
+  const int64_t ctas = int64_t{args.work.num_items} * k.num_heads;
+  bool shallow = false;
+  if (k.dtype == DType::kFloat8E4M3 && config.head_dim == 128 && args.work.kv_chunk_tokens < 1024) {
+    int device = 0;
+    int num_sms = 0;
+    CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+    shallow = ctas > int64_t{TcShape<128, 1>::kMinCtasPerSm} * num_sms;
+  }
+  const Kernel kernel = PickKernel(config, softmax.soft_cap, shallow);
   if (kernel.function == nullptr) return Unsupported(config);
 
   const int64_t element_bytes = DTypeBytes(k.dtype);
@@ -158,7 +179,7 @@ absl::Status LaunchTensorCoreDecode(const BatchDecodeArgs& args, int32_t log2_pa
   void* kernel_args[] = {&params};
   CUDA_RETURN_IF_ERROR(LaunchAfterPrecedingGrid(
       reinterpret_cast<const void*>(kernel.function),
-      dim3(static_cast<unsigned>(int64_t{args.work.num_items} * k.num_heads)),
+      dim3(static_cast<unsigned>(ctas)),
       dim3(decode_tc::kThreads), static_cast<size_t>(kernel.smem_bytes), stream, kernel_args));
   return absl::OkStatus();
 }

@@ -109,8 +109,9 @@ struct TcDecodeParams {
 };
 
 // kKvBytes: bytes of a cached value (2: fp16/bf16; 1: fp8 e4m3, converted to fp16 as it leaves
-// shared memory, see the fp8 section above).
-template <int kHeadDimArg, int kKvBytesArg = 2>
+// shared memory, see the fp8 section above). kShallow (fp8 at head_dim 128 only): 4 stages at 3
+// CTAs an SM instead of 5 at 2, for launches of many short CTAs (TcShallowPays).
+template <int kHeadDimArg, int kKvBytesArg = 2, bool kShallowArg = false>
 struct TcShape {
   static constexpr int kHeadDim = kHeadDimArg;
   static constexpr int kKvBytes = kKvBytesArg;
@@ -119,9 +120,12 @@ struct TcShape {
   static constexpr int kQRowBytes = 2 * kHeadDim;        // a Q row (16-bit) in shared memory
   static constexpr int kQChunks = kHeadDim / 8;
   static constexpr int kMmaD = kHeadDim / 16;   // k-steps of Q K^T, n-pairs of P V
+  static constexpr bool kFp8Deep = kKvBytes == 1 && kHeadDim == 128 && !kShallowArg;
+  static_assert(!kShallowArg || (kKvBytes == 1 && kHeadDim == 128), "the shallow pipeline is fp8's");
   // Stages per warp pipeline: (kStages - 1) warp tiles of K and V in flight per warp. With the
-  // CTAs per SM below that is 96-144 KB in flight per SM.
-  static constexpr int kStages = kHeadDim == 64 || (kKvBytes == 1 && kHeadDim == 128) ? 4 : 3;
+  // CTAs per SM below that is 96-144 KB in flight per SM, and 64-80 KB per CTA: a CTA alone on an
+  // SM is bound by the latency of its bytes in flight.
+  static constexpr int kStages = kFp8Deep ? 5 : (kHeadDim == 64 || kKvBytes == 1 && kHeadDim == 128) ? 4 : 3;
   static constexpr int kWarpTileBytes = kWarpKeys * kRowBytes;  // K (or V) of a warp tile
   static constexpr int kWarpStageBytes = 2 * kWarpTileBytes;    // K, then V
   static constexpr int kPipelineBytes = kWarps * kStages * kWarpStageBytes;
@@ -137,7 +141,7 @@ struct TcShape {
       kQBytes + kQScaleBytes + (kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes);
   // Resident CTAs per SM the shared memory allows (228 KB per H100 SM): the register cap.
   static constexpr int kMinCtasPerSm =
-      kKvBytes == 1 ? (kHeadDim == 128 ? 3 : 2) : (kHeadDim == 64 ? 3 : (kHeadDim == 128 ? 2 : 1));
+      kKvBytes == 1 ? (kHeadDim == 128 && kShallowArg ? 3 : 2) : (kHeadDim == 64 ? 3 : (kHeadDim == 128 ? 2 : 1));
 
   static_assert(kChunks >= 8, "the swizzle needs at least 8 chunks per cached row");
   static_assert(kLoadsPerLane * 32 == kWarpKeys * kChunks, "whole copies per lane");
@@ -225,14 +229,14 @@ __device__ __forceinline__ void ConvertQToHalf(uint8_t* q_tile, float* q_scale, 
 
 // T: q's type (fp16 or bf16). KvT: the cache's, T itself (the MMA type then) or fp8 e4m3 (fp16
 // MMAs, see the fp8 section above). kSoftCap: the launch has a soft cap; a kernel of its own, so
-// that the kernels without one carry none of its code in their tile loop.
-template <int kHeadDim, typename T, typename KvT, bool kSoftCap>
-__global__ void __launch_bounds__(kThreads, (TcShape<kHeadDim, sizeof(KvT)>::kMinCtasPerSm))
+// that the kernels without one carry none of its code in their tile loop. kShallow: TcShape's.
+template <int kHeadDim, typename T, typename KvT, bool kSoftCap, bool kShallow = false>
+__global__ void __launch_bounds__(kThreads, (TcShape<kHeadDim, sizeof(KvT), kShallow>::kMinCtasPerSm))
     TensorCoreDecodeKernel(const __grid_constant__ TcDecodeParams params) {
   constexpr bool kFp8 = std::is_same_v<KvT, __nv_fp8_e4m3>;
   static_assert(kFp8 || std::is_same_v<KvT, T>, "a 16-bit cache has q's type");
   using MmaT = std::conditional_t<kFp8, __half, T>;
-  using Shape = TcShape<kHeadDim, sizeof(KvT)>;
+  using Shape = TcShape<kHeadDim, sizeof(KvT), kShallow>;
   constexpr int kChunks = Shape::kChunks;
   constexpr int kRowBytes = Shape::kRowBytes;
   constexpr int kQRowBytes = Shape::kQRowBytes;

@@ -336,6 +336,7 @@ DecodeWorkView DecodePlan::View(const int32_t* packed) const {
   view.num_partials = num_partials;
   view.window_left = window_left;
   view.kernel = kernel;
+  view.kv_chunk_tokens = kv_chunk_tokens;
   return view;
 }
 

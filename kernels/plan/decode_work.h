@@ -30,6 +30,7 @@ struct DecodeWorkView {
   int32_t num_partials = 0;
   int32_t window_left = -1;                // the window the plan was cut for
   DecodeKernel kernel = DecodeKernel::kCudaCore;  // which kernel BatchDecode launches
+  int32_t kv_chunk_tokens = 0;             // the plan's chunk: no item reads more keys
 };
 
 // Items [item_begin, item_end) and merge rows [merge_begin, merge_end) of `view`: a launch of

@@ -564,6 +564,17 @@ std::vector<DecodeCase> TensorCoreCases() {
       cases.push_back(c);
     }
   }
+  // fp8 at head_dim 128 has two pipelines: a batch of many short requests takes the shallow one
+  // (more CTAs than 2 an SM, chunks under 1024 keys), one long request the deep one.
+  for (int32_t batch : {1, 256}) {
+    DecodeCase c;
+    c.kernel = DecodeKernelChoice::kTensorCore;
+    c.kv_dtype = DType::kFloat8E4M3;
+    c.group = 8;
+    c.lengths = RandomLengths(batch, batch > 1 ? 700 : 3000, c.page_size, seed);
+    c.seed = seed++;
+    cases.push_back(c);
+  }
   // Groups below 4 (MHA among them): every dtype pair and head dim, pages of 1 and 16.
   for (const auto& [q_dtype, kv_dtype] : dtypes) {
     for (int32_t head_dim : {64, 128, 256}) {
@@ -846,6 +857,15 @@ std::vector<DecodeCase> SanitizerCases() {
         cases.push_back(c);
       }
     }
+  }
+  // fp8's shallow pipeline (head_dim 128, more CTAs than 2 an SM of chunks under 1024 keys).
+  {
+    DecodeCase c;
+    c.kernel = DecodeKernelChoice::kTensorCore;
+    c.kv_dtype = DType::kFloat8E4M3;
+    c.lengths = RandomLengths(160, 300, c.page_size, seed);
+    c.seed = seed++;
+    cases.push_back(c);
   }
   // MHA (group 1: 15 of the MMA's 16 rows padding), 16-bit and fp8.
   for (DType kv_dtype : {DType::kBFloat16, DType::kFloat8E4M3}) {
