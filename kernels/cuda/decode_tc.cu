@@ -20,7 +20,6 @@ using decode_tc::TcDecodeParams;
 using decode_tc::TcShape;
 using KernelFn = void (*)(TcDecodeParams);
 
-
 struct Kernel {
   KernelFn function = nullptr;
   int smem_bytes = 0;

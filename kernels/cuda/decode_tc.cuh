@@ -140,8 +140,8 @@ struct TcShape {
   static constexpr int kSmemBytes =
       kQBytes + kQScaleBytes + (kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes);
   // Resident CTAs per SM the shared memory allows (228 KB per H100 SM): the register cap.
-  static constexpr int kMinCtasPerSm =
-      kKvBytes == 1 ? (kHeadDim == 128 && kShallowArg ? 3 : 2) : (kHeadDim == 64 ? 3 : (kHeadDim == 128 ? 2 : 1));
+  static constexpr int kMinCtasPerSm = kKvBytes == 1 ? (kHeadDim == 128 && kShallowArg ? 3 : 2)
+                                                     : (kHeadDim == 64 ? 3 : (kHeadDim == 128 ? 2 : 1));
 
   static_assert(kChunks >= 8, "the swizzle needs at least 8 chunks per cached row");
   static_assert(kLoadsPerLane * 32 == kWarpKeys * kChunks, "whole copies per lane");
@@ -190,7 +190,8 @@ __device__ __forceinline__ void ConvertQToHalf(uint8_t* q_tile, float* q_scale, 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int c = 2 * step + half;
-      chunk[i][half] = *reinterpret_cast<const uint4*>(q_tile + row * Shape::kQRowBytes + ((c ^ (row & 7)) << 4));
+      const uint8_t* at = q_tile + row * Shape::kQRowBytes + ((c ^ (row & 7)) << 4);
+      chunk[i][half] = *reinterpret_cast<const uint4*>(at);
       float values[8];
       Raw8ToFloat<T>(chunk[i][half], values);
 #pragma unroll
@@ -453,7 +454,8 @@ __global__ void __launch_bounds__(kThreads, (TcShape<kHeadDim, sizeof(KvT), kSha
       if constexpr (kFp8) {
         // Lane (g, t)'s dims 4t..4t+3 of a key are k 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1) of the
         // chunk's k-step in Q's permuted order.
-        for_each_fp8_chunk(k_stage + k_lane_offset, k_z, [&](auto c_constant, uint32_t keys_0_7, uint32_t keys_8_15) {
+        for_each_fp8_chunk(k_stage + k_lane_offset, k_z, [&](auto c_constant, uint32_t keys_0_7,
+                                                             uint32_t keys_8_15) {
           constexpr int c = decltype(c_constant)::value;
           uint32_t qa[4];
           LdMatrixX4(q_lane + SwizzledStepBytes<c>(a_z), qa);
@@ -529,8 +531,11 @@ __global__ void __launch_bounds__(kThreads, (TcShape<kHeadDim, sizeof(KvT), kSha
         // (4t+2, 4t+3) of keys 0-7 (and 8-15) are two 8 x 8 fp16 matrices whose transposes are B
         // fragments over keys: o[c][0..3] then holds dims 16c + 4t, + 1 and o[c][4..7] dims
         // 16c + 4t + 2, + 3 (rows as in C; the epilogue maps them back).
-        auto b = [](uint32_t pair_bits) { return TransposeMatrix(ConvertPair<__half, __nv_fp8_e4m3>(pair_bits)); };
-        for_each_fp8_chunk(v_stage + v_lane_offset, a_z, [&](auto c_constant, uint32_t keys_0_7, uint32_t keys_8_15) {
+        auto b = [](uint32_t pair_bits) {
+          return TransposeMatrix(ConvertPair<__half, __nv_fp8_e4m3>(pair_bits));
+        };
+        for_each_fp8_chunk(v_stage + v_lane_offset, a_z, [&](auto c_constant, uint32_t keys_0_7,
+                                                             uint32_t keys_8_15) {
           constexpr int c = decltype(c_constant)::value;
           Mma16816<MmaT>(o[c], p_frag, b(keys_0_7 & 0xffffu), b(keys_8_15 & 0xffffu));
           Mma16816<MmaT>(o[c] + 4, p_frag, b(keys_0_7 >> 16), b(keys_8_15 >> 16));

@@ -107,7 +107,8 @@ int64_t UniformChunkTokens(std::span<const int64_t> active_lengths, int32_t num_
     const int64_t chunk = CeilDiv(CeilDiv(longest, pieces), granularity) * granularity;
     if (best_chunk > 0 && chunk < min_chunk) break;
     const int64_t waves = CeilDiv(CountCtas(active_lengths, chunk, num_kv_heads), wave);
-    const int64_t cost = waves * (std::min(chunk, longest) + kCtaCostTokens) + (pieces > 1 ? kMergeCostTokens : 0);
+    const int64_t cost =
+        waves * (std::min(chunk, longest) + kCtaCostTokens) + (pieces > 1 ? kMergeCostTokens : 0);
     if (best_chunk == 0 || cost * 100 < best_cost * 97) {
       best_chunk = chunk;
       best_cost = cost;
