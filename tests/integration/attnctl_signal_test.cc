@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -135,7 +136,12 @@ TEST(AttnctlInterruptTest, SecondSignalExitsAtOnce) {
                 "--sequences=2", "--layers=1", "--steps=10"},
                /*capture_stdout=*/true);
   ASSERT_GT(bench.pid(), 0);
-  absl::SleepFor(absl::Milliseconds(500));  // into its first call
+  // Into its first call: its connection waits in the listener's backlog (the listener turns
+  // readable), which it opens only after its signal watch is up. A fixed wait raced a slow start
+  // (under ASan on a loaded machine the default SIGTERM ended the bench before it watched).
+  pollfd pending{listener, POLLIN, 0};
+  ASSERT_EQ(poll(&pending, 1, /*timeout_ms=*/30000), 1) << "the bench never connected: " << bench.log();
+  absl::SleepFor(absl::Milliseconds(100));
   ASSERT_TRUE(bench.Running()) << bench.log();
   bench.Signal(SIGTERM);
   ASSERT_FALSE(bench.AwaitLog("stopping (cancelling what is in flight)", absl::Seconds(5)).empty())
