@@ -7,7 +7,8 @@
 #   scripts/shapes-device-run.sh run    (on the device, carrying .gpu-pack/shapes.tar.xz and
 #                                        .gpu-pack/shapes.commit; logs and CSVs under $OUT)
 # ATTND_SHAPES: the shapes, "Hq:Hkv:D" each (default below); ATTND_SHAPE_STEPS: "prefill decode"
-# (default both). Every attnd case is checked against the float64 reference before it is timed;
+# (default both); ATTND_SHAPE_KV_DTYPES: the decode caches' dtypes, "bf16 fp8" say (default bf16;
+# torch has no fp8 cache, so fp8 rows carry attnd's figures and % of copy alone). Every attnd case is checked against the float64 reference before it is timed;
 # every step runs under `timeout -k`.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -53,14 +54,21 @@ case ${1:-} in
         tail -n +2 "$OUT/torch_prefill_$tag.log" | tee -a "$OUT/summary.txt"
       fi
       if [[ " $steps " == *" decode "* ]]; then
-        echo "== decode Hq $hq Hkv $hkv D $d" | tee -a "$OUT/summary.txt"
-        timeout -k 10 150 "$B/run" attnd_bench "${flags[@]}" --decode_cases="$decode_cases" \
-          --csv="$OUT/decode_$tag.csv" > "$OUT/decode_$tag.log" 2>&1
-        echo "attnd_bench rc=$?" | tee -a "$OUT/summary.txt"
-        timeout -k 10 150 python3 tests/bench/torch_baseline.py "${flags[@]}" --only_ours \
-          --ours "$OUT/decode_$tag.csv" > "$OUT/torch_decode_$tag.log" 2>&1
-        echo "torch_baseline rc=$?" | tee -a "$OUT/summary.txt"
-        grep -E '^b[0-9]' "$OUT/torch_decode_$tag.log" | tee -a "$OUT/summary.txt"
+        for kv_dtype in ${ATTND_SHAPE_KV_DTYPES:-bf16}; do
+          echo "== decode Hq $hq Hkv $hkv D $d, $kv_dtype cache" | tee -a "$OUT/summary.txt"
+          timeout -k 10 150 "$B/run" attnd_bench "${flags[@]}" --kv_dtype="$kv_dtype" \
+            --decode_cases="$decode_cases" --csv="$OUT/decode_${tag}_$kv_dtype.csv" \
+            > "$OUT/decode_${tag}_$kv_dtype.log" 2>&1
+          echo "attnd_bench rc=$?" | tee -a "$OUT/summary.txt"
+          if [[ $kv_dtype == fp8 ]]; then
+            grep -E '^decode ' "$OUT/decode_${tag}_$kv_dtype.log" | cut -c1-120 | tee -a "$OUT/summary.txt"
+            continue
+          fi
+          timeout -k 10 150 python3 tests/bench/torch_baseline.py "${flags[@]}" --only_ours \
+            --ours "$OUT/decode_${tag}_$kv_dtype.csv" > "$OUT/torch_decode_${tag}_$kv_dtype.log" 2>&1
+          echo "torch_baseline rc=$?" | tee -a "$OUT/summary.txt"
+          grep -E '^b[0-9]' "$OUT/torch_decode_${tag}_$kv_dtype.log" | tee -a "$OUT/summary.txt"
+        done
       fi
     done
     # At most 8 files come back from a device call: the logs and CSVs travel as one archive.
