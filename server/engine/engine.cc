@@ -222,7 +222,7 @@ void Engine::State::EndLocked(const std::shared_ptr<StepEntry>& step, StepOutcom
       open_steps_by_tenant.erase(count);
     }
   }
-  finished[step->id] = FinishedStep{EndStepResult{outcome, step->layers_done}, step->tenant};
+  finished[step->id] = FinishedStep{EndStepResult{outcome, step->layers_done}, step->tenant, step};
   finished_order.push_back(step->id);
   while (finished_order.size() > kFinishedStepsKept) {
     finished.erase(finished_order.front());
@@ -582,6 +582,12 @@ void Engine::EndStep(uint64_t step_id, bool abort,
         deferred.Add([done, step_id] {
           done(absl::NotFoundError(absl::StrCat("step_id: no open step ", step_id)));
         });
+      } else if (std::shared_ptr<StepEntry> ended = finished->second.entry.lock();
+                 ended != nullptr && !ended->finalized) {
+        // Ended (a channel step after its last layer, say) but not yet finalized: it waits for
+        // a parent or its commit copies. The answer waits too, so that a Plan after it sees the
+        // sequences' new lengths.
+        ended->end_waiters.push_back(std::move(done));
       } else {
         // A repeated EndStep reports what happened, as the proto promises. An abort that
         // comes after the step committed changes nothing and answers COMMITTED: the caller

@@ -195,6 +195,10 @@ struct Engine::State {
   struct FinishedStep {
     EndStepResult result;
     std::string tenant;
+    // The step itself until it is finalized (an ended step may still wait for its parents or its
+    // commit copies): an EndStep meanwhile waits for it, so that its answer comes once the
+    // sequences' lengths moved.
+    std::weak_ptr<StepEntry> entry;
   };
   absl::flat_hash_map<uint64_t, FinishedStep> finished ABSL_GUARDED_BY(mu);
   // Open steps per non-empty tenant (entries at zero are erased).
