@@ -47,6 +47,16 @@ case ${1:-} in
       --ours prefill.csv) > "$OUT/torch_prefill.log" 2>&1
     echo "torch_prefill_baseline rc=$?" | tee -a "$OUT/summary.txt"
     tail -12 "$OUT/torch_prefill.log" | tee -a "$OUT/summary.txt"
+    # Short prompts (not in issue 14's table; the eighteenth session found the Hopper prefill
+    # 1.24-2.05x torch there): 8192 query tokens in requests of 64-1024 tokens.
+    echo "== prefill, short prompts: attnd (the planner's kernel), then torch" | tee -a "$OUT/summary.txt"
+    timeout -k 10 200 "$B/run" prefill_bench --cases=c128x64,c64x128,c32x256,c16x512,c8x1024,n32x256 \
+      --csv="$OUT/prefill_short.csv" > "$OUT/prefill_short.log" 2>&1
+    echo "prefill_bench (short) rc=$?" | tee -a "$OUT/summary.txt"
+    (cd "$OUT" && timeout -k 10 300 python3 "$OLDPWD/tests/bench/torch_prefill_baseline.py" \
+      --ours prefill_short.csv) > "$OUT/torch_prefill_short.log" 2>&1
+    echo "torch_prefill_baseline (short) rc=$?" | tee -a "$OUT/summary.txt"
+    tail -8 "$OUT/torch_prefill_short.log" | tee -a "$OUT/summary.txt"
     echo "== POD (fused against back-to-back and merged kernels)" | tee -a "$OUT/summary.txt"
     timeout -k 10 200 "$B/run" pod_bench > "$OUT/pod.log" 2>&1
     echo "pod_bench rc=$?" | tee -a "$OUT/summary.txt"
