@@ -40,23 +40,24 @@ case ${1:-} in
     echo "torch_baseline rc=$?" | tee -a "$OUT/summary.txt"
     grep -E 'torch |copy|b1_kv4096|b1_kv8192|b16_kv1024|b16_kv4096|b64_kv4096|b128_kv(4096|8192)|b256_kv(4096|32768)' \
       "$OUT/torch_decode.log" | tee -a "$OUT/summary.txt"
+    # prefill_bench (the planner's kernel) on NAME's cases, then torch on the same cases from its
+    # CSV; logs NAME.log and torch_NAME.log, the last LINES of torch's table in the summary.
+    prefill_beside_torch() {
+      local name=$1 lines=$2
+      shift 2
+      timeout -k 10 200 "$B/run" prefill_bench "$@" --csv="$OUT/$name.csv" > "$OUT/$name.log" 2>&1
+      echo "prefill_bench ($name) rc=$?" | tee -a "$OUT/summary.txt"
+      (cd "$OUT" && timeout -k 10 300 python3 "$OLDPWD/tests/bench/torch_prefill_baseline.py" \
+        --ours "$name.csv") > "$OUT/torch_$name.log" 2>&1
+      echo "torch_prefill_baseline ($name) rc=$?" | tee -a "$OUT/summary.txt"
+      tail -"$lines" "$OUT/torch_$name.log" | tee -a "$OUT/summary.txt"
+    }
     echo "== prefill: attnd (the planner's kernel), then torch" | tee -a "$OUT/summary.txt"
-    timeout -k 10 200 "$B/run" prefill_bench --csv="$OUT/prefill.csv" > "$OUT/prefill.log" 2>&1
-    echo "prefill_bench rc=$?" | tee -a "$OUT/summary.txt"
-    (cd "$OUT" && timeout -k 10 300 python3 "$OLDPWD/tests/bench/torch_prefill_baseline.py" \
-      --ours prefill.csv) > "$OUT/torch_prefill.log" 2>&1
-    echo "torch_prefill_baseline rc=$?" | tee -a "$OUT/summary.txt"
-    tail -12 "$OUT/torch_prefill.log" | tee -a "$OUT/summary.txt"
+    prefill_beside_torch prefill 12
     # Short prompts (not in issue 14's table; the eighteenth session found the Hopper prefill
     # 1.24-2.05x torch there): 8192 query tokens in requests of 64-1024 tokens.
-    echo "== prefill, short prompts: attnd (the planner's kernel), then torch" | tee -a "$OUT/summary.txt"
-    timeout -k 10 200 "$B/run" prefill_bench --cases=c128x64,c64x128,c32x256,c16x512,c8x1024,n32x256 \
-      --csv="$OUT/prefill_short.csv" > "$OUT/prefill_short.log" 2>&1
-    echo "prefill_bench (short) rc=$?" | tee -a "$OUT/summary.txt"
-    (cd "$OUT" && timeout -k 10 300 python3 "$OLDPWD/tests/bench/torch_prefill_baseline.py" \
-      --ours prefill_short.csv) > "$OUT/torch_prefill_short.log" 2>&1
-    echo "torch_prefill_baseline (short) rc=$?" | tee -a "$OUT/summary.txt"
-    tail -8 "$OUT/torch_prefill_short.log" | tee -a "$OUT/summary.txt"
+    echo "== prefill, short prompts: attnd, then torch" | tee -a "$OUT/summary.txt"
+    prefill_beside_torch prefill_short 8 --cases=c128x64,c64x128,c32x256,c16x512,c8x1024,n32x256
     echo "== POD (fused against back-to-back and merged kernels)" | tee -a "$OUT/summary.txt"
     timeout -k 10 200 "$B/run" pod_bench > "$OUT/pod.log" 2>&1
     echo "pod_bench rc=$?" | tee -a "$OUT/summary.txt"
