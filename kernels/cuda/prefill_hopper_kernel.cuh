@@ -12,7 +12,10 @@
 //     producer thread's copies landed (cp.async.mbarrier.arrive.noinc) and empty when every
 //     consumer warp released it (mbarrier.arrive after its wgmma reads completed). From the
 //     CTA's second work on it also loads each work's Q rows, into the Q buffer the consumers
-//     left two works before, while they finish the work before (Q full / Q empty mbarriers).
+//     left two works before, early in the work before (after that work's first K/V loads), and
+//     stores the work decoded beside them, so that no consumer reads the work item's global
+//     memory between works (Q full / Q empty mbarriers; one Q buffer at head_dim 256: once the
+//     consumers are done with the work before).
 //   consumers (warpgroups 1 and 2, 224 registers): 64 query rows each. Per KV tile j:
 //     S = Q K_j^T (wgmma m64nNk16, Q and K from shared memory), online softmax in registers
 //     (log2 domain), O += P_{j-1} V_{j-1} (wgmma m64nDk16, P from registers, V transposed from
@@ -116,12 +119,11 @@ __device__ __forceinline__ void Softmax(float (&s)[kN], float (&row_max)[2], flo
   }
 }
 
-// `first`: as for ProduceKv. `next`: the launch's work `next_index` (the CTA's next), decoded
-// here where it exists.
+// `first`: as for ProduceKv. From the CTA's second work on, the caller has waited for Q full
+// (which also brought `work`'s record).
 template <typename Shape, typename T, bool kSoftCap>
 __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWork& work, uint32_t smem,
-                                        uint8_t* smem_generic, int first, int round,
-                                        int next_index, CtaWork& next) {
+                                        uint8_t* smem_generic, int first, int round) {
   constexpr int kHeadDim = Shape::kHeadDim;
   constexpr int kStages = Shape::kStages;
   constexpr int kTileKv = Shape::kTileKv;
@@ -138,15 +140,14 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   const int consumer_row_start = work.row_start + 64 * consumer;
 
   // --- Q: this consumer's 64 rows. The CTA's first work loads them here, beside the producer's
-  // first K tile; the producer loads every later work's into the other buffer while the
-  // consumers finish the one before (ProduceQ): fill (round - 1) / 2 of that buffer.
+  // first K tile; the producer loads every later work's into the other buffer early in the one
+  // before (ProduceQ), and the caller waited for them.
   if (round == 0) {
     CopyQRows<Shape, T, 64>(params, work, smem, buffer, 64 * consumer, thread);
     CpAsyncWaitAll();
     FenceProxyAsync();  // the copies were generic-proxy writes; wgmma reads through the async proxy
     NamedBarrierSync(kConsumerBarrier + consumer, 128);
   } else {
-    MbarrierWait(QFull<Shape>(smem, buffer), ((round - 1) / Shape::kQBuffers) & 1);
     FenceProxyAsync();  // as above, for the producer's copies
   }
 
@@ -352,7 +353,6 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   // This warp's Q K^T products have completed: the producer may load work round + kQBuffers's rows
   // here.
   release(QEmpty<Shape>(smem, buffer));
-  if (next_index < params.num_work) next = DecodeWork<Shape>(params, next_index);
 
   // A split item writes fp32 partials (normalised by its own sum) for MergeStates. Read after
   // the loop (no register holds it there), before the row sums, which hide its latency.
@@ -465,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
       MbarrierInit(barriers + 8 * (3 * Shape::kStages + stage), 4 * kConsumers);  // V empty
     }
     for (int buffer = 0; buffer < Shape::kQBuffers; ++buffer) {
-      MbarrierInit(QFull<Shape>(smem, buffer), 128);               // producer threads
+      MbarrierInit(QFull<Shape>(smem, buffer), kQFullArrivals);    // producer threads + the record
       MbarrierInit(QEmpty<Shape>(smem, buffer), 4 * kConsumers);   // consumer warps
     }
     FenceMbarrierInit();
@@ -503,29 +503,53 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   };
+  constexpr bool kQAhead = Shape::kQBuffers > 1;
   if (warpgroup == 0) {
     ReleaseRegisters<kProducerRegisters>();
     int first = 0;
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
-      const CtaWork work = DecodeWork<Shape>(params, index);
+      // With two Q buffers, each later work was decoded a work early, its Q rows loaded and its
+      // record stored (ProduceQ below): read back here. With one, the work before must release the
+      // buffer first: decoded and loaded now.
+      const CtaWork work = !kQAhead || round == 0 ? DecodeWork<Shape>(params, index)
+                                                  : LoadWork<Shape>(smem_generic, round % Shape::kQBuffers);
       if (first == 0) wait_for_preceding_grid();
-      if (round > 0) ProduceQ<Shape, T>(params, work, smem, round);
-      ProduceKv<Shape, T>(params, work, smem, first);
-      first += work.num_kv_tiles;
+      if (!kQAhead && round > 0) ProduceQ<Shape, T>(params, work, smem, smem_generic, round);
+      // The next work's decode (dependent global reads) and Q rows go after this work's first
+      // two loads (K_0, K_1, V_0): the consumers are then still on the work before, or on this
+      // one's first tile, and the stage K_2 waits for is not free yet. Q is in shared memory long
+      // before the consumers reach that work.
+      const int n = work.num_kv_tiles;
+      const int early_steps = min(n + 1, 2);
+      ProduceKv<Shape, T>(params, work, smem, first, 0, early_steps);
+      if constexpr (kQAhead) {
+        const int next_index = work_index(round + 1);
+        if (next_index < params.num_work) {
+          ProduceQ<Shape, T>(params, DecodeWork<Shape>(params, next_index), smem, smem_generic, round + 1);
+        }
+      }
+      ProduceKv<Shape, T>(params, work, smem, first, early_steps, n + 1);
+      first += n;
     }
     CpAsyncWaitAll();
   } else {
     ClaimRegisters<kConsumerRegisters>();
-    // Each later work is decoded by Consume as the work before ends (its reads' latency hides
-    // behind that work's epilogue).
+    // The first work decoded here; every later one read from the record the producer stored
+    // with its Q rows.
     int first = 0;
-    CtaWork work = work_index(0) < params.num_work ? DecodeWork<Shape>(params, work_index(0)) : CtaWork{};
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
+      CtaWork work;
+      if (round == 0) {
+        work = DecodeWork<Shape>(params, index);
+      } else {
+        // Fill (round - 1) / kQBuffers of the buffer (the first work's rows are the consumers'
+        // own, in buffer 0).
+        MbarrierWait(QFull<Shape>(smem, round % Shape::kQBuffers), ((round - 1) / Shape::kQBuffers) & 1);
+        work = LoadWork<Shape>(smem_generic, round % Shape::kQBuffers);
+      }
       if (first == 0) wait_for_preceding_grid();
-      CtaWork next{};
-      Consume<Shape, T, kSoftCap>(params, work, smem, smem_generic, first, round, work_index(round + 1), next);
+      Consume<Shape, T, kSoftCap>(params, work, smem, smem_generic, first, round);
       first += work.num_kv_tiles;
-      work = next;
     }
     // Consumer 1 opened consumer 0's turn after the CTA's last tile: consumer 0 takes it, so
     // that phase completes (see Consume's turn-taking).

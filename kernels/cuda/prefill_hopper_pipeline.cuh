@@ -34,6 +34,7 @@ static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kCons
 // Named barrier ids (0 is __syncthreads): the consumers' turn-taking pair, then one per consumer.
 inline constexpr uint32_t kTurnBarrier = 1;       // + consumer index
 inline constexpr uint32_t kConsumerBarrier = 3;   // + consumer index
+inline constexpr uint32_t kProducerBarrier = 5;   // the producer warpgroup's 128 threads
 
 
 // Head dims 64 and 128 take KV tiles of 128 keys and two Q buffers (192 KB of shared memory at 128);
@@ -66,7 +67,11 @@ struct HopperShape {
   // [kStages][kTileKv bits]: set where a V row of a tile that hides keys held a non-finite value.
   static constexpr int kFlagOffset = kQBarrierOffset + 2 * kQBuffers * 8;
   static constexpr int kFlagBytes = kTileKv / 8;
-  static constexpr int kSmemBytes = kFlagOffset + kStages * kFlagBytes + 1024;  // + alignment slack
+  // [kQBuffers] work records (CtaWork, 64 bytes each): the producer stores work k's beside its Q
+  // rows in buffer k % kQBuffers (ProduceQ), and the consumers read it there once Q is full.
+  static constexpr int kWorkOffset = (kFlagOffset + kStages * kFlagBytes + 15) / 16 * 16;
+  static constexpr int kWorkBytes = 64;
+  static constexpr int kSmemBytes = kWorkOffset + kQBuffers * kWorkBytes + 1024;  // + alignment slack
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
@@ -85,6 +90,9 @@ template <typename Shape>
 __device__ __forceinline__ uint32_t QEmpty(uint32_t smem, int buffer) {
   return smem + Shape::kQBarrierOffset + 8 * (Shape::kQBuffers + buffer);
 }
+// Q full completes on the producer's 128 threads' copies and one plain arrival, its thread 0's
+// after it stored the work record (ProduceQ): the arrival's release orders the record.
+inline constexpr uint32_t kQFullArrivals = 128 + 1;
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of `kRows` rows.
 template <int kRows>
@@ -92,8 +100,9 @@ __device__ __forceinline__ uint32_t SwizzledChunk(int row, int chunk) {
   return (chunk / 8) * (kRows * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
 }
 
-// The work of one CTA, decoded from its item the same way in every thread.
-struct CtaWork {
+// The work of one CTA, decoded from its item the same way in every thread (or stored in shared
+// memory by the producer's thread 0 and read there: StoreWork, LoadWork).
+struct alignas(16) CtaWork {
   int index;  // into the launch's items (one per KV head)
   int kv_head;
   int qo_start;
@@ -107,6 +116,18 @@ struct CtaWork {
   int kv_end;
   int num_kv_tiles;
 };
+
+// Work record `buffer` (Shape::kWorkOffset), through a generic pointer to the CTA's aligned shared
+// memory.
+template <typename Shape>
+__device__ __forceinline__ void StoreWork(uint8_t* smem_generic, int buffer, const CtaWork& work) {
+  static_assert(sizeof(CtaWork) <= Shape::kWorkBytes, "work record");
+  *reinterpret_cast<CtaWork*>(smem_generic + Shape::kWorkOffset + buffer * Shape::kWorkBytes) = work;
+}
+template <typename Shape>
+__device__ __forceinline__ CtaWork LoadWork(const uint8_t* smem_generic, int buffer) {
+  return *reinterpret_cast<const CtaWork*>(smem_generic + Shape::kWorkOffset + buffer * Shape::kWorkBytes);
+}
 
 // Division by the launch's GQA group, the multiplier read from the parameters (constant memory)
 // where it is used.
@@ -171,14 +192,23 @@ __device__ __forceinline__ void CopyQRows(const KernelParams& params, const CtaW
 }
 
 // The Q rows of the CTA's `round`-th work (round >= 1; the consumers load their first work's
-// rows themselves, beside the producer's first K tile) into buffer round % 2, once the consumers
-// released that buffer's previous rows (work round - 2).
+// rows themselves, beside the producer's first K tile) into buffer round % kQBuffers, and the
+// work's record beside them (the consumers read it once Q is full; with two buffers the
+// producer reads it too, when it reaches that work), once the consumers released that buffer's
+// previous rows (work round - kQBuffers), which also ends their use of its record.
 template <typename Shape, typename T>
-__device__ __forceinline__ void ProduceQ(const KernelParams& params, const CtaWork& work, uint32_t smem, int round) {
+__device__ __forceinline__ void ProduceQ(const KernelParams& params, const CtaWork& work, uint32_t smem,
+                                         uint8_t* smem_generic, int round) {
   const int buffer = round % Shape::kQBuffers;
-  // Fill u = round / 2 of the buffer waits for the release of fill u - 1 (fill 0 of buffer 0 is
-  // the consumers' own): parity (u & 1) ^ 1, which passes at once for u = 0.
+  // Fill u = round / kQBuffers of the buffer waits for the release of fill u - 1 (fill 0 of
+  // buffer 0 is the consumers' own): parity (u & 1) ^ 1, which passes at once for u = 0.
   MbarrierWait(QEmpty<Shape>(smem, buffer), ((round / Shape::kQBuffers) & 1) ^ 1);
+  if (threadIdx.x % 128 == 0) {
+    StoreWork<Shape>(smem_generic, buffer, work);
+    MbarrierArrive(QFull<Shape>(smem, buffer));
+  }
+  // The producer's other threads read the record when they reach the work.
+  if constexpr (Shape::kQBuffers > 1) NamedBarrierSync(kProducerBarrier, 128);
   CopyQRows<Shape, T, kTileRows>(params, work, smem, buffer, 0, threadIdx.x % 128);
   CpAsyncArriveNoinc(QFull<Shape>(smem, buffer));
 }
@@ -197,9 +227,11 @@ __device__ __forceinline__ void ProduceQ(const KernelParams& params, const CtaWo
 // (first + t)-th, which fixes its stage and phase.
 // kOnePage: a lane's 8 rows lie in one page (ProduceKv). A loop of its own for each case, so that
 // the common one carries none of the other's per-row lookups (instruction cache).
+// Steps [step_begin, step_end) of the work's n + 1: step s loads K_s (s < n), then V_{s-1}
+// (s > 0); the consumers need K_j before V_{j-1}.
 template <typename Shape, typename T, bool kOnePage>
 __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const CtaWork& work, uint32_t smem,
-                                               int first) {
+                                               int first, int step_begin, int step_end) {
   constexpr int kBlocks = Shape::kBlocks;
   constexpr int kTileKv = Shape::kTileKv;
   constexpr int kRowsPerLane = Shape::kRowsPerLane;
@@ -320,17 +352,23 @@ __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const
          barriers + 8 * (3 * kStages + stage), barriers + 8 * (2 * kStages + stage),
          (((first + tile) / kStages) & 1) ^ 1, smem + Shape::kFlagOffset + stage * Shape::kFlagBytes);
   };
-  // The consumers need K_j before V_{j-1}: that is the order of issue.
-  if (n > 0) load_k(0);
-  for (int tile = 1; tile < n; ++tile) {
-    load_k(tile);
-    load_v(tile - 1);
+  // Peeled as the whole work's loop would be, so that the steps inside it test nothing.
+  int step = step_begin;
+  if (step == 0 && step < step_end) {
+    if (n > 0) load_k(0);
+    ++step;
   }
-  if (n > 0) load_v(n - 1);
+  const int loop_end = min(step_end, n);
+  for (; step < loop_end; ++step) {
+    load_k(step);
+    load_v(step - 1);
+  }
+  if (step == n && step < step_end && n > 0) load_v(n - 1);
 }
 
 template <typename Shape, typename T>
-__device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaWork& work, uint32_t smem, int first) {
+__device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaWork& work, uint32_t smem, int first,
+                                          int step_begin, int step_end) {
   // A lane's 8 rows (4 with 64-key tiles) lie in one page when pages hold that many keys or more
   // and the work's first key sits on a multiple of it (tiles are a multiple too): one page
   // lookup, then a stride per row. Otherwise (smaller pages, a window's unaligned start) each
@@ -339,9 +377,9 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
   constexpr int kLog2 = kRowsPerLane == 8 ? 3 : 2;
   static_assert(kRowsPerLane == 1 << kLog2, "pages of 2^kLog2 keys or more");
   if (params.page_size_log2 >= kLog2 && work.kv_begin % kRowsPerLane == 0) {
-    ProduceKvTiles<Shape, T, true>(params, work, smem, first);
+    ProduceKvTiles<Shape, T, true>(params, work, smem, first, step_begin, step_end);
   } else {
-    ProduceKvTiles<Shape, T, false>(params, work, smem, first);
+    ProduceKvTiles<Shape, T, false>(params, work, smem, first, step_begin, step_end);
   }
 }
 
