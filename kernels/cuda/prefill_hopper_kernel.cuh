@@ -516,7 +516,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
       if (first == 0) wait_for_preceding_grid();
       if (!kQAhead && round > 0) ProduceQ<Shape, T>(params, work, smem, smem_generic, round);
       // The next work's decode (dependent global reads) and Q rows go after this work's first
-      // two loads (K_0, K_1, V_0): the consumers are then still on the work before, or on this
+      // two steps (K_0, then K_1 and V_0): the consumers are then still on the work before, or on this
       // one's first tile, and the stage K_2 waits for is not free yet. Q is in shared memory long
       // before the consumers reach that work.
       const int n = work.num_kv_tiles;

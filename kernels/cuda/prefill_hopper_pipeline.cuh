@@ -77,7 +77,8 @@ struct HopperShape {
 };
 
 // Q buffer `buffer`'s rows of consumer `consumer`, and the buffer's mbarriers: full (the
-// producer's 128 threads' copies landed) and empty (every consumer warp's last Q K^T completed).
+// producer's 128 threads' copies landed and its work record was stored: kQFullArrivals) and
+// empty (every consumer warp's last Q K^T completed).
 template <typename Shape>
 __device__ __forceinline__ uint32_t QSmem(uint32_t smem, int buffer, int consumer) {
   return smem + Shape::kQOffset + (buffer * kConsumers + consumer) * Shape::kQBytes;
