@@ -18,7 +18,7 @@
 // and < 1). torch is not run here.
 //
 // Usage: pod_bench [--only=SUBSTRING] [--page=1|16] [--warm_ms=N]   (whole run ~20-40 s on an H100)
-//                  [--split=P1,P2,...] [--occupy=N1,N2,...] [--contiguous] [--verbose]
+//                  [--split=P1,P2,...] [--occupy=N1,N2,...] [--contiguous] [--verbose] [--tail]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -121,6 +121,10 @@ struct Row {
 // against b2b's outputs, then timed. --contiguous: each request's pages in order (FlashInfer's
 // benchmark), instead of shuffled.
 std::vector<int32_t> g_splits;
+// --tail: side by side (and --split), the prefill's CTAs take works on demand, and a second grid
+// of (wave - P) CTAs after the decode on its stream takes what is left (BatchPrefillTail), so the
+// decode's SMs join the prefill once it is done; the merge after both.
+bool g_tail = false;
 // --occupy=N1,N2,...: a diagnostic of the decode side by side. The decode alone, and the copy
 // kernel, while a spinning kernel holds N SMs (bench::OccupySms, launched first on another
 // stream), as the side-by-side prefill's persistent CTAs hold them.
@@ -354,6 +358,8 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
     CHECK_OK(cuda::UploadBatchPrefillPlan(*side_plan, side_workspace, side_bytes, stream));
     cuda::BatchPrefillArgs split_args = prefill_args;
     split_args.max_persistent_ctas = ctas;
+    split_args.works_on_demand = g_tail;
+    split_args.tail_ctas = g_tail ? std::max(waves->hopper_tile128 - ctas, 0) : 0;
     split_args.o = {o_merged, kDtype, rows, kQoHeads, kHeadDim};
     cuda::BatchDecodeArgs split_decode = decode_args;
     split_decode.o = {static_cast<uint16_t*>(o_merged) + prefill_rows * row_elements, kDtype, kNumDecodes,
@@ -363,8 +369,10 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
       CHECK_CUDA(cudaStreamWaitEvent(side, fork, 0));
       CHECK_OK(cuda::BatchPrefill(*side_plan, split_args, side_workspace, side_bytes, side));
       CHECK_OK(cuda::BatchDecode(split_decode, stream));
+      CHECK_OK(cuda::BatchPrefillTail(*side_plan, split_args, side_workspace, side_bytes, stream));
       CHECK_CUDA(cudaEventRecord(join, side));
       CHECK_CUDA(cudaStreamWaitEvent(stream, join, 0));
+      if (g_tail) CHECK_OK(cuda::MergeBatchPrefill(*side_plan, split_args, side_workspace, side_bytes, stream));
     };
     CHECK_CUDA(cudaMemsetAsync(o_merged, 0xff, rows * row_elements * 2, stream));
     run_split();
@@ -473,6 +481,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--contiguous") == 0) g_contiguous = true;
     if (std::strncmp(argv[i], "--occupy=", 9) == 0) g_occupy = IntList(argv[i] + 9);
     if (std::strncmp(argv[i], "--split=", 8) == 0) g_splits = IntList(argv[i] + 8);
+    if (std::strcmp(argv[i], "--tail") == 0) g_tail = true;
     bench::ParseWarmFlag(argv[i]);
   }
   int device = 0;

@@ -28,9 +28,11 @@ int64_t AlignUp(int64_t bytes) { return (bytes + kWorkspaceAlignment - 1) / kWor
 // Workspace sections, each 256-byte aligned: what UploadBatchPrefillPlan copies (items, merge
 // indptr, merge rows), then the partials the kernels write.
 struct WorkspaceLayout {
+  static constexpr int64_t kCounterBytes = 2 * sizeof(int32_t);
   int64_t items = 0;
   int64_t merge_indptr = 0;
   int64_t merge_out_rows = 0;
+  int64_t counters = 0;  // two int32 per launch (BatchPrefillArgs::works_on_demand), uploaded as 0
   int64_t uploaded_bytes = 0;
   int64_t partial_o = 0;
   int64_t partial_lse = 0;
@@ -44,6 +46,8 @@ struct WorkspaceLayout {
     offset += plan.split_kv() ? AlignUp(static_cast<int64_t>(plan.merge_indptr.size() * sizeof(int32_t))) : 0;
     merge_out_rows = offset;
     offset += plan.split_kv() ? AlignUp(static_cast<int64_t>(plan.merge_out_rows.size() * sizeof(int32_t))) : 0;
+    counters = offset;
+    offset += AlignUp(static_cast<int64_t>(plan.launches.size() * kCounterBytes));
     uploaded_bytes = offset;
     partial_o = offset;
     offset += AlignUp(int64_t{plan.num_partials} * plan.num_qo_heads * plan.head_dim * 4);
@@ -243,11 +247,20 @@ absl::StatusOr<KernelParams> ResolveKernelParams(const plan::PrefillPlan& plan, 
   params.partial_o = reinterpret_cast<float*>(workspace_base + layout.partial_o);
   params.partial_lse = reinterpret_cast<float*>(workspace_base + layout.partial_lse);
   params.items = reinterpret_cast<const WorkItem*>(workspace_base + layout.items);
+  // Launch i's counter is work_counter + 2 i (LaunchPlanned).
+  params.work_counter =
+      args.works_on_demand ? reinterpret_cast<int32_t*>(workspace_base + layout.counters) : nullptr;
+  params.counter_ctas = 0;
+  params.counter_base = 0;
+  params.first_from_counter = false;
   return params;
 }
 
 absl::Status LaunchPlanned(const plan::PrefillPlan& plan, const plan::PrefillLaunch& launch, KernelParams params,
-                           const BatchPrefillArgs& args, cudaStream_t stream) {
+                           const BatchPrefillArgs& args, cudaStream_t stream, bool tail) {
+  if (tail && (launch.kernel != plan::PrefillKernel::kHopper || params.work_counter == nullptr)) {
+    return absl::OkStatus();
+  }
   const PagedKvView& k_cache = args.k_cache;
   params.items += launch.first_item;
   const int32_t num_ctas = static_cast<int32_t>(launch.NumCtas(plan.num_kv_heads));
@@ -263,6 +276,18 @@ absl::Status LaunchPlanned(const plan::PrefillPlan& plan, const plan::PrefillLau
     int32_t grid_ctas = launch.grid_ctas;
     if (args.max_persistent_ctas > 0) {
       grid_ctas = grid_ctas > 0 ? std::min(grid_ctas, args.max_persistent_ctas) : args.max_persistent_ctas;
+    }
+    if (params.work_counter != nullptr) {
+      // Both grids count every CTA that shares the counter (the kernel's grid: at most one CTA
+      // a work).
+      const int32_t main_grid = grid_ctas > 0 ? std::min(num_ctas, grid_ctas) : num_ctas;
+      const int32_t tail_grid = std::min(num_ctas, std::max(args.tail_ctas, 0));
+      params.work_counter += 2 * (&launch - plan.launches.data());
+      params.counter_ctas = main_grid + tail_grid;
+      params.counter_base = main_grid;
+      params.first_from_counter = tail;
+      if (tail) grid_ctas = tail_grid;
+      if (tail && tail_grid == 0) return absl::OkStatus();
     }
     CUDA_RETURN_IF_ERROR(LaunchPrefillHopper(params, plan.head_dim, args.q.dtype, num_ctas, grid_ctas, stream, nullptr));
     return absl::OkStatus();
@@ -316,6 +341,25 @@ absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs&
   for (const plan::PrefillLaunch& launch : plan.launches) {
     RETURN_IF_ERROR(prefill::LaunchPlanned(plan, launch, params, args, stream));
   }
+  if (args.works_on_demand && args.tail_ctas > 0) return absl::OkStatus();  // MergeBatchPrefill's
+  return prefill::MergePlannedPartials(plan, args, workspace, stream);
+}
+
+absl::Status BatchPrefillTail(const plan::PrefillPlan& plan, const BatchPrefillArgs& args, void* workspace,
+                              int64_t workspace_bytes, cudaStream_t stream) {
+  if (plan.items.empty() || !args.works_on_demand || args.tail_ctas <= 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const prefill::KernelParams params,
+                   prefill::ResolveKernelParams(plan, args, workspace, workspace_bytes));
+  for (const plan::PrefillLaunch& launch : plan.launches) {
+    RETURN_IF_ERROR(prefill::LaunchPlanned(plan, launch, params, args, stream, /*tail=*/true));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MergeBatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs& args, void* workspace,
+                               int64_t workspace_bytes, cudaStream_t stream) {
+  if (plan.items.empty()) return absl::OkStatus();
+  RETURN_IF_ERROR(prefill::ResolveKernelParams(plan, args, workspace, workspace_bytes).status());
   return prefill::MergePlannedPartials(plan, args, workspace, stream);
 }
 

@@ -1,7 +1,7 @@
 // Batch prefill on Hopper (sm_90a): instantiations and the launcher of the warp-specialised wgmma
 // kernel (prefill_hopper_kernel.cuh). Built only for compute_90a/sm_90a (prefill.cmake), when 90
-// is among ATTND_CUDA_ARCHITECTURES; twelve kernels: head_dim 64, 128 and 256 x bf16 and fp16 x
-// with and without a soft cap.
+// is among ATTND_CUDA_ARCHITECTURES; 24 kernels: head_dim 64, 128 and 256 x bf16 and fp16 x
+// with and without a soft cap x the fixed layout's and works on demand.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -23,8 +23,12 @@ cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, int32
   // A launch with a soft cap runs the kernel compiled with it (its tile loop is ~700 instructions
   // longer); the one without keeps the loop short for the instruction cache.
   const bool soft_cap = SoftmaxParams::Of(params.score_scale, params.soft_cap).soft_cap;  // the kernel's own rule
-  auto* kernel =
-      soft_cap ? &hopper::HopperPrefillKernel<Shape, T, true> : &hopper::HopperPrefillKernel<Shape, T, false>;
+  // Works on demand (params.work_counter) run a kernel of their own.
+  auto* kernel = params.work_counter != nullptr
+                     ? (soft_cap ? &hopper::HopperPrefillOnDemandKernel<Shape, T, true>
+                                 : &hopper::HopperPrefillOnDemandKernel<Shape, T, false>)
+                     : (soft_cap ? &hopper::HopperPrefillKernel<Shape, T, true>
+                                 : &hopper::HopperPrefillKernel<Shape, T, false>);
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
   if (error != cudaSuccess) return error;
   if (ctas_per_sm != nullptr) {

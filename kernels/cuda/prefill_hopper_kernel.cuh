@@ -448,6 +448,24 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   }
 }
 
+// The kernel's mbarriers (thread 0; the caller syncs the CTA after).
+template <typename Shape>
+__device__ __forceinline__ void InitBarriers(uint32_t smem) {
+  if (threadIdx.x != 0) return;
+  const uint32_t barriers = smem + Shape::kBarrierOffset;
+  for (int stage = 0; stage < Shape::kStages; ++stage) {
+    MbarrierInit(barriers + 8 * stage, 128);                                    // K full: producer threads
+    MbarrierInit(barriers + 8 * (Shape::kStages + stage), 4 * kConsumers);      // K empty: consumer warps
+    MbarrierInit(barriers + 8 * (2 * Shape::kStages + stage), 128);             // V full
+    MbarrierInit(barriers + 8 * (3 * Shape::kStages + stage), 4 * kConsumers);  // V empty
+  }
+  for (int buffer = 0; buffer < Shape::kQBuffers; ++buffer) {
+    MbarrierInit(QFull<Shape>(smem, buffer), kQFullArrivals);   // producer threads + the record
+    MbarrierInit(QEmpty<Shape>(smem, buffer), 4 * kConsumers);  // consumer warps
+  }
+  FenceMbarrierInit();
+}
+
 // T: the type of q, o and the cache (one 16-bit type).
 template <typename Shape, typename T, bool kSoftCap>
 __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_constant__ KernelParams params) {
@@ -456,20 +474,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
   const uint32_t raw = SharedAddress(shared_bytes);
   const uint32_t smem = (raw + 1023) & ~1023u;
   uint8_t* smem_generic = shared_bytes + (smem - raw);
-  if (threadIdx.x == 0) {
-    const uint32_t barriers = smem + Shape::kBarrierOffset;
-    for (int stage = 0; stage < Shape::kStages; ++stage) {
-      MbarrierInit(barriers + 8 * stage, 128);                          // K full: producer threads
-      MbarrierInit(barriers + 8 * (Shape::kStages + stage), 4 * kConsumers);      // K empty: consumer warps
-      MbarrierInit(barriers + 8 * (2 * Shape::kStages + stage), 128);             // V full
-      MbarrierInit(barriers + 8 * (3 * Shape::kStages + stage), 4 * kConsumers);  // V empty
-    }
-    for (int buffer = 0; buffer < Shape::kQBuffers; ++buffer) {
-      MbarrierInit(QFull<Shape>(smem, buffer), kQFullArrivals);    // producer threads + the record
-      MbarrierInit(QEmpty<Shape>(smem, buffer), 4 * kConsumers);   // consumer warps
-    }
-    FenceMbarrierInit();
-  }
+  InitBarriers<Shape>(smem);
   __syncthreads();
 
   // The role is uniform per warpgroup; the shuffle lets the compiler see that.
@@ -553,6 +558,94 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     }
     // Consumer 1 opened consumer 0's turn after the CTA's last tile: consumer 0 takes it, so
     // that phase completes (see Consume's turn-taking).
+    if (first > 0 && threadIdx.x / 128 == 1) NamedBarrierSync(kTurnBarrier, 256);
+  }
+}
+
+// Works on demand (KernelParams::work_counter; BatchPrefillArgs::works_on_demand): the same
+// roles, tiles and work items as HopperPrefillKernel, but each CTA takes its next work as it gets
+// there, the counter's next index, so that several grids can share a launch's works (a prefill
+// beside a decode, then a tail grid on the decode's SMs once it is done) and a CTA that finishes
+// early takes more. The main grid's CTA b starts on work b (counter_base is that grid's size);
+// a tail grid's CTAs take their first from the counter too (first_from_counter). A kernel of its
+// own, so that the fixed layout's kernel carries none of this.
+template <typename Shape, typename T, bool kSoftCap>
+__global__ void __launch_bounds__(kThreads, 1) HopperPrefillOnDemandKernel(const __grid_constant__ KernelParams params) {
+  extern __shared__ __align__(1024) uint8_t shared_bytes[];
+  const uint32_t raw = SharedAddress(shared_bytes);
+  const uint32_t smem = (raw + 1023) & ~1023u;
+  uint8_t* smem_generic = shared_bytes + (smem - raw);
+  InitBarriers<Shape>(smem);
+  __syncthreads();
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+  // A programmatic dependent launch, as HopperPrefillKernel's; here the counter too is read only
+  // after the wait (the launch before on it, which resets it as it ends, completed before the
+  // preceding grid did).
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  auto wait_for_preceding_grid = [] {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  };
+  constexpr bool kQAhead = Shape::kQBuffers > 1;
+  int first_index = static_cast<int>(blockIdx.x);
+  if (params.first_from_counter) {
+    // Record 0, first stored for round kWorkRecords.
+    int* slot = reinterpret_cast<int*>(smem_generic + Shape::kWorkOffset);
+    wait_for_preceding_grid();
+    if (threadIdx.x == 0) *slot = params.counter_base + atomicAdd(params.work_counter, 1);
+    __syncthreads();
+    first_index = *slot;
+    __syncthreads();  // every thread read it before a record may reuse the slot
+  }
+  if (warpgroup == 0) {
+    ReleaseRegisters<kProducerRegisters>();
+    int first = 0;
+    int next_index = params.num_work;  // thread 0's, taken a round ahead (PublishWork)
+    CtaWork work;
+    work.index = -1;
+    if (first_index < params.num_work) work = DecodeWork<Shape>(params, first_index);
+    for (int round = 0;; ++round) {
+      // Read back from the record PublishWork stored in the round before.
+      if (round > 0) work = LoadWork<Shape>(smem_generic, round % Shape::kWorkRecords);
+      if (work.index < 0) break;
+      if (first == 0) wait_for_preceding_grid();
+      if (round == 0 && threadIdx.x == 0) next_index = params.counter_base + atomicAdd(params.work_counter, 1);
+      const int n = work.num_kv_tiles;
+      if constexpr (kQAhead) {
+        // As HopperPrefillKernel: the next work after this one's first two steps.
+        const int early_steps = min(n + 1, 2);
+        ProduceKv<Shape, T>(params, work, smem, first, 0, early_steps);
+        PublishWork<Shape, T>(params, next_index, smem, smem_generic, round + 1);
+        ProduceKv<Shape, T>(params, work, smem, first, early_steps, n + 1);
+      } else {
+        ProduceKv<Shape, T>(params, work, smem, first, 0, n + 1);
+        PublishWork<Shape, T>(params, next_index, smem, smem_generic, round + 1);
+      }
+      first += n;
+    }
+    FinishWorkCounter(params);
+    CpAsyncWaitAll();
+  } else {
+    ClaimRegisters<kConsumerRegisters>();
+    int first = 0;
+    for (int round = 0;; ++round) {
+      CtaWork work;
+      if (round == 0) {
+        if (first_index >= params.num_work) break;
+        work = DecodeWork<Shape>(params, first_index);
+      } else {
+        MbarrierWait(QFull<Shape>(smem, round % Shape::kQBuffers), ((round - 1) / Shape::kQBuffers) & 1);
+        work = LoadWork<Shape>(smem_generic, round % Shape::kWorkRecords);
+        if (work.index < 0) break;  // none left
+      }
+      if (first == 0) wait_for_preceding_grid();
+      Consume<Shape, T, kSoftCap>(params, work, smem, smem_generic, first, round);
+      first += work.num_kv_tiles;
+    }
+    // As HopperPrefillKernel: consumer 0 takes the turn consumer 1 opened after the last tile.
     if (first > 0 && threadIdx.x / 128 == 1) NamedBarrierSync(kTurnBarrier, 256);
   }
 }

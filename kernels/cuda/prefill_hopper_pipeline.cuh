@@ -67,11 +67,13 @@ struct HopperShape {
   // [kStages][kTileKv bits]: set where a V row of a tile that hides keys held a non-finite value.
   static constexpr int kFlagOffset = kQBarrierOffset + 2 * kQBuffers * 8;
   static constexpr int kFlagBytes = kTileKv / 8;
-  // [kQBuffers] work records (CtaWork, 64 bytes each): the producer stores work k's beside its Q
-  // rows in buffer k % kQBuffers (ProduceQ), and the consumers read it there once Q is full.
+  // [kWorkRecords] work records (CtaWork, 64 bytes each): the producer stores work k's beside its
+  // Q rows in buffer k % kQBuffers (ProduceQ; on demand, in record k % kWorkRecords: PublishWork),
+  // and the consumers read it there once Q is full.
   static constexpr int kWorkOffset = (kFlagOffset + kStages * kFlagBytes + 15) / 16 * 16;
   static constexpr int kWorkBytes = 64;
-  static constexpr int kSmemBytes = kWorkOffset + kQBuffers * kWorkBytes + 1024;  // + alignment slack
+  static constexpr int kWorkRecords = kQBuffers + 1;
+  static constexpr int kSmemBytes = kWorkOffset + kWorkRecords * kWorkBytes + 1024;  // + alignment slack
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
@@ -118,8 +120,8 @@ struct alignas(16) CtaWork {
   int num_kv_tiles;
 };
 
-// Work record `buffer` (Shape::kWorkOffset), through a generic pointer to the CTA's aligned shared
-// memory.
+// Work record `buffer` (Shape::kWorkOffset; < kWorkRecords), through a generic pointer to the
+// CTA's aligned shared memory.
 template <typename Shape>
 __device__ __forceinline__ void StoreWork(uint8_t* smem_generic, int buffer, const CtaWork& work) {
   static_assert(sizeof(CtaWork) <= Shape::kWorkBytes, "work record");
@@ -212,6 +214,58 @@ __device__ __forceinline__ void ProduceQ(const KernelParams& params, const CtaWo
   if constexpr (Shape::kQBuffers > 1) NamedBarrierSync(kProducerBarrier, 128);
   CopyQRows<Shape, T, kTileRows>(params, work, smem, buffer, 0, threadIdx.x % 128);
   CpAsyncArriveNoinc(QFull<Shape>(smem, buffer));
+}
+
+// Works on demand (HopperPrefillOnDemandKernel, KernelParams::work_counter): the CTA's
+// `round`-th work (round >= 1), published by the producer. Thread 0 takes `next_index`, which it
+// took from the counter a round before, takes the one after from the counter now (so that the
+// atomic's latency never waits), decodes the work (index -1: none left, which ends the
+// consumers' loop and the producer's) and stores its record at once, in record round %
+// kWorkRecords: that record's last reader, work round - kWorkRecords, read it before its
+// consumers released the Q buffer this producer waited for in the round before. Once the
+// consumers released buffer round % kQBuffers's previous rows (work round - kQBuffers), the
+// producer's threads read the record back and copy the work's Q rows beside it; Q full
+// completes on their copies and thread 0's arrival.
+template <typename Shape, typename T>
+__device__ __forceinline__ void PublishWork(const KernelParams& params, int& next_index, uint32_t smem,
+                                            uint8_t* smem_generic, int round) {
+  static_assert(Shape::kWorkRecords > Shape::kQBuffers, "a record outlives its Q buffer's release");
+  const int buffer = round % Shape::kQBuffers;
+  const int record = round % Shape::kWorkRecords;
+  if (threadIdx.x % 128 == 0) {
+    const int index = next_index;
+    CtaWork work;
+    if (index < params.num_work) {
+      next_index = params.counter_base + atomicAdd(params.work_counter, 1);
+      work = DecodeWork<Shape>(params, index);
+    } else {
+      work = CtaWork{};
+      work.index = -1;
+    }
+    StoreWork<Shape>(smem_generic, record, work);
+  }
+  // Fill u = round / kQBuffers of the buffer waits for the release of fill u - 1 (fill 0 of
+  // buffer 0 is the consumers' own): parity (u & 1) ^ 1, which passes at once for u = 0.
+  MbarrierWait(QEmpty<Shape>(smem, buffer), ((round / Shape::kQBuffers) & 1) ^ 1);
+  if (threadIdx.x % 128 == 0) MbarrierArrive(QFull<Shape>(smem, buffer));
+  NamedBarrierSync(kProducerBarrier, 128);
+  const CtaWork work = LoadWork<Shape>(smem_generic, record);
+  if (work.index >= 0) CopyQRows<Shape, T, kTileRows>(params, work, smem, buffer, 0, threadIdx.x % 128);
+  // With no copies (none left) the arrival still counts, once this thread's earlier copies landed.
+  CpAsyncArriveNoinc(QFull<Shape>(smem, buffer));
+}
+
+// Works on demand: once every CTA sharing the counter took its last index, the last to finish
+// zeroes the counter's two words for the next launch (which reads them only after this grid
+// completed: griddepcontrol.wait, or stream order). Producer thread 0, after its last
+// PublishWork.
+__device__ __forceinline__ void FinishWorkCounter(const KernelParams& params) {
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicAdd(params.work_counter + 1, 1) == params.counter_ctas - 1) {
+    atomicExch(params.work_counter, 0);
+    atomicExch(params.work_counter + 1, 0);
+  }
 }
 
 // Copies KV tiles into the stages. Warp w copies rows [32w, 32w + 32) of each tile: lane group

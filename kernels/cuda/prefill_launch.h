@@ -19,9 +19,10 @@ namespace attnd::cuda::prefill {
 absl::StatusOr<KernelParams> ResolveKernelParams(const plan::PrefillPlan& plan, const BatchPrefillArgs& args,
                                                  void* workspace, int64_t workspace_bytes);
 
-// Launches `launch` of `plan` (its kernel, tile and items) with `params` from ResolveKernelParams.
+// Launches `launch` of `plan` (its kernel, tile and items) with `params` from ResolveKernelParams;
+// with `tail`, only a Hopper launch's second grid (BatchPrefillArgs::tail_ctas).
 absl::Status LaunchPlanned(const plan::PrefillPlan& plan, const plan::PrefillLaunch& launch, KernelParams params,
-                           const BatchPrefillArgs& args, cudaStream_t stream);
+                           const BatchPrefillArgs& args, cudaStream_t stream, bool tail = false);
 
 // MergeStates over the plan's partials (nothing when the plan does not split KV).
 absl::Status MergePlannedPartials(const plan::PrefillPlan& plan, const BatchPrefillArgs& args, void* workspace,

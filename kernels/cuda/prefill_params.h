@@ -61,6 +61,16 @@ struct KernelParams {
   // Hopper kernel: the grid the items' order was balanced for (item r * balanced_grid + b is CTA
   // b's r-th work); on any other grid the CTAs snake through the items.
   int32_t balanced_grid;
+  // Hopper kernel: null, or works handed out on demand. The main grid's CTA b takes work b
+  // first (counter_base = that grid's size); every later work, and a tail grid's first ones
+  // (first_from_counter), is counter_base + the next value of work_counter[0] (zero before the
+  // launch), taken as a CTA gets there instead of from the layout's fixed place. Every grid
+  // that shares the counter (counter_ctas CTAs in all) counts its CTAs' ends in
+  // work_counter[1]; the last to end zeroes both words for the next launch.
+  int32_t* work_counter;
+  int32_t counter_ctas;
+  int32_t counter_base;
+  bool first_from_counter;
 };
 
 // Launches the kernel of one (head_dim, query tile, q dtype, kv dtype) on `num_ctas` CTAs, or,

@@ -282,6 +282,10 @@ absl::StatusOr<StepPlan> PlanStep(const StepBatch& batch, const StepPlanContext&
       std::any_of(step.prefill.launches.begin(), step.prefill.launches.end(),
                   [](const PrefillLaunch& launch) { return launch.kernel == PrefillKernel::kHopper; });
   if (!hopper_launch) step.side_by_side_prefill_ctas = 0;
+  step.side_by_side_tail_ctas =
+      step.side_by_side_prefill_ctas > 0
+          ? std::max(context.prefill_ctas_per_wave.hopper_tile128 - step.side_by_side_prefill_ctas, 0)
+          : 0;
   step.offsets = LayOut(batch, step.run_decode ? step.decode.PackedWords() : 0, 0);
   return step;
 }

@@ -94,6 +94,10 @@ struct StepPlan {
   // itself (prefill.launches' grid_ctas) stays the one-after-the-other plan: a work item's bits
   // do not depend on the grid.
   int32_t side_by_side_prefill_ctas = 0;
+  // With side_by_side_prefill_ctas: the rest of the wave, a second grid of the Hopper launches
+  // that starts after the decode and takes the prefill's works still left then (works on demand,
+  // cuda::BatchPrefillTail), so that the decode's SMs join the prefill once it is done.
+  int32_t side_by_side_tail_ctas = 0;
   StepArrayOffsets offsets;
 
   // "none", "decode" or "prefill" (a step that runs both reports "prefill", its larger part);

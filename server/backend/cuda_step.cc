@@ -265,11 +265,16 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, bool timed, const La
 
   if (side_by_side_) {
     // The prefill's launches first, on the side stream at the greatest priority, so that its
-    // persistent CTAs take their SMs before the decode's CTAs fill the rest; the decode's CTAs
-    // take the prefill's SMs once it is done. They write disjoint rows of o and lse and read the
-    // same rotated q. Joined whatever happens, so the layer's events cover both streams.
+    // persistent CTAs take their SMs before the decode's CTAs fill the rest; they take works on
+    // demand, and once the decode is done a second grid on the compute stream (the rest of the
+    // wave: StepPlan::side_by_side_tail_ctas) takes what is left of them, so the decode's SMs join
+    // the prefill. The merge of split works follows both. Decode and prefill write disjoint rows
+    // of o and lse and read the same rotated q. Joined whatever happens, so the layer's events
+    // cover both streams.
     const cudaStream_t side = lane_.side.get();
     prefill.max_persistent_ctas = plan_->side_by_side_prefill_ctas;
+    prefill.works_on_demand = plan_->side_by_side_tail_ctas > 0;
+    prefill.tail_ctas = plan_->side_by_side_tail_ctas;
     bool forked = false;
     absl::Status status = [&]() -> absl::Status {
       CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.fork.get(), compute));
@@ -277,9 +282,10 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, bool timed, const La
       forked = true;
       RETURN_IF_ERROR(
           cuda::BatchPrefill(plan_->prefill, prefill, prefill_work_, prefill_work_bytes_, side));
-      RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::attended_second, side));
       RETURN_IF_ERROR(cuda::BatchDecode(decode, compute));
-      return RecordIfTimed(events, &LayerEvents::attended_first, compute);
+      RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::attended_first, compute));
+      return cuda::BatchPrefillTail(plan_->prefill, prefill, prefill_work_, prefill_work_bytes_,
+                                    compute);
     }();
     if (forked) {
       const cudaError_t joined = [&] {
@@ -292,6 +298,12 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, bool timed, const La
       }
     }
     RETURN_IF_ERROR(status);
+    if (prefill.tail_ctas > 0) {
+      RETURN_IF_ERROR(cuda::MergeBatchPrefill(plan_->prefill, prefill, prefill_work_,
+                                              prefill_work_bytes_, compute));
+    }
+    // The prefill's end: both of its grids and the merge.
+    RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::attended_second, compute));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.attended.get(), compute));
     *attended_event = &slot.attended;
     return absl::OkStatus();

@@ -104,11 +104,42 @@ Output RunGpu(const Batch& batch) {
   args.o = {o.get(), config.q_dtype, batch.num_rows, config.num_qo_heads, config.head_dim};
   args.lse = config.return_lse ? static_cast<float*>(lse.get()) : nullptr;
   args.max_persistent_ctas = config.max_persistent_ctas;
+  args.works_on_demand = config.works_on_demand;
+  args.tail_ctas = config.tail_ctas;
 
   absl::Status status = cuda::UploadBatchPrefillPlan(plan, workspace.get(), workspace_bytes, nullptr);
   EXPECT_TRUE(status.ok()) << status;
-  status = cuda::BatchPrefill(plan, args, workspace.get(), workspace_bytes, nullptr);
-  EXPECT_TRUE(status.ok()) << status;
+  for (int32_t launch = 0; launch < config.launches && status.ok(); ++launch) {
+    if (launch > 0) {
+      cudaMemsetAsync(o.get(), 0xff, o.bytes(), nullptr);
+      cudaMemsetAsync(lse.get(), 0xff, lse.bytes(), nullptr);
+    }
+    if (config.tail_ctas > 0) {
+      // As beside a decode: the first grid on a stream of its own, the tail on the legacy
+      // stream once a held-up stretch of it has passed, the merge there after both.
+      cudaStream_t side = nullptr;
+      cudaEvent_t forked = nullptr, joined = nullptr;
+      cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
+      cudaEventCreateWithFlags(&forked, cudaEventDisableTiming);
+      cudaEventCreateWithFlags(&joined, cudaEventDisableTiming);
+      cudaEventRecord(forked, nullptr);
+      cudaStreamWaitEvent(side, forked, 0);
+      status = cuda::BatchPrefill(plan, args, workspace.get(), workspace_bytes, side);
+      EXPECT_TRUE(status.ok()) << status;
+      cudaEventRecord(joined, side);
+      if (status.ok()) status = cuda::BatchPrefillTail(plan, args, workspace.get(), workspace_bytes, nullptr);
+      EXPECT_TRUE(status.ok()) << status;
+      cudaStreamWaitEvent(nullptr, joined, 0);
+      if (status.ok()) status = cuda::MergeBatchPrefill(plan, args, workspace.get(), workspace_bytes, nullptr);
+      EXPECT_TRUE(status.ok()) << status;
+      cudaEventDestroy(forked);
+      cudaEventDestroy(joined);
+      cudaStreamDestroy(side);
+      continue;
+    }
+    status = cuda::BatchPrefill(plan, args, workspace.get(), workspace_bytes, nullptr);
+    EXPECT_TRUE(status.ok()) << status;
+  }
   const cudaError_t sync = cudaDeviceSynchronize();
   EXPECT_EQ(sync, cudaSuccess) << cudaGetErrorString(sync);
   out.o.resize(o_bytes);
@@ -487,6 +518,73 @@ TEST(BatchPrefillHopperTest, EveryGridRunsEveryWorkWithTheSameBits) {
     ASSERT_TRUE(got.ok) << "grid " << grid;
     EXPECT_EQ(got.o, balanced.o) << "grid " << grid;
     EXPECT_EQ(got.lse, balanced.lse) << "grid " << grid;
+  }
+}
+
+// Works on demand (BatchPrefillArgs::works_on_demand): whatever the grid, every work runs once
+// with the bits of the fixed layout, and the counter is back at 0 after each launch (o and lse
+// are poisoned between the launches of one upload, so a launch that skipped works would show).
+TEST(BatchPrefillHopperTest, WorksOnDemandRunEveryWorkOnceWithTheLayoutsBits) {
+  SKIP_WITHOUT_HOPPER();
+  std::mt19937 rng(47);
+  std::vector<int32_t> q_lens, kv_lens;
+  for (int i = 0; i < 24; ++i) {
+    q_lens.push_back(std::uniform_int_distribution<int32_t>(1, 700)(rng));
+    kv_lens.push_back(q_lens.back() + std::uniform_int_distribution<int32_t>(0, 300)(rng));
+  }
+  const std::vector<int32_t> short_lens(200, 64);  // many one-tile works per CTA
+  struct Case {
+    int32_t head_dim;
+    bool causal;
+    bool split;
+    const std::vector<int32_t>* q;
+    const std::vector<int32_t>* kv;
+  };
+  const Case cases[] = {{128, true, false, &q_lens, &kv_lens}, {128, false, true, &q_lens, &kv_lens},
+                        {64, true, false, &q_lens, &kv_lens},  {256, true, false, &q_lens, &kv_lens},
+                        {128, true, false, &short_lens, &short_lens}, {256, true, false, &short_lens, &short_lens}};
+  uint32_t seed = 470;
+  for (const Case& c : cases) {
+    Config config;
+    config.kernel = plan::PrefillKernel::kHopper;
+    config.head_dim = c.head_dim;
+    config.num_qo_heads = 16;
+    config.num_kv_heads = 4;
+    config.params.causal = c.causal;
+    config.split_kv = c.split;
+    config.fixed_split_tokens = c.split ? 256 : 0;
+    config.seed = seed++;
+    SCOPED_TRACE(config.Name());
+    const Batch batch = MakeBatch(config, *c.q, *c.kv);
+    const Output fixed = RunGpu(batch);
+    ASSERT_TRUE(fixed.ok);
+    ASSERT_TRUE(fixed.hopper);
+    ExpectMatches(batch, fixed, RunReference(batch));
+    // The launch options live in the batch's config; the inputs stay the same.
+    Batch variant = batch;
+    for (int32_t grid : {0, 1, 7, 61}) {
+      variant.config = config;
+      variant.config.works_on_demand = true;
+      variant.config.max_persistent_ctas = grid;
+      variant.config.launches = 3;
+      const Output got = RunGpu(variant);
+      ASSERT_TRUE(got.ok) << "grid " << grid;
+      EXPECT_EQ(got.o, fixed.o) << "grid " << grid;
+      EXPECT_EQ(got.lse, fixed.lse) << "grid " << grid;
+    }
+    // Two grids on two streams sharing the works (a prefill beside a decode, then the decode's
+    // SMs), with split works merged after both.
+    for (int32_t grid : {1, 20, 56}) {
+      variant.config = config;
+      variant.config.works_on_demand = true;
+      variant.config.max_persistent_ctas = grid;
+      variant.config.tail_ctas = 132 - grid;
+      variant.config.launches = 3;
+      const Output got = RunGpu(variant);
+      ASSERT_TRUE(got.ok) << "grid " << grid << " + tail";
+      EXPECT_EQ(got.o, fixed.o) << "grid " << grid << " + tail";
+      EXPECT_EQ(got.lse, fixed.lse) << "grid " << grid << " + tail";
+    }
   }
 }
 

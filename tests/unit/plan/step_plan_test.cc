@@ -283,6 +283,7 @@ TEST(SideBySideStepPlanTest, MixedHopperStepsRunSideBySideWhenTheDecodeDominates
   EXPECT_FALSE(side->run_pod);  // auto: the Hopper prefill runs beside the decode instead
   EXPECT_TRUE(side->run_decode && side->run_prefill);
   EXPECT_EQ(side->side_by_side_prefill_ctas, 56);  // 0.425 x 132, rounded
+  EXPECT_EQ(side->side_by_side_tail_ctas, 132 - 56);  // the rest of the wave, after the decode
 
   // 11 decodes of 2049 keys (92 MB) beside the 1024-token prompt (~30%): 0.55 x 132.
   std::vector<std::pair<int, int32_t>> larger;
@@ -308,6 +309,7 @@ TEST(SideBySideStepPlanTest, MixedHopperStepsRunSideBySideWhenTheDecodeDominates
   ASSERT_TRUE(sequential.ok());
   EXPECT_TRUE(sequential->run_decode && sequential->run_prefill);
   EXPECT_EQ(sequential->side_by_side_prefill_ctas, 0);
+  EXPECT_EQ(sequential->side_by_side_tail_ctas, 0);
 
   // Without the Hopper kernel (no Hopper wave), POD takes the mixed step instead.
   context.prefill_ctas_per_wave.hopper_tile128 = 0;

@@ -43,6 +43,16 @@ struct BatchPrefillArgs {
   // prefill beside its decode, plan::StepPlan::side_by_side_prefill_ctas); 0: the plan's grid.
   // A work item's result does not depend on the grid.
   int32_t max_persistent_ctas = 0;
+  // The Hopper kernel's CTAs take works on demand, in the plan's order, from a counter in the
+  // workspace (UploadBatchPrefillPlan zeroes it; each launch leaves it zero), rather than each
+  // from its fixed place in the layout: a CTA that finishes early takes more. The same bits
+  // either way (every work runs the same code wherever it lands).
+  bool works_on_demand = false;
+  // With works_on_demand, > 0: a second grid of (up to) this many CTAs shares each Hopper
+  // launch's works, launched by BatchPrefillTail on a stream of its own (beside a decode: where
+  // the decode ends, its SMs join the prefill). BatchPrefill then leaves the merge of split
+  // works to MergeBatchPrefill, to be enqueued once both grids are done.
+  int32_t tail_ctas = 0;
 };
 
 // CTAs of each query tile's kernel the current device runs at once (resident CTAs per SM x
@@ -64,5 +74,16 @@ absl::Status UploadBatchPrefillPlan(const plan::PrefillPlan& plan, void* workspa
 // page ids and lengths in device memory are trusted (validated when the engine built them).
 absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs& args,
                           void* workspace, int64_t workspace_bytes, cudaStream_t stream);
+
+// With args.works_on_demand and args.tail_ctas > 0: the second grid of each Hopper launch of
+// BatchPrefill's (same plan, args and workspace), on `stream`; it takes the works that are left
+// when its CTAs start. Nothing else runs here.
+absl::Status BatchPrefillTail(const plan::PrefillPlan& plan, const BatchPrefillArgs& args,
+                              void* workspace, int64_t workspace_bytes, cudaStream_t stream);
+
+// The merge of split works BatchPrefill leaves when args.tail_ctas > 0 (nothing when the plan
+// does not split KV), on `stream`, after both grids.
+absl::Status MergeBatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs& args,
+                               void* workspace, int64_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace attnd::cuda
