@@ -31,6 +31,8 @@
 //   K  [kStages][D/64 blocks][N rows][128 B]
 //   V  [kStages][D/64 blocks][N rows][128 B]
 //   mbarriers: K full, K empty, V full, V empty, one per stage each; Q full, Q empty per buffer.
+// HopperPrefillOnDemandKernel (at the end): the same, each CTA taking its next work from a
+// counter as it gets there (works on demand, for a prefill beside a decode and a tail grid).
 // O goes from the accumulators to global memory directly (a transpose within each quad gives
 // every thread whole 16-byte chunks), so the epilogue needs no barrier and no shared memory.
 #pragma once
@@ -448,7 +450,7 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   }
 }
 
-// The kernel's mbarriers (thread 0; the caller syncs the CTA after).
+// The kernel's mbarriers (thread 0; SetUpSharedMemory syncs the CTA after).
 template <typename Shape>
 __device__ __forceinline__ void InitBarriers(uint32_t smem) {
   if (threadIdx.x != 0) return;
@@ -466,16 +468,43 @@ __device__ __forceinline__ void InitBarriers(uint32_t smem) {
   FenceMbarrierInit();
 }
 
+// The CTA's shared memory from its first 1024-byte boundary (the swizzle phase follows address
+// bits 7-9, so every block must sit on one), as a shared-space address and a generic pointer,
+// once its mbarriers are initialised and every thread of the CTA sees them.
+struct CtaSharedMemory {
+  uint32_t smem;
+  uint8_t* generic;
+};
+template <typename Shape>
+__device__ __forceinline__ CtaSharedMemory SetUpSharedMemory(uint8_t* shared_bytes) {
+  const uint32_t raw = SharedAddress(shared_bytes);
+  const uint32_t smem = (raw + 1023) & ~1023u;
+  InitBarriers<Shape>(smem);
+  __syncthreads();
+  return {smem, shared_bytes + (smem - raw)};
+}
+
+// Programmatic dependent launch (launch.cuh): the kernel after this one may be scheduled once
+// every CTA of this one ran this; and this thread waits until the kernel before completed and
+// its writes are visible (at once after an ordinary launch).
+__device__ __forceinline__ void LaunchDependentGrids() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void WaitForPrecedingGrid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // T: the type of q, o and the cache (one 16-bit type).
 template <typename Shape, typename T, bool kSoftCap>
 __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_constant__ KernelParams params) {
   extern __shared__ __align__(1024) uint8_t shared_bytes[];
-  // The swizzle phase follows address bits 7-9, so every block must sit on a 1024-byte boundary.
-  const uint32_t raw = SharedAddress(shared_bytes);
-  const uint32_t smem = (raw + 1023) & ~1023u;
-  uint8_t* smem_generic = shared_bytes + (smem - raw);
-  InitBarriers<Shape>(smem);
-  __syncthreads();
+  const CtaSharedMemory shared = SetUpSharedMemory<Shape>(shared_bytes);
+  const uint32_t smem = shared.smem;
+  uint8_t* smem_generic = shared.generic;
 
   // The role is uniform per warpgroup; the shuffle lets the compiler see that.
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
@@ -500,14 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
   // returns once it completed and its writes are visible (at once after an ordinary launch).
   // Nothing here is written before that wait. The kernel after this one (a merge) may be
   // scheduled once every CTA of this one runs; it waits for this grid's results itself.
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  auto wait_for_preceding_grid = [] {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-  };
+  LaunchDependentGrids();
   constexpr bool kQAhead = Shape::kQBuffers > 1;
   if (warpgroup == 0) {
     ReleaseRegisters<kProducerRegisters>();
@@ -518,7 +540,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
       // buffer first: decoded and loaded now.
       const CtaWork work = !kQAhead || round == 0 ? DecodeWork<Shape>(params, index)
                                                   : LoadWork<Shape>(smem_generic, round % Shape::kQBuffers);
-      if (first == 0) wait_for_preceding_grid();
+      if (first == 0) WaitForPrecedingGrid();
       if (!kQAhead && round > 0) ProduceQ<Shape, T>(params, work, smem, smem_generic, round);
       // The next work's decode (dependent global reads) and Q rows go after this work's first
       // two steps (K_0, then K_1 and V_0): the consumers are then still on the work before, or on this
@@ -552,7 +574,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
         MbarrierWait(QFull<Shape>(smem, round % Shape::kQBuffers), ((round - 1) / Shape::kQBuffers) & 1);
         work = LoadWork<Shape>(smem_generic, round % Shape::kQBuffers);
       }
-      if (first == 0) wait_for_preceding_grid();
+      if (first == 0) WaitForPrecedingGrid();
       Consume<Shape, T, kSoftCap>(params, work, smem, smem_generic, first, round);
       first += work.num_kv_tiles;
     }
@@ -572,29 +594,20 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
 template <typename Shape, typename T, bool kSoftCap>
 __global__ void __launch_bounds__(kThreads, 1) HopperPrefillOnDemandKernel(const __grid_constant__ KernelParams params) {
   extern __shared__ __align__(1024) uint8_t shared_bytes[];
-  const uint32_t raw = SharedAddress(shared_bytes);
-  const uint32_t smem = (raw + 1023) & ~1023u;
-  uint8_t* smem_generic = shared_bytes + (smem - raw);
-  InitBarriers<Shape>(smem);
-  __syncthreads();
+  const CtaSharedMemory shared = SetUpSharedMemory<Shape>(shared_bytes);
+  const uint32_t smem = shared.smem;
+  uint8_t* smem_generic = shared.generic;
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   // A programmatic dependent launch, as HopperPrefillKernel's; here the counter too is read only
   // after the wait (the launch before on it, which resets it as it ends, completed before the
   // preceding grid did).
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  auto wait_for_preceding_grid = [] {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-  };
+  LaunchDependentGrids();
   constexpr bool kQAhead = Shape::kQBuffers > 1;
   int first_index = static_cast<int>(blockIdx.x);
   if (params.first_from_counter) {
     // Record 0, first stored for round kWorkRecords.
     int* slot = reinterpret_cast<int*>(smem_generic + Shape::kWorkOffset);
-    wait_for_preceding_grid();
+    WaitForPrecedingGrid();
     if (threadIdx.x == 0) *slot = params.counter_base + atomicAdd(params.work_counter, 1);
     __syncthreads();
     first_index = *slot;
@@ -611,7 +624,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillOnDemandKernel(const
       // Read back from the record PublishWork stored in the round before.
       if (round > 0) work = LoadWork<Shape>(smem_generic, round % Shape::kWorkRecords);
       if (work.index < 0) break;
-      if (first == 0) wait_for_preceding_grid();
+      if (first == 0) WaitForPrecedingGrid();
       if (round == 0 && threadIdx.x == 0) next_index = params.counter_base + atomicAdd(params.work_counter, 1);
       const int n = work.num_kv_tiles;
       if constexpr (kQAhead) {
@@ -641,7 +654,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillOnDemandKernel(const
         work = LoadWork<Shape>(smem_generic, round % Shape::kWorkRecords);
         if (work.index < 0) break;  // none left
       }
-      if (first == 0) wait_for_preceding_grid();
+      if (first == 0) WaitForPrecedingGrid();
       Consume<Shape, T, kSoftCap>(params, work, smem, smem_generic, first, round);
       first += work.num_kv_tiles;
     }
