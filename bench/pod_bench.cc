@@ -8,7 +8,8 @@
 //   b2b-mma   the same with the mma.sync prefill kernel (the tile code POD runs)
 //   merged    one batch prefill plan over every request (kAuto)
 //   side      the decode and the Hopper prefill side by side on two streams, the prefill over
-//             plan::SideBySidePrefillCtas persistent CTAs (the CTAs column; 0: b2b's time), as
+//             plan::SideBySidePrefillCtas persistent CTAs (the CTAs column; 0: b2b's time) taking
+//             works on demand, and the rest of the wave after the decode taking those left, as
 //             the CUDA backend runs a mixed step where POD's auto rule leaves it
 // The outputs of all variants are compared with each other (normwise relative error, bf16
 // tolerance) before anything is timed; the decode and prefill kernels are each validated
@@ -18,7 +19,7 @@
 // and < 1). torch is not run here.
 //
 // Usage: pod_bench [--only=SUBSTRING] [--page=1|16] [--warm_ms=N]   (whole run ~20-40 s on an H100)
-//                  [--split=P1,P2,...] [--occupy=N1,N2,...] [--contiguous] [--verbose] [--tail]
+//                  [--split=P1,P2,...] [--occupy=N1,N2,...] [--contiguous] [--verbose] [--no_tail]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -121,10 +122,12 @@ struct Row {
 // against b2b's outputs, then timed. --contiguous: each request's pages in order (FlashInfer's
 // benchmark), instead of shuffled.
 std::vector<int32_t> g_splits;
-// --tail: side by side (and --split), the prefill's CTAs take works on demand, and a second grid
-// of (wave - P) CTAs after the decode on its stream takes what is left (BatchPrefillTail), so the
-// decode's SMs join the prefill once it is done; the merge after both.
-bool g_tail = false;
+// Side by side (and --split), the prefill's CTAs take works on demand, and a second grid of
+// (wave - P) CTAs after the decode on its stream takes what is left (BatchPrefillTail), so the
+// decode's SMs join the prefill once it is done; the merge after both (the backend's way).
+// --no_tail: the prefill's P CTAs each walk their fixed part of the layout, and nothing joins
+// them (the backend before the twentieth session).
+bool g_tail = true;
 // --occupy=N1,N2,...: a diagnostic of the decode side by side. The decode alone, and the copy
 // kernel, while a spinning kernel holds N SMs (bench::OccupySms, launched first on another
 // stream), as the side-by-side prefill's persistent CTAs hold them.
@@ -481,7 +484,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--contiguous") == 0) g_contiguous = true;
     if (std::strncmp(argv[i], "--occupy=", 9) == 0) g_occupy = IntList(argv[i] + 9);
     if (std::strncmp(argv[i], "--split=", 8) == 0) g_splits = IntList(argv[i] + 8);
-    if (std::strcmp(argv[i], "--tail") == 0) g_tail = true;
+    if (std::strcmp(argv[i], "--no_tail") == 0) g_tail = false;
     bench::ParseWarmFlag(argv[i]);
   }
   int device = 0;
