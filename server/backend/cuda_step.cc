@@ -270,7 +270,9 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, bool timed, const La
     // wave: StepPlan::side_by_side_tail_ctas) takes what is left of them, so the decode's SMs join
     // the prefill. The merge of split works follows both. Decode and prefill write disjoint rows
     // of o and lse and read the same rotated q. Joined whatever happens, so the layer's events
-    // cover both streams.
+    // cover both streams. (Where one grid failed to launch, the works counter is left non-zero:
+    // the error fails the step, so no later layer runs on it, and the next step's plan upload
+    // zeroes it.)
     const cudaStream_t side = lane_.side.get();
     prefill.max_persistent_ctas = plan_->side_by_side_prefill_ctas;
     prefill.works_on_demand = plan_->side_by_side_tail_ctas > 0;
