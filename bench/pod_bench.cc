@@ -375,7 +375,7 @@ Row RunCase(const Case& shape, int32_t page_size, cudaStream_t stream) {
       CHECK_OK(cuda::BatchPrefillTail(*side_plan, split_args, side_workspace, side_bytes, stream));
       CHECK_CUDA(cudaEventRecord(join, side));
       CHECK_CUDA(cudaStreamWaitEvent(stream, join, 0));
-      if (g_tail) CHECK_OK(cuda::MergeBatchPrefill(*side_plan, split_args, side_workspace, side_bytes, stream));
+      CHECK_OK(cuda::MergeBatchPrefill(*side_plan, split_args, side_workspace, side_bytes, stream));
     };
     CHECK_CUDA(cudaMemsetAsync(o_merged, 0xff, rows * row_elements * 2, stream));
     run_split();

@@ -63,6 +63,10 @@ static_assert(sizeof(plan::PrefillWorkItem) == sizeof(prefill::WorkItem) &&
                   offsetof(plan::PrefillWorkItem, kv_head) == offsetof(prefill::WorkItem, kv_head),
               "the plan's items are copied bytewise into the kernel's");
 
+// A second grid shares the Hopper launches' works (BatchPrefillTail), so the merge waits for
+// MergeBatchPrefill.
+bool HasTail(const BatchPrefillArgs& args) { return args.works_on_demand && args.tail_ctas > 0; }
+
 bool Aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError("BatchPrefill: " + message); }
@@ -341,13 +345,13 @@ absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs&
   for (const plan::PrefillLaunch& launch : plan.launches) {
     RETURN_IF_ERROR(prefill::LaunchPlanned(plan, launch, params, args, stream));
   }
-  if (args.works_on_demand && args.tail_ctas > 0) return absl::OkStatus();  // MergeBatchPrefill's
+  if (HasTail(args)) return absl::OkStatus();  // MergeBatchPrefill's, after both grids
   return prefill::MergePlannedPartials(plan, args, workspace, stream);
 }
 
 absl::Status BatchPrefillTail(const plan::PrefillPlan& plan, const BatchPrefillArgs& args, void* workspace,
                               int64_t workspace_bytes, cudaStream_t stream) {
-  if (plan.items.empty() || !args.works_on_demand || args.tail_ctas <= 0) return absl::OkStatus();
+  if (plan.items.empty() || !HasTail(args)) return absl::OkStatus();
   ASSIGN_OR_RETURN(const prefill::KernelParams params,
                    prefill::ResolveKernelParams(plan, args, workspace, workspace_bytes));
   for (const plan::PrefillLaunch& launch : plan.launches) {
@@ -358,7 +362,7 @@ absl::Status BatchPrefillTail(const plan::PrefillPlan& plan, const BatchPrefillA
 
 absl::Status MergeBatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs& args, void* workspace,
                                int64_t workspace_bytes, cudaStream_t stream) {
-  if (plan.items.empty()) return absl::OkStatus();
+  if (plan.items.empty() || !HasTail(args)) return absl::OkStatus();  // BatchPrefill merged
   RETURN_IF_ERROR(prefill::ResolveKernelParams(plan, args, workspace, workspace_bytes).status());
   return prefill::MergePlannedPartials(plan, args, workspace, stream);
 }

@@ -300,10 +300,8 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, bool timed, const La
       }
     }
     RETURN_IF_ERROR(status);
-    if (prefill.tail_ctas > 0) {
-      RETURN_IF_ERROR(cuda::MergeBatchPrefill(plan_->prefill, prefill, prefill_work_,
-                                              prefill_work_bytes_, compute));
-    }
+    RETURN_IF_ERROR(cuda::MergeBatchPrefill(plan_->prefill, prefill, prefill_work_,
+                                            prefill_work_bytes_, compute));
     // The prefill's end: both of its grids and the merge.
     RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::attended_second, compute));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.attended.get(), compute));

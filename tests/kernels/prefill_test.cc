@@ -114,9 +114,12 @@ Output RunGpu(const Batch& batch) {
       cudaMemsetAsync(o.get(), 0xff, o.bytes(), nullptr);
       cudaMemsetAsync(lse.get(), 0xff, lse.bytes(), nullptr);
     }
-    if (config.tail_ctas > 0) {
-      // As beside a decode: the first grid on a stream of its own, the tail on the legacy
-      // stream once a held-up stretch of it has passed, the merge there after both.
+    if (config.tail_ctas == 0) {
+      status = cuda::BatchPrefill(plan, args, workspace.get(), workspace_bytes, nullptr);
+      EXPECT_TRUE(status.ok()) << status;
+    } else {
+      // As beside a decode: the first grid on a stream of its own, the tail grid on the legacy
+      // stream, the merge there after both.
       cudaStream_t side = nullptr;
       cudaEvent_t forked = nullptr, joined = nullptr;
       cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
@@ -135,10 +138,7 @@ Output RunGpu(const Batch& batch) {
       cudaEventDestroy(forked);
       cudaEventDestroy(joined);
       cudaStreamDestroy(side);
-      continue;
     }
-    status = cuda::BatchPrefill(plan, args, workspace.get(), workspace_bytes, nullptr);
-    EXPECT_TRUE(status.ok()) << status;
   }
   const cudaError_t sync = cudaDeviceSynchronize();
   EXPECT_EQ(sync, cudaSuccess) << cudaGetErrorString(sync);

@@ -81,8 +81,9 @@ absl::Status BatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs&
 absl::Status BatchPrefillTail(const plan::PrefillPlan& plan, const BatchPrefillArgs& args,
                               void* workspace, int64_t workspace_bytes, cudaStream_t stream);
 
-// The merge of split works BatchPrefill leaves when args.tail_ctas > 0 (nothing when the plan
-// does not split KV), on `stream`, after both grids.
+// The merge of split works BatchPrefill leaves when a tail grid shares its works
+// (args.works_on_demand and args.tail_ctas > 0), on `stream`, after both grids; nothing
+// otherwise (BatchPrefill merged) or when the plan does not split KV.
 absl::Status MergeBatchPrefill(const plan::PrefillPlan& plan, const BatchPrefillArgs& args,
                                void* workspace, int64_t workspace_bytes, cudaStream_t stream);
 
