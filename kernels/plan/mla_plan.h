@@ -64,7 +64,9 @@ struct MlaPlanOptions {
   // key tokens, and the merge's cost per partial (token, head) row in key tokens of one CTA
   // slot. Fitted on an H100 (docs/benchmarks.md, MLA): the Hopper kernel streams a key per CTA
   // in ~49 ns and costs ~20 us besides (the mma.sync kernel: ~88 ns and ~16 us); the merge of
-  // 486 x 128 partial rows took ~50 us.
+  // 486 x 128 partial rows took ~50 us. (That fit is of the kernel with one CTA per unit, not
+  // of a launch's own cost: on an H200, 1052 such CTAs ran as fast as 254 units chained in a
+  // persistent grid, docs/benchmarks.md, MLA, twenty-first session.)
   int32_t cta_overhead_tokens = 384;
   int32_t merge_tokens_per_partial_row = 1;
   int32_t fixed_split_tokens = 0;  // > 0 pins the chunk (tokens)
