@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Channels (DESIGN 3b) on the GPU machine in one device call, every step bounded:
 #   scripts/channel-device-run.sh pack   (here: builds with CUDA, bundles the binaries into
-#                                         .gpu-pack/channels.tar.xz, git-ignored)
+#                                         .gpu-pack/channels.tar.xz, git-ignored; more
+#                                         binaries by path in ATTND_PACK_EXTRA)
 #   scripts/channel-device-run.sh run [tests|bench|sanitize|all|python]
 #        on the device: channel_tests and the integration suite against the CUDA backend
 #        (HOST_SHM through registered memory, CUDA_IPC with the client in a second process,
@@ -12,7 +13,8 @@
 # Logs land in $OUT/logs.tgz, repacked before every step (a call cut short still returns them);
 # the summary is printed and kept in $OUT/summary.txt. Steps are bounded by scripts/device_lib.sh
 # (no step starts after ATTND_GPU_DEADLINE_S, default 570 s). ATTND_DEVICE_BACKEND=cpu dry-runs
-# the script without a GPU (the HOST_SHM and gRPC cases).
+# the script without a GPU (the HOST_SHM and gRPC cases). The e2e cases run ATTND_ATTNCTL
+# (default attnctl; another bundled binary, to compare builds) with ATTND_E2E_ARGS appended.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${ATTND_BUILD_DIR:-build}
@@ -31,7 +33,8 @@ case ${1:-} in
       "$build_dir/tests/integration/integration_tests" \
       "$build_dir/tests/kernels/cuda_backend_test" \
       "$build_dir/tests/kernels/prefill_tests" \
-      "$build_dir/tests/kernels/cuda_lifecycle_test" "$build_dir/bench/handoff_probe" || exit 1
+      "$build_dir/tests/kernels/cuda_lifecycle_test" "$build_dir/bench/handoff_probe" \
+      ${ATTND_PACK_EXTRA:-} || exit 1
     source scripts/device_pack.sh
     device_xz channels .gpu-pack/channels.tar.xz
     rm -rf .gpu-pack/channels
@@ -112,10 +115,10 @@ case ${1:-} in
         local name=$1; shift
         if start_attnd "$name" $port; then
           local daemon=$DL_PID rc
-          dl_run "e2e_$name" "${ATTND_E2E_LIMIT:-90}" "$B/run" attnctl \
-            --server=127.0.0.1:$port bench "${shape[@]}" "$@"; rc=$?
+          dl_run "e2e_$name" "${ATTND_E2E_LIMIT:-90}" "$B/run" "${ATTND_ATTNCTL:-attnctl}" \
+            --server=127.0.0.1:$port bench "${shape[@]}" "$@" ${ATTND_E2E_ARGS:-}; rc=$?
           say "e2e $name rc=$rc $(grep -h '^RESULT' "$logs/e2e_$name.log" || tail -3 "$logs/e2e_$name.log")"
-          grep -E '^  |^bench: (prompt step on|prompt step kernels|decode kernels)' \
+          grep -E '^  |^bench: (prompt step on|prompt step kernels|decode kernels|chained decode)' \
             "$logs/e2e_$name.log" >> "$OUT/summary.txt"
           stop_attnd "$name" "$daemon"
         fi

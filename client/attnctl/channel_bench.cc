@@ -19,8 +19,9 @@
 #include <chrono>
 #include <cstring>
 #include <map>
-#include <utility>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -51,6 +52,11 @@ ABSL_FLAG(std::string, stream_flags, "memops",
           "bench (cuda_ipc): how the emulator's stream sets ready and waits for done: memops "
           "(stream memory operations) or kernels (one-thread kernels, the fill launched as a "
           "programmatic dependent of the done wait; ChannelOptions::stream_flags)");
+ABSL_FLAG(bool, fill_sets_ready, true,
+          "bench (cuda_ipc): the emulator's fill kernel sets the layer's ready word itself, from "
+          "its last block (Channel::ReadyWord), as an engine's last kernel before attention "
+          "can; false: a separate SetReadyOnStream after it (a stream memory operation or, with "
+          "--stream_flags=kernels, a signal kernel)");
 ABSL_FLAG(int32_t, host_spin_us, 200,
           "bench (shm): how long the client spins on a done word before it sleeps on it");
 
@@ -267,9 +273,12 @@ class ChannelBench {
     if (stream_) {
       // The fill as it ran (3 kernels after a wait) differs from the fill timed back to back:
       // this view needs no fill estimate.
-      absl::PrintF("  attnd's part (client's fill done to its done wait passed): p50 %.1f us, "
+      // With --fill_sets_ready attnd starts before the fill's event (which follows the fill's
+      // last block, its ready write, and the grid's end): this view then reads low.
+      absl::PrintF("  attnd's part (client's fill done to its done wait passed%s): p50 %.1f us, "
                    "p99 %.1f us; overhead p50 %.1f us, p99 %.1f us\n",
-                   attnd_p50, attnd_p99, attnd_p50 - kernel_us, attnd_p99 - kernel_us);
+                   fill_sets_ready_ ? "; the fill set ready, so it reads low" : "", attnd_p50,
+                   attnd_p99, attnd_p50 - kernel_us, attnd_p99 - kernel_us);
     }
     absl::PrintF("  steps/s %.1f, kernels-only %.1f (%.0f%%)\n", steps_per_second, kernel_rate,
                  kernel_rate > 0 ? 100.0 * steps_per_second / kernel_rate : 0.0);
@@ -372,8 +381,9 @@ class ChannelBench {
     return request;
   }
 
-  // Hands a filled layer to attnd and makes `stream` wait for its o: CUDA_IPC sets ready and
-  // waits for done (stream memory operations); NCCL sends the slot's q/k/v and receives o.
+  // Hands a filled layer to attnd and makes `stream` wait for its o: CUDA_IPC sets ready (unless
+  // the fill did, --fill_sets_ready) and waits for done; NCCL sends the slot's q/k/v and
+  // receives o.
   absl::Status SignalLayer(client::Channel& channel, void* stream, int32_t layer,
                            uint32_t sequence, int64_t rows,
                            client::ChannelOptions::StreamFlags flags =
@@ -382,19 +392,21 @@ class ChannelBench {
       return channel.ExchangeOnStream(layer, rows, /*return_lse=*/false, channel.Slot(layer),
                                       stream);
     }
-    RETURN_IF_ERROR(channel.SetReadyOnStream(layer, sequence, stream));
+    if (!FillSetsReady(channel)) {
+      RETURN_IF_ERROR(channel.SetReadyOnStream(layer, sequence, stream));
+    }
     return channel.WaitDoneOnStream(layer, sequence, stream, flags);
   }
 
   // Enqueues every layer of a planned step on `stream`: fill, then SignalLayer (no host wait).
-  absl::Status EnqueueStep(client::Channel& channel, void* stream,
+  absl::Status EnqueueStep(client::Channel& channel, EmulatorStream& emulator,
                            const attnd::v1::PlanResponse& planned, int64_t step,
                            FillStamps* stamps = nullptr) const {
     for (int32_t layer = 0; layer < shape_.num_layers(); ++layer) {
-      RETURN_IF_ERROR(FillLayer(channel, stream, step, layer, planned.num_tokens(),
+      RETURN_IF_ERROR(FillLayer(channel, emulator, step, layer, planned.num_tokens(),
                                 stamps == nullptr ? nullptr : stamps + layer,
-                                channel.stream_flag_kernels()));
-      RETURN_IF_ERROR(SignalLayer(channel, stream, layer, planned.channel_sequence(),
+                                channel.stream_flag_kernels(), planned.channel_sequence()));
+      RETURN_IF_ERROR(SignalLayer(channel, emulator.stream(), layer, planned.channel_sequence(),
                                   planned.num_tokens()));
     }
     return absl::OkStatus();
@@ -410,7 +422,8 @@ class ChannelBench {
     RETURN_IF_ERROR(stream_->Sleep(5000));
     RETURN_IF_ERROR(stream_->Record(first));
     for (int32_t i = 0; i < kRepeats; ++i) {
-      RETURN_IF_ERROR(FillLayer(*channel_, stream_->stream(), /*step=*/i, i, rows));
+      RETURN_IF_ERROR(FillLayer(*channel_, *stream_, /*step=*/i, i, rows, nullptr, false,
+                                /*ready_sequence=*/0, /*scratch_signal=*/true));
     }
     RETURN_IF_ERROR(stream_->Record(first + 1));
     RETURN_IF_ERROR(stream_->Synchronize());
@@ -445,7 +458,7 @@ class ChannelBench {
     ASSIGN_OR_RETURN(attnd::v1::PlanResponse previous, client_.Plan(request));
     sequences.push_back(previous.channel_sequence());
     RETURN_IF_ERROR(
-        EnqueueStep(*channel_, stream_->stream(), previous, step_count_++, stamps_of(0)));
+        EnqueueStep(*channel_, *stream_, previous, step_count_++, stamps_of(0)));
     RETURN_IF_ERROR(stream_->Record(event));
     for (int32_t i = 1; i < steps; ++i) {
       ASSIGN_OR_RETURN(const attnd::v1::PlanResponse current, client_.Plan(request));
@@ -456,7 +469,7 @@ class ChannelBench {
       }
       sequences.push_back(current.channel_sequence());
       RETURN_IF_ERROR(
-          EnqueueStep(*channel_, stream_->stream(), current, step_count_++, stamps_of(i)));
+          EnqueueStep(*channel_, *stream_, current, step_count_++, stamps_of(i)));
       RETURN_IF_ERROR(stream_->Record(event + i % 2));
       RETURN_IF_ERROR(stream_->WaitEvent(event + (i - 1) % 2));
       RETURN_IF_ERROR(EndCommitted(previous.step_id()));
@@ -468,6 +481,8 @@ class ChannelBench {
     ASSIGN_OR_RETURN(const attnd::v1::GetStatsResponse after, client_.GetStats());
     const double kernels =
         KernelSecondsPerLayer(before, after) * static_cast<double>(steps) * shape_.num_layers();
+    absl::FPrintF(stderr, "bench: chained decode kernels per layer: %s\n",
+                  KernelBreakdown(before, after));
     if (stamps) {
       ASSIGN_OR_RETURN(const std::vector<FillStamps> read, stamps->Read());
       for (int32_t i = 0; i < steps; ++i) {
@@ -498,7 +513,7 @@ class ChannelBench {
     ASSIGN_OR_RETURN(const attnd::v1::PlanResponse planned,
                      client_.Plan(PlanThrough(*batch.channel, batch.entries)));
     batch.open_step = planned.step_id();
-    return EnqueueStep(*batch.channel, batch.stream->stream(), planned, step_count_++);
+    return EnqueueStep(*batch.channel, *batch.stream, planned, step_count_++);
   }
 
   // The emulator's q, k and v of (step, layer) written into the layer's slot on `stream`.
@@ -506,17 +521,30 @@ class ChannelBench {
   int FilledEvent(int32_t layer) const { return shape_.num_layers() + 8 + layer; }
 
   // `after_poll`: the fill follows a polling done wait, so it is launched as that kernel's
-  // programmatic dependent (Channel::stream_flag_kernels).
-  absl::Status FillLayer(client::Channel& channel, void* stream, int64_t step, int32_t layer,
-                         int64_t rows, FillStamps* stamps = nullptr,
-                         bool after_poll = false) const {
+  // programmatic dependent (Channel::stream_flag_kernels). With --fill_sets_ready and a
+  // `ready_sequence`, the fill sets the layer's ready word to it (CUDA_IPC;
+  // `scratch_signal`: the bench's own scratch word instead, so that a timed fill signals too).
+  absl::Status FillLayer(client::Channel& channel, EmulatorStream& emulator, int64_t step,
+                         int32_t layer, int64_t rows, FillStamps* stamps = nullptr,
+                         bool after_poll = false,
+                         std::optional<uint32_t> ready_sequence = std::nullopt,
+                         bool scratch_signal = false) const {
     const client::ChannelSlot slot = channel.Slot(layer);
     const int variant = VariantOf(step, layer);
     // q, k and v in one launch, as a fused QKV projection writes them.
     const FillRegion regions[] = {{slot.q, rows * q_row_, SeedOf(variant, 0)},
                                   {slot.k, rows * kv_row_, SeedOf(variant, 1)},
                                   {slot.v, rows * kv_row_, SeedOf(variant, 2)}};
-    return FillRegionsOnStream(regions, 3, bf16_, stream, stamps, after_poll);
+    FillSignal signal;
+    if (ready_sequence.has_value() && fill_sets_ready_ &&
+        (scratch_signal || FillSetsReady(channel))) {
+      signal.word = scratch_signal ? emulator.scratch_word() : channel.ReadyWord(layer);
+      signal.value = *ready_sequence;
+      signal.counter = emulator.signal_counter();
+      if (signal.word == nullptr) return absl::InternalError("no ready word for the fill");
+    }
+    return FillRegionsOnStream(regions, 3, bf16_, emulator.stream(), stamps, after_poll,
+                               signal.word != nullptr ? &signal : nullptr);
   }
 
   // Waits for micro-batch `batch`'s open step on its stream and for its commit.
@@ -667,7 +695,8 @@ class ChannelBench {
       if (stream_) {
         void* stream = stream_->stream();
         const auto host_start = Clock::now();
-        status.Update(FillLayer(*channel_, stream, step, layer, rows, nullptr, poll && layer > 0));
+        status.Update(
+            FillLayer(*channel_, *stream_, step, layer, rows, nullptr, poll && layer > 0, sequence));
         // A timing event costs ~2 us of the stream: the fill's own only every other step.
         if (step % 2 == 1) status.Update(stream_->Record(FilledEvent(layer)));
         const auto host_filled = Clock::now();
@@ -804,6 +833,11 @@ class ChannelBench {
   // wait, or NCCL's send and receive groups) after it.
   LatencyRecorder fill_host_;
   LatencyRecorder signal_host_;
+  // --fill_sets_ready, for CUDA_IPC channels (the only kind with a ready word on the device).
+  bool FillSetsReady(const client::Channel& channel) const {
+    return fill_sets_ready_ && channel.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC;
+  }
+  const bool fill_sets_ready_ = absl::GetFlag(FLAGS_fill_sets_ready);
   double fill_us_ = 0;         // GPU time of the emulator's fill of a decode layer
   double prompt_fill_us_ = 0;  // and of a prompt step's layer
 };

@@ -21,7 +21,7 @@ namespace attnd::attnctl {
 
 // A 16-bit element (bf16 when bf16, else fp16) of value in [-1, 1) with 7 random bits. One
 // 64-bit hash of (seed, index / 4) gives four elements (a byte each): the fill kernel computes
-// one hash per four elements and stores them as one 8-byte word.
+// two hashes per eight elements and stores them as one 16-byte word.
 ATTND_HOST_DEVICE inline uint64_t EmulatedHash(uint64_t seed, uint64_t group) {
   uint64_t z = seed * 0x9E3779B97F4A7C15ull + group;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -74,15 +74,27 @@ struct FillStamps {
   uint64_t finished_blocks = 0;
 };
 
+// A flag word the fill sets once its writes are visible (system scope): `word` (device memory
+// of the fill's device, e.g. Channel::ReadyWord) to `value`, by the last block to finish, as
+// counted in `counter` (device memory, 0 before the first fill; the last block zeroes it again,
+// so fills in one stream may share it). EmulatorStream::signal_counter is one.
+struct FillSignal {
+  uint32_t* word = nullptr;
+  uint32_t value = 0;
+  uint32_t* counter = nullptr;
+};
+
 // Fills up to kMaxFillRegions regions on `stream` (a cudaStream_t) in one launch, as an engine's
 // fused QKV projection writes q, k and v with one kernel; with `stamps` (device memory) the
 // kernel also records when it ran. UNIMPLEMENTED in a build without CUDA.
 // With `after_preceding_grid` it is launched as a programmatic dependent of the kernel before it
 // (a channel's done wait with flag kernels), and lets the kernel after it (the ready write)
 // start early.
+// With `signal` the kernel also sets a flag word when it is done (FillSignal).
 absl::Status FillRegionsOnStream(const FillRegion* regions, int num_regions, bool bf16,
                                  void* stream, FillStamps* stamps = nullptr,
-                                 bool after_preceding_grid = false);
+                                 bool after_preceding_grid = false,
+                                 const FillSignal* signal = nullptr);
 
 // Zeroed device memory for `count` FillStamps, read back once the fills have run.
 class StampBuffer {
@@ -116,10 +128,15 @@ class EmulatorStream {
   absl::Status WaitEvent(int event);
   // Milliseconds between two recorded (and completed) events.
   double ElapsedMs(int from, int to) const;
+  // A zeroed device word for the FillSignal of fills on this stream, and a word of its own for
+  // a fill to signal that nobody reads (to time a fill with its signal).
+  uint32_t* signal_counter() const { return signal_counter_; }
+  uint32_t* scratch_word() const { return signal_counter_ + 1; }
 
  private:
   EmulatorStream() = default;
   void* stream_ = nullptr;
+  uint32_t* signal_counter_ = nullptr;
   std::vector<void*> events_;
 };
 

@@ -2,7 +2,8 @@
 
 namespace attnd::attnctl {
 
-absl::Status FillRegionsOnStream(const FillRegion*, int, bool, void*, FillStamps*, bool) {
+absl::Status FillRegionsOnStream(const FillRegion*, int, bool, void*, FillStamps*, bool,
+                                 const FillSignal*) {
   return absl::UnimplementedError("attnctl was built without CUDA: --transport=cuda_ipc|nccl needs it");
 }
 

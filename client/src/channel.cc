@@ -278,6 +278,14 @@ absl::Status Channel::SetReadyOnStream(int32_t layer, uint32_t sequence, void* s
   return internal::StreamWriteFlag(stream, ready, sequence);
 }
 
+uint32_t* Channel::ReadyWord(int32_t layer) const {
+  if (info_.kind() != attnd::v1::CHANNEL_KIND_CUDA_IPC || layer < 0 ||
+      layer >= info_.layout().ready_offsets_size()) {
+    return nullptr;
+  }
+  return reinterpret_cast<uint32_t*>(ring_ + info_.layout().ready_offsets(layer));
+}
+
 absl::Status Channel::WaitDoneOnStream(int32_t layer, uint32_t sequence, void* stream) {
   return WaitDoneOnStream(layer, sequence, stream, ChannelOptions::StreamFlags::kDefault);
 }

@@ -128,6 +128,11 @@ class Channel {
   // CUDA_IPC: stream memory operations on `stream` (a cudaStream_t): set ready after the work
   // queued before it; make the stream's later work wait for done. UNIMPLEMENTED without CUDA.
   absl::Status SetReadyOnStream(int32_t layer, uint32_t sequence, void* stream);
+  // CUDA_IPC: the device address of ready[layer] (this process's mapping of the ring), for a
+  // kernel of the caller's that sets it itself once its writes of the slot are visible (a
+  // system-scope fence, then a release store of the step's sequence number), as the last kernel
+  // before attention can instead of a separate SetReadyOnStream. Null for other kinds.
+  uint32_t* ReadyWord(int32_t layer) const;
   absl::Status WaitDoneOnStream(int32_t layer, uint32_t sequence, void* stream);
   // The same with the wait's kind chosen for this call (kDefault: the channel's).
   absl::Status WaitDoneOnStream(int32_t layer, uint32_t sequence, void* stream,
