@@ -19,7 +19,6 @@
 #include <chrono>
 #include <cstring>
 #include <map>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -392,7 +391,7 @@ class ChannelBench {
       return channel.ExchangeOnStream(layer, rows, /*return_lse=*/false, channel.Slot(layer),
                                       stream);
     }
-    if (!FillSetsReady(channel)) {
+    if (ReadyWordOf(channel, layer) == nullptr) {
       RETURN_IF_ERROR(channel.SetReadyOnStream(layer, sequence, stream));
     }
     return channel.WaitDoneOnStream(layer, sequence, stream, flags);
@@ -405,7 +404,8 @@ class ChannelBench {
     for (int32_t layer = 0; layer < shape_.num_layers(); ++layer) {
       RETURN_IF_ERROR(FillLayer(channel, emulator, step, layer, planned.num_tokens(),
                                 stamps == nullptr ? nullptr : stamps + layer,
-                                channel.stream_flag_kernels(), planned.channel_sequence()));
+                                channel.stream_flag_kernels(), ReadyWordOf(channel, layer),
+                                planned.channel_sequence()));
       RETURN_IF_ERROR(SignalLayer(channel, emulator.stream(), layer, planned.channel_sequence(),
                                   planned.num_tokens()));
     }
@@ -422,8 +422,9 @@ class ChannelBench {
     RETURN_IF_ERROR(stream_->Sleep(5000));
     RETURN_IF_ERROR(stream_->Record(first));
     for (int32_t i = 0; i < kRepeats; ++i) {
+      // With --fill_sets_ready the timed fill signals too (a word nobody reads).
       RETURN_IF_ERROR(FillLayer(*channel_, *stream_, /*step=*/i, i, rows, nullptr, false,
-                                /*ready_sequence=*/0, /*scratch_signal=*/true));
+                                fill_sets_ready_ ? stream_->scratch_word() : nullptr, 0));
     }
     RETURN_IF_ERROR(stream_->Record(first + 1));
     RETURN_IF_ERROR(stream_->Synchronize());
@@ -521,30 +522,21 @@ class ChannelBench {
   int FilledEvent(int32_t layer) const { return shape_.num_layers() + 8 + layer; }
 
   // `after_poll`: the fill follows a polling done wait, so it is launched as that kernel's
-  // programmatic dependent (Channel::stream_flag_kernels). With --fill_sets_ready and a
-  // `ready_sequence`, the fill sets the layer's ready word to it (CUDA_IPC;
-  // `scratch_signal`: the bench's own scratch word instead, so that a timed fill signals too).
+  // programmatic dependent (Channel::stream_flag_kernels). With a `signal_word` the fill sets
+  // it to `sequence` once its writes are visible (FillSignal).
   absl::Status FillLayer(client::Channel& channel, EmulatorStream& emulator, int64_t step,
                          int32_t layer, int64_t rows, FillStamps* stamps = nullptr,
-                         bool after_poll = false,
-                         std::optional<uint32_t> ready_sequence = std::nullopt,
-                         bool scratch_signal = false) const {
+                         bool after_poll = false, uint32_t* signal_word = nullptr,
+                         uint32_t sequence = 0) const {
     const client::ChannelSlot slot = channel.Slot(layer);
     const int variant = VariantOf(step, layer);
     // q, k and v in one launch, as a fused QKV projection writes them.
     const FillRegion regions[] = {{slot.q, rows * q_row_, SeedOf(variant, 0)},
                                   {slot.k, rows * kv_row_, SeedOf(variant, 1)},
                                   {slot.v, rows * kv_row_, SeedOf(variant, 2)}};
-    FillSignal signal;
-    if (ready_sequence.has_value() && fill_sets_ready_ &&
-        (scratch_signal || FillSetsReady(channel))) {
-      signal.word = scratch_signal ? emulator.scratch_word() : channel.ReadyWord(layer);
-      signal.value = *ready_sequence;
-      signal.counter = emulator.signal_counter();
-      if (signal.word == nullptr) return absl::InternalError("no ready word for the fill");
-    }
+    const FillSignal signal = {signal_word, sequence, emulator.signal_counter()};
     return FillRegionsOnStream(regions, 3, bf16_, emulator.stream(), stamps, after_poll,
-                               signal.word != nullptr ? &signal : nullptr);
+                               signal_word != nullptr ? &signal : nullptr);
   }
 
   // Waits for micro-batch `batch`'s open step on its stream and for its commit.
@@ -696,7 +688,8 @@ class ChannelBench {
         void* stream = stream_->stream();
         const auto host_start = Clock::now();
         status.Update(
-            FillLayer(*channel_, *stream_, step, layer, rows, nullptr, poll && layer > 0, sequence));
+            FillLayer(*channel_, *stream_, step, layer, rows, nullptr, poll && layer > 0,
+                      ReadyWordOf(*channel_, layer), sequence));
         // A timing event costs ~2 us of the stream: the fill's own only every other step.
         if (step % 2 == 1) status.Update(stream_->Record(FilledEvent(layer)));
         const auto host_filled = Clock::now();
@@ -836,6 +829,10 @@ class ChannelBench {
   // --fill_sets_ready, for CUDA_IPC channels (the only kind with a ready word on the device).
   bool FillSetsReady(const client::Channel& channel) const {
     return fill_sets_ready_ && channel.kind() == attnd::v1::CHANNEL_KIND_CUDA_IPC;
+  }
+  // The word the fill of `layer` sets: its ready word where the fill sets it, else none.
+  uint32_t* ReadyWordOf(const client::Channel& channel, int32_t layer) const {
+    return FillSetsReady(channel) ? channel.ReadyWord(layer) : nullptr;
   }
   const bool fill_sets_ready_ = absl::GetFlag(FLAGS_fill_sets_ready);
   double fill_us_ = 0;         // GPU time of the emulator's fill of a decode layer
