@@ -152,6 +152,11 @@ case ${1:-} in
             mps on
             e2e "$case" --transport=cuda_ipc --stream_flags=kernels
             mps off ;;
+          cuda_ipc_mps_kernels_done)  # as above, attnd's done words set by its kernels
+            mps on
+            DAEMON_ARGS=--channel_done_by_kernel=true e2e "$case" --transport=cuda_ipc \
+              --stream_flags=kernels
+            mps off ;;
           cuda_ipc_mps_timed)  # every channel layer's kernels timed (--channel_kernel_timing=1)
             mps on
             DAEMON_ARGS=--channel_kernel_timing=1 e2e "$case" --transport=cuda_ipc

@@ -44,6 +44,11 @@ ABSL_FLAG(int32_t, channel_kernel_timing, 16,
           "CUDA backend: time the kernels of one CUDA_IPC channel layer in this many for the "
           "kernel metrics and GetStats (1: every layer, 0: none; each timed layer costs ~6 us "
           "of GPU time under MPS). The Forward path times every layer");
+ABSL_FLAG(bool, channel_done_by_kernel, false,
+          "CUDA backend: a CUDA_IPC channel's decode layer has its last kernel set the layer's "
+          "done word from its last CTA, instead of a stream memory operation after the kernels "
+          "(prefill, mixed and MLA layers always use the latter). Off by default: not yet "
+          "measured");
 ABSL_FLAG(int32_t, host_shm_parts, 2,
           "CUDA backend: a HOST_SHM channel's decode layer runs in this many parts of its rows "
           "(1..16), so that part p + 1's inputs cross PCIe while part p computes and part p's "
@@ -197,6 +202,7 @@ int main(int argc, char** argv) {
                  options.channel_kernel_timing);
     return 2;
   }
+  options.channel_done_by_kernel = absl::GetFlag(FLAGS_channel_done_by_kernel);
   options.host_shm_parts = absl::GetFlag(FLAGS_host_shm_parts);
   if (options.host_shm_parts < 1 || options.host_shm_parts > 16) {
     std::fprintf(stderr, "attnd: --host_shm_parts: expected 1..16, got %d\n",

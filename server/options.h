@@ -74,6 +74,9 @@ struct ServerOptions {
   // CUDA_IPC channels: the kernels of one layer in this many are timed for the kernel metrics
   // and GetStats (1: every layer, 0: none): a timing event costs ~2 us of a layer under MPS.
   int32_t channel_kernel_timing = 16;
+  // CUDA_IPC channels: a decode layer's last kernel sets its done word itself (true), or a
+  // stream memory operation after the kernels does (false).
+  bool channel_done_by_kernel = false;
   // HOST_SHM channels: a decode layer runs in this many parts of its rows, part p + 1's inputs
   // crossing the bus while part p computes (1: the whole layer at once).
   int32_t host_shm_parts = 2;

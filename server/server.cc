@@ -122,6 +122,7 @@ class ServerImpl final : public Server {
     backend_options.decode_kernel = options_.decode_kernel;
     backend_options.cuda_completion_wait = options_.cuda_completion_wait;
     backend_options.channel_timing_stride = options_.channel_kernel_timing;
+    backend_options.channel_done_by_kernel = options_.channel_done_by_kernel;
     backend_options.host_shm_parts = options_.host_shm_parts;
     backend_options.nccl_init_timeout = options_.nccl_init_timeout;
     ASSIGN_OR_RETURN(backend_, MakeBackend(backend_options));

@@ -14,10 +14,12 @@
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/decode.h"
+#include "attnd/kernels/cuda/flag_gate.h"
 #include "attnd/kernels/cuda/merge.h"
 #include "attnd/status_macros.h"
 #include "cp_async.cuh"
 #include "decode_tc_launch.h"
+#include "grid_signal.cuh"
 #include "launch.cuh"
 #include "math.cuh"
 #include "softmax.cuh"
@@ -59,6 +61,7 @@ struct DecodeParams {
   float* lse;          // [T_q][num_qo_heads] or null
   float* partial_o;    // [num_partials][num_qo_heads][head_dim]
   float* partial_lse;  // [num_partials][num_qo_heads]
+  GridSignal done;     // set by the last CTA once o and lse are stored (no merge after)
 };
 
 template <int kHeadDim, typename KvT, int kGroup>
@@ -380,6 +383,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (DecodeTraits<kHeadDim, KvT, k
       if (dim == 0) params.partial_lse[row] = lse;
     }
   }
+  SignalWhenGridDone(params.done);
 }
 
 using DecodeKernelFn = void (*)(DecodeParams);
@@ -533,7 +537,11 @@ int64_t BatchDecodeWorkspaceBytes(int32_t num_partials, int32_t num_qo_heads, in
 absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream) {
   int log2_page_size = 0;
   RETURN_IF_ERROR(ValidateDecode(args, &log2_page_size));
-  if (args.work.num_items == 0) return absl::OkStatus();
+  if (args.work.num_items == 0) {
+    // Nothing to launch: the signal still follows whatever ran before on the stream.
+    return args.done.active() ? LaunchFlagSignal(stream, args.done.word, args.done.value)
+                              : absl::OkStatus();
+  }
   if (args.work.kernel == plan::DecodeKernel::kTensorCore) {
     float* partial_o = nullptr;
     float* partial_lse = nullptr;
@@ -591,6 +599,8 @@ absl::Status BatchDecode(const BatchDecodeArgs& args, cudaStream_t stream) {
   const int32_t num_partials = args.work.num_partials;
   uint8_t* workspace = static_cast<uint8_t*>(args.workspace);
   params.partial_o = reinterpret_cast<float*>(workspace);
+  // The last grid of the launch signals: the merge where the plan splits, this one otherwise.
+  if (args.work.num_merge_rows == 0) params.done = args.done;
   params.partial_lse = num_partials > 0
                            ? reinterpret_cast<float*>(workspace + PartialLseOffsetBytes(
                                                                       num_partials, args.q.num_heads,
@@ -620,6 +630,7 @@ absl::Status MergePartials(const BatchDecodeArgs& args, float* partial_o, float*
   merge.head_dim = args.q.head_dim;
   merge.o = args.o;
   merge.lse = args.lse;
+  merge.done = args.done;
   return MergeStates(merge, stream);
 }
 

@@ -173,6 +173,8 @@ absl::Status LaunchTensorCoreDecode(const BatchDecodeArgs& args, int32_t log2_pa
   params.cap_log2 = softmax.soft_cap ? softmax.cap_log2 : 0.0f;
   params.v_scale = args.params.v_scale;
   params.o_bf16 = args.o.dtype == DType::kBFloat16;
+  // The last grid of the launch signals: the merge where the plan splits (BatchDecode).
+  if (args.work.num_merge_rows == 0) params.done = args.done;
 
   CUDA_RETURN_IF_ERROR(Prepare(kernel));
   void* kernel_args[] = {&params};

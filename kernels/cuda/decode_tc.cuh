@@ -59,6 +59,7 @@
 
 #include "cp_async.cuh"
 #include "fp8.cuh"
+#include "grid_signal.cuh"
 #include "math.cuh"
 #include "mma.cuh"
 #include "plan/decode_work.h"
@@ -106,6 +107,7 @@ struct TcDecodeParams {
   float cap_log2;          // soft_cap * log2(e); 0: no soft cap
   float v_scale;
   bool o_bf16;
+  GridSignal done;  // set by the last CTA once o and lse are stored (no split only)
 };
 
 // kKvBytes: bytes of a cached value (2: fp16/bf16; 1: fp8 e4m3, converted to fp16 as it leaves
@@ -591,71 +593,74 @@ __global__ void __launch_bounds__(kThreads, (TcShape<kHeadDim, sizeof(KvT), kSha
   // Eight threads per row, kHeadDim / 8 consecutive dims each; warps merged in warp order.
   constexpr int kDimsPerThread = kHeadDim / 8;
   const int row = tid >> 3;
-  if (row >= group) return;
-  const int dim_begin = (tid & 7) * kDimsPerThread;
-  float merged_max = -INFINITY;
+  // Rows past the group store nothing, but stay for the grid's done signal.
+  if (row < group) {
+    const int dim_begin = (tid & 7) * kDimsPerThread;
+    float merged_max = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) merged_max = fmaxf(merged_max, merge_m[w * kRows + row]);
-  const float subtract = merged_max == -INFINITY ? 0.0f : merged_max;
-  float weight[kWarps];
-  float sum = 0.0f;
+    for (int w = 0; w < kWarps; ++w) merged_max = fmaxf(merged_max, merge_m[w * kRows + row]);
+    const float subtract = merged_max == -INFINITY ? 0.0f : merged_max;
+    float weight[kWarps];
+    float sum = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    weight[w] = FastExp2(merge_m[w * kRows + row] - subtract);
-    sum += weight[w] * merge_d[w * kRows + row];
-  }
-  // A non-finite V value the row saw left a non-finite o dim: folded into the sum (x * 0 is NaN
-  // for inf and NaN), over the row's 8 threads, so the whole row and its lse become NaN.
-  float poison = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      weight[w] = FastExp2(merge_m[w * kRows + row] - subtract);
+      sum += weight[w] * merge_d[w * kRows + row];
+    }
+    // A non-finite V value the row saw left a non-finite o dim: folded into the sum (x * 0 is NaN
+    // for inf and NaN), over the row's 8 threads, so the whole row and its lse become NaN.
+    float poison = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
+    for (int w = 0; w < kWarps; ++w) {
 #pragma unroll
-    for (int d = 0; d < kDimsPerThread; ++d) {
-      poison += merge_o[(w * kRows + row) * kStride + dim_begin + d] * 0.0f;
+      for (int d = 0; d < kDimsPerThread; ++d) {
+        poison += merge_o[(w * kRows + row) * kStride + dim_begin + d] * 0.0f;
+      }
+    }
+    // Rows are whole groups of 8 lanes (rows past the group skip this together).
+    const unsigned row_lanes = 0xFFu << (lane & 24);
+    poison += __shfl_xor_sync(row_lanes, poison, 1);
+    poison += __shfl_xor_sync(row_lanes, poison, 2);
+    poison += __shfl_xor_sync(row_lanes, poison, 4);
+    sum += poison;
+    // A row that saw no key (every weight 0) stores o = 0 and lse = -inf; NaN scores (every m
+    // -inf but the sum NaN) and poisoned rows (sum NaN) store NaN o and lse.
+    const bool saw_key = sum != 0.0f;
+    const float inverse = saw_key ? params.v_scale / sum : 0.0f;
+    const float lse = saw_key ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
+    const int32_t partial = params.work.item_partial[item];
+    const int64_t head = static_cast<int64_t>(kv_head) * group + row;
+#pragma unroll
+    for (int c = 0; c < kDimsPerThread / 8; ++c) {
+      float value[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int dim = dim_begin + 8 * c + j;
+        float accumulated = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) accumulated += weight[w] * merge_o[(w * kRows + row) * kStride + dim];
+        value[j] = accumulated * inverse;
+      }
+      if (partial < 0) {
+        const int64_t out_row = first_head_row + row;
+        *reinterpret_cast<uint4*>(static_cast<uint16_t*>(params.o) + out_row * kHeadDim + dim_begin + 8 * c) =
+            PackOut8(value, params.o_bf16);
+      } else {
+        const int64_t slot_row = static_cast<int64_t>(partial) * params.num_qo_heads + head;
+        float4* target = reinterpret_cast<float4*>(params.partial_o + slot_row * kHeadDim + dim_begin + 8 * c);
+        target[0] = make_float4(value[0], value[1], value[2], value[3]);
+        target[1] = make_float4(value[4], value[5], value[6], value[7]);
+      }
+    }
+    if ((tid & 7) == 0) {
+      if (partial < 0) {
+        if (params.lse != nullptr) params.lse[first_head_row + row] = lse;
+      } else {
+        params.partial_lse[static_cast<int64_t>(partial) * params.num_qo_heads + head] = lse;
+      }
     }
   }
-  // Rows are whole groups of 8 lanes (rows past the group returned together).
-  const unsigned row_lanes = 0xFFu << (lane & 24);
-  poison += __shfl_xor_sync(row_lanes, poison, 1);
-  poison += __shfl_xor_sync(row_lanes, poison, 2);
-  poison += __shfl_xor_sync(row_lanes, poison, 4);
-  sum += poison;
-  // A row that saw no key (every weight 0) stores o = 0 and lse = -inf; NaN scores (every m
-  // -inf but the sum NaN) and poisoned rows (sum NaN) store NaN o and lse.
-  const bool saw_key = sum != 0.0f;
-  const float inverse = saw_key ? params.v_scale / sum : 0.0f;
-  const float lse = saw_key ? (merged_max + FastLog2(sum)) * kLn2 : -INFINITY;
-  const int32_t partial = params.work.item_partial[item];
-  const int64_t head = static_cast<int64_t>(kv_head) * group + row;
-#pragma unroll
-  for (int c = 0; c < kDimsPerThread / 8; ++c) {
-    float value[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int dim = dim_begin + 8 * c + j;
-      float accumulated = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) accumulated += weight[w] * merge_o[(w * kRows + row) * kStride + dim];
-      value[j] = accumulated * inverse;
-    }
-    if (partial < 0) {
-      const int64_t out_row = first_head_row + row;
-      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(params.o) + out_row * kHeadDim + dim_begin + 8 * c) =
-          PackOut8(value, params.o_bf16);
-    } else {
-      const int64_t slot_row = static_cast<int64_t>(partial) * params.num_qo_heads + head;
-      float4* target = reinterpret_cast<float4*>(params.partial_o + slot_row * kHeadDim + dim_begin + 8 * c);
-      target[0] = make_float4(value[0], value[1], value[2], value[3]);
-      target[1] = make_float4(value[4], value[5], value[6], value[7]);
-    }
-  }
-  if ((tid & 7) == 0) {
-    if (partial < 0) {
-      if (params.lse != nullptr) params.lse[first_head_row + row] = lse;
-    } else {
-      params.partial_lse[static_cast<int64_t>(partial) * params.num_qo_heads + head] = lse;
-    }
-  }
+  SignalWhenGridDone(params.done);
 }
 
 }  // namespace attnd::cuda::decode_tc

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "attnd/kernels/cuda/cuda_check.h"
 #include "attnd/kernels/cuda/merge.h"
+#include "grid_signal.cuh"
 #include "launch.cuh"
 #include "vec.cuh"
 
@@ -31,6 +32,7 @@ struct MergeParams {
   void* o;
   DType o_dtype;
   float* lse;
+  GridSignal done;
 };
 
 __device__ __forceinline__ void Accumulate(float weight, const float4& value, float4& sum) {
@@ -114,41 +116,43 @@ __global__ void __launch_bounds__(kMergeThreads) MergeStatesKernel(const MergePa
   group_sums[threadIdx.x] = sum;
   group_denominators[threadIdx.x] = denominator;
   __syncthreads();
-  if (group != 0) return;
-
-  float lse = -INFINITY;
-  if (max_lse != -INFINITY) {
-    sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    denominator = 0.0f;
-    for (int g = 0; g < groups; ++g) {
-      const float4 part = group_sums[g * slices + slice];
-      sum.x += part.x;
-      sum.y += part.y;
-      sum.z += part.z;
-      sum.w += part.w;
-      denominator += group_denominators[g * slices + slice];
+  // Group 0 stores the row; the others stay for the grid's done signal.
+  if (group == 0) {
+    float lse = -INFINITY;
+    if (max_lse != -INFINITY) {
+      sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      denominator = 0.0f;
+      for (int g = 0; g < groups; ++g) {
+        const float4 part = group_sums[g * slices + slice];
+        sum.x += part.x;
+        sum.y += part.y;
+        sum.z += part.z;
+        sum.w += part.w;
+        denominator += group_denominators[g * slices + slice];
+      }
+      const float inverse = 1.0f / denominator;
+      sum = make_float4(sum.x * inverse, sum.y * inverse, sum.z * inverse, sum.w * inverse);
+      lse = max_lse + logf(denominator);
     }
-    const float inverse = 1.0f / denominator;
-    sum = make_float4(sum.x * inverse, sum.y * inverse, sum.z * inverse, sum.w * inverse);
-    lse = max_lse + logf(denominator);
+    const int64_t offset = (out_row * num_heads + head) * params.head_dim + slice * 4;
+    switch (params.o_dtype) {
+      case DType::kFloat32:
+        *reinterpret_cast<float4*>(static_cast<float*>(params.o) + offset) = sum;
+        break;
+      case DType::kBFloat16:
+        *reinterpret_cast<uint2*>(static_cast<uint16_t*>(params.o) + offset) =
+            make_uint2(PackFloat2<__nv_bfloat16>(sum.x, sum.y),
+                       PackFloat2<__nv_bfloat16>(sum.z, sum.w));
+        break;
+      default:
+        *reinterpret_cast<uint2*>(static_cast<uint16_t*>(params.o) + offset) =
+            make_uint2(PackFloat2<__half>(sum.x, sum.y),
+                       PackFloat2<__half>(sum.z, sum.w));
+        break;
+    }
+    if (params.lse != nullptr && slice == 0) params.lse[out_row * num_heads + head] = lse;
   }
-  const int64_t offset = (out_row * num_heads + head) * params.head_dim + slice * 4;
-  switch (params.o_dtype) {
-    case DType::kFloat32:
-      *reinterpret_cast<float4*>(static_cast<float*>(params.o) + offset) = sum;
-      break;
-    case DType::kBFloat16:
-      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(params.o) + offset) =
-          make_uint2(PackFloat2<__nv_bfloat16>(sum.x, sum.y),
-                     PackFloat2<__nv_bfloat16>(sum.z, sum.w));
-      break;
-    default:
-      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(params.o) + offset) =
-          make_uint2(PackFloat2<__half>(sum.x, sum.y),
-                     PackFloat2<__half>(sum.z, sum.w));
-      break;
-  }
-  if (params.lse != nullptr && slice == 0) params.lse[out_row * num_heads + head] = lse;
+  SignalWhenGridDone(params.done);
 }
 
 }  // namespace
@@ -179,7 +183,7 @@ absl::Status MergeStates(const MergeStatesArgs& args, cudaStream_t stream) {
   }
   MergeParams params{args.partial_o, args.partial_lse, args.indptr, args.out_rows,
                      args.num_heads,  args.head_dim,    args.o.data, args.o.dtype,
-                     args.lse};
+                     args.lse,        args.done};
   // Programmatic stream serialization (launch.cuh): the merge may be scheduled while the kernel
   // before it finishes (it waits for that kernel's results in griddepcontrol.wait).
   void* kernel_args[] = {&params};

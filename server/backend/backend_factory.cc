@@ -32,6 +32,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendFactoryOptions
       cuda.decode_kernel = options.decode_kernel;
       cuda.completion_wait = options.cuda_completion_wait;
       cuda.channel_timing_stride = options.channel_timing_stride;
+      cuda.channel_done_by_kernel = options.channel_done_by_kernel;
       cuda.host_shm_parts = options.host_shm_parts;
       // ATTND_SIDE_BY_SIDE=0: mixed steps one kernel after the other (measurements).
       const char* side_by_side = std::getenv("ATTND_SIDE_BY_SIDE");

@@ -28,6 +28,7 @@ struct BackendFactoryOptions {
   plan::DecodeKernelChoice decode_kernel = plan::DecodeKernelChoice::kAuto;
   std::string cuda_completion_wait;
   int32_t channel_timing_stride = 16;  // CudaBackendOptions::channel_timing_stride
+  bool channel_done_by_kernel = false;  // CudaBackendOptions::channel_done_by_kernel
   int32_t host_shm_parts = 2;          // CudaBackendOptions::host_shm_parts
   absl::Duration nccl_init_timeout = absl::Seconds(60);  // CudaBackendOptions::nccl_init_timeout
 };

@@ -342,6 +342,7 @@ absl::StatusOr<std::unique_ptr<BackendCache>> CudaBackend::CreateCache(
   cache_options.pod_mode = options_.pod_mode;
   cache_options.decode_kernel = options_.decode_kernel;
   cache_options.channel_timing_stride = options_.channel_timing_stride;
+  cache_options.channel_done_by_kernel = options_.channel_done_by_kernel;
   cache_options.host_shm_parts = options_.host_shm_parts;
   cache_options.side_by_side = options_.side_by_side;
   cache_options.nccl_init_timeout = options_.nccl_init_timeout;

@@ -39,6 +39,7 @@ struct CudaBackendOptions {
   // CUDA_IPC channels time the kernels of one layer in this many (1: all, 0: none; attnd's
   // --channel_kernel_timing). The Forward path times every layer.
   int32_t channel_timing_stride = 16;
+  bool channel_done_by_kernel = false;  // CudaCacheOptions::channel_done_by_kernel
   // A HOST_SHM channel's decode layer runs in this many parts of its rows (attnd's
   // --host_shm_parts; CudaStep).
   int32_t host_shm_parts = 2;

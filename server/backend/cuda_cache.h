@@ -64,6 +64,10 @@ struct CudaCacheOptions {
   // CUDA_IPC channels time the kernels of one layer in this many (1: every layer, 0: none;
   // attnd's --channel_kernel_timing): a timing event costs ~2 us of the stream under MPS.
   int32_t channel_timing_stride = 16;
+  // CUDA_IPC channels: a decode-only layer's last kernel sets the layer's done word itself
+  // (cuda::GridSignal) instead of a stream memory operation after it (attnd's
+  // --channel_done_by_kernel).
+  bool channel_done_by_kernel = false;
   // A HOST_SHM channel's decode layer runs in this many parts of its rows (attnd's
   // --host_shm_parts; CudaStep::EnqueueInParts).
   int32_t host_shm_parts = 2;
@@ -136,6 +140,7 @@ class CudaCache final : public BackendCache {
   BackendObserver* observer() const { return observer_; }
   CompletionWait completion_wait() const { return options_.wait; }
   int32_t channel_timing_stride() const { return options_.channel_timing_stride; }
+  bool channel_done_by_kernel() const { return options_.channel_done_by_kernel; }
   int32_t host_shm_parts() const { return options_.host_shm_parts; }
   // Whether the device reaches registered host memory (a HOST_SHM ring) at its host address
   // (cudaDevAttrCanUseHostPointerForRegisteredMem), so stream operations may name it.

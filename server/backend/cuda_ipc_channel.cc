@@ -49,8 +49,11 @@ absl::Status CudaIpcChannel::Init() {
   RETURN_IF_ERROR(lane_.compute.Create());
   RETURN_IF_ERROR(signal_.Create());
   RETURN_IF_ERROR(ring_.Reserve(layout_.ring_bytes));
+  RETURN_IF_ERROR(done_counter_.Reserve(sizeof(uint32_t)));
   // Zeroed: flags start at 0 (no step's sequence), slots hold zeros, not stale bytes.
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(ring_.data(), 0, layout_.ring_bytes, lane_.compute.get()));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(done_counter_.data(), 0, sizeof(uint32_t), lane_.compute.get()));
   const int32_t q_dim = geometry_.mla ? geometry_.v_head_dim : geometry_.k_head_dim;
   RETURN_IF_ERROR(lane_.q_rotated.Reserve(int64_t{layout_.max_tokens} * geometry_.num_qo_heads *
                                           q_dim * DTypeBytes(geometry_.q_dtype)));
@@ -203,6 +206,7 @@ void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t 
   // Some layers are timed (the kernel metrics): see LayerTimingDraw.
   const bool timed = timing_draw_.Next(cache_->channel_timing_stride(), step.num_tokens());
   std::lock_guard lock(lane_.submit_mu);
+  bool done_signalled = false;
   absl::Status status = [&]() -> absl::Status {
     // Not a polling kernel (flag_gate.h), though it hands over sooner: while it spun, any
     // implicitly synchronizing call of attnd's (cudaFree of a grown buffer at Plan, a cache's
@@ -222,13 +226,22 @@ void CudaIpcChannel::Enqueue(const std::shared_ptr<ActiveStep>& active, int32_t 
       buffers.q_pe = ring + slot.q_pe;
       buffers.o = ring + slot.o;
       buffers.lse = step.returns_lse() ? reinterpret_cast<float*>(ring + slot.lse) : nullptr;
+      // Where the layer's last kernel can set done itself, it does: the client polling the
+      // word sees it as the grid's last stores land, not after the grid's completion and a
+      // stream operation (--channel_done_by_kernel).
+      if (cache_->channel_done_by_kernel()) {
+        buffers.done = {reinterpret_cast<uint32_t*>(ring + layout_.done[layer]), active->sequence,
+                        reinterpret_cast<uint32_t*>(done_counter_.data())};
+      }
       if (timed) CUDA_RETURN_IF_ERROR(cudaEventRecord(events->started.get(), compute));
       const CudaEvent* attended = nullptr;
-      RETURN_IF_ERROR(step.EnqueueKernels(*events, timed, buffers, layer, &attended));
+      RETURN_IF_ERROR(
+          step.EnqueueKernels(*events, timed, buffers, layer, &attended, &done_signalled));
     }
     if (stamps_device_ != nullptr) {
       RETURN_IF_ERROR(cuda::LaunchTimerStamp(stamps_device_ + 2 * layer + 1, compute));
     }
+    if (done_signalled) return absl::OkStatus();
     return cuda::StreamWriteFlag(compute, ring + layout_.done[layer], active->sequence);
   }();
   // Recorded even after a failed enqueue: the events are reused only once the work that was

@@ -82,6 +82,9 @@ class CudaIpcChannel final : public BackendChannel {
   // Opened with a client_pci_bus_id, which CudaCache::CreateChannel found able to reach it.
   const bool peer_access_;
   DeviceBuffer ring_;
+  // The CTA counter of the kernels that set a layer's done word themselves (cuda::GridSignal):
+  // one word, zero between launches; the channel's layers run one at a time on its stream.
+  DeviceBuffer done_counter_;
   std::string ipc_handle_;
   std::string pci_bus_id_;
   Lane lane_;

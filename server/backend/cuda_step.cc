@@ -227,7 +227,9 @@ absl::Status RecordIfTimed(LayerEvents* events, CudaEvent LayerEvents::*which,
 }  // namespace
 
 absl::Status CudaStep::EnqueueKernels(LayerEvents& slot, bool timed, const LayerBuffers& buffers,
-                                      int32_t layer, const CudaEvent** attended_event) {
+                                      int32_t layer, const CudaEvent** attended_event,
+                                      bool* done_signalled) {
+  if (done_signalled != nullptr) *done_signalled = false;
   // Copy-on-write (ForkSequence): shared partial pages into their fresh copies, on the compute
   // stream ahead of the append that writes the copies. Timed as part of the append.
   if (!batch_->page_copies.empty()) {
@@ -235,11 +237,12 @@ absl::Status CudaStep::EnqueueKernels(LayerEvents& slot, bool timed, const Layer
   }
   return cache_->geometry().mla
              ? EnqueueMlaKernels(timed ? &slot : nullptr, buffers, layer, attended_event)
-             : EnqueueMhaKernels(slot, timed, buffers, layer, attended_event);
+             : EnqueueMhaKernels(slot, timed, buffers, layer, attended_event, done_signalled);
 }
 
 absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, bool timed, const LayerBuffers& buffers,
-                                         int32_t layer, const CudaEvent** attended_event) {
+                                         int32_t layer, const CudaEvent** attended_event,
+                                         bool* done_signalled) {
   LayerEvents* const events = timed ? &slot : nullptr;
   const CacheGeometry& g = cache_->geometry();
   const cudaStream_t compute = lane_.compute.get();
@@ -311,7 +314,13 @@ absl::Status CudaStep::EnqueueMhaKernels(LayerEvents& slot, bool timed, const La
 
   const CudaEvent* attended = events != nullptr ? &events->appended : nullptr;
   if (plan_->run_decode) {
-    RETURN_IF_ERROR(cuda::BatchDecode(decode, compute));
+    // A decode-only layer's last grid is the decode's: it may set the caller's done word.
+    const bool signals = buffers.done.active() && done_signalled != nullptr &&
+                         !plan_->run_prefill && !plan_->run_pod;
+    cuda::BatchDecodeArgs last = decode;
+    if (signals) last.done = buffers.done;
+    RETURN_IF_ERROR(cuda::BatchDecode(last, compute));
+    if (signals) *done_signalled = true;
     RETURN_IF_ERROR(RecordIfTimed(events, &LayerEvents::attended_first, compute));
     if (events != nullptr) attended = &events->attended_first;
   }

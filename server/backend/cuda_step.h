@@ -40,9 +40,11 @@ class CudaStep final : public BackendStep {
   // events are recorded (the `started` event is the caller's to record) and `attended` is the
   // one after the last of them; else no event is recorded and `attended` is null. Call with
   // the lane's submit_mu held. ReportChannelLayer reports a timed layer's kernel times once
-  // `events` completed.
+  // `events` completed. With buffers.done, `*done_signalled` says whether the layer's last
+  // kernel sets that word itself (a decode-only MHA layer; else the caller writes it).
   absl::Status EnqueueKernels(LayerEvents& events, bool timed, const LayerBuffers& buffers,
-                              int32_t layer, const CudaEvent** attended);
+                              int32_t layer, const CudaEvent** attended,
+                              bool* done_signalled = nullptr);
   void ReportChannelLayer(const LayerEvents& events) const { ReportTimes(events, false); }
   int64_t num_tokens() const { return batch_->num_tokens; }
   bool returns_lse() const { return batch_->options.return_lse; }
@@ -60,7 +62,7 @@ class CudaStep final : public BackendStep {
   absl::Status EnqueueLocked(LayerSlot& slot, const LayerIo& io, uint8_t* host_out);
   // `events` null: an untimed channel layer (no event recorded, *attended null).
   absl::Status EnqueueMhaKernels(LayerEvents& slot, bool timed, const LayerBuffers& buffers,
-                                 int32_t layer, const CudaEvent** attended);
+                                 int32_t layer, const CudaEvent** attended, bool* done_signalled);
   // A HOST_SHM decode layer in parts of its rows (parts_), copies overlapping the kernels.
   absl::Status EnqueueInParts(LayerSlot& slot, const LayerIo& io);
   absl::Status EnqueuePartsLocked(LayerSlot& slot, const LayerIo& io);

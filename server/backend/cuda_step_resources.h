@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "attnd/kernels/cuda/grid_signal.h"
 #include "backend/backend.h"
 #include "backend/cuda_memory.h"
 
@@ -70,6 +71,9 @@ struct LayerBuffers {
   const void* q_pe = nullptr;
   void* o = nullptr;
   float* lse = nullptr;
+  // Optional: a word the layer's last kernel sets itself once o and lse are stored, where that
+  // kernel can (CudaStep::EnqueueKernels says whether it took it).
+  cuda::GridSignal done;
 };
 
 // One part of a layer run in parts (CudaStep::EnqueueInParts): its inputs copied (H2D stream),

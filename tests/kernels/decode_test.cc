@@ -169,10 +169,15 @@ struct DecodeOutput {
   std::vector<uint8_t> o;  // [num_rows][Hq][D], q dtype
   std::vector<float> lse;  // [num_rows][Hq]
   plan::DecodePlan plan;
+  // With a signal (RunGpuDecode's `signal_values`): the word and the counter after each launch.
+  std::vector<std::pair<uint32_t, uint32_t>> signals;
 };
 
-// Runs the CUDA decode on `problem`; fails the test (and returns false) on any error.
-bool RunGpuDecode(DecodeProblem& problem, DecodeOutput* out) {
+// Runs the CUDA decode on `problem`; fails the test (and returns false) on any error. With
+// `signal_values`, one launch per value, each asked to set a word (poisoned before it) to that
+// value (BatchDecodeArgs::done); the word and counter are read after each.
+bool RunGpuDecode(DecodeProblem& problem, DecodeOutput* out,
+                  const std::vector<uint32_t>& signal_values = {}) {
   const DecodeCase& c = problem.config;
   cuda::DecodeKernelConfig config{c.q_dtype, c.kv_dtype, c.head_dim, c.group};
   plan::DecodePlanOptions options;
@@ -243,12 +248,24 @@ bool RunGpuDecode(DecodeProblem& problem, DecodeOutput* out) {
   args.lse = lse.as<float>();
   args.workspace = workspace.get();
   args.workspace_bytes = workspace_bytes;
-  const absl::Status status = cuda::BatchDecode(args, nullptr);
-  EXPECT_TRUE(status.ok()) << status;
-  if (!status.ok()) return false;
-  const cudaError_t error = cudaDeviceSynchronize();
-  EXPECT_EQ(error, cudaSuccess) << cudaGetErrorString(error);
-  if (error != cudaSuccess) return false;
+  // [0] the word, [1] the counter.
+  DeviceBuffer signal = Upload(std::vector<uint32_t>{0xdeadbeefu, 0u});
+  for (size_t launch = 0; launch < std::max<size_t>(1, signal_values.size()); ++launch) {
+    if (!signal_values.empty()) {
+      args.done = {signal.as<uint32_t>(), signal_values[launch], signal.as<uint32_t>() + 1};
+      cudaMemset(signal.get(), 0xee, sizeof(uint32_t));  // the word poisoned, the counter kept
+    }
+    const absl::Status status = cuda::BatchDecode(args, nullptr);
+    EXPECT_TRUE(status.ok()) << status;
+    if (!status.ok()) return false;
+    const cudaError_t error = cudaDeviceSynchronize();
+    EXPECT_EQ(error, cudaSuccess) << cudaGetErrorString(error);
+    if (error != cudaSuccess) return false;
+    if (!signal_values.empty()) {
+      const std::vector<uint32_t> words = kernel_test::Download<uint32_t>(signal, 2);
+      out->signals.push_back({words[0], words[1]});
+    }
+  }
   out->o = kernel_test::Download<uint8_t>(o, poison.size());
   out->lse = kernel_test::Download<float>(lse, lse_poison.size());
   return true;
@@ -485,6 +502,39 @@ TEST(TensorCoreDecodeDeterminismTest, RequestResultIsBitwiseBatchInvariant) {
   base.group = 8;
   base.kernel = DecodeKernelChoice::kTensorCore;
   ExpectBatchInvariant(base);
+}
+
+// A channel layer's done word set by the decode's last grid (BatchDecodeArgs::done, DESIGN 3b):
+// each launch sets the word to its value and leaves the counter at zero for the next, whichever
+// grid is last (the decode kernel, or the merge of a split plan), and o and lse are bitwise those
+// of a launch without the signal.
+TEST(DecodeSignalTest, LastGridSetsTheWordAndLeavesTheCounterZero) {
+  ATTND_SKIP_WITHOUT_GPU();
+  for (const DecodeKernelChoice kernel : {DecodeKernelChoice::kTensorCore, DecodeKernelChoice::kCudaCore}) {
+    for (const Split split : {Split::kDisabled, Split::kFixed}) {
+      DecodeCase c;
+      c.kernel = kernel;
+      c.split = split;
+      c.fixed_split_tokens = 64;
+      c.lengths = {0, 1, 17, 300, 1029, 4000, 64};
+      DecodeProblem problem = MakeProblem(c);
+      SCOPED_TRACE(CaseName(c));
+      DecodeOutput plain, signalled;
+      ASSERT_TRUE(RunGpuDecode(problem, &plain));
+      const std::vector<uint32_t> values = {1, 2, 0x80000005u};
+      ASSERT_TRUE(RunGpuDecode(problem, &signalled, values));
+      EXPECT_EQ(plain.plan.split_kv, split == Split::kFixed) << plain.plan.DebugString();
+      ASSERT_EQ(signalled.signals.size(), values.size());
+      for (size_t i = 0; i < values.size(); ++i) {
+        EXPECT_EQ(signalled.signals[i].first, values[i]) << "launch " << i << ": the word";
+        EXPECT_EQ(signalled.signals[i].second, 0u) << "launch " << i << ": the counter";
+      }
+      EXPECT_EQ(plain.o, signalled.o) << "o differs with the signal";
+      EXPECT_EQ(std::memcmp(plain.lse.data(), signalled.lse.data(), plain.lse.size() * sizeof(float)), 0)
+          << "lse differs with the signal";
+      ExpectMatchesReference(problem, signalled, RunReference(problem));
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(KvDtypes, DecodeDeterminismTest,

@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attnd/kernels/attention_params.h"
+#include "attnd/kernels/cuda/grid_signal.h"
 #include "attnd/kernels/views.h"
 #include "plan/decode_work.h"
 
@@ -66,6 +67,10 @@ struct BatchDecodeArgs {
   float* lse = nullptr;       // [T_q][num_qo_heads] natural log, or null
   void* workspace = nullptr;  // 256-byte aligned, BatchDecodeWorkspaceBytes(work.num_partials..)
   int64_t workspace_bytes = 0;
+  // Optional: the launch's last grid (the merge where the plan splits, else the decode) sets
+  // done.word to done.value itself once o and lse are stored (grid_signal.h); a plan with no
+  // item sets it with a one-thread kernel after the stream's earlier work.
+  GridSignal done;
 };
 
 // Launches the plan's decode kernel (work.kernel), then MergeStates when the plan splits, on

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "attnd/kernels/cuda/grid_signal.h"
 #include "attnd/kernels/views.h"
 
 namespace attnd::cuda {
@@ -28,6 +29,9 @@ struct MergeStatesArgs {
   int32_t head_dim = 0;  // multiple of 4, at most 512
   TokenHeadsView o;      // [*][num_heads][head_dim], fp16, bf16 or fp32
   float* lse = nullptr;  // [*][num_heads] natural log, or null
+  // Optional: set by the last CTA once o and lse are stored (grid_signal.h). With no row to
+  // merge nothing is launched and the word is not written: the caller signals.
+  GridSignal done;
 };
 
 // Rows with no partial, or whose partials all saw no key, get o = 0 and lse = -inf. Launches
