@@ -10,7 +10,7 @@ namespace attnd::cuda {
 
 struct GridSignal {
   // Device memory (this GPU's, or mapped from a peer's); null: no signal. Set to `value` with a
-  // system-scope release store, after a system-scope fence by every thread of the grid.
+  // system-scope release store by the last CTA, after every CTA's stores are fenced.
   uint32_t* word = nullptr;
   uint32_t value = 0;
   // A 32-bit word of this GPU, zero, that no other launch uses at the same time: the CTAs count
