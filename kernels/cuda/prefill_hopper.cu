@@ -1,7 +1,8 @@
 // Batch prefill on Hopper (sm_90a): instantiations and the launcher of the warp-specialised wgmma
 // kernel (prefill_hopper_kernel.cuh). Built only for compute_90a/sm_90a (prefill.cmake), when 90
-// is among ATTND_CUDA_ARCHITECTURES; 24 kernels: head_dim 64, 128 and 256 x bf16 and fp16 x
-// with and without a soft cap x the fixed layout's and works on demand.
+// is among ATTND_CUDA_ARCHITECTURES; 28 kernels: head_dim 64, 128 and 256 x bf16 and fp16 x
+// with and without a soft cap x the fixed layout's and works on demand, and at head_dim 128 the
+// fixed layout's pipelined across works (4 more).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -16,9 +17,26 @@ namespace {
 // buffer and 64-key tiles at 256: 192 KB too), one CTA per SM.
 constexpr int kStages = 2;
 
+// The fixed layout's kernel, pipelined across works or not (ConsumeWorks's kAcrossWorks): at
+// head_dim 128 both, elsewhere only the one that drains after each work.
+// ATTND_PREFILL_ACROSS_WORKS=0 turns the pipelined loop off (tests compare the bits of both; read
+// at every launch, so that a test can switch it).
+bool AcrossWorksAllowed() {
+  const char* value = std::getenv("ATTND_PREFILL_ACROSS_WORKS");
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+
+template <typename Shape, typename T, bool kSoftCap>
+auto FixedLayoutKernel(bool across_works) {
+  if constexpr (Shape::kHeadDim == 128) {
+    if (across_works && AcrossWorksAllowed()) return &hopper::HopperPrefillKernel<Shape, T, kSoftCap, true>;
+  }
+  return &hopper::HopperPrefillKernel<Shape, T, kSoftCap, false>;
+}
+
 template <int kHeadDim, typename T>
 cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, int32_t grid_ctas, cudaStream_t stream,
-                             int* ctas_per_sm) {
+                             int* ctas_per_sm, bool short_works) {
   using Shape = hopper::HopperShape<kHeadDim, kStages>;
   // A launch with a soft cap runs the kernel compiled with it (its tile loop is ~700 instructions
   // longer); the one without keeps the loop short for the instruction cache.
@@ -27,8 +45,8 @@ cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, int32
   auto* kernel = params.work_counter != nullptr
                      ? (soft_cap ? &hopper::HopperPrefillOnDemandKernel<Shape, T, true>
                                  : &hopper::HopperPrefillOnDemandKernel<Shape, T, false>)
-                     : (soft_cap ? &hopper::HopperPrefillKernel<Shape, T, true>
-                                 : &hopper::HopperPrefillKernel<Shape, T, false>);
+                     : (soft_cap ? FixedLayoutKernel<Shape, T, true>(short_works)
+                                 : FixedLayoutKernel<Shape, T, false>(short_works));
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
   if (error != cudaSuccess) return error;
   if (ctas_per_sm != nullptr) {
@@ -56,19 +74,19 @@ cudaError_t LaunchHopperTile(const KernelParams& params, int32_t num_ctas, int32
 }  // namespace
 
 cudaError_t LaunchPrefillHopper(const KernelParams& params, int32_t head_dim, DType dtype, int32_t num_ctas,
-                                int32_t grid_ctas, cudaStream_t stream, int* ctas_per_sm) {
+                                int32_t grid_ctas, cudaStream_t stream, int* ctas_per_sm, bool short_works) {
   if (!HopperPrefillSupports(head_dim, dtype, dtype)) return cudaErrorInvalidValue;
   const bool bf16 = dtype == DType::kBFloat16;
   if (head_dim == 128) {
-    return bf16 ? LaunchHopperTile<128, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm)
-                : LaunchHopperTile<128, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm);
+    return bf16 ? LaunchHopperTile<128, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm, short_works)
+                : LaunchHopperTile<128, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm, short_works);
   }
   if (head_dim == 256) {
-    return bf16 ? LaunchHopperTile<256, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm)
-                : LaunchHopperTile<256, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm);
+    return bf16 ? LaunchHopperTile<256, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm, short_works)
+                : LaunchHopperTile<256, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm, short_works);
   }
-  return bf16 ? LaunchHopperTile<64, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm)
-              : LaunchHopperTile<64, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm);
+  return bf16 ? LaunchHopperTile<64, __nv_bfloat16>(params, num_ctas, grid_ctas, stream, ctas_per_sm, short_works)
+              : LaunchHopperTile<64, __half>(params, num_ctas, grid_ctas, stream, ctas_per_sm, short_works);
 }
 
 }  // namespace attnd::cuda::prefill

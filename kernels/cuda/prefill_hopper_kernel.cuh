@@ -121,243 +121,34 @@ __device__ __forceinline__ void Softmax(float (&s)[kN], float (&row_max)[2], flo
   }
 }
 
-// `first`: as for ProduceKv. From the CTA's second work on, the caller has waited for Q full
-// (which also brought `work`'s record).
-template <typename Shape, typename T, bool kSoftCap>
-__device__ __forceinline__ void Consume(const KernelParams& params, const CtaWork& work, uint32_t smem,
-                                        uint8_t* smem_generic, int first, int round) {
+// What a work's epilogue needs once its tile loop is over: ConsumeWorks keeps it while the next
+// work's first tile runs (the Q buffer that held the work's record may be the producer's again).
+struct FinishedWork {
+  int index;
+  int kv_head;
+  int qo_start;
+  int row_start;  // this consumer's first packed row
+  int row_end;
+  float row_max[2];
+  float row_sum[2];
+};
+
+// A finished work's epilogue: o normalised into the output or, for a split item, fp32 partials for
+// MergeStates. Its last P V has completed.
+template <typename Shape, typename T>
+__device__ __forceinline__ void StoreOutputs(const KernelParams& params, const FinishedWork& work,
+                                             float (&o)[Shape::kHeadDim / 2]) {
   constexpr int kHeadDim = Shape::kHeadDim;
-  constexpr int kStages = Shape::kStages;
-  constexpr int kTileKv = Shape::kTileKv;
-  constexpr int kOut = kHeadDim / 2;  // O accumulators per thread
-  constexpr int kScores = kTileKv / 2;  // S accumulators per thread
-  const int consumer = threadIdx.x / 128 - 1;
+  constexpr int kOut = kHeadDim / 2;
   const int thread = threadIdx.x % 128;
   const int warp = thread / 32;
   const int lane = thread % 32;
   const int group = params.group_size;
-  const int buffer = round % Shape::kQBuffers;
-  const uint32_t q_smem = QSmem<Shape>(smem, buffer, consumer);
-  const uint32_t barriers = smem + Shape::kBarrierOffset;
-  const int consumer_row_start = work.row_start + 64 * consumer;
-
-  // --- Q: this consumer's 64 rows. The CTA's first work loads them here, beside the producer's
-  // first K tile; the producer loads every later work's into the other buffer early in the one
-  // before (ProduceQ), and the caller waited for them.
-  if (round == 0) {
-    CopyQRows<Shape, T, 64>(params, work, smem, buffer, 64 * consumer, thread);
-    CpAsyncWaitAll();
-    FenceProxyAsync();  // the copies were generic-proxy writes; wgmma reads through the async proxy
-    NamedBarrierSync(kConsumerBarrier + consumer, 128);
-  } else {
-    FenceProxyAsync();  // as above, for the producer's copies
-  }
-
-  // Rows of this thread: g and g + 8 of its warp's 16 (the wgmma accumulator layout).
-  int row_position[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int packed = consumer_row_start + 16 * warp + 8 * h + lane / 4;
-    row_position[h] = work.position_offset + DivideByGroup(params, packed);
-  }
-
-  const SoftmaxParams sp = SoftmaxParams::Of(params.score_scale, params.soft_cap);
-
-  float o[kOut];
-#pragma unroll
-  for (int i = 0; i < kOut; ++i) o[i] = 0.0f;
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.0f, 0.0f};
-  float rescale[2] = {1.0f, 1.0f};
-  float s[kScores];  // the first k-step of every Q K^T overwrites it; zeroed so it is never undefined
-#pragma unroll
-  for (int i = 0; i < kScores; ++i) s[i] = 0.0f;
-  uint32_t p[kTileKv / 16][4];  // P of the previous tile as the A operand of m64nDk16, 16 keys per step
-
-  const uint64_t q_descriptor = MatrixDescriptor(q_smem, 16, 1024);
-  auto issue_qk = [&](int stage) {
-    const uint64_t k_descriptor = MatrixDescriptor(smem + Shape::kKOffset + stage * Shape::kKvBytes, 16, 1024);
-    WgmmaFence();
-#pragma unroll
-    for (int step = 0; step < kHeadDim / 16; ++step) {
-      const uint32_t q_bytes = (step / 4) * Shape::kQBlockBytes + (step % 4) * 32;
-      const uint32_t k_bytes = (step / 4) * Shape::kKvBlockBytes + (step % 4) * 32;
-      WgmmaSS<kTileKv, T>(s, AdvanceDescriptor(q_descriptor, q_bytes), AdvanceDescriptor(k_descriptor, k_bytes),
-                          step > 0 ? 1 : 0);
-    }
-    WgmmaCommit();
-  };
-  auto issue_pv = [&](int stage) {
-    const uint64_t v_descriptor =
-        MatrixDescriptor(smem + Shape::kVOffset + stage * Shape::kKvBytes, Shape::kKvBlockBytes, 1024);
-    WgmmaFence();
-#pragma unroll
-    for (int step = 0; step < kTileKv / 16; ++step) {
-      WgmmaRS<kHeadDim, T>(o, p[step], AdvanceDescriptor(v_descriptor, step * 16 * 128));
-    }
-    WgmmaCommit();
-  };
-  auto mask = [&](int tile) {
-    const int tile_start = work.kv_begin + tile * kTileKv;
-    const int tile_end = tile_start + kTileKv;
-    // Per-element masking only where some row of the tile can see a masked key.
-    const bool needs_mask = tile_end > work.kv_end || (params.causal && tile_end - 1 > work.first_position) ||
-                            (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
-    if (!needs_mask) return;
-    // Per row the keys it sees (VisibleKeys), as offsets from this thread's first key: two
-    // compares with constants per element.
-    const int base = tile_start + 2 * (lane % 4);
-    const KeyRange rows[2] = {VisibleKeys(params, work.kv_end, row_position[0], base),
-                              VisibleKeys(params, work.kv_end, row_position[1], base)};
-#pragma unroll
-    for (int j = 0; j < kTileKv / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int offset = 8 * j + (e % 2);
-        if (offset >= rows[e / 2].high || offset < rows[e / 2].low) s[4 * j + e] = -INFINITY;
-      }
-    }
-  };
-  // After V of `tile` is full: in a tile that hides keys the producer zeroed V's non-finite
-  // values and set their rows' bits (ProduceKv); a row that sees a flagged key gets a NaN sum.
-  // Almost always no bit is set: one 16-byte read (8 bytes with 64-key tiles).
-  auto mark_bad_v = [&](int tile) {
-    const int tile_start = work.kv_begin + tile * kTileKv;
-    const bool hides_keys = (params.causal && min(tile_start + kTileKv, work.kv_end) - 1 > work.first_position) ||
-                            (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
-    if (!hides_keys) return;
-    constexpr int kWords = kTileKv / 32;
-    const uint8_t* flag_bytes = smem_generic + Shape::kFlagOffset + ((first + tile) % kStages) * Shape::kFlagBytes;
-    uint32_t words[kWords];
-    if constexpr (kWords == 4) {
-      const uint4 bad = *reinterpret_cast<const uint4*>(flag_bytes);
-      if ((bad.x | bad.y | bad.z | bad.w) == 0) return;
-      words[0] = bad.x;
-      words[1] = bad.y;
-      words[2] = bad.z;
-      words[3] = bad.w;
-    } else {
-      static_assert(kWords == 2, "flag words");
-      const uint2 bad = *reinterpret_cast<const uint2*>(flag_bytes);
-      if ((bad.x | bad.y) == 0) return;
-      words[0] = bad.x;
-      words[1] = bad.y;
-    }
-    // This thread's keys in word w (offsets 32w + 8i + 2t + e, i < 4, e < 2, t = lane % 4), and a
-    // row's visible ones [low, high) as a mask per word.
-    const uint32_t mine = 0x03030303u << (2 * (lane % 4));
-    auto below = [](int n) { return n <= 0 ? 0u : n >= 32 ? ~0u : (1u << n) - 1u; };  // bits [0, n)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const KeyRange row = VisibleKeys(params, work.kv_end, row_position[h], tile_start);
-      uint32_t seen = 0;
-#pragma unroll
-      for (int w = 0; w < kWords; ++w) seen |= words[w] & mine & below(row.high - 32 * w) & ~below(row.low - 32 * w);
-      if (seen != 0) row_sum[h] = NAN;
-    }
-  };
-  auto convert_p = [&] {
-#pragma unroll
-    for (int step = 0; step < kTileKv / 16; ++step) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) p[step][i] = PackFloat2<T>(s[8 * step + 2 * i], s[8 * step + 2 * i + 1]);
-    }
-  };
-  auto fence_p = [&] {
-#pragma unroll
-    for (int step = 0; step < kTileKv / 16; ++step) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) FenceRegister(p[step][i]);
-    }
-  };
-  // Once the running maxima settle, most tiles move none of the warp's rows: skip multiplying
-  // every accumulator by exactly 1 (bitwise the same result, 64 instructions fewer per tile).
-  auto rescale_o = [&] {
-    if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
-#pragma unroll
-      for (int i = 0; i < kOut; ++i) o[i] *= rescale[(i / 2) % 2];
-    }
-  };
-  // Releases a stage once this warp's wgmma reads of it have completed (8 arrivals empty it).
-  auto release = [&](uint32_t empty) {
-    __syncwarp();
-    if (lane == 0) MbarrierArrive(empty);
-  };
-  auto k_full = [&](int tile) { return barriers + 8 * ((first + tile) % kStages); };
-  auto k_empty = [&](int tile) { return barriers + 8 * (kStages + (first + tile) % kStages); };
-  auto v_full = [&](int tile) { return barriers + 8 * (2 * kStages + (first + tile) % kStages); };
-  auto v_empty = [&](int tile) { return barriers + 8 * (3 * kStages + (first + tile) % kStages); };
-  auto parity = [&](int tile) { return static_cast<uint32_t>(((first + tile) / kStages) & 1); };
-  auto stage_of = [&](int tile) { return (first + tile) % kStages; };
-  // Turn-taking: each consumer waits on its own barrier before issuing and then opens the
-  // other's, over the CTA's whole sequence of tiles (every work's, in order), not per work.
-  // Consumer 0 opens its own turn once, before the CTA's first tile, and takes the turn consumer
-  // 1 opens after the CTA's last tile once its works are done (HopperPrefillKernel), so every
-  // phase of both barriers completes and none is left half-arrived. (Per work, with consumer 0
-  // reopening itself at each work, a work of one tile let consumer 0 run a whole work ahead: two
-  // of its arrivals on consumer 1's barrier then made a phase without consumer 1, whose next sync
-  // waited forever: an intermittent hang at 64-token requests, found by the e2e bench on an
-  // H100.) Consumer 1 used to skip that last opening instead, which needed the CTA's tile count
-  // up front: every work decoded once more before the first.
-  const uint32_t my_turn = kTurnBarrier + consumer;
-  const uint32_t other_turn = kTurnBarrier + (1 - consumer);
-
-  const int n = work.num_kv_tiles;
-  if (n > 0) {
-    if (consumer == 0 && first == 0) NamedBarrierArrive(my_turn, 256);
-    MbarrierWait(k_full(0), parity(0));
-    FenceProxyAsync();
-    NamedBarrierSync(my_turn, 256);
-    issue_qk(stage_of(0));
-    NamedBarrierArrive(other_turn, 256);
-    WgmmaWait<0>();
-    FenceRegisters(s);
-    release(k_empty(0));
-    SoftCap<kSoftCap>(s, sp);
-    mask(0);
-    Softmax(s, row_max, row_sum, rescale, sp);
-    convert_p();
-
-    for (int tile = 1; tile < n; ++tile) {
-      MbarrierWait(k_full(tile), parity(tile));
-      FenceProxyAsync();
-      NamedBarrierSync(my_turn, 256);
-      issue_qk(stage_of(tile));
-      rescale_o();  // by the previous tile's factor, before P_{j-1} V_{j-1} adds to O
-      MbarrierWait(v_full(tile - 1), parity(tile - 1));
-      FenceProxyAsync();
-      issue_pv(stage_of(tile - 1));
-      mark_bad_v(tile - 1);
-      NamedBarrierArrive(other_turn, 256);
-      WgmmaWait<1>();  // Q K_j^T has completed; P_{j-1} V_{j-1} may still run
-      FenceRegisters(s);
-      release(k_empty(tile));
-      SoftCap<kSoftCap>(s, sp);
-      mask(tile);
-      Softmax(s, row_max, row_sum, rescale, sp);
-      WgmmaWait<0>();
-      FenceRegisters(o);
-      fence_p();
-      release(v_empty(tile - 1));
-      convert_p();
-    }
-
-    MbarrierWait(v_full(n - 1), parity(n - 1));
-    FenceProxyAsync();
-    rescale_o();
-    issue_pv(stage_of(n - 1));
-    mark_bad_v(n - 1);
-    WgmmaWait<0>();
-    FenceRegisters(o);
-    fence_p();
-    release(v_empty(n - 1));
-  }
-  // This warp's Q K^T products have completed: the producer may load work round + kQBuffers's rows
-  // here.
-  release(QEmpty<Shape>(smem, buffer));
-
-  // A split item writes fp32 partials (normalised by its own sum) for MergeStates. Read after
-  // the loop (no register holds it there), before the row sums, which hide its latency.
+  const int consumer_row_start = work.row_start;
+  float row_sum[2] = {work.row_sum[0], work.row_sum[1]};
+  const float row_max[2] = {work.row_max[0], work.row_max[1]};
+  // A split item writes fp32 partials (normalised by its own sum) for MergeStates. Read here (no
+  // register holds it through the tile loop), before the row sums, which hide its latency.
   const WorkItem* my_item = params.items + work.index;
   const int partial_first = __ldcg(&my_item->partial_first);
   const int partial_stride = __ldcg(&my_item->partial_stride);
@@ -450,6 +241,344 @@ __device__ __forceinline__ void Consume(const KernelParams& params, const CtaWor
   }
 }
 
+// Programmatic dependent launch (launch.cuh): the kernel after this one may be scheduled once
+// every CTA of this one ran this; and this thread waits until the kernel before completed and
+// its writes are visible (at once after an ordinary launch).
+__device__ __forceinline__ void LaunchDependentGrids() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void WaitForPrecedingGrid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// A consumer warpgroup's part of the CTA: its 64 rows of every work the CTA gets, in order.
+// `next_work(round, work)` stores the CTA's round-th work in `work` and says whether there is
+// one; from the second round on it has waited for that round's Q full (which also brought the
+// work's record). Returns the CTA's KV tiles (the producer's `first` after its last work).
+//
+// kAcrossWorks: the tile loop does not drain between works. A work's last P V is issued in the
+// next work's first turn, just before that work's first Q K^T, and the work's epilogue runs while
+// Q K_0^T is on the tensor cores, instead of the last P V, the epilogue and the first Q K^T each
+// waiting for the one before. Every work's arithmetic is unchanged, so are the bits. On an H100
+// (docs/benchmarks.md) this took 5-7% off prompts of 64 and 128 tokens (works of one KV tile),
+// 0.7% slower at two tiles and 1.3% at long works (the same tile loop, compiled differently), so
+// the launch takes it only where every work has one tile (plan::PrefillLaunch::short_works).
+template <typename Shape, typename T, bool kSoftCap, bool kAcrossWorks, typename NextWork>
+__device__ __forceinline__ int ConsumeWorks(const KernelParams& params, uint32_t smem, uint8_t* smem_generic,
+                                            NextWork&& next_work) {
+  constexpr int kHeadDim = Shape::kHeadDim;
+  constexpr int kStages = Shape::kStages;
+  constexpr int kTileKv = Shape::kTileKv;
+  constexpr int kOut = kHeadDim / 2;  // O accumulators per thread
+  constexpr int kScores = kTileKv / 2;  // S accumulators per thread
+  const int consumer = threadIdx.x / 128 - 1;
+  const int thread = threadIdx.x % 128;
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  const uint32_t barriers = smem + Shape::kBarrierOffset;
+  const SoftmaxParams sp = SoftmaxParams::Of(params.score_scale, params.soft_cap);
+
+  float o[kOut];
+#pragma unroll
+  for (int i = 0; i < kOut; ++i) o[i] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.0f, 0.0f};
+  float rescale[2] = {1.0f, 1.0f};
+  float s[kScores];  // the first k-step of every Q K^T overwrites it; zeroed so it is never undefined
+#pragma unroll
+  for (int i = 0; i < kScores; ++i) s[i] = 0.0f;
+  uint32_t p[kTileKv / 16][4];  // P of the previous tile as the A operand of m64nDk16, 16 keys per step
+
+  auto issue_pv = [&](int stage) {
+    const uint64_t v_descriptor =
+        MatrixDescriptor(smem + Shape::kVOffset + stage * Shape::kKvBytes, Shape::kKvBlockBytes, 1024);
+    WgmmaFence();
+#pragma unroll
+    for (int step = 0; step < kTileKv / 16; ++step) {
+      WgmmaRS<kHeadDim, T>(o, p[step], AdvanceDescriptor(v_descriptor, step * 16 * 128));
+    }
+    WgmmaCommit();
+  };
+  auto convert_p = [&] {
+#pragma unroll
+    for (int step = 0; step < kTileKv / 16; ++step) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) p[step][i] = PackFloat2<T>(s[8 * step + 2 * i], s[8 * step + 2 * i + 1]);
+    }
+  };
+  auto fence_p = [&] {
+#pragma unroll
+    for (int step = 0; step < kTileKv / 16; ++step) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) FenceRegister(p[step][i]);
+    }
+  };
+  // Once the running maxima settle, most tiles move none of the warp's rows: skip multiplying
+  // every accumulator by exactly 1 (bitwise the same result, 64 instructions fewer per tile).
+  auto rescale_o = [&] {
+    if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
+#pragma unroll
+      for (int i = 0; i < kOut; ++i) o[i] *= rescale[(i / 2) % 2];
+    }
+  };
+  // Releases a stage once this warp's wgmma reads of it have completed (8 arrivals empty it).
+  auto release = [&](uint32_t empty) {
+    __syncwarp();
+    if (lane == 0) MbarrierArrive(empty);
+  };
+  // Stages and phases by the CTA's tile index g (every work's tiles, in order).
+  auto k_full_at = [&](int g) { return barriers + 8 * (g % kStages); };
+  auto k_empty_at = [&](int g) { return barriers + 8 * (kStages + g % kStages); };
+  auto v_full_at = [&](int g) { return barriers + 8 * (2 * kStages + g % kStages); };
+  auto v_empty_at = [&](int g) { return barriers + 8 * (3 * kStages + g % kStages); };
+  auto parity_at = [&](int g) { return static_cast<uint32_t>((g / kStages) & 1); };
+  // Turn-taking: each consumer waits on its own barrier before issuing and then opens the
+  // other's, over the CTA's whole sequence of tiles (every work's, in order), not per work.
+  // Consumer 0 opens its own turn once, before the CTA's first tile, and takes the turn consumer
+  // 1 opens after the CTA's last tile once its works are done (HopperPrefillKernel), so every
+  // phase of both barriers completes and none is left half-arrived. (Per work, with consumer 0
+  // reopening itself at each work, a work of one tile let consumer 0 run a whole work ahead: two
+  // of its arrivals on consumer 1's barrier then made a phase without consumer 1, whose next sync
+  // waited forever: an intermittent hang at 64-token requests, found by the e2e bench on an
+  // H100.) Consumer 1 used to skip that last opening instead, which needed the CTA's tile count
+  // up front: every work decoded once more before the first.
+  const uint32_t my_turn = kTurnBarrier + consumer;
+  const uint32_t other_turn = kTurnBarrier + (1 - consumer);
+
+  // The work whose tile loop is over but whose last P V (tile first - 1, V full already waited
+  // for) and epilogue are not done yet.
+  FinishedWork pending;
+  bool has_pending = false;
+  auto zero_o = [&] {
+#pragma unroll
+    for (int i = 0; i < kOut; ++i) o[i] = 0.0f;
+  };
+  int first = 0;  // the CTA's tiles before this work
+  // The pending work's last P V alone, then its epilogue (before a work of no tiles, and at the end).
+  auto drain = [&] {
+    rescale_o();
+    issue_pv((first - 1) % kStages);
+    WgmmaWait<0>();
+    FenceRegisters(o);
+    fence_p();
+    release(v_empty_at(first - 1));
+    StoreOutputs<Shape, T>(params, pending, o);
+    zero_o();
+    has_pending = false;
+  };
+
+  for (int round = 0;; ++round) {
+    CtaWork work;
+    if (!next_work(round, work)) break;
+    if (first == 0) WaitForPrecedingGrid();
+    const int buffer = round % Shape::kQBuffers;
+    const uint32_t q_smem = QSmem<Shape>(smem, buffer, consumer);
+    const int consumer_row_start = work.row_start + 64 * consumer;
+
+    // --- Q: this consumer's 64 rows. The CTA's first work loads them here, beside the producer's
+    // first K tile; the producer loads every later work's into the other buffer early in the one
+    // before (ProduceQ), and next_work waited for them.
+    if (round == 0) {
+      CopyQRows<Shape, T, 64>(params, work, smem, buffer, 64 * consumer, thread);
+      CpAsyncWaitAll();
+      FenceProxyAsync();  // the copies were generic-proxy writes; wgmma reads through the async proxy
+      NamedBarrierSync(kConsumerBarrier + consumer, 128);
+    } else {
+      FenceProxyAsync();  // as above, for the producer's copies
+    }
+
+    // Rows of this thread: g and g + 8 of its warp's 16 (the wgmma accumulator layout).
+    int row_position[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int packed = consumer_row_start + 16 * warp + 8 * h + lane / 4;
+      row_position[h] = work.position_offset + DivideByGroup(params, packed);
+    }
+
+    const uint64_t q_descriptor = MatrixDescriptor(q_smem, 16, 1024);
+    auto issue_qk = [&](int stage) {
+      const uint64_t k_descriptor = MatrixDescriptor(smem + Shape::kKOffset + stage * Shape::kKvBytes, 16, 1024);
+      WgmmaFence();
+#pragma unroll
+      for (int step = 0; step < kHeadDim / 16; ++step) {
+        const uint32_t q_bytes = (step / 4) * Shape::kQBlockBytes + (step % 4) * 32;
+        const uint32_t k_bytes = (step / 4) * Shape::kKvBlockBytes + (step % 4) * 32;
+        WgmmaSS<kTileKv, T>(s, AdvanceDescriptor(q_descriptor, q_bytes), AdvanceDescriptor(k_descriptor, k_bytes),
+                            step > 0 ? 1 : 0);
+      }
+      WgmmaCommit();
+    };
+    auto mask = [&](int tile) {
+      const int tile_start = work.kv_begin + tile * kTileKv;
+      const int tile_end = tile_start + kTileKv;
+      // Per-element masking only where some row of the tile can see a masked key.
+      const bool needs_mask = tile_end > work.kv_end || (params.causal && tile_end - 1 > work.first_position) ||
+                              (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
+      if (!needs_mask) return;
+      // Per row the keys it sees (VisibleKeys), as offsets from this thread's first key: two
+      // compares with constants per element.
+      const int base = tile_start + 2 * (lane % 4);
+      const KeyRange rows[2] = {VisibleKeys(params, work.kv_end, row_position[0], base),
+                                VisibleKeys(params, work.kv_end, row_position[1], base)};
+#pragma unroll
+      for (int j = 0; j < kTileKv / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int offset = 8 * j + (e % 2);
+          if (offset >= rows[e / 2].high || offset < rows[e / 2].low) s[4 * j + e] = -INFINITY;
+        }
+      }
+    };
+    // After V of `tile` is full: in a tile that hides keys the producer zeroed V's non-finite
+    // values and set their rows' bits (ProduceKv); a row that sees a flagged key gets a NaN sum.
+    // Almost always no bit is set: one 16-byte read (8 bytes with 64-key tiles).
+    auto mark_bad_v = [&](int tile) {
+      const int tile_start = work.kv_begin + tile * kTileKv;
+      const bool hides_keys = (params.causal && min(tile_start + kTileKv, work.kv_end) - 1 > work.first_position) ||
+                              (params.window_left >= 0 && tile_start < work.last_position - params.window_left);
+      if (!hides_keys) return;
+      constexpr int kWords = kTileKv / 32;
+      const uint8_t* flag_bytes = smem_generic + Shape::kFlagOffset + ((first + tile) % kStages) * Shape::kFlagBytes;
+      uint32_t words[kWords];
+      if constexpr (kWords == 4) {
+        const uint4 bad = *reinterpret_cast<const uint4*>(flag_bytes);
+        if ((bad.x | bad.y | bad.z | bad.w) == 0) return;
+        words[0] = bad.x;
+        words[1] = bad.y;
+        words[2] = bad.z;
+        words[3] = bad.w;
+      } else {
+        static_assert(kWords == 2, "flag words");
+        const uint2 bad = *reinterpret_cast<const uint2*>(flag_bytes);
+        if ((bad.x | bad.y) == 0) return;
+        words[0] = bad.x;
+        words[1] = bad.y;
+      }
+      // This thread's keys in word w (offsets 32w + 8i + 2t + e, i < 4, e < 2, t = lane % 4), and a
+      // row's visible ones [low, high) as a mask per word.
+      const uint32_t mine = 0x03030303u << (2 * (lane % 4));
+      auto below = [](int n) { return n <= 0 ? 0u : n >= 32 ? ~0u : (1u << n) - 1u; };  // bits [0, n)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const KeyRange row = VisibleKeys(params, work.kv_end, row_position[h], tile_start);
+        uint32_t seen = 0;
+#pragma unroll
+        for (int w = 0; w < kWords; ++w) seen |= words[w] & mine & below(row.high - 32 * w) & ~below(row.low - 32 * w);
+        if (seen != 0) row_sum[h] = NAN;
+      }
+    };
+    auto k_full = [&](int tile) { return k_full_at(first + tile); };
+    auto k_empty = [&](int tile) { return k_empty_at(first + tile); };
+    auto v_full = [&](int tile) { return v_full_at(first + tile); };
+    auto v_empty = [&](int tile) { return v_empty_at(first + tile); };
+    auto parity = [&](int tile) { return parity_at(first + tile); };
+    auto stage_of = [&](int tile) { return (first + tile) % kStages; };
+    auto finished = [&] {
+      FinishedWork done;
+      done.index = work.index;
+      done.kv_head = work.kv_head;
+      done.qo_start = work.qo_start;
+      done.row_start = consumer_row_start;
+      done.row_end = work.row_end;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        done.row_max[h] = row_max[h];
+        done.row_sum[h] = row_sum[h];
+      }
+      return done;
+    };
+
+    const int n = work.num_kv_tiles;
+    if (n == 0) {
+      // No keys: o = 0, lse = -inf (row_max and row_sum are fresh). A pending work stays pending
+      // (no wgmma here: a drain in this branch made ptxas serialize every wgmma of the kernel).
+      release(QEmpty<Shape>(smem, buffer));
+      float no_keys[kOut];
+#pragma unroll
+      for (int i = 0; i < kOut; ++i) no_keys[i] = 0.0f;
+      StoreOutputs<Shape, T>(params, finished(), no_keys);
+      continue;
+    }
+    if (consumer == 0 && first == 0) NamedBarrierArrive(my_turn, 256);
+    MbarrierWait(k_full(0), parity(0));
+    FenceProxyAsync();
+    NamedBarrierSync(my_turn, 256);
+    // Each branch waits for its own wgmma groups.
+    if (kAcrossWorks && has_pending) {
+      // The pending work's last P V first, so that its epilogue can run while Q K_0^T does.
+      rescale_o();  // by the pending work's last factor
+      issue_pv(stage_of(-1));
+      issue_qk(stage_of(0));
+      NamedBarrierArrive(other_turn, 256);
+      WgmmaWait<1>();  // the pending work's last P V has completed; Q K_0^T may still run
+      FenceRegisters(o);
+      fence_p();
+      release(v_empty(-1));
+      StoreOutputs<Shape, T>(params, pending, o);
+      zero_o();
+      has_pending = false;
+      WgmmaWait<0>();
+    } else {
+      issue_qk(stage_of(0));
+      NamedBarrierArrive(other_turn, 256);
+      WgmmaWait<0>();
+    }
+    FenceRegisters(s);
+    release(k_empty(0));
+    SoftCap<kSoftCap>(s, sp);
+    mask(0);
+    Softmax(s, row_max, row_sum, rescale, sp);
+    convert_p();
+
+    for (int tile = 1; tile < n; ++tile) {
+      MbarrierWait(k_full(tile), parity(tile));
+      FenceProxyAsync();
+      NamedBarrierSync(my_turn, 256);
+      issue_qk(stage_of(tile));
+      rescale_o();  // by the previous tile's factor, before P_{j-1} V_{j-1} adds to O
+      MbarrierWait(v_full(tile - 1), parity(tile - 1));
+      FenceProxyAsync();
+      issue_pv(stage_of(tile - 1));
+      mark_bad_v(tile - 1);
+      NamedBarrierArrive(other_turn, 256);
+      WgmmaWait<1>();  // Q K_j^T has completed; P_{j-1} V_{j-1} may still run
+      FenceRegisters(s);
+      release(k_empty(tile));
+      SoftCap<kSoftCap>(s, sp);
+      mask(tile);
+      Softmax(s, row_max, row_sum, rescale, sp);
+      WgmmaWait<0>();
+      FenceRegisters(o);
+      fence_p();
+      release(v_empty(tile - 1));
+      convert_p();
+    }
+
+    // The last tile's V and its bad-value marks now; its P V goes with the next work's first Q K^T.
+    MbarrierWait(v_full(n - 1), parity(n - 1));
+    FenceProxyAsync();
+    mark_bad_v(n - 1);
+    // This warp's Q K^T products have completed: the producer may load work round + kQBuffers's
+    // rows here (and its record: `pending` keeps what the epilogue needs).
+    release(QEmpty<Shape>(smem, buffer));
+    pending = finished();
+    has_pending = true;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_max[h] = -INFINITY;
+      row_sum[h] = 0.0f;
+    }
+    first += n;
+    if constexpr (!kAcrossWorks) drain();
+  }
+  if (kAcrossWorks && has_pending) drain();
+  return first;
+}
+
 // The kernel's mbarriers (thread 0; SetUpSharedMemory syncs the CTA after).
 template <typename Shape>
 __device__ __forceinline__ void InitBarriers(uint32_t smem) {
@@ -484,22 +613,9 @@ __device__ __forceinline__ CtaSharedMemory SetUpSharedMemory(uint8_t* shared_byt
   return {smem, shared_bytes + (smem - raw)};
 }
 
-// Programmatic dependent launch (launch.cuh): the kernel after this one may be scheduled once
-// every CTA of this one ran this; and this thread waits until the kernel before completed and
-// its writes are visible (at once after an ordinary launch).
-__device__ __forceinline__ void LaunchDependentGrids() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void WaitForPrecedingGrid() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // T: the type of q, o and the cache (one 16-bit type).
-template <typename Shape, typename T, bool kSoftCap>
+// kAcrossWorks: ConsumeWorks's.
+template <typename Shape, typename T, bool kSoftCap, bool kAcrossWorks>
 __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_constant__ KernelParams params) {
   extern __shared__ __align__(1024) uint8_t shared_bytes[];
   const CtaSharedMemory shared = SetUpSharedMemory<Shape>(shared_bytes);
@@ -563,9 +679,9 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
     ClaimRegisters<kConsumerRegisters>();
     // The first work decoded here; every later one read from the record the producer stored
     // with its Q rows.
-    int first = 0;
-    for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
-      CtaWork work;
+    const int first = ConsumeWorks<Shape, T, kSoftCap, kAcrossWorks>(params, smem, smem_generic, [&](int round, CtaWork& work) {
+      const int index = work_index(round);
+      if (index >= params.num_work) return false;
       if (round == 0) {
         work = DecodeWork<Shape>(params, index);
       } else {
@@ -574,12 +690,10 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
         MbarrierWait(QFull<Shape>(smem, round % Shape::kQBuffers), ((round - 1) / Shape::kQBuffers) & 1);
         work = LoadWork<Shape>(smem_generic, round % Shape::kQBuffers);
       }
-      if (first == 0) WaitForPrecedingGrid();
-      Consume<Shape, T, kSoftCap>(params, work, smem, smem_generic, first, round);
-      first += work.num_kv_tiles;
-    }
+      return true;
+    });
     // Consumer 1 opened consumer 0's turn after the CTA's last tile: consumer 0 takes it, so
-    // that phase completes (see Consume's turn-taking).
+    // that phase completes (see ConsumeWorks's turn-taking).
     if (first > 0 && threadIdx.x / 128 == 1) NamedBarrierSync(kTurnBarrier, 256);
   }
 }
@@ -643,21 +757,16 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillOnDemandKernel(const
     CpAsyncWaitAll();
   } else {
     ClaimRegisters<kConsumerRegisters>();
-    int first = 0;
-    for (int round = 0;; ++round) {
-      CtaWork work;
+    const int first = ConsumeWorks<Shape, T, kSoftCap, false>(params, smem, smem_generic, [&](int round, CtaWork& work) {
       if (round == 0) {
-        if (first_index >= params.num_work) break;
+        if (first_index >= params.num_work) return false;
         work = DecodeWork<Shape>(params, first_index);
-      } else {
-        MbarrierWait(QFull<Shape>(smem, round % Shape::kQBuffers), ((round - 1) / Shape::kQBuffers) & 1);
-        work = LoadWork<Shape>(smem_generic, round % Shape::kWorkRecords);
-        if (work.index < 0) break;  // none left
+        return true;
       }
-      if (first == 0) WaitForPrecedingGrid();
-      Consume<Shape, T, kSoftCap>(params, work, smem, smem_generic, first, round);
-      first += work.num_kv_tiles;
-    }
+      MbarrierWait(QFull<Shape>(smem, round % Shape::kQBuffers), ((round - 1) / Shape::kQBuffers) & 1);
+      work = LoadWork<Shape>(smem_generic, round % Shape::kWorkRecords);
+      return work.index >= 0;  // none left
+    });
     // As HopperPrefillKernel: consumer 0 takes the turn consumer 1 opened after the last tile.
     if (first > 0 && threadIdx.x / 128 == 1) NamedBarrierSync(kTurnBarrier, 256);
   }

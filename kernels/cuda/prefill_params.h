@@ -94,8 +94,11 @@ inline constexpr int32_t kHopperTileRows = 128;
 // Launches the Hopper kernel over `num_ctas` CTAs' worth of work (items x KV heads) on
 // min(num_ctas, grid_ctas) persistent CTAs (grid_ctas 0: one CTA each), or reports its resident
 // CTAs per SM (as LaunchPrefillD*). Defined only when the build includes sm_90a code
-// (ATTND_PREFILL_HOPPER); runs only on compute capability 9.0.
+// (ATTND_PREFILL_HOPPER); runs only on compute capability 9.0. short_works (the launch's,
+// plan::PrefillLaunch::short_works): the head_dim 128 kernel pipelines its tile loop across works
+// (hopper::ConsumeWorks's kAcrossWorks); ignored on demand and at other head dims.
 cudaError_t LaunchPrefillHopper(const KernelParams& params, int32_t head_dim, DType dtype, int32_t num_ctas,
-                                int32_t grid_ctas, cudaStream_t stream, int* ctas_per_sm);
+                                int32_t grid_ctas, cudaStream_t stream, int* ctas_per_sm,
+                                bool short_works = false);
 
 }  // namespace attnd::cuda::prefill

@@ -377,6 +377,9 @@ absl::StatusOr<PrefillPlan> PlanPrefill(const PrefillPlanInput& input) {
       }
       launch.balanced_grid = BalancePersistentWork(items, launch.tile_rows, input.num_kv_heads, input.head_dim,
                                                    launch.grid_ctas, plan.items);
+      launch.short_works = std::all_of(items.begin(), items.end(), [](const auto& entry) {
+        return entry.second.kv_chunk_end - entry.second.kv_chunk_start <= kHopperShortWorkKeys;
+      });
     } else {
       for (const auto& [work, item] : items) plan.items.push_back(item);
     }

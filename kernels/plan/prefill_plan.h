@@ -86,6 +86,12 @@ struct PrefillWorkItem {
 };
 
 // One kernel launch: every item of one query tile size and kernel.
+// The longest work (keys of an item) of a Hopper launch that is "short" (PrefillLaunch::short_works):
+// one 128-key tile. On an H100 (docs/benchmarks.md, 2026-12-07) the pipelined loop took 5-7% off
+// prompts of 64 and 128 tokens, was 0.7% slower on works of two tiles (256-token prompts), and
+// 1.3% slower on long ones.
+inline constexpr int32_t kHopperShortWorkKeys = 128;
+
 struct PrefillLaunch {
   PrefillKernel kernel = PrefillKernel::kMmaSync;  // never kAuto
   int32_t tile_rows = 0;   // packed query rows per CTA
@@ -99,6 +105,9 @@ struct PrefillLaunch {
   // (BalancePersistentWork in prefill_plan.cc).
   bool per_head = false;
   int32_t balanced_grid = 0;  // min(grid_ctas, its CTAs' worth of work)
+  // Hopper: every item has at most kHopperShortWorkKeys keys, so the kernel (at head_dim 128)
+  // pipelines its tile loop across works; longer works run the loop that drains after each.
+  bool short_works = false;
 
   int64_t NumCtas(int32_t num_kv_heads) const { return per_head ? num_items : int64_t{num_items} * num_kv_heads; }
 };

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -42,6 +43,7 @@ struct Output {
   bool ok = false;         // the launch succeeded and the device synchronised cleanly
   bool split_kv = false;   // the plan split some request's keys
   bool hopper = false;     // some launch ran the Hopper kernel
+  bool short_works = false;  // some Hopper launch pipelined across works (PrefillLaunch::short_works)
   std::vector<uint8_t> o;  // q dtype
   std::vector<float> lse;
 };
@@ -70,7 +72,10 @@ Output RunGpu(const Batch& batch) {
   if (!plan_or.ok()) return out;
   const plan::PrefillPlan& plan = *plan_or;
   out.split_kv = plan.split_kv();
-  for (const plan::PrefillLaunch& launch : plan.launches) out.hopper |= launch.kernel == plan::PrefillKernel::kHopper;
+  for (const plan::PrefillLaunch& launch : plan.launches) {
+    out.hopper |= launch.kernel == plan::PrefillKernel::kHopper;
+    out.short_works |= launch.kernel == plan::PrefillKernel::kHopper && launch.short_works;
+  }
   if (config.kernel != plan::PrefillKernel::kAuto) {
     for (const plan::PrefillLaunch& launch : plan.launches) EXPECT_EQ(launch.kernel, config.kernel) << config.Name();
   }
@@ -518,6 +523,44 @@ TEST(BatchPrefillHopperTest, EveryGridRunsEveryWorkWithTheSameBits) {
     ASSERT_TRUE(got.ok) << "grid " << grid;
     EXPECT_EQ(got.o, balanced.o) << "grid " << grid;
     EXPECT_EQ(got.lse, balanced.lse) << "grid " << grid;
+  }
+}
+
+// Works of at most one KV tile run a tile loop pipelined across works at head_dim 128
+// (plan::PrefillLaunch::short_works): the bits of the loop that drains after each work
+// (ATTND_PREFILL_ACROSS_WORKS=0), on the planner's grid and on grids where a CTA takes many works
+// in a row, works of no keys among them, causal or not.
+TEST(BatchPrefillHopperTest, ShortWorksPipelinedAcrossWorksKeepTheBits) {
+  SKIP_WITHOUT_HOPPER();
+  std::mt19937 rng(53);
+  std::vector<int32_t> q_lens, kv_lens;
+  for (int i = 0; i < 40; ++i) {
+    q_lens.push_back(std::uniform_int_distribution<int32_t>(1, 128)(rng));
+    kv_lens.push_back(q_lens.back() + std::uniform_int_distribution<int32_t>(0, 128 - q_lens.back())(rng));
+    if (i % 9 == 4) kv_lens.back() = 0;  // no keys: o 0, lse -inf
+  }
+  for (bool causal : {true, false}) {
+    for (int32_t grid : {0, 1, 7}) {
+      Config config;
+      config.kernel = plan::PrefillKernel::kHopper;
+      config.num_qo_heads = 32;
+      config.num_kv_heads = 8;
+      config.split_kv = false;
+      config.params.causal = causal;
+      config.max_persistent_ctas = grid;
+      config.seed = 53 + grid;
+      const Batch batch = MakeBatch(config, q_lens, kv_lens);
+      ASSERT_EQ(setenv("ATTND_PREFILL_ACROSS_WORKS", "0", 1), 0);
+      const Output drained = RunGpu(batch);
+      ASSERT_EQ(unsetenv("ATTND_PREFILL_ACROSS_WORKS"), 0);
+      const Output across = RunGpu(batch);
+      ASSERT_TRUE(drained.ok && across.ok) << "causal " << causal << ", grid " << grid;
+      ASSERT_TRUE(across.hopper);
+      ASSERT_TRUE(across.short_works);
+      ExpectMatches(batch, across, RunReference(batch));
+      EXPECT_EQ(across.o, drained.o) << "causal " << causal << ", grid " << grid;
+      EXPECT_EQ(across.lse, drained.lse) << "causal " << causal << ", grid " << grid;
+    }
   }
 }
 

@@ -149,6 +149,34 @@ TEST(PrefillPlanTest, HopperTakesTheLongRequestsWhenAvailable) {
   }
 }
 
+// A Hopper launch whose works all have at most one 128-key tile's keys is "short" (its kernel
+// pipelines the tile loop across works); one longer work makes the launch long.
+TEST(PrefillPlanTest, HopperLaunchIsShortWhenEveryWorkHasAtMost128Keys) {
+  struct Case {
+    std::vector<int32_t> q_lens, kv_lens;
+    bool short_works;
+  };
+  const Case cases[] = {
+      {{64, 64, 64}, {64, 64, 64}, true},
+      {{128, 30}, {128, 0}, true},
+      {{100, 100}, {128, 129}, false},
+      {{32, 32}, {256, 256}, false},
+      {{2048}, {2048}, false},
+  };
+  for (const Case& c : cases) {
+    std::vector<int32_t> qo_indptr = {0};
+    for (int32_t q : c.q_lens) qo_indptr.push_back(qo_indptr.back() + q);
+    plan::PrefillPlanInput input = Input(qo_indptr, c.kv_lens, 32, 8, 128);
+    input.ctas_per_wave = {264, 264, 264, 132, 132};
+    input.kernel = plan::PrefillKernel::kHopper;
+    input.disable_split_kv = true;
+    auto plan = plan::PlanPrefill(input);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_EQ(plan->launches.size(), 1u);
+    EXPECT_EQ(plan->launches[0].short_works, c.short_works) << "kv " << c.kv_lens[0] << ", " << c.kv_lens.back();
+  }
+}
+
 // The 128-key tiles a Hopper work visits (the planner estimates its time as twice that plus 3).
 int64_t HopperWorkTiles(const plan::PrefillWorkItem& item, std::span<const int32_t> qo_indptr,
                         std::span<const int32_t> kv_lengths, int32_t group) {
