@@ -294,7 +294,7 @@ absl::Status LaunchPlanned(const plan::PrefillPlan& plan, const plan::PrefillLau
       if (tail && tail_grid == 0) return absl::OkStatus();
     }
     CUDA_RETURN_IF_ERROR(LaunchPrefillHopper(params, plan.head_dim, args.q.dtype, num_ctas, grid_ctas, stream,
-                                             nullptr, launch.short_works));
+                                             nullptr, launch.short_works && args.pipeline_short_works));
     return absl::OkStatus();
 #else
     return absl::UnimplementedError("BatchPrefill: this build has no sm_90a code for the Hopper kernel");

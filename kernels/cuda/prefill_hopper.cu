@@ -19,17 +19,10 @@ constexpr int kStages = 2;
 
 // The fixed layout's kernel, pipelined across works or not (ConsumeWorks's kAcrossWorks): at
 // head_dim 128 both, elsewhere only the one that drains after each work.
-// ATTND_PREFILL_ACROSS_WORKS=0 turns the pipelined loop off (tests compare the bits of both; read
-// at every launch, so that a test can switch it).
-bool AcrossWorksAllowed() {
-  const char* value = std::getenv("ATTND_PREFILL_ACROSS_WORKS");
-  return value == nullptr || std::strcmp(value, "0") != 0;
-}
-
 template <typename Shape, typename T, bool kSoftCap>
 auto FixedLayoutKernel(bool across_works) {
   if constexpr (Shape::kHeadDim == 128) {
-    if (across_works && AcrossWorksAllowed()) return &hopper::HopperPrefillKernel<Shape, T, kSoftCap, true>;
+    if (across_works) return &hopper::HopperPrefillKernel<Shape, T, kSoftCap, true>;
   }
   return &hopper::HopperPrefillKernel<Shape, T, kSoftCap, false>;
 }

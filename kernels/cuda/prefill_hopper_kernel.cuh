@@ -23,7 +23,7 @@
 // Overlap: inside a warpgroup, Q K_j^T is issued together with P_{j-1} V_{j-1}, so the softmax of
 // tile j runs while P_{j-1} V_{j-1} is still on the tensor cores; across the two warpgroups, a
 // pair of named barriers makes them take turns issuing (ping-pong), so one's softmax overlaps the
-// other's matrix products.
+// other's matrix products. Where every work has one KV tile, also across works (ConsumeWorks).
 //
 // Shared memory (1024-byte aligned blocks, 128-byte swizzle, see hopper_ptx.cuh; shapes
 // and the producer in prefill_hopper_pipeline.cuh):

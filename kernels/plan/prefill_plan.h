@@ -85,13 +85,13 @@ struct PrefillWorkItem {
   int32_t reserved = 0;
 };
 
-// One kernel launch: every item of one query tile size and kernel.
 // The longest work (keys of an item) of a Hopper launch that is "short" (PrefillLaunch::short_works):
 // one 128-key tile. On an H100 (docs/benchmarks.md, 2026-12-07) the pipelined loop took 5-7% off
 // prompts of 64 and 128 tokens, was 0.7% slower on works of two tiles (256-token prompts), and
 // 1.3% slower on long ones.
 inline constexpr int32_t kHopperShortWorkKeys = 128;
 
+// One kernel launch: every item of one query tile size and kernel.
 struct PrefillLaunch {
   PrefillKernel kernel = PrefillKernel::kMmaSync;  // never kAuto
   int32_t tile_rows = 0;   // packed query rows per CTA

@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -110,6 +109,7 @@ Output RunGpu(const Batch& batch) {
   args.lse = config.return_lse ? static_cast<float*>(lse.get()) : nullptr;
   args.max_persistent_ctas = config.max_persistent_ctas;
   args.works_on_demand = config.works_on_demand;
+  args.pipeline_short_works = config.pipeline_short_works;
   args.tail_ctas = config.tail_ctas;
 
   absl::Status status = cuda::UploadBatchPrefillPlan(plan, workspace.get(), workspace_bytes, nullptr);
@@ -528,7 +528,7 @@ TEST(BatchPrefillHopperTest, EveryGridRunsEveryWorkWithTheSameBits) {
 
 // Works of at most one KV tile run a tile loop pipelined across works at head_dim 128
 // (plan::PrefillLaunch::short_works): the bits of the loop that drains after each work
-// (ATTND_PREFILL_ACROSS_WORKS=0), on the planner's grid and on grids where a CTA takes many works
+// (BatchPrefillArgs::pipeline_short_works = false), on the planner's grid and on grids where a CTA takes many works
 // in a row, works of no keys among them, causal or not.
 TEST(BatchPrefillHopperTest, ShortWorksPipelinedAcrossWorksKeepTheBits) {
   SKIP_WITHOUT_HOPPER();
@@ -550,10 +550,10 @@ TEST(BatchPrefillHopperTest, ShortWorksPipelinedAcrossWorksKeepTheBits) {
       config.max_persistent_ctas = grid;
       config.seed = 53 + grid;
       const Batch batch = MakeBatch(config, q_lens, kv_lens);
-      ASSERT_EQ(setenv("ATTND_PREFILL_ACROSS_WORKS", "0", 1), 0);
-      const Output drained = RunGpu(batch);
-      ASSERT_EQ(unsetenv("ATTND_PREFILL_ACROSS_WORKS"), 0);
       const Output across = RunGpu(batch);
+      Batch drained_batch = batch;
+      drained_batch.config.pipeline_short_works = false;
+      const Output drained = RunGpu(drained_batch);
       ASSERT_TRUE(drained.ok && across.ok) << "causal " << causal << ", grid " << grid;
       ASSERT_TRUE(across.hopper);
       ASSERT_TRUE(across.short_works);

@@ -55,6 +55,7 @@ struct Config {
   plan::PrefillKernel kernel = plan::PrefillKernel::kAuto;
   int32_t max_persistent_ctas = 0;  // BatchPrefillArgs::max_persistent_ctas (Hopper grid)
   bool works_on_demand = false;     // BatchPrefillArgs::works_on_demand
+  bool pipeline_short_works = true;  // BatchPrefillArgs::pipeline_short_works
   // BatchPrefillArgs::tail_ctas: the second grid on a stream of its own, the merge after both.
   int32_t tail_ctas = 0;
   // BatchPrefill runs this many times on one upload of the plan, o and lse poisoned before

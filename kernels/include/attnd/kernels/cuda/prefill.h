@@ -53,6 +53,9 @@ struct BatchPrefillArgs {
   // the decode ends, its SMs join the prefill). BatchPrefill then leaves the merge of split
   // works to MergeBatchPrefill, to be enqueued once both grids are done.
   int32_t tail_ctas = 0;
+  // false: the Hopper kernel drains its tile loop after every work even where the plan's launch
+  // has short works (plan::PrefillLaunch::short_works); the same bits either way (tests compare).
+  bool pipeline_short_works = true;
 };
 
 // CTAs of each query tile's kernel the current device runs at once (resident CTAs per SM x
