@@ -229,8 +229,10 @@ class ChannelBench {
     }
     auto before = client_.GetStats();
     const absl::Time start = absl::Now();
+    KeySpan plain_keys;
     for (int32_t i = 0; i < settings_.steps; ++i) {
       if (!RunStep(decode, kPlain, &latency_)) return kExitFailure;
+      plain_keys.See(last_step_keys_);
       if (i % 10 == 9) absl::FPrintF(stderr, "bench: %d decode steps\n", i + 1);
     }
     const absl::Duration wall = absl::Now() - start;
@@ -279,8 +281,10 @@ class ChannelBench {
                    fill_sets_ready_ ? "; the fill set ready, so it reads low" : "", attnd_p50,
                    attnd_p99, attnd_p50 - kernel_us, attnd_p99 - kernel_us);
     }
-    absl::PrintF("  steps/s %.1f, kernels-only %.1f (%.0f%%)\n", steps_per_second, kernel_rate,
-                 kernel_rate > 0 ? 100.0 * steps_per_second / kernel_rate : 0.0);
+    absl::PrintF("  steps/s %.1f, kernels-only %.1f (%.0f%%); keys per sequence %s\n",
+                 steps_per_second, kernel_rate,
+                 kernel_rate > 0 ? 100.0 * steps_per_second / kernel_rate : 0.0,
+                 plain_keys.ToString());
     const double fill_us = fill_us_;
     // The GPU work of a step either way: attnd's kernels and the emulator's fill of every layer.
     const double gpu_rate =
@@ -294,14 +298,22 @@ class ChannelBench {
                    absl::ToDoubleMicroseconds(signal_host_.Percentile(50)),
                    absl::ToDoubleMicroseconds(signal_host_.Percentile(99)));
     }
+    const double chained_gpu_rate =
+        chained.kernel_rate > 0
+            ? 1.0 / (1.0 / chained.kernel_rate + 1e-6 * fill_us * shape_.num_layers())
+            : 0;
     if (chained.steps > 0) {
+      // The chained steps follow the plain ones, so their sequences are longer and their
+      // decode kernels slower: both rates are of the chained phase's own kernels.
       absl::PrintF("  chained (step N+1 planned while step N runs): %.1f steps/s, %.0f%% of "
-                   "kernels-only %.1f, %.0f%% of kernels + emulator fill %.1f\n",
+                   "kernels-only %.1f, %.0f%% of kernels + emulator fill %.1f; keys per "
+                   "sequence %s\n",
                    chained.steps_per_second,
                    chained.kernel_rate > 0 ? 100.0 * chained.steps_per_second / chained.kernel_rate
                                            : 0.0,
                    chained.kernel_rate,
-                   gpu_rate > 0 ? 100.0 * chained.steps_per_second / gpu_rate : 0.0, gpu_rate);
+                   chained_gpu_rate > 0 ? 100.0 * chained.steps_per_second / chained_gpu_rate : 0.0,
+                   chained_gpu_rate, chained.keys.ToString());
     }
     if (pipelined.rounds > 0) {
       absl::PrintF("  %d micro-batches pipelined (own channel and stream each): %.1f steps/s, "
@@ -337,14 +349,16 @@ class ChannelBench {
         "pipelined_kernels_only_steps_per_s=%.1f chained_steps_per_s=%.1f "
         "chained_kernels_only_steps_per_s=%.1f fill_us_per_layer=%.1f "
         "kernels_and_fill_steps_per_s=%.1f prompt_fill_us_per_layer=%.1f "
-        "prompt_plan_ms=%.3f",
+        "prompt_plan_ms=%.3f plain_keys=%s chained_keys=%s "
+        "chained_kernels_and_fill_steps_per_s=%.1f",
         transport, settings_.sequences, shape_.num_layers(), settings_.steps, p50, p99, kernel_us,
         p50 - kernel_us, p99 - kernel_us, steps_per_second, kernel_rate, prompt_tokens,
         absl::ToDoubleMilliseconds(prompt_wall), prompt_kernels * 1e3,
         checked_ > 0 ? (check_failures_ == 0 ? "PASS" : "FAIL") : "off",
         settings_.micro_batches, pipelined.steps_per_second, pipelined.kernel_rate,
         chained.steps_per_second, chained.kernel_rate, fill_us, gpu_rate, prompt_fill_us_,
-        absl::ToDoubleMilliseconds(prompt_plan_));
+        absl::ToDoubleMilliseconds(prompt_plan_), plain_keys.ToString(), chained.keys.ToString(),
+        chained_gpu_rate);
     // attnd's own part is measured only with the client's GPU stream (CUDA_IPC).
     if (stream_) {
       absl::PrintF(" attnd_layer_p50_us=%.1f attnd_overhead_p50_us=%.1f attnd_overhead_p99_us=%.1f",
@@ -361,8 +375,23 @@ class ChannelBench {
     double kernel_rate = 0;
   };
 
+  // The keys a decode token of the first sequence attends (its own included), over a phase's
+  // steps: the decode kernel's time grows with them.
+  struct KeySpan {
+    int64_t first = -1;
+    int64_t last = -1;
+    void See(int64_t keys) {
+      if (first < 0) first = keys;
+      last = keys;
+    }
+    std::string ToString() const {
+      return first < 0 ? std::string("-") : absl::StrCat(first, "-", last);
+    }
+  };
+
   struct Chained {
     int32_t steps = 0;
+    KeySpan keys;
     double steps_per_second = 0;
     double kernel_rate = 0;
   };
@@ -458,6 +487,8 @@ class ChannelBench {
     const absl::Time start = absl::Now();
     ASSIGN_OR_RETURN(attnd::v1::PlanResponse previous, client_.Plan(request));
     sequences.push_back(previous.channel_sequence());
+    KeySpan keys;
+    keys.See(previous.entries(0).start_position() + 1);
     RETURN_IF_ERROR(
         EnqueueStep(*channel_, *stream_, previous, step_count_++, stamps_of(0)));
     RETURN_IF_ERROR(stream_->Record(event));
@@ -469,6 +500,7 @@ class ChannelBench {
             ", not after the open step's token at ", previous.entries(0).start_position()));
       }
       sequences.push_back(current.channel_sequence());
+      keys.See(current.entries(0).start_position() + 1);
       RETURN_IF_ERROR(
           EnqueueStep(*channel_, *stream_, current, step_count_++, stamps_of(i)));
       RETURN_IF_ERROR(stream_->Record(event + i % 2));
@@ -496,6 +528,7 @@ class ChannelBench {
     }
     Chained result;
     result.steps = steps;
+    result.keys = keys;
     result.steps_per_second = steps / absl::ToDoubleSeconds(wall);
     result.kernel_rate = kernels > 0 ? steps / kernels : 0;
     return result;
@@ -652,6 +685,9 @@ class ChannelBench {
     }
     const uint32_t sequence = planned->channel_sequence();
     const int64_t rows = planned->num_tokens();
+    if (planned->entries_size() > 0) {
+      last_step_keys_ = planned->entries(0).start_position() + plan.entries(0).num_new_tokens();
+    }
     const int32_t num_layers = shape_.num_layers();
     attnd::v1::PlanRequest reference_plan;
     int64_t checked_rows = 0;
@@ -819,6 +855,7 @@ class ChannelBench {
   std::map<std::pair<int, int64_t>, attnd::v1::ForwardRequest> host_inputs_;
   absl::Duration last_step_wall_;
   absl::Duration last_plan_wall_;
+  int64_t last_step_keys_ = 0;  // RunStep's: the first entry's keys after its new token(s)
   absl::Duration prompt_plan_;
   LatencyRecorder latency_;
   LatencyRecorder attnd_latency_;  // CUDA_IPC: fill done to done wait passed, per layer
