@@ -613,6 +613,56 @@ __device__ __forceinline__ CtaSharedMemory SetUpSharedMemory(uint8_t* shared_byt
   return {smem, shared_bytes + (smem - raw)};
 }
 
+// The fixed layout's producer with two Q buffers, as HopperPrefillKernel's own loop (the same
+// copies into the same places, so the same bits), but with the global reads that its copies
+// would wait for made earlier (KernelParams::prefetch_works):
+// - a work's item is read two rounds before its decode, and its request's bounds one round
+//   before, so that decoding the next work (for its Q rows, mid-work) waits for no global read;
+//   the loop's own decode reads both in a row, each a dependent round trip to L2;
+// - where the table is shared, a V tile's copies take the pages its K tile looked up (KPages),
+//   instead of a lookup of their own that the copies wait for.
+// work_index(round): the CTA's round-th work (HopperPrefillKernel's order).
+template <typename Shape, typename T, typename WorkIndex>
+__device__ __forceinline__ void ProduceWorksAhead(const KernelParams& params, uint32_t smem, uint8_t* smem_generic,
+                                                  const WorkIndex& work_index) {
+  static_assert(Shape::kQBuffers > 1, "the next work's Q rows load during this one");
+  const bool keep_pages = params.v_page_ids == params.k_page_ids;
+  // Before the wait for the preceding grid, as the first work's decode: the items and the
+  // requests' bounds were uploaded before that grid ran.
+  ItemFields next_item{};        // round + 1's
+  RequestFields next_request{};  // round + 1's
+  ItemFields later_item{};       // round + 2's
+  if (work_index(1) < params.num_work) {
+    next_item = ReadItem(params, work_index(1));
+    next_request = ReadRequest(params, next_item.request);
+  }
+  if (work_index(2) < params.num_work) later_item = ReadItem(params, work_index(2));
+  int first = 0;
+  for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
+    const CtaWork work = round == 0 ? DecodeWork<Shape>(params, index)
+                                    : LoadWork<Shape>(smem_generic, round % Shape::kQBuffers);
+    if (first == 0) WaitForPrecedingGrid();
+    const int n = work.num_kv_tiles;
+    const int early_steps = min(n + 1, 2);
+    KPages k_pages{};
+    ProduceKv<Shape, T>(params, work, smem, first, 0, early_steps, k_pages, keep_pages);
+    const int next_index = work_index(round + 1);
+    if (next_index < params.num_work) {
+      ProduceQ<Shape, T>(params, DecodeFields<Shape>(params, next_index, next_item, next_request), smem,
+                         smem_generic, round + 1);
+    }
+    // Shift by a round: round + 2's request bounds from its item (read a round ago), and round
+    // + 3's item.
+    if (work_index(round + 2) < params.num_work) {
+      next_item = later_item;
+      next_request = ReadRequest(params, later_item.request);
+    }
+    if (work_index(round + 3) < params.num_work) later_item = ReadItem(params, work_index(round + 3));
+    ProduceKv<Shape, T>(params, work, smem, first, early_steps, n + 1, k_pages, keep_pages);
+    first += n;
+  }
+}
+
 // T: the type of q, o and the cache (one 16-bit type).
 // kAcrossWorks: ConsumeWorks's.
 template <typename Shape, typename T, bool kSoftCap, bool kAcrossWorks>
@@ -649,6 +699,13 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
   constexpr bool kQAhead = Shape::kQBuffers > 1;
   if (warpgroup == 0) {
     ReleaseRegisters<kProducerRegisters>();
+    if constexpr (kQAhead) {
+      if (params.prefetch_works) {
+        ProduceWorksAhead<Shape, T>(params, smem, smem_generic, work_index);
+        CpAsyncWaitAll();
+        return;
+      }
+    }
     int first = 0;
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
       // With two Q buffers, each later work was decoded a work early, its Q rows loaded and its
