@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The Hopper prefill's producer reading works ahead (BatchPrefillArgs::prefetch_works, off by
 # default until measured) in one device call: prefill_tests first (every case, among them
-# BatchPrefillHopperTest.ProducerReadingWorksAheadKeepsTheBits), then prefill_bench without and
-# with --prefetch_works, alternated twice, on short prompts (one- and two-tile works, where a
-# work's fixed cost dominates) and the long cases of issue 14's table. Two halves:
+# BatchPrefillHopperTest.ProducerReadingWorksAheadKeepsTheBits), prefill_bench --kernel=mma on
+# the short prompts, then prefill_bench without and with --prefetch_works, alternated twice, on
+# short prompts (one- and two-tile works, where a work's fixed cost dominates) and the long
+# cases of issue 14's table. Two halves:
 #   scripts/prefill-ahead-device-run.sh pack   (here: builds prefill_tests and prefill_bench and
 #                                               bundles them into .gpu-pack/prefill_ahead.tar.xz;
 #                                               cuBLAS left out)
@@ -33,6 +34,13 @@ case ${1:-} in
     timeout -k 10 240 "$B/run" prefill_tests > "$OUT/prefill_tests.log" 2>&1
     echo "prefill_tests rc=$?" | tee -a "$S"
     grep -E '^\[  (PASSED|FAILED)|FAILED  \]|SKIPPED \] [0-9]' "$OUT/prefill_tests.log" | head -20 | tee -a "$S"
+    # The mma.sync kernel on the short prompts (several CTAs an SM, where the Hopper kernel has
+    # one): whether the planner should pick it there.
+    echo "== prefill_bench --kernel=mma, short prompts" | tee -a "$S"
+    timeout -k 10 120 "$B/run" prefill_bench --kernel=mma --cases=c128x64,c64x128,c32x256,c16x512,n32x256 \
+      > "$OUT/bench_mma.log" 2>&1
+    echo "prefill_bench mma rc=$?" | tee -a "$S"
+    grep -E 'causal|FAIL|mismatch|error' "$OUT/bench_mma.log" | tee -a "$S"
     for run in 1 2; do
       for mode in plain ahead; do
         flag=()
