@@ -16,8 +16,6 @@
 // --cases=c1x2048,n8x512,... replaces the case list (c causal, n not; batch x length).
 // --on_demand: the Hopper kernel's CTAs take works from a counter (BatchPrefillArgs::
 // works_on_demand) instead of each from its fixed place in the plan's layout.
-// --prefetch_works: the fixed layout's producer reads works ahead (BatchPrefillArgs::
-// prefetch_works).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -45,7 +43,6 @@ using bench::MedianMs;
 
 bench::Shape g_shape;  // --qo_heads, --kv_heads, --head_dim, --page_size
 bool g_on_demand = false;  // --on_demand
-bool g_prefetch_works = false;  // --prefetch_works
 constexpr int64_t kL2RotationBytes = 200ll << 20;  // 4x the H100's 50 MB L2
 constexpr int32_t kCheckedTokens = 64;
 
@@ -178,7 +175,6 @@ Result RunCase(const Case& shape, plan::PrefillKernel kernel, cudaStream_t strea
   args.pages = {batch, g_shape.page_size, d_page_indptr, d_page_ids, d_page_ids, d_last};
   args.params.causal = shape.causal;
   args.works_on_demand = g_on_demand;
-  args.prefetch_works = g_prefetch_works;
   args.params.sm_scale = 1.0f / std::sqrt(static_cast<float>(g_shape.head_dim));
   auto set_views = [&](const DeviceSet& set) {
     args.q = {set.q, DType::kBFloat16, rows, g_shape.qo_heads, g_shape.head_dim};
@@ -272,7 +268,6 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--kernel=hopper") == 0) kernel = plan::PrefillKernel::kHopper;
     if (std::strncmp(argv[i], "--cases=", 8) == 0) case_list = argv[i] + 8;
     if (std::strcmp(argv[i], "--on_demand") == 0) g_on_demand = true;
-    if (std::strcmp(argv[i], "--prefetch_works") == 0) g_prefetch_works = true;
     bench::ParseShapeFlag(argv[i], g_shape);
     bench::ParseWarmFlag(argv[i]);
   }
@@ -290,10 +285,8 @@ int main(int argc, char** argv) {
   bench::PrintWarmUp();
 
   const double peak = MatmulPeakTflops(stream);
-  std::printf("cuBLAS bf16 8192^3: %.1f TFLOP/s (the peak below); kernel: %s%s%s; Hq %d, Hkv %d, D %d, page %d\n",
-              peak, plan::PrefillKernelName(kernel), g_on_demand ? " (works on demand)" : "",
-              g_prefetch_works ? " (producer reads works ahead)" : "", g_shape.qo_heads, g_shape.kv_heads,
-              g_shape.head_dim, g_shape.page_size);
+  std::printf("cuBLAS bf16 8192^3: %.1f TFLOP/s (the peak below); kernel: %s%s; Hq %d, Hkv %d, D %d, page %d\n",
+              peak, plan::PrefillKernelName(kernel), g_on_demand ? " (works on demand)" : "", g_shape.qo_heads, g_shape.kv_heads, g_shape.head_dim, g_shape.page_size);
   std::vector<Case> cases = {
       {"causal 1x512", 1, 512, true},       {"causal 1x2048", 1, 2048, true},
       {"causal 1x8192", 1, 8192, true},     {"causal 8x2048", 8, 2048, true},

@@ -257,7 +257,6 @@ absl::StatusOr<KernelParams> ResolveKernelParams(const plan::PrefillPlan& plan, 
   params.counter_ctas = 0;
   params.counter_base = 0;
   params.first_from_counter = false;
-  params.prefetch_works = args.prefetch_works;
   return params;
 }
 

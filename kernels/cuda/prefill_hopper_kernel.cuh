@@ -613,84 +613,6 @@ __device__ __forceinline__ CtaSharedMemory SetUpSharedMemory(uint8_t* shared_byt
   return {smem, shared_bytes + (smem - raw)};
 }
 
-// The fixed layout's producer with two Q buffers, as HopperPrefillKernel's own loop (the same
-// copies into the same places, so the same bits), but with the global reads that its copies
-// would wait for made earlier (KernelParams::prefetch_works):
-// - a work's item is read two rounds before its decode, and its request's bounds one round
-//   before, so that decoding the next work (for its Q rows, mid-work) waits for no global read;
-//   the loop's own decode reads both in a row, each a dependent round trip to L2;
-// - where the table is shared, a V tile's copies take the pages its K tile looked up (KPages),
-//   instead of a lookup of their own that the copies wait for;
-// - after a work of one KV tile's K_0, the next work's Q rows and K_0 are loaded before the
-//   work's V_0, so that they are in flight while the producer waits for a diagonal V_0.
-// work_index(round): the CTA's round-th work (HopperPrefillKernel's order).
-template <typename Shape, typename T, typename WorkIndex>
-__device__ __forceinline__ void ProduceWorksAhead(const KernelParams& params, uint32_t smem, uint8_t* smem_generic,
-                                                  const WorkIndex& work_index) {
-  static_assert(Shape::kQBuffers > 1, "the next work's Q rows load during this one");
-  const bool keep_pages = params.v_page_ids == params.k_page_ids;
-  // Before the wait for the preceding grid, as the first work's decode: the items and the
-  // requests' bounds were uploaded before that grid ran.
-  ItemFields next_item{};        // round + 1's
-  RequestFields next_request{};  // round + 1's
-  ItemFields later_item{};       // round + 2's
-  if (work_index(1) < params.num_work) {
-    next_item = ReadItem(params, work_index(1));
-    next_request = ReadRequest(params, next_item.request);
-  }
-  if (work_index(2) < params.num_work) later_item = ReadItem(params, work_index(2));
-  // Moves the reads a round on: round + 2's request bounds from its item (read a round ago),
-  // and round + 3's item.
-  auto read_ahead = [&](int round) {
-    if (work_index(round + 2) < params.num_work) {
-      next_item = later_item;
-      next_request = ReadRequest(params, later_item.request);
-    }
-    if (work_index(round + 3) < params.num_work) later_item = ReadItem(params, work_index(round + 3));
-  };
-  int first = 0;
-  KPages k_pages{};        // the work's K lookups (kept for its V tiles)
-  bool k0_loaded = false;  // the round before loaded this work's K_0
-  for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
-    const CtaWork work = round == 0 ? DecodeWork<Shape>(params, index)
-                                    : LoadWork<Shape>(smem_generic, round % Shape::kQBuffers);
-    if (first == 0) WaitForPrecedingGrid();
-    const int n = work.num_kv_tiles;
-    const int next_index = work_index(round + 1);
-    const bool has_next = next_index < params.num_work;
-    if (n == 1 && has_next) {
-      // A work of one tile: its K_0 (unless loaded a round before), the next work's Q rows and
-      // K_0, then its V_0. A causal V_0 is a diagonal tile, which the producer waits for
-      // (ProduceKvTiles, non-finite values); the next work's loads are then in flight during
-      // that wait, not issued after it. The next K_0 goes into the stage of the K tile before
-      // this work's, which a Q K^T releases that waits for nothing loaded after it.
-      if (!k0_loaded) ProduceKv<Shape, T>(params, work, smem, first, 0, 1, k_pages, keep_pages);
-      const CtaWork next = DecodeFields<Shape>(params, next_index, next_item, next_request);
-      ProduceQ<Shape, T>(params, next, smem, smem_generic, round + 1);
-      KPages next_pages{};
-      const bool next_k0 = next.num_kv_tiles > 0;
-      if (next_k0) ProduceKv<Shape, T>(params, next, smem, first + 1, 0, 1, next_pages, keep_pages);
-      read_ahead(round);
-      ProduceKv<Shape, T>(params, work, smem, first, 1, 2, k_pages, keep_pages);
-      k_pages = next_pages;
-      k0_loaded = next_k0;
-    } else {
-      // As HopperPrefillKernel's loop: the next work's Q rows after this one's first two steps.
-      const int early_steps = min(n + 1, 2);
-      ProduceKv<Shape, T>(params, work, smem, first, k0_loaded ? 1 : 0, early_steps, k_pages, keep_pages);
-      if (has_next) {
-        ProduceQ<Shape, T>(params, DecodeFields<Shape>(params, next_index, next_item, next_request), smem,
-                           smem_generic, round + 1);
-      }
-      read_ahead(round);
-      ProduceKv<Shape, T>(params, work, smem, first, early_steps, n + 1, k_pages, keep_pages);
-      k_pages = KPages{};
-      k0_loaded = false;
-    }
-    first += n;
-  }
-}
-
 // T: the type of q, o and the cache (one 16-bit type).
 // kAcrossWorks: ConsumeWorks's.
 template <typename Shape, typename T, bool kSoftCap, bool kAcrossWorks>
@@ -727,13 +649,6 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
   constexpr bool kQAhead = Shape::kQBuffers > 1;
   if (warpgroup == 0) {
     ReleaseRegisters<kProducerRegisters>();
-    if constexpr (kQAhead) {
-      if (params.prefetch_works) {
-        ProduceWorksAhead<Shape, T>(params, smem, smem_generic, work_index);
-        CpAsyncWaitAll();
-        return;
-      }
-    }
     int first = 0;
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
       // With two Q buffers, each later work was decoded a work early, its Q rows loaded and its

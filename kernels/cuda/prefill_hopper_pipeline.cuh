@@ -138,49 +138,21 @@ __device__ __forceinline__ int DivideByGroup(const KernelParams& params, int n) 
   return FastDivider(params.group_size, params.group_multiplier).Divide(n);
 }
 
-// What decoding a work reads from global memory, in two dependent steps: its item, then its
-// request's bounds (DecodeWork; the producer's prefetching loop reads both a round or two ahead
-// of the decode, ProduceWorksAhead).
-struct ItemFields {
-  int request;
-  int kv_head;
-  int row_start;
-  int kv_chunk_start;
-  int kv_chunk_end;
-};
-struct RequestFields {
-  int qo_begin;
-  int qo_end;
-  int page_begin;
-  int page_end;
-  int last_page_len;  // read whatever num_pages is (in bounds: one per request)
-};
-
-__device__ __forceinline__ ItemFields ReadItem(const KernelParams& params, int index) {
-  const WorkItem item = params.items[index];
-  return {item.request, item.kv_head, item.packed_row_start, item.kv_chunk_start, item.kv_chunk_end};
-}
-
-__device__ __forceinline__ RequestFields ReadRequest(const KernelParams& params, int request) {
-  return {params.qo_indptr[request], params.qo_indptr[request + 1], params.page_indptr[request],
-          params.page_indptr[request + 1], params.last_page_len[request]};
-}
-
-// The work of item `index` from what was read of it (arithmetic only).
 template <typename Shape>
-__device__ __forceinline__ CtaWork DecodeFields(const KernelParams& params, int index, const ItemFields& item,
-                                                const RequestFields& request) {
+__device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params, int index) {
   constexpr int kTileKv = Shape::kTileKv;
   CtaWork work;
   work.index = index;
+  const WorkItem item = params.items[index];
   work.kv_head = item.kv_head;
-  work.qo_start = request.qo_begin;
-  const int q_len = request.qo_end - work.qo_start;
-  work.page_begin = request.page_begin;
-  const int num_pages = request.page_end - work.page_begin;
-  const int kv_len = num_pages == 0 ? 0 : ((num_pages - 1) << params.page_size_log2) + request.last_page_len;
+  const int request = item.request;
+  work.qo_start = params.qo_indptr[request];
+  const int q_len = params.qo_indptr[request + 1] - work.qo_start;
+  work.page_begin = params.page_indptr[request];
+  const int num_pages = params.page_indptr[request + 1] - work.page_begin;
+  const int kv_len = num_pages == 0 ? 0 : ((num_pages - 1) << params.page_size_log2) + params.last_page_len[request];
   const int group = params.group_size;
-  work.row_start = item.row_start;
+  work.row_start = item.packed_row_start;
   work.row_end = min(work.row_start + kTileRows, q_len * group);
   work.position_offset = kv_len - q_len;
   work.first_position = work.position_offset + DivideByGroup(params, work.row_start);
@@ -193,12 +165,6 @@ __device__ __forceinline__ CtaWork DecodeFields(const KernelParams& params, int 
   if (params.window_left >= 0) work.kv_begin = max(work.kv_begin, work.first_position - params.window_left);
   work.num_kv_tiles = work.kv_end > work.kv_begin ? (work.kv_end - work.kv_begin + kTileKv - 1) / kTileKv : 0;
   return work;
-}
-
-template <typename Shape>
-__device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params, int index) {
-  const ItemFields item = ReadItem(params, index);
-  return DecodeFields<Shape>(params, index, item, ReadRequest(params, item.request));
 }
 
 // --- Producer ---------------------------------------------------------------------------------
@@ -318,21 +284,9 @@ __device__ __forceinline__ void FinishWorkCounter(const KernelParams& params) {
 // the common one carries none of the other's per-row lookups (instruction cache).
 // Steps [step_begin, step_end) of the work's n + 1: step s loads K_s (s < n), then V_{s-1}
 // (s > 0); the consumers need K_j before V_{j-1}.
-// A lane's page lookups for the K tiles of a work (kOnePage: one page a tile), kept for the V
-// tiles of the same keys where the table is shared (v ids == k ids), so that a V tile's copies
-// wait for no lookup of their own: tile t's in `odd` or `even` by its parity (V_t is loaded
-// one step after K_t, K_{t+1} in between).
-struct KPages {
-  int even;
-  int odd;
-};
-
-// keep_pages: the K tiles' lookups are kept in `k_pages` and the V tiles take theirs from there
-// (kOnePage only; the caller's choice, where the table is shared).
 template <typename Shape, typename T, bool kOnePage>
 __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const CtaWork& work, uint32_t smem,
-                                               int first, int step_begin, int step_end, KPages& k_pages,
-                                               bool keep_pages) {
+                                               int first, int step_begin, int step_end) {
   constexpr int kBlocks = Shape::kBlocks;
   constexpr int kTileKv = Shape::kTileKv;
   constexpr int kRowsPerLane = Shape::kRowsPerLane;
@@ -362,13 +316,7 @@ __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const
     const T* source[kRowsPerLane];
     // Looked up before the wait, so the page ids' latency hides behind it.
     if constexpr (kOnePage) {
-      int page;
-      if (keep_pages && flags != 0) {
-        page = (tile & 1) ? k_pages.odd : k_pages.even;  // K_tile's lookup, same keys
-      } else {
-        page = valid_rows > 0 ? __ldg(ids + (token0 >> params.page_size_log2)) : 0;
-        if (keep_pages) (tile & 1 ? k_pages.odd : k_pages.even) = page;
-      }
+      const int page = valid_rows > 0 ? __ldg(ids + (token0 >> params.page_size_log2)) : 0;
       const T* row = pool + static_cast<int64_t>(page) * params.kv_page_stride + (token0 & page_mask) * entry_stride;
 #pragma unroll
       for (int i = 0; i < kRowsPerLane; ++i) source[i] = row + i * entry_stride;
@@ -473,12 +421,9 @@ __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const
   if (step == n && step < step_end && n > 0) load_v(n - 1);
 }
 
-// keep_pages: the work's K lookups are kept in `k_pages` for its V tiles (the caller's choice,
-// only where the table is shared; used where a lane's rows lie in one page). The same KPages
-// across a work's calls.
 template <typename Shape, typename T>
 __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaWork& work, uint32_t smem, int first,
-                                          int step_begin, int step_end, KPages& k_pages, bool keep_pages) {
+                                          int step_begin, int step_end) {
   // A lane's 8 rows (4 with 64-key tiles) lie in one page when pages hold that many keys or more
   // and the work's first key sits on a multiple of it (tiles are a multiple too): one page
   // lookup, then a stride per row. Otherwise (smaller pages, a window's unaligned start) each
@@ -487,18 +432,10 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
   constexpr int kLog2 = kRowsPerLane == 8 ? 3 : 2;
   static_assert(kRowsPerLane == 1 << kLog2, "pages of 2^kLog2 keys or more");
   if (params.page_size_log2 >= kLog2 && work.kv_begin % kRowsPerLane == 0) {
-    ProduceKvTiles<Shape, T, true>(params, work, smem, first, step_begin, step_end, k_pages, keep_pages);
+    ProduceKvTiles<Shape, T, true>(params, work, smem, first, step_begin, step_end);
   } else {
-    ProduceKvTiles<Shape, T, false>(params, work, smem, first, step_begin, step_end, k_pages, false);
+    ProduceKvTiles<Shape, T, false>(params, work, smem, first, step_begin, step_end);
   }
-}
-
-// Without kept lookups: each tile looks up its own pages.
-template <typename Shape, typename T>
-__device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaWork& work, uint32_t smem, int first,
-                                          int step_begin, int step_end) {
-  KPages unused{};
-  ProduceKv<Shape, T>(params, work, smem, first, step_begin, step_end, unused, false);
 }
 
 }  // namespace attnd::cuda::prefill::hopper

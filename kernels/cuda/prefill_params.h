@@ -71,10 +71,6 @@ struct KernelParams {
   int32_t counter_ctas;
   int32_t counter_base;
   bool first_from_counter;
-  // Hopper kernel, fixed layout, head_dim 64 and 128: the producer reads works' items and
-  // bounds rounds ahead and V tiles reuse their K tiles' page lookups (ProduceWorksAhead;
-  // BatchPrefillArgs::prefetch_works). The same bits either way.
-  bool prefetch_works;
 };
 
 // Launches the kernel of one (head_dim, query tile, q dtype, kv dtype) on `num_ctas` CTAs, or,

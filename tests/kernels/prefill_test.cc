@@ -110,7 +110,6 @@ Output RunGpu(const Batch& batch) {
   args.max_persistent_ctas = config.max_persistent_ctas;
   args.works_on_demand = config.works_on_demand;
   args.pipeline_short_works = config.pipeline_short_works;
-  args.prefetch_works = config.prefetch_works;
   args.tail_ctas = config.tail_ctas;
 
   absl::Status status = cuda::UploadBatchPrefillPlan(plan, workspace.get(), workspace_bytes, nullptr);
@@ -565,79 +564,6 @@ TEST(BatchPrefillHopperTest, ShortWorksPipelinedAcrossWorksKeepTheBits) {
   }
 }
 
-// The fixed layout's producer reading works ahead (BatchPrefillArgs::prefetch_works; V tiles
-// taking their K tiles' page lookups where the table is shared): the bits of the producer that
-// reads each work as it gets there, at head_dim 64 and 128 (256 ignores the flag), with shared
-// and separate tables, pages of 1 to 64 keys (a lane's rows in one page or not), causal or not,
-// a window (unaligned first keys), split works, and grids where a CTA takes many works in a
-// row (its last rounds with no work to read ahead), short works pipelined across works among
-// them.
-TEST(BatchPrefillHopperTest, ProducerReadingWorksAheadKeepsTheBits) {
-  SKIP_WITHOUT_HOPPER();
-  std::mt19937 rng(59);
-  std::vector<int32_t> mixed_q, mixed_kv;
-  for (int i = 0; i < 16; ++i) {
-    mixed_q.push_back(std::uniform_int_distribution<int32_t>(1, 300)(rng));
-    mixed_kv.push_back(mixed_q.back() + std::uniform_int_distribution<int32_t>(0, 300)(rng));
-    if (i % 7 == 3) mixed_kv.back() = 0;  // no keys: o 0, lse -inf
-  }
-  std::vector<int32_t> short_q, short_kv;
-  for (int i = 0; i < 60; ++i) {
-    short_q.push_back(std::uniform_int_distribution<int32_t>(1, 128)(rng));
-    short_kv.push_back(short_q.back() + std::uniform_int_distribution<int32_t>(0, 128 - short_q.back())(rng));
-  }
-  struct Case {
-    int32_t head_dim;
-    int32_t page_size;
-    TableForm table;
-    bool causal;
-    int32_t window_left;
-    int32_t split_tokens;
-    const std::vector<int32_t>* q;
-    const std::vector<int32_t>* kv;
-  };
-  const Case cases[] = {
-      {128, 16, TableForm::kShared, true, -1, 0, &mixed_q, &mixed_kv},
-      {128, 16, TableForm::kShared, true, -1, 0, &short_q, &short_kv},
-      {128, 64, TableForm::kShared, false, -1, 0, &short_q, &short_kv},
-      {128, 16, TableForm::kSeparateKv, true, -1, 0, &mixed_q, &mixed_kv},
-      {128, 1, TableForm::kShared, true, -1, 0, &mixed_q, &mixed_kv},
-      {128, 4, TableForm::kShared, false, -1, 128, &mixed_q, &mixed_kv},
-      {128, 16, TableForm::kShared, true, 77, 0, &mixed_q, &mixed_kv},
-      {64, 16, TableForm::kShared, true, -1, 0, &mixed_q, &mixed_kv},
-      {64, 32, TableForm::kSeparateKv, false, -1, 0, &short_q, &short_kv},
-  };
-  uint32_t seed = 590;
-  for (const Case& c : cases) {
-    Config config;
-    config.kernel = plan::PrefillKernel::kHopper;
-    config.head_dim = c.head_dim;
-    config.num_qo_heads = 16;
-    config.num_kv_heads = 4;
-    config.page_size = c.page_size;
-    config.table = c.table;
-    config.params.causal = c.causal;
-    config.params.window_left = c.window_left;
-    config.split_kv = c.split_tokens > 0;
-    config.fixed_split_tokens = c.split_tokens;
-    config.seed = seed++;
-    const Batch batch = MakeBatch(config, *c.q, *c.kv);
-    SCOPED_TRACE(config.Name());
-    const Output plain = RunGpu(batch);
-    ASSERT_TRUE(plain.ok && plain.hopper);
-    ExpectMatches(batch, plain, RunReference(batch));
-    for (int32_t grid : {0, 1, 5}) {
-      Batch ahead_batch = batch;
-      ahead_batch.config.prefetch_works = true;
-      ahead_batch.config.max_persistent_ctas = grid;
-      const Output ahead = RunGpu(ahead_batch);
-      ASSERT_TRUE(ahead.ok && ahead.hopper) << "grid " << grid;
-      EXPECT_EQ(ahead.o, plain.o) << "grid " << grid;
-      EXPECT_EQ(ahead.lse, plain.lse) << "grid " << grid;
-    }
-  }
-}
-
 // Works on demand (BatchPrefillArgs::works_on_demand): whatever the grid, every work runs once
 // with the bits of the fixed layout, and the counter is back at 0 after each launch (o and lse
 // are poisoned between the launches of one upload, so a launch that skipped works would show).
@@ -899,23 +825,6 @@ TEST(BatchPrefillTest, NonFiniteInputsInFullySeenTilesGiveNaNRowsTheyTouchAndNoO
 TEST(BatchPrefillHopperTest, NonFiniteInputsInFullySeenTilesGiveNaNRowsTheyTouchAndNoOthers) {
   SKIP_WITHOUT_HOPPER();
   for (const Config& config : SeenTileNonFiniteConfigs(plan::PrefillKernel::kHopper)) {
-    CheckSeenTileNonFiniteRows(config);
-  }
-}
-
-// The same non-finite inputs through the producer that reads works ahead
-// (BatchPrefillArgs::prefetch_works, head_dim 64 and 128): its V tiles that hide keys are still
-// cleaned of them (the copies it issues before a diagonal V tile's wait change nothing there).
-TEST(BatchPrefillHopperTest, NonFiniteInputsWithTheProducerReadingWorksAhead) {
-  SKIP_WITHOUT_HOPPER();
-  for (Config config : NonFiniteConfigs(plan::PrefillKernel::kHopper)) {
-    if (config.head_dim > 128) continue;
-    config.prefetch_works = true;
-    CheckNonFiniteRows(config);
-  }
-  for (Config config : SeenTileNonFiniteConfigs(plan::PrefillKernel::kHopper)) {
-    if (config.head_dim > 128) continue;
-    config.prefetch_works = true;
     CheckSeenTileNonFiniteRows(config);
   }
 }

@@ -56,7 +56,6 @@ struct Config {
   int32_t max_persistent_ctas = 0;  // BatchPrefillArgs::max_persistent_ctas (Hopper grid)
   bool works_on_demand = false;     // BatchPrefillArgs::works_on_demand
   bool pipeline_short_works = true;  // BatchPrefillArgs::pipeline_short_works
-  bool prefetch_works = false;       // BatchPrefillArgs::prefetch_works
   // BatchPrefillArgs::tail_ctas: the second grid on a stream of its own, the merge after both.
   int32_t tail_ctas = 0;
   // BatchPrefill runs this many times on one upload of the plan, o and lse poisoned before
@@ -74,7 +73,7 @@ struct Config {
            (fixed_split_tokens > 0 ? " split" + std::to_string(fixed_split_tokens) : "") +
            (deterministic ? " deterministic" : "") +
            (max_persistent_ctas > 0 ? " grid" + std::to_string(max_persistent_ctas) : "") +
-           (works_on_demand ? " on-demand" : "") + (prefetch_works ? " prefetch" : "") + (tail_ctas > 0 ? " tail" + std::to_string(tail_ctas) : "") + (launches > 1 ? " x" + std::to_string(launches) : "") +
+           (works_on_demand ? " on-demand" : "") + (tail_ctas > 0 ? " tail" + std::to_string(tail_ctas) : "") + (launches > 1 ? " x" + std::to_string(launches) : "") +
            (kernel != plan::PrefillKernel::kAuto ? std::string(" ") + plan::PrefillKernelName(kernel) : "");
   }
 };

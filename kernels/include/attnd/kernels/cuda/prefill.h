@@ -56,11 +56,6 @@ struct BatchPrefillArgs {
   // false: the Hopper kernel drains its tile loop after every work even where the plan's launch
   // has short works (plan::PrefillLaunch::short_works); the same bits either way (tests compare).
   bool pipeline_short_works = true;
-  // The Hopper kernel's fixed-layout producer (head_dim 64 and 128) reads each work's item and
-  // request bounds rounds before it decodes the work, and a V tile takes its K tile's page
-  // lookups where the table is shared, so that fewer of its copies wait for a global read. The
-  // same bits either way (tests compare); off until it is measured on a GPU.
-  bool prefetch_works = false;
 };
 
 // CTAs of each query tile's kernel the current device runs at once (resident CTAs per SM x
