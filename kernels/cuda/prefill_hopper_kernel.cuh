@@ -650,6 +650,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
   if (warpgroup == 0) {
     ReleaseRegisters<kProducerRegisters>();
     int first = 0;
+    PendingScan pending;
     for (int round = 0, index = work_index(0); index < params.num_work; index = work_index(++round)) {
       // With two Q buffers, each later work was decoded a work early, its Q rows loaded and its
       // record stored (ProduceQ below): read back here. With one, the work before must release the
@@ -657,23 +658,24 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillKernel(const __grid_
       const CtaWork work = !kQAhead || round == 0 ? DecodeWork<Shape>(params, index)
                                                   : LoadWork<Shape>(smem_generic, round % Shape::kQBuffers);
       if (first == 0) WaitForPrecedingGrid();
-      if (!kQAhead && round > 0) ProduceQ<Shape, T>(params, work, smem, smem_generic, round);
+      if (!kQAhead && round > 0) ProduceQ<Shape, T>(params, work, smem, smem_generic, round, pending);
       // The next work's decode (dependent global reads) and Q rows go after this work's first
       // two steps (K_0, then K_1 and V_0): the consumers are then still on the work before, or on this
       // one's first tile, and the stage K_2 waits for is not free yet. Q is in shared memory long
       // before the consumers reach that work.
       const int n = work.num_kv_tiles;
       const int early_steps = min(n + 1, 2);
-      ProduceKv<Shape, T>(params, work, smem, first, 0, early_steps);
+      ProduceKv<Shape, T>(params, work, smem, first, 0, early_steps, pending, round);
       if constexpr (kQAhead) {
         const int next_index = work_index(round + 1);
         if (next_index < params.num_work) {
-          ProduceQ<Shape, T>(params, DecodeWork<Shape>(params, next_index), smem, smem_generic, round + 1);
+          ProduceQ<Shape, T>(params, DecodeWork<Shape>(params, next_index), smem, smem_generic, round + 1, pending);
         }
       }
-      ProduceKv<Shape, T>(params, work, smem, first, early_steps, n + 1);
+      ProduceKv<Shape, T>(params, work, smem, first, early_steps, n + 1, pending, round);
       first += n;
     }
+    FlushScan<Shape, T>(pending);
     CpAsyncWaitAll();
   } else {
     ClaimRegisters<kConsumerRegisters>();
@@ -731,6 +733,7 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillOnDemandKernel(const
     ReleaseRegisters<kProducerRegisters>();
     int first = 0;
     int next_index = params.num_work;  // thread 0's, taken a round ahead (PublishWork)
+    PendingScan pending;
     CtaWork work;
     work.index = -1;
     if (first_index < params.num_work) work = DecodeWork<Shape>(params, first_index);
@@ -744,15 +747,16 @@ __global__ void __launch_bounds__(kThreads, 1) HopperPrefillOnDemandKernel(const
       if constexpr (kQAhead) {
         // As HopperPrefillKernel: the next work after this one's first two steps.
         const int early_steps = min(n + 1, 2);
-        ProduceKv<Shape, T>(params, work, smem, first, 0, early_steps);
-        PublishWork<Shape, T>(params, next_index, smem, smem_generic, round + 1);
-        ProduceKv<Shape, T>(params, work, smem, first, early_steps, n + 1);
+        ProduceKv<Shape, T>(params, work, smem, first, 0, early_steps, pending, round);
+        PublishWork<Shape, T>(params, next_index, smem, smem_generic, round + 1, pending);
+        ProduceKv<Shape, T>(params, work, smem, first, early_steps, n + 1, pending, round);
       } else {
-        ProduceKv<Shape, T>(params, work, smem, first, 0, n + 1);
-        PublishWork<Shape, T>(params, next_index, smem, smem_generic, round + 1);
+        ProduceKv<Shape, T>(params, work, smem, first, 0, n + 1, pending, round);
+        PublishWork<Shape, T>(params, next_index, smem, smem_generic, round + 1, pending);
       }
       first += n;
     }
+    FlushScan<Shape, T>(pending);
     FinishWorkCounter(params);
     CpAsyncWaitAll();
   } else {

@@ -169,6 +169,78 @@ __device__ __forceinline__ CtaWork DecodeWork(const KernelParams& params, int in
 
 // --- Producer ---------------------------------------------------------------------------------
 
+// A V tile that hides keys from some row (the causal diagonal, a window's edge), whose copies this
+// thread issued but has not yet scanned for non-finite values (ScanV). The scan waits for the
+// copies to land; done at once, it held the producer for a whole load's latency at the end of
+// every causal work, before it could issue the next work's K_0 and Q. So the scan waits until the
+// producer has issued the copies after it (the next load), or until it must arrive before a wait
+// of its own (FlushScan).
+struct PendingScan {
+  uint32_t lane_smem = 0;  // this thread's first row chunk of the tile (ProduceKvTiles' lane_smem)
+  uint32_t flags = 0;      // the stage's flag words
+  uint32_t full = 0;       // the stage's full barrier
+  int round = -1;          // the CTA's work (round) the tile belongs to; -1: none pending
+};
+
+// Zeroes the non-finite values of the pending V tile, flags their rows (a bit each, one word per
+// warp; the consumers make the rows that see a flagged key NaN) and arrives on its full barrier.
+// The tile's copies have landed (the caller waited for their commit group).
+template <typename Shape, typename T>
+__device__ __forceinline__ void ScanV(PendingScan& pending) {
+  constexpr int kBlocks = Shape::kBlocks;
+  constexpr int kTileKv = Shape::kTileKv;
+  constexpr int kRowsPerLane = Shape::kRowsPerLane;
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  constexpr uint32_t kExponent = kNonFiniteExponent2<T>;
+  uint32_t warp_bits = 0;  // bit r: row (kTileKv / 4) * warp + r held a non-finite value
+#pragma unroll
+  for (int i = 0; i < kRowsPerLane; ++i) {
+    uint32_t found = 0;
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) {
+      const uint32_t address = ((pending.lane_smem ^ (i << 4)) + i * 128) + b * Shape::kKvBlockBytes;
+      uint4* bytes = static_cast<uint4*>(__cvta_shared_to_generic(address));
+      const uint4 bits = *bytes;
+      const uint32_t bad[4] = {__vcmpeq2(bits.x & kExponent, kExponent), __vcmpeq2(bits.y & kExponent, kExponent),
+                               __vcmpeq2(bits.z & kExponent, kExponent), __vcmpeq2(bits.w & kExponent, kExponent)};
+      const uint32_t any = bad[0] | bad[1] | bad[2] | bad[3];
+      if (any != 0) *bytes = make_uint4(bits.x & ~bad[0], bits.y & ~bad[1], bits.z & ~bad[2], bits.w & ~bad[3]);
+      found |= any;
+    }
+    // Lane group g (lanes 8g..8g+7) holds row kRowsPerLane * g + i of the warp's: that bit is
+    // set if any of its lanes found a non-finite value.
+    const uint32_t votes = __ballot_sync(0xffffffffu, found != 0);
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      warp_bits |= ((votes >> (8 * g)) & 0xffu) != 0 ? 1u << (kRowsPerLane * g + i) : 0u;
+    }
+  }
+  // A warp's rows are kTileKv / 4 consecutive bits of the stage's flags.
+  if (lane == 0) {
+    if constexpr (kTileKv == 128) {
+      *static_cast<uint32_t*>(__cvta_shared_to_generic(pending.flags + 4 * warp)) = warp_bits;
+    } else {
+      static_assert(kTileKv == 64, "flag words");
+      *static_cast<uint16_t*>(__cvta_shared_to_generic(pending.flags + 2 * warp)) = static_cast<uint16_t>(warp_bits);
+    }
+  }
+  FenceProxyAsync();  // generic-proxy writes, read next by wgmma (the async proxy)
+  MbarrierArrive(pending.full);
+  pending.round = -1;
+}
+
+// The pending scan now, if one is left from work `before` or earlier (by default any work: when
+// the producer is done). Q empty of work q's buffer is the consumers' release of work q - kQBuffers,
+// once they have that work's last V: the producer flushes a scan of that work or an earlier one
+// before it waits there.
+template <typename Shape, typename T>
+__device__ __forceinline__ void FlushScan(PendingScan& pending, int before = 1 << 30) {
+  if (pending.round < 0 || pending.round > before) return;
+  CpAsyncWait<0>();
+  ScanV<Shape, T>(pending);
+}
+
 // Copies kRows Q rows of `work`, from its packed row row_start + first_row, into Q buffer
 // `buffer` (row r of the tile in consumer r / 64's block); 128 threads share the copies, this one
 // being `thread` of them. Rows past the request are zero-filled (and never stored).
@@ -201,8 +273,9 @@ __device__ __forceinline__ void CopyQRows(const KernelParams& params, const CtaW
 // previous rows (work round - kQBuffers), which also ends their use of its record.
 template <typename Shape, typename T>
 __device__ __forceinline__ void ProduceQ(const KernelParams& params, const CtaWork& work, uint32_t smem,
-                                         uint8_t* smem_generic, int round) {
+                                         uint8_t* smem_generic, int round, PendingScan& pending) {
   const int buffer = round % Shape::kQBuffers;
+  FlushScan<Shape, T>(pending, round - Shape::kQBuffers);
   // Fill u = round / kQBuffers of the buffer waits for the release of fill u - 1 (fill 0 of
   // buffer 0 is the consumers' own): parity (u & 1) ^ 1, which passes at once for u = 0.
   MbarrierWait(QEmpty<Shape>(smem, buffer), ((round / Shape::kQBuffers) & 1) ^ 1);
@@ -228,7 +301,7 @@ __device__ __forceinline__ void ProduceQ(const KernelParams& params, const CtaWo
 // completes on their copies and thread 0's arrival.
 template <typename Shape, typename T>
 __device__ __forceinline__ void PublishWork(const KernelParams& params, int& next_index, uint32_t smem,
-                                            uint8_t* smem_generic, int round) {
+                                            uint8_t* smem_generic, int round, PendingScan& pending) {
   static_assert(Shape::kWorkRecords > Shape::kQBuffers, "a record outlives its Q buffer's release");
   const int buffer = round % Shape::kQBuffers;
   const int record = round % Shape::kWorkRecords;
@@ -246,6 +319,7 @@ __device__ __forceinline__ void PublishWork(const KernelParams& params, int& nex
   }
   // Fill u = round / kQBuffers of the buffer waits for the release of fill u - 1 (fill 0 of
   // buffer 0 is the consumers' own): parity (u & 1) ^ 1, which passes at once for u = 0.
+  FlushScan<Shape, T>(pending, round - Shape::kQBuffers);
   MbarrierWait(QEmpty<Shape>(smem, buffer), ((round / Shape::kQBuffers) & 1) ^ 1);
   if (threadIdx.x % 128 == 0) MbarrierArrive(QFull<Shape>(smem, buffer));
   NamedBarrierSync(kProducerBarrier, 128);
@@ -286,7 +360,8 @@ __device__ __forceinline__ void FinishWorkCounter(const KernelParams& params) {
 // (s > 0); the consumers need K_j before V_{j-1}.
 template <typename Shape, typename T, bool kOnePage>
 __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const CtaWork& work, uint32_t smem,
-                                               int first, int step_begin, int step_end) {
+                                               int first, int step_begin, int step_end, PendingScan& pending,
+                                               int round) {
   constexpr int kBlocks = Shape::kBlocks;
   constexpr int kTileKv = Shape::kTileKv;
   constexpr int kRowsPerLane = Shape::kRowsPerLane;
@@ -345,52 +420,27 @@ __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const
     }
     // P V adds p = 0 times V for keys a row does not see, and 0 * NaN would make a row NaN that
     // never saw the key. In a V tile where some row does not see some key (keys past kv_end are
-    // zero-filled already), wait for this thread's copies, zero the non-finite values (exponent
-    // all ones) and flag the rows (a bit each, one word per warp); the consumers make the rows
-    // that see a flagged key NaN.
+    // zero-filled already), the non-finite values are zeroed and their rows flagged (ScanV)
+    // before the tile is full; the scan waits for its copies, so it is left pending until the
+    // next load's copies are issued (PendingScan).
     const bool hides_keys =
         flags != 0 && ((params.causal && min(tile_start + kTileKv, work.kv_end) - 1 > work.first_position) ||
                        (params.window_left >= 0 && tile_start < work.last_position - params.window_left));
-    if (!hides_keys) {
-      CpAsyncArriveNoinc(full);
-      return;
+    if (!hides_keys) CpAsyncArriveNoinc(full);
+    if (pending.round < 0 && !hides_keys) return;
+    // This load's copies as a group of their own, so that the pending tile's (the group before)
+    // can be waited for alone.
+    CpAsyncCommit();
+    if (pending.round >= 0) {
+      CpAsyncWait<1>();
+      ScanV<Shape, T>(pending);
     }
-    CpAsyncWaitAll();
-    constexpr uint32_t kExponent = kNonFiniteExponent2<T>;
-    uint32_t warp_bits = 0;  // bit r: row (kTileKv / 4) * warp + r held a non-finite value
-#pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) {
-      uint32_t found = 0;
-#pragma unroll
-      for (int b = 0; b < kBlocks; ++b) {
-        const uint32_t address = ((lane_smem ^ (i << 4)) + i * 128) + b * Shape::kKvBlockBytes;
-        uint4* bytes = static_cast<uint4*>(__cvta_shared_to_generic(address));
-        const uint4 bits = *bytes;
-        const uint32_t bad[4] = {__vcmpeq2(bits.x & kExponent, kExponent), __vcmpeq2(bits.y & kExponent, kExponent),
-                                 __vcmpeq2(bits.z & kExponent, kExponent), __vcmpeq2(bits.w & kExponent, kExponent)};
-        const uint32_t any = bad[0] | bad[1] | bad[2] | bad[3];
-        if (any != 0) *bytes = make_uint4(bits.x & ~bad[0], bits.y & ~bad[1], bits.z & ~bad[2], bits.w & ~bad[3]);
-        found |= any;
-      }
-      // Lane group g (lanes 8g..8g+7) holds row kRowsPerLane * g + i of the warp's: that bit is
-      // set if any of its lanes found a non-finite value.
-      const uint32_t votes = __ballot_sync(0xffffffffu, found != 0);
-#pragma unroll
-      for (int g = 0; g < 4; ++g) {
-        warp_bits |= ((votes >> (8 * g)) & 0xffu) != 0 ? 1u << (kRowsPerLane * g + i) : 0u;
-      }
+    if (hides_keys) {
+      pending.lane_smem = lane_smem;
+      pending.flags = flags;
+      pending.full = full;
+      pending.round = round;
     }
-    // A warp's rows are kTileKv / 4 consecutive bits of the stage's flags.
-    if (lane == 0) {
-      if constexpr (kTileKv == 128) {
-        *static_cast<uint32_t*>(__cvta_shared_to_generic(flags + 4 * warp)) = warp_bits;
-      } else {
-        static_assert(kTileKv == 64, "flag words");
-        *static_cast<uint16_t*>(__cvta_shared_to_generic(flags + 2 * warp)) = static_cast<uint16_t>(warp_bits);
-      }
-    }
-    FenceProxyAsync();  // generic-proxy writes, read next by wgmma (the async proxy)
-    MbarrierArrive(full);
   };
 
   const int n = work.num_kv_tiles;
@@ -423,7 +473,7 @@ __device__ __forceinline__ void ProduceKvTiles(const KernelParams& params, const
 
 template <typename Shape, typename T>
 __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaWork& work, uint32_t smem, int first,
-                                          int step_begin, int step_end) {
+                                          int step_begin, int step_end, PendingScan& pending, int round) {
   // A lane's 8 rows (4 with 64-key tiles) lie in one page when pages hold that many keys or more
   // and the work's first key sits on a multiple of it (tiles are a multiple too): one page
   // lookup, then a stride per row. Otherwise (smaller pages, a window's unaligned start) each
@@ -432,9 +482,9 @@ __device__ __forceinline__ void ProduceKv(const KernelParams& params, const CtaW
   constexpr int kLog2 = kRowsPerLane == 8 ? 3 : 2;
   static_assert(kRowsPerLane == 1 << kLog2, "pages of 2^kLog2 keys or more");
   if (params.page_size_log2 >= kLog2 && work.kv_begin % kRowsPerLane == 0) {
-    ProduceKvTiles<Shape, T, true>(params, work, smem, first, step_begin, step_end);
+    ProduceKvTiles<Shape, T, true>(params, work, smem, first, step_begin, step_end, pending, round);
   } else {
-    ProduceKvTiles<Shape, T, false>(params, work, smem, first, step_begin, step_end);
+    ProduceKvTiles<Shape, T, false>(params, work, smem, first, step_begin, step_end, pending, round);
   }
 }
 
