@@ -9,8 +9,10 @@
 //     loads K and V tiles with cp.async, row by row through the page table (any page size
 //     1..128, NHD or HND, rows past the keys zero-filled; TMA boxes cannot follow a page table
 //     of 1-row pages), into a ring of kStages stages each for K and V; a stage is full when every
-//     producer thread's copies landed (cp.async.mbarrier.arrive.noinc) and empty when every
-//     consumer warp released it (mbarrier.arrive after its wgmma reads completed). From the
+//     producer thread's copies landed (cp.async.mbarrier.arrive.noinc; a V tile that hides keys
+//     once the thread also scanned it for non-finite values, after issuing the next load:
+//     PendingScan) and empty when every consumer warp released it (mbarrier.arrive after its
+//     wgmma reads completed). From the
 //     CTA's second work on it also loads each work's Q rows, into the Q buffer the consumers
 //     left two works before, early in the work before (after that work's first K/V loads), and
 //     stores the work decoded beside them, so that no consumer reads the work item's global
